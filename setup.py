@@ -1,0 +1,49 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+# torch is a plain dependency on purpose: install `torch==2.13.0` (CPU build) first, as `.ci/run` and the
+# README do, and pip then keeps it; an unpinned fresh install would pull a multi-GB CUDA build.
+INSTALL_REQUIRES = [
+    "torch>=2.6",
+    "trl==1.16.0",
+    "transformers>=5.23,<6",
+    "peft>=0.21,<0.22",
+    "accelerate>=1.15,<2",
+    "datasets>=4.8,<5",
+    "safetensors>=0.6",
+    "gguf>=0.17",  # reads the embedded SmolLM2 GGUF file
+    "reasoning-gym==0.1.25",
+    "math-verify>=0.9,<0.10",
+    "flwr-datasets>=0.6,<0.7",
+    "matplotlib>=3.8",
+    "tqdm>=4.66",
+    "pyyaml>=6",
+]
+
+EXTRAS = {
+    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    "deepspeed": ["deepspeed>=0.18.6"],
+    "flower": ["flwr[simulation]>=1.41,<2"],
+    "vlm": ["Pillow>=10", "num2words==0.5.14"],
+    "notebooks": ["nbmake>=1.5", "ipykernel>=6"],
+}
+EXTRAS["dev"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
+setup(
+    name="trl-federated",
+    version="0.1.0",
+    description="Federated GRPO-family RL fine-tuning (FGRPO, FedAvg, FedProx, SCAFFOLD) on top of Hugging Face TRL",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["trl_federated", "trl_federated.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["trl-federated=trl_federated.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
