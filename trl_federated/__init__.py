@@ -1,0 +1,23 @@
+"""trl-federated: federated GRPO-family reinforcement learning for LLMs on top of Hugging Face TRL."""
+
+from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
+from .callbacks import RoundCallback, RoundRecord
+from .config import FedGRPOConfig
+from .runner import FederatedRunner
+from .trainer import FedGRPOTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aggregator",
+    "ClientUpdate",
+    "FedAvgAggregator",
+    "FedGRPOConfig",
+    "FedGRPOTrainer",
+    "FederatedRunner",
+    "RPGAggregator",
+    "RoundCallback",
+    "RoundRecord",
+    "ServerAdam",
+    "ServerSGD",
+]

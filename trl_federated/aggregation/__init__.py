@@ -1,0 +1,58 @@
+"""Server-side aggregation strategies, one small class per idea."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Aggregator, ClientUpdate, pseudo_gradient
+from .fedavg import FedAvgAggregator
+from .rpg import RPGAggregator
+from .server_optim import ServerAdam, ServerOptimizer, ServerSGD
+
+if TYPE_CHECKING:
+    from ..config import FedGRPOConfig
+
+
+def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
+    if args.server_optimizer == "sgd":
+        return ServerSGD(learning_rate=args.server_learning_rate)
+    return ServerAdam(
+        learning_rate=args.server_learning_rate,
+        beta1=args.server_beta1,
+        beta2=args.server_beta2,
+        epsilon=args.server_epsilon,
+        bias_correction=args.server_bias_correction,
+    )
+
+
+def aggregator_from_config(args: FedGRPOConfig) -> Aggregator:
+    """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields)."""
+    server_optimizer = server_optimizer_from_config(args)
+    if args.aggregation == "fedavg":
+        return FedAvgAggregator(server_optimizer=server_optimizer)
+    return RPGAggregator(
+        lambda_base=args.rpg_lambda_base,
+        iota=args.rpg_iota,
+        sigma_min=args.rpg_sigma_min,
+        sigma_max=args.rpg_sigma_max,
+        tau_min=args.rpg_tau_min,
+        tau_max=args.rpg_tau_max,
+        lambda_anneal=args.rpg_lambda_anneal,
+        eps=args.rpg_eps,
+        h_max=args.rpg_h_max,
+        server_optimizer=server_optimizer,
+    )
+
+
+__all__ = [
+    "Aggregator",
+    "ClientUpdate",
+    "FedAvgAggregator",
+    "RPGAggregator",
+    "ServerAdam",
+    "ServerOptimizer",
+    "ServerSGD",
+    "aggregator_from_config",
+    "pseudo_gradient",
+    "server_optimizer_from_config",
+]

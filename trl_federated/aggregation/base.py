@@ -1,0 +1,81 @@
+"""What a client sends, and what every aggregation strategy shares: Δ = Σ_i ω_i (θ_i − θ), Eq. (model_diff)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .server_optim import ServerOptimizer, ServerSGD
+
+
+@dataclass
+class ClientUpdate:
+    """One client's report at the end of a round (Algorithm 1, line 17).
+
+    Args:
+        client_id: Stable name of the client; the server keys its per-client state (RPG baselines) by it.
+        state: The client's adapter θ_i^{[t]}, as `peft.get_peft_model_state_dict` returns it.
+        num_samples: D_i, the size of the client's training set (FedAvg weights).
+        reward: R̄_i^{[t]}, the mean step reward over the client's last W local steps.
+        metrics: Anything else worth logging (step rewards, loss, wall time).
+    """
+
+    client_id: str
+    state: dict[str, torch.Tensor]
+    num_samples: int
+    reward: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Aggregator(ABC):
+    """Turns the global adapter and the clients' updates into the next global adapter.
+
+    A strategy only decides the client weights ω (`client_weights`); the pseudo-gradient
+    Δ^{[t]} = Σ_i ω_i (θ_i^{[t]} − θ^{[t]}) (Eq. model_diff) and the server step are shared, so FedAvg, FGRPO and
+    the paper's "w/o RPG" ablation differ in exactly one place. Everything a strategy keeps between rounds is
+    returned by `state_dict()` and restored by `load_state_dict()`.
+    """
+
+    def __init__(self, server_optimizer: ServerOptimizer | None = None):
+        self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
+        self.last_weights: dict[str, float] = {}
+
+    @abstractmethod
+    def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
+        """Aggregation weights ω_i of the clients that reported this round, in their order; they sum to 1."""
+
+    def aggregate(
+        self, global_state: dict[str, torch.Tensor], updates: list[ClientUpdate], round_idx: int
+    ) -> dict[str, torch.Tensor]:
+        """θ^{[t+1]} from θ^{[t]} and the clients that reported in round `round_idx` (0-based)."""
+        if not updates:
+            raise ValueError("aggregate() needs at least one client update.")
+        weights = self.client_weights(updates, round_idx)
+        self.last_weights = {update.client_id: weight for update, weight in zip(updates, weights)}
+        delta = pseudo_gradient(global_state, [update.state for update in updates], weights)
+        return self.server_optimizer.step(global_state, delta)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"server_optimizer": self.server_optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server_optimizer.load_state_dict(state["server_optimizer"])
+
+
+def pseudo_gradient(
+    global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]], weights: list[float]
+) -> dict[str, torch.Tensor]:
+    """Δ = Σ_i ω_i (θ_i − θ) in float32, computed as Σ_i ω_i θ_i − θ (the weights sum to 1).
+
+    One fused pass per client over all tensors (`torch._foreach_*`, as torch's own optimizers do) keeps the
+    server step a few memory copies of the adapter, whatever the number of tensors.
+    """
+    keys = list(global_state)
+    accumulator = [torch.zeros_like(global_state[key], dtype=torch.float32) for key in keys]
+    for state, weight in zip(client_states, weights):
+        torch._foreach_add_(accumulator, [state[key].float() for key in keys], alpha=float(weight))
+    torch._foreach_sub_(accumulator, [global_state[key].float() for key in keys])
+    return dict(zip(keys, accumulator))

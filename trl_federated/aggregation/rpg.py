@@ -1,0 +1,100 @@
+"""FGRPO's server side: relative-performance-gain (RPG) weighting, Section 3.2.2 of the paper."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .base import Aggregator, ClientUpdate
+from .server_optim import ServerAdam, ServerOptimizer
+
+
+class RPGAggregator(Aggregator):
+    """Weights every reporting client i by how much its reward beats its own history:
+
+        σ_i^{[t]} = clip(ι σ_i^{[t-1]} + (1 − ι) |R̄_i^{[t]} − φ_i^{[t-1]}|, σ_min, σ_max)
+        h_i^{[t]} = (R̄_i^{[t]} − φ_i^{[t-1]}) / (σ_i^{[t]} + ε)                          (Eq. rpg)
+        φ_i^{[t]} = λ_base R̄_i^{[t]} + (1 − λ_base) φ_i^{[t-1]}                          (Eq. ema)
+        τ^{[t]}   = τ_min + (τ_max − τ_min) exp(−λ_anneal t)
+        ω_i^{[t]} = exp(h_i^{[t]} / τ^{[t]}) / Σ_{i'} exp(h_{i'}^{[t]} / τ^{[t]})        (Eq. weight)
+
+    then Δ = Σ_i ω_i (θ_i − θ) (Eq. model_diff) goes through `server_optimizer`, by default the paper's Adam
+    without bias correction (Eqs. momentum, model_update).
+
+    Conventions the paper leaves open:
+    - a client's first report sets φ^{[t-1]} to its own R̄ (so h = 0) and σ^{[t-1]} to σ_min;
+    - t is the 0-based round index, so τ^{[0]} = τ_max;
+    - the softmax runs over the clients that reported this round; a client that did not report keeps its φ, σ;
+    - `h_max` (optional) clips h to [−h_max, h_max], the bound of the paper's Assumption 5, so a client that
+      inflates its self-reported reward gains at most a factor exp(2 h_max / τ) in weight.
+    """
+
+    def __init__(
+        self,
+        lambda_base: float = 0.8,
+        iota: float = 0.9,
+        sigma_min: float = 0.05,
+        sigma_max: float = 0.2,
+        tau_min: float = 1.5,
+        tau_max: float = 2.5,
+        lambda_anneal: float = 0.1,
+        eps: float = 1e-8,
+        h_max: float | None = None,
+        server_optimizer: ServerOptimizer | None = None,
+    ):
+        super().__init__(server_optimizer if server_optimizer is not None else ServerAdam())
+        if not (0 < lambda_base <= 1 and 0 < iota <= 1):
+            raise ValueError(f"`lambda_base` and `iota` must lie in (0, 1], got {lambda_base} and {iota}.")
+        if not (0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max):
+            raise ValueError(
+                f"Need 0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max, got σ=[{sigma_min}, {sigma_max}], "
+                f"τ=[{tau_min}, {tau_max}]."
+            )
+        self.lambda_base, self.iota, self.eps, self.h_max = lambda_base, iota, eps, h_max
+        self.sigma_min, self.sigma_max = sigma_min, sigma_max
+        self.tau_min, self.tau_max, self.lambda_anneal = tau_min, tau_max, lambda_anneal
+        self.baselines: dict[str, float] = {}  # φ_i, per client
+        self.volatilities: dict[str, float] = {}  # σ_i, per client
+        self.last_gains: dict[str, float] = {}
+        self.last_temperature: float | None = None
+
+    def temperature(self, round_idx: int) -> float:
+        """τ^{[t]}: from τ_max at t = 0 down towards τ_min."""
+        return self.tau_min + (self.tau_max - self.tau_min) * math.exp(-self.lambda_anneal * round_idx)
+
+    def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
+        gains = []
+        for update in updates:
+            reward = float(update.reward)
+            previous_baseline = self.baselines.get(update.client_id, reward)
+            previous_volatility = self.volatilities.get(update.client_id, self.sigma_min)
+            gap = reward - previous_baseline
+            volatility = min(
+                max(self.iota * previous_volatility + (1 - self.iota) * abs(gap), self.sigma_min), self.sigma_max
+            )
+            gain = gap / (volatility + self.eps)
+            if self.h_max is not None:
+                gain = min(max(gain, -self.h_max), self.h_max)
+            self.baselines[update.client_id] = self.lambda_base * reward + (1 - self.lambda_base) * previous_baseline
+            self.volatilities[update.client_id] = volatility
+            gains.append(gain)
+
+        temperature = self.temperature(round_idx)
+        weights = torch.softmax(torch.tensor(gains, dtype=torch.float64) / temperature, dim=0).tolist()
+        self.last_gains = {update.client_id: gain for update, gain in zip(updates, gains)}
+        self.last_temperature = temperature
+        return weights
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "baselines": dict(self.baselines),
+            "volatilities": dict(self.volatilities),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.baselines = {key: float(value) for key, value in state["baselines"].items()}
+        self.volatilities = {key: float(value) for key, value in state["volatilities"].items()}

@@ -1,0 +1,94 @@
+"""Round-level callbacks fired by `FederatedRunner`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round; `FederatedRunner.run()` returns one per round.
+
+    Per-client dicts are keyed by client id and hold only the clients that reported this round.
+    """
+
+    round_idx: int
+    rewards: dict[str, float] = field(default_factory=dict)  # R̄_i^{[t]}
+    gains: dict[str, float] = field(default_factory=dict)  # h_i^{[t]} (RPG only)
+    weights: dict[str, float] = field(default_factory=dict)  # ω_i^{[t]}
+    temperature: float | None = None  # τ^{[t]} (RPG only)
+    num_samples: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)  # global adapter sent to the client
+    bytes_sent: dict[str, int] = field(default_factory=dict)  # client update sent to the server
+    client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    evaluation: dict[str, Any] | None = None
+    wall_time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RoundCallback(TrainerCallback):
+    """A `TrainerCallback` that also hears the federation.
+
+    The runner passes every `RoundCallback` to each client's trainer too, so the usual `on_step_end`/`on_log`
+    hooks see local training, while these hooks see the rounds. Only the main process fires them.
+    """
+
+    def on_round_begin(self, args, round_idx: int, **kwargs):
+        """Before the clients of round `round_idx` start."""
+
+    def on_client_end(self, args, round_idx: int, update, **kwargs):
+        """After client `update.client_id` reported its `ClientUpdate` (adapter, R̄, metrics)."""
+
+    def on_round_end(self, args, record: RoundRecord, **kwargs):
+        """After aggregation: `record` holds R̄, h, ω, τ, bytes and metrics of the round."""
+
+    def on_evaluate_round(self, args, round_idx: int, results: dict[str, Any], **kwargs):
+        """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+class MetricsLoggerCallback(RoundCallback):
+    """Appends one JSON line per client report, round and evaluation to `output_dir/metrics.jsonl`."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / "metrics.jsonl"
+
+    def _write(self, event: str, payload: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as stream:
+            stream.write(json.dumps(_json_safe({"event": event, **payload})) + "\n")
+
+    def on_client_end(self, args, round_idx, update, **kwargs):
+        self._write(
+            "client",
+            {
+                "round": round_idx,
+                "client_id": update.client_id,
+                "reward": update.reward,
+                "num_samples": update.num_samples,
+                **update.metrics,
+            },
+        )
+
+    def on_round_end(self, args, record, **kwargs):
+        self._write("round", record.to_dict())
+
+    def on_evaluate_round(self, args, round_idx, results, **kwargs):
+        self._write("evaluation", {"round": round_idx, **results})

@@ -1,0 +1,177 @@
+"""Configuration of federated GRPO runs.
+
+`FedGRPOConfig` is a `trl.GRPOConfig`: every GRPO field keeps its meaning and default, and the federated fields
+below parse the same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Without federation
+(`num_clients=1`, the default) a `FedGRPOConfig` trains exactly like the `GRPOConfig` it extends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+AGGREGATIONS = ("rpg", "fedavg")
+SERVER_OPTIMIZERS = ("adam", "sgd")
+# Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
+# the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
+# its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
+DEFAULT_SERVER_LEARNING_RATE = {"sgd": 1.0, "adam": 1e-3}
+
+
+@dataclass
+class FedGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`FedGRPOTrainer`] and [`FederatedRunner`]: a `GRPOConfig` plus the federation.
+
+    Each of `num_rounds` rounds, every client starts from the global LoRA adapter, runs `local_steps` GRPO
+    optimisation steps on its private data and reports the adapter and R̄, the mean step reward over its last
+    `reward_window` steps. The server weights the clients (`aggregation`) and applies the weighted
+    pseudo-gradient with a server optimizer. With `aggregation="rpg"` this is FGRPO; the RPG hyperparameter
+    defaults are the paper's (Section 4.3), and `rpg_iota`, `rpg_eps`, which the paper leaves open, are ours.
+
+    When `num_clients > 1`, `FedGRPOTrainer(..., train_dataset=ds).train()` splits `ds` into `num_clients`
+    partitions with a Dirichlet(`dirichlet_alpha`) distribution over `partition_column` and runs the federation.
+    """
+
+    # Rounds and local work
+    num_rounds: int = field(default=10, metadata={"help": "Number of communication rounds T."})
+    local_steps: int = field(
+        default=10, metadata={"help": "Local GRPO optimisation steps E that every client runs per round."}
+    )
+    reward_window: int = field(
+        default=5,
+        metadata={
+            "help": "Window W (<= local_steps): a client reports R̄, the mean of its last W step rewards, where a "
+            "step reward is the mean over the B prompts x K completions of that step."
+        },
+    )
+
+    # Clients and data (federated mode of the drop-in trainer)
+    num_clients: int = field(
+        default=1,
+        metadata={
+            "help": "Number of clients. Above 1, FedGRPOTrainer.train() partitions train_dataset into this many "
+            "clients and runs the federated loop; 1 trains exactly like GRPOTrainer."
+        },
+    )
+    partition_column: str = field(
+        default="difficulty",
+        metadata={"help": "Dataset column whose label distribution differs across clients (Dirichlet partition)."},
+    )
+    dirichlet_alpha: float = field(
+        default=0.05,
+        metadata={
+            "help": "Concentration μ of the Dirichlet partition: small is highly non-IID (paper: 0.05), 'inf' is "
+            "a uniform split."
+        },
+    )
+    min_partition_size: int = field(
+        default=2, metadata={"help": "Smallest number of training rows a client may receive."}
+    )
+    eval_every: int = field(
+        default=0,
+        metadata={
+            "help": "Evaluate the global adapter on the eval dataset every this many rounds (0: only before "
+            "training and after the last round)."
+        },
+    )
+    save_every_round: bool = field(
+        default=True,
+        metadata={"help": "Save the global adapter of every round under output_dir/round-<t> (PEFT layout)."},
+    )
+
+    # Aggregation
+    aggregation: str = field(
+        default="rpg",
+        metadata={
+            "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains) or 'fedavg' (data "
+            "volume). 'fedavg' with server_optimizer='adam' is the paper's 'w/o RPG' ablation.",
+            "choices": list(AGGREGATIONS),
+        },
+    )
+    rpg_lambda_base: float = field(
+        default=0.8, metadata={"help": "EMA coefficient λ_base in (0, 1] of each client's reward baseline φ."}
+    )
+    rpg_iota: float = field(
+        default=0.9, metadata={"help": "Decay ι in (0, 1] of the reward-volatility estimate σ."}
+    )
+    rpg_sigma_min: float = field(default=0.05, metadata={"help": "Lower clip σ_min of the reward volatility."})
+    rpg_sigma_max: float = field(default=0.2, metadata={"help": "Upper clip σ_max of the reward volatility."})
+    rpg_tau_min: float = field(default=1.5, metadata={"help": "Final softmax temperature τ_min."})
+    rpg_tau_max: float = field(default=2.5, metadata={"help": "Initial softmax temperature τ_max."})
+    rpg_lambda_anneal: float = field(
+        default=0.1, metadata={"help": "Rate λ_anneal of the exponential temperature annealing."}
+    )
+    rpg_eps: float = field(default=1e-8, metadata={"help": "ε added to σ in the RPG denominator."})
+    rpg_h_max: float | None = field(
+        default=None,
+        metadata={
+            "help": "Optional bound on |h| (the paper's Assumption 5): caps the weight a client can gain by "
+            "inflating its self-reported reward. None leaves h unbounded."
+        },
+    )
+
+    # Server optimizer
+    server_optimizer: str = field(
+        default="adam",
+        metadata={"help": "Server step on the pseudo-gradient: 'adam' (paper) or 'sgd'.", "choices": list(SERVER_OPTIMIZERS)},
+    )
+    server_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Server learning rate α. Defaults to 1.0 for 'sgd' (FedAvg) and 1e-3 for 'adam'."},
+    )
+    server_beta1: float = field(default=0.9, metadata={"help": "Server Adam first-moment decay β1."})
+    server_beta2: float = field(default=0.99, metadata={"help": "Server Adam second-moment decay β2."})
+    server_epsilon: float = field(default=1e-8, metadata={"help": "Server Adam ε."})
+    server_bias_correction: bool = field(
+        default=False,
+        metadata={"help": "Apply Adam bias correction on the server (the paper's update has none)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        # YAML and the command line hand "inf" over as a string.
+        self.dirichlet_alpha = float(self.dirichlet_alpha)
+        if self.server_learning_rate is None and self.server_optimizer in DEFAULT_SERVER_LEARNING_RATE:
+            self.server_learning_rate = DEFAULT_SERVER_LEARNING_RATE[self.server_optimizer]
+        for message in self._federation_errors():
+            raise ValueError(message)
+
+    def _federation_errors(self):
+        """Yield one message per invalid federated field, each naming the field and its value."""
+        for name in ("num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                yield f"`{name}` must be a positive integer, got {value!r}."
+        if self.reward_window > self.local_steps:
+            yield f"`reward_window` (W={self.reward_window}) must not exceed `local_steps` (E={self.local_steps})."
+        if self.eval_every < 0:
+            yield f"`eval_every` must be >= 0, got {self.eval_every}."
+        if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):
+            yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
+        if self.aggregation not in AGGREGATIONS:
+            yield f"`aggregation` must be one of {AGGREGATIONS}, got {self.aggregation!r}."
+        if self.server_optimizer not in SERVER_OPTIMIZERS:
+            yield f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}."
+        for name in ("rpg_lambda_base", "rpg_iota"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                yield f"`{name}` must lie in (0, 1], got {value}."
+        for name in ("rpg_sigma_min", "rpg_tau_min", "rpg_eps", "server_learning_rate", "server_epsilon"):
+            value = getattr(self, name)
+            if not value > 0:
+                yield f"`{name}` must be > 0, got {value}."
+        if self.rpg_sigma_min > self.rpg_sigma_max:
+            yield f"`rpg_sigma_min` ({self.rpg_sigma_min}) must not exceed `rpg_sigma_max` ({self.rpg_sigma_max})."
+        if self.rpg_tau_min > self.rpg_tau_max:
+            yield f"`rpg_tau_min` ({self.rpg_tau_min}) must not exceed `rpg_tau_max` ({self.rpg_tau_max})."
+        if self.rpg_lambda_anneal < 0:
+            yield f"`rpg_lambda_anneal` must be >= 0, got {self.rpg_lambda_anneal}."
+        if self.rpg_h_max is not None and not self.rpg_h_max > 0:
+            yield f"`rpg_h_max` must be > 0 or None, got {self.rpg_h_max}."
+        for name in ("server_beta1", "server_beta2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                yield f"`{name}` must lie in [0, 1), got {value}."

@@ -1,0 +1,251 @@
+"""`FederatedRunner`: rounds of local GRPO on every client, then one server aggregation (Algorithm 1)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from accelerate import PartialState
+from datasets import Dataset
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_utils import IntervalStrategy
+
+from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
+from .aggregation import Aggregator, ClientUpdate, RPGAggregator, aggregator_from_config
+from .callbacks import MetricsLoggerCallback, RoundCallback, RoundRecord
+from .config import FedGRPOConfig
+from .trainer import FedGRPOTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def default_lora_config() -> LoraConfig:
+    """LoRA on every linear projection of the decoder, as the paper does (it uses r=32, α=128 on 3B+ models)."""
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+class FederatedRunner:
+    """Simulates N clients and the server of a federated GRPO run in one process.
+
+    The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
+    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh `FedGRPOTrainer` for
+    `local_steps` steps on the client's data (seed `args.seed + round * num_clients + client_index`), and keeps
+    only the client's adapter (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy
+    per client, never by a model. The aggregator then produces the next global adapter.
+
+    Args:
+        model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
+        reward_funcs: As for `GRPOTrainer`.
+        args: The run's `FedGRPOConfig`; its GRPO fields configure every client's local training.
+        client_datasets: Each client's private training set, as a dict keyed by client id or a list.
+        processing_class: Tokenizer or processor; loaded from the model's path when omitted.
+        peft_config: LoRA configuration for a model that is not yet a `PeftModel` (default: `default_lora_config`).
+        aggregator: Server strategy; built from `args` (`aggregation`, `server_optimizer`, `rpg_*`) when omitted.
+        eval_dataset: Held-out prompts scored by `eval_reward_func` before training and every `eval_every` rounds.
+        callbacks: `RoundCallback`s (they also receive the clients' trainer events) or plain `TrainerCallback`s.
+        eval_reward_func: Binary correctness reward used for evaluation accuracy (default: `accuracy_reward`).
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs,
+        args: FedGRPOConfig,
+        client_datasets: Mapping[str, Dataset] | Sequence[Dataset],
+        processing_class: PreTrainedTokenizerBase | None = None,
+        peft_config: PeftConfig | None = None,
+        aggregator: Aggregator | None = None,
+        eval_dataset: Dataset | None = None,
+        callbacks: list | None = None,
+        eval_reward_func: Callable | None = None,
+    ):
+        if not isinstance(args, FedGRPOConfig):
+            raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
+        self.args = args
+        self.client_datasets = self._named_clients(client_datasets)
+
+        if isinstance(model, str):
+            from .models import load_model_and_tokenizer
+
+            model, tokenizer = load_model_and_tokenizer(model)
+            processing_class = processing_class or tokenizer
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        if isinstance(model, PeftModel):
+            if peft_config is not None:
+                raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
+        else:
+            model = get_peft_model(model, peft_config or default_lora_config())
+        self.model = model
+        self.processing_class = processing_class
+        self.reward_funcs = reward_funcs
+        self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args)
+        self.eval_dataset = eval_dataset
+        self.eval_reward_func = eval_reward_func
+        self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
+        self.global_state: AdapterState = get_adapter_state(model)
+        self.history: list[RoundRecord] = []
+        self.evaluations: dict[int, dict[str, Any]] = {}
+        self.is_main_process = PartialState().is_main_process
+
+    @staticmethod
+    def _named_clients(client_datasets) -> dict[str, Dataset]:
+        if isinstance(client_datasets, Mapping):
+            named = {str(name): dataset for name, dataset in client_datasets.items()}
+        else:
+            named = {f"client_{index}": dataset for index, dataset in enumerate(client_datasets)}
+        if not named:
+            raise ValueError("`client_datasets` is empty: a federation needs at least one client.")
+        empty = [name for name, dataset in named.items() if len(dataset) == 0]
+        if empty:
+            raise ValueError(f"Client datasets must not be empty; empty: {empty}.")
+        return named
+
+    # Callbacks ---------------------------------------------------------------------------------------------
+
+    def _fire(self, hook: str, **kwargs) -> None:
+        if not self.is_main_process:
+            return
+        for callback in self.callbacks:
+            if isinstance(callback, RoundCallback):
+                getattr(callback, hook)(self.args, **kwargs)
+
+    # One client --------------------------------------------------------------------------------------------
+
+    def client_args(self, round_idx: int, client_index: int, client_id: str) -> FedGRPOConfig:
+        """The local-training configuration of one client in one round: `local_steps` steps, its own seed, no
+        checkpoints or reports of its own (the runner logs and saves the federation)."""
+        args = copy.deepcopy(self.args)
+        args.num_clients = 1  # a client trains; it does not federate again
+        args.max_steps = self.args.local_steps
+        args.seed = self.args.seed + round_idx * len(self.client_datasets) + client_index
+        args.output_dir = os.path.join(self.args.output_dir, "clients", client_id)
+        args.save_strategy = IntervalStrategy.NO
+        args.eval_strategy = IntervalStrategy.NO
+        args.report_to = []
+        args.disable_tqdm = True
+        args.push_to_hub = False
+        return args
+
+    def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
+        """Run one client's local round from the current global adapter and return its update."""
+        dataset = self.client_datasets[client_id]
+        set_adapter_state(self.model, self.global_state)
+        trainer = FedGRPOTrainer(
+            model=self.model,
+            reward_funcs=self.reward_funcs,
+            args=self.client_args(round_idx, client_index, client_id),
+            train_dataset=dataset,
+            processing_class=self.processing_class,
+            callbacks=list(self.callbacks),
+        )
+        trainer.remove_callback(PrinterCallback)
+        start = time.perf_counter()
+        output = trainer.train()
+        update = ClientUpdate(
+            client_id=client_id,
+            state=get_adapter_state(self.model),
+            num_samples=len(dataset),
+            reward=trainer.window_reward(),
+            metrics={
+                "step_rewards": trainer.step_rewards,
+                "train_loss": output.training_loss,
+                "train_seconds": time.perf_counter() - start,
+            },
+        )
+        self._release(trainer)
+        return update
+
+    def _release(self, trainer: FedGRPOTrainer) -> None:
+        """Drop everything a finished client trainer holds (optimizer state, TRL's `ref` adapter) so that memory
+        stays flat in the number of clients."""
+        if "ref" in self.model.peft_config:
+            self.model.delete_adapter("ref")
+            self.model.set_adapter("default")
+        trainer.accelerator.free_memory()
+        del trainer
+        gc.collect()
+
+    # Rounds ------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[RoundRecord]:
+        """Run all `num_rounds` rounds; save the final global adapter in `output_dir` (PEFT layout)."""
+        args = self.args
+        output_dir = Path(args.output_dir)
+        self.evaluate(round_idx=-1)
+        client_ids = list(self.client_datasets)
+        progress = tqdm(
+            total=args.num_rounds * len(client_ids), desc="Federated rounds", disable=not self.is_main_process
+        )
+        for round_idx in range(args.num_rounds):
+            start = time.perf_counter()
+            self._fire("on_round_begin", round_idx=round_idx)
+            broadcast_bytes = state_nbytes(self.global_state)
+            updates = []
+            for client_index, client_id in enumerate(client_ids):
+                progress.set_postfix_str(f"round {round_idx + 1}/{args.num_rounds}, {client_id}")
+                update = self.train_client(round_idx, client_index, client_id)
+                updates.append(update)
+                self._fire("on_client_end", round_idx=round_idx, update=update)
+                progress.update(1)
+
+            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
+            record = self._record(round_idx, updates, broadcast_bytes)
+            if self.is_main_process and args.save_every_round:
+                save_adapter(self.model, self.global_state, output_dir / f"round-{round_idx}")
+            is_last = round_idx == args.num_rounds - 1
+            if is_last or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
+                record.evaluation = self.evaluate(round_idx)
+            record.wall_time = time.perf_counter() - start
+            self.history.append(record)
+            self._fire("on_round_end", record=record)
+        progress.close()
+        if self.is_main_process:
+            save_adapter(self.model, self.global_state, output_dir)
+        set_adapter_state(self.model, self.global_state)
+        return self.history
+
+    def _record(self, round_idx: int, updates: list[ClientUpdate], broadcast_bytes: int) -> RoundRecord:
+        aggregator = self.aggregator
+        is_rpg = isinstance(aggregator, RPGAggregator)
+        return RoundRecord(
+            round_idx=round_idx,
+            rewards={update.client_id: update.reward for update in updates},
+            gains=dict(aggregator.last_gains) if is_rpg else {},
+            weights=dict(aggregator.last_weights),
+            temperature=aggregator.last_temperature if is_rpg else None,
+            num_samples={update.client_id: update.num_samples for update in updates},
+            bytes_received={update.client_id: broadcast_bytes for update in updates},
+            bytes_sent={update.client_id: state_nbytes(update.state) for update in updates},
+            client_metrics={update.client_id: update.metrics for update in updates},
+        )
+
+    def evaluate(self, round_idx: int) -> dict[str, Any] | None:
+        """Accuracy of the current global adapter on `eval_dataset` (None without one)."""
+        if self.eval_dataset is None:
+            return None
+        from .evaluation import evaluate_accuracy
+        from .rewards import accuracy_reward
+
+        set_adapter_state(self.model, self.global_state)
+        results = evaluate_accuracy(
+            self.model,
+            self.processing_class,
+            self.eval_dataset,
+            label_column=self.args.partition_column,
+            batch_size=self.args.per_device_eval_batch_size,
+            max_new_tokens=self.args.max_completion_length,
+            reward_func=self.eval_reward_func or accuracy_reward,
+        )
+        self.evaluations[round_idx] = results
+        self._fire("on_evaluate_round", round_idx=round_idx, results=results)
+        return results

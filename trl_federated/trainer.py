@@ -1,0 +1,71 @@
+"""`FedGRPOTrainer`: a drop-in `GRPOTrainer` that also plays one client of a federation."""
+
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer
+
+from .config import FedGRPOConfig
+
+
+class FedGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` with the client side of FGRPO (Algorithm 1, lines 4-18).
+
+    It has the constructor of `GRPOTrainer` and, with a `GRPOConfig` or a `FedGRPOConfig` with `num_clients=1`,
+    trains exactly like it. On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the
+    B prompts x K completions the step trained on, summed over reward functions with their weights, as TRL logs
+    `reward`) in `step_rewards`, and `window_reward()` gives the client's report R̄^{[t]}: the mean of the last
+    `reward_window` (W) steps.
+
+    With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
+    `train_dataset` across the clients and hands over to `FederatedRunner`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (optimizer step the batch was generated for, mean reward of the batch, number of completions)
+        self._generation_rewards: list[tuple[int, float, int]] = []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            # TRL has just appended this generation batch's mean reward, gathered over all processes.
+            batch_reward = self._metrics["train"]["reward"][-1]
+            self._generation_rewards.append(
+                (self.state.global_step, batch_reward, output["completion_ids"].size(0))
+            )
+        return output
+
+    @property
+    def step_rewards(self) -> list[float]:
+        """R̄^{[t,e]} for every optimisation step e taken so far.
+
+        A step that reuses an earlier generation batch (`num_iterations > 1`, or `steps_per_generation` above
+        `gradient_accumulation_steps`) is credited with that batch's reward: it trained on those completions.
+        """
+        by_step: dict[int, tuple[float, int]] = {}
+        for step, reward, count in self._generation_rewards:
+            total, n = by_step.get(step, (0.0, 0))
+            by_step[step] = (total + reward * count, n + count)
+        rewards, current = [], float("nan")
+        for step in range(self.state.global_step):
+            if step in by_step:
+                total, n = by_step[step]
+                current = total / n
+            rewards.append(current)
+        return rewards
+
+    def window_reward(self, window: int | None = None) -> float:
+        """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
+        rewards = self.step_rewards
+        if not rewards:
+            raise RuntimeError("No optimisation step has run yet: call train() before window_reward().")
+        window = window or getattr(self.args, "reward_window", None) or len(rewards)
+        return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
+
+    def train(self, *args, **kwargs):
+        if isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1:
+            from .federated_mode import train_federated
+
+            return train_federated(self)
+        return super().train(*args, **kwargs)
