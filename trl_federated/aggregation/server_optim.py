@@ -95,4 +95,7 @@ class ServerAdam(ServerOptimizer):
         return {"m": dict(self.m), "v": dict(self.v), "num_steps": self.num_steps}
 
     def load_state_dict(self, state):
-        self.m, self.v, self.num_steps = dict(state["m"]), dict(state["v"]), int(state["num_steps"])
+        # Copies: `step` updates m and v in place, and the source (a checkpoint, another server) must not move.
+        self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
+        self.v = {key: tensor.clone() for key, tensor in state["v"].items()}
+        self.num_steps = int(state["num_steps"])

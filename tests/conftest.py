@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny real model and tokenizer built offline, and a fast CPU GRPO configuration."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_federated import FedGRPOConfig
+from trl_federated.testing import save_tiny_model
+
+# The tiny model gains nothing from intra-op threads, and two busy processes each spinning two threads on a
+# 2-core machine run 20x slower: one thread keeps test times stable.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer Qwen2 (hidden 32) and a locally trained tokenizer, saved once per session."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def tiny_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def length_reward(completions, **kwargs):
+    """Varies on random text, so GRPO gets a learning signal from an untrained model (its EOS never comes)."""
+    return [len(completion) / 64 for completion in completions]
+
+
+@pytest.fixture
+def fast_args(tmp_path):
+    """A FedGRPOConfig that trains the tiny model in well under a second per step on CPU."""
+
+    def make(**overrides):
+        values = dict(
+            output_dir=str(tmp_path / "run"),
+            bf16=False,
+            use_cpu=True,
+            gradient_checkpointing=False,
+            report_to="none",
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=12,
+            learning_rate=1e-2,
+            logging_steps=1,
+            num_rounds=2,
+            local_steps=2,
+            reward_window=2,
+            seed=0,
+        )
+        values.update(overrides)
+        return FedGRPOConfig(**values)
+
+    return make

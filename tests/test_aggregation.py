@@ -1,0 +1,182 @@
+"""Each equation of the paper's server step against numbers computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from trl_federated import ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
+from trl_federated.aggregation import aggregator_from_config, pseudo_gradient
+
+
+def update(client_id, values, reward=0.0, num_samples=1):
+    return ClientUpdate(client_id, {"w": torch.tensor(values, dtype=torch.float32)}, num_samples, reward)
+
+
+GLOBAL = {"w": torch.tensor([1.0, -2.0, 0.5])}
+
+
+def test_fedavg_weights_are_data_volume_and_sgd_gives_weighted_average():
+    updates = [update("a", [2.0, 0.0, 1.0], num_samples=1), update("b", [4.0, 2.0, -1.0], num_samples=3)]
+    aggregator = FedAvgAggregator(server_optimizer=ServerSGD(learning_rate=1.0))
+    new = aggregator.aggregate(GLOBAL, updates, round_idx=0)
+    assert aggregator.last_weights == {"a": 0.25, "b": 0.75}
+    torch.testing.assert_close(new["w"], torch.tensor([0.25 * 2 + 0.75 * 4, 0.75 * 2, 0.25 - 0.75]))
+    assert new["w"].dtype == torch.float32
+    torch.testing.assert_close(GLOBAL["w"], torch.tensor([1.0, -2.0, 0.5]))  # input untouched
+
+
+def test_fedavg_over_the_clients_that_reported_only():
+    aggregator = FedAvgAggregator()
+    aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], num_samples=2), update("c", [0, 0, 0], num_samples=6)], 0)
+    assert aggregator.last_weights == {"a": 0.25, "c": 0.75}
+
+
+def test_pseudo_gradient_is_weighted_sum_of_differences():
+    states = [{"w": torch.tensor([3.0, 0.0, 0.5])}, {"w": torch.tensor([1.0, 2.0, 2.5])}]
+    delta = pseudo_gradient(GLOBAL, states, [0.5, 0.5])
+    torch.testing.assert_close(delta["w"], torch.tensor([1.0, 3.0, 1.0]))
+
+
+def test_server_adam_matches_hand_computation_over_two_steps():
+    adam = ServerAdam(learning_rate=0.1, beta1=0.9, beta2=0.99, epsilon=1e-8)
+    params = {"w": torch.tensor([1.0, 1.0])}
+    delta1 = {"w": torch.tensor([0.2, -0.4])}
+    out1 = adam.step(params, delta1)
+    # m = 0.1 Δ, v = 0.01 Δ², update = m / (sqrt(v) + eps) = sign(Δ) (no bias correction)
+    torch.testing.assert_close(adam.m["w"], torch.tensor([0.02, -0.04]))
+    torch.testing.assert_close(adam.v["w"], torch.tensor([0.0004, 0.0016]))
+    torch.testing.assert_close(out1["w"], torch.tensor([1.1, 0.9]))
+
+    delta2 = {"w": torch.tensor([0.1, 0.0])}
+    out2 = adam.step(out1, delta2)
+    m = torch.tensor([0.9 * 0.02 + 0.1 * 0.1, 0.9 * -0.04])
+    v = torch.tensor([0.99 * 0.0004 + 0.01 * 0.01, 0.99 * 0.0016])
+    torch.testing.assert_close(adam.m["w"], m)
+    torch.testing.assert_close(adam.v["w"], v)
+    torch.testing.assert_close(out2["w"], torch.tensor([1.1, 0.9]) + 0.1 * m / (v.sqrt() + 1e-8))
+
+
+def test_server_adam_bias_correction_option():
+    adam = ServerAdam(learning_rate=0.1, bias_correction=True)
+    out = adam.step({"w": torch.tensor([0.0])}, {"w": torch.tensor([0.5])})
+    # m̂ = Δ, v̂ = Δ² after one step
+    torch.testing.assert_close(out["w"], torch.tensor([0.1 * 0.5 / (0.5 + 1e-8)]))
+
+
+def test_server_adam_state_round_trip_continues_identically():
+    a, b = ServerAdam(learning_rate=0.05), ServerAdam(learning_rate=0.05)
+    params = {"w": torch.tensor([0.3, -0.1])}
+    params = a.step(params, {"w": torch.tensor([0.2, 0.1])})
+    b.load_state_dict(a.state_dict())
+    delta = {"w": torch.tensor([-0.3, 0.4])}
+    assert torch.equal(a.step(params, delta)["w"], b.step(params, delta)["w"])
+
+
+def rpg(**kwargs):
+    defaults = dict(lambda_base=0.8, iota=0.9, sigma_min=0.05, sigma_max=0.2, tau_min=1.5, tau_max=2.5,
+                    lambda_anneal=0.1, eps=1e-8, server_optimizer=ServerSGD(1.0))
+    return RPGAggregator(**{**defaults, **kwargs})
+
+
+def test_rpg_first_report_gives_zero_gain_and_uniform_weights():
+    aggregator = rpg()
+    aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], 0.2), update("b", [0, 0, 0], 0.9)], round_idx=0)
+    assert aggregator.last_gains == {"a": 0.0, "b": 0.0}
+    assert aggregator.last_weights == pytest.approx({"a": 0.5, "b": 0.5})
+    assert aggregator.last_temperature == pytest.approx(2.5)  # τ^{[0]} = τ_max
+    # φ^{[0]} = λ R̄ + (1 − λ) R̄ = R̄; σ^{[0]} = clip(ι σ_min + 0, ...) = σ_min
+    assert aggregator.baselines == pytest.approx({"a": 0.2, "b": 0.9})
+    assert aggregator.volatilities == pytest.approx({"a": 0.05, "b": 0.05})
+
+
+def test_rpg_second_round_matches_hand_computation():
+    aggregator = rpg()
+    aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], 0.2), update("b", [0, 0, 0], 0.5)], round_idx=0)
+    updates = [update("a", [2.0, 0.0, 0.0], 0.5), update("b", [0.0, 2.0, 0.0], 0.45)]
+    new = aggregator.aggregate(GLOBAL, updates, round_idx=1)
+
+    # client a: gap = 0.5 − 0.2 = 0.3; σ = clip(0.9·0.05 + 0.1·0.3, .05, .2) = 0.075; h = 0.3 / 0.075 = 4
+    # client b: gap = −0.05; σ = clip(0.045 + 0.005) = 0.05; h = −0.05 / 0.05 = −1
+    assert aggregator.volatilities == pytest.approx({"a": 0.075, "b": 0.05})
+    assert aggregator.last_gains == pytest.approx({"a": 4.0, "b": -1.0}, rel=1e-6)
+    tau = 1.5 + 1.0 * math.exp(-0.1)
+    assert aggregator.last_temperature == pytest.approx(tau)
+    wa = math.exp(4 / tau) / (math.exp(4 / tau) + math.exp(-1 / tau))
+    assert aggregator.last_weights == pytest.approx({"a": wa, "b": 1 - wa}, rel=1e-6)
+    # φ^{[1]} = 0.8 R̄ + 0.2 φ^{[0]}
+    assert aggregator.baselines == pytest.approx({"a": 0.8 * 0.5 + 0.2 * 0.2, "b": 0.8 * 0.45 + 0.2 * 0.5})
+    # SGD(lr=1): θ + Σ ω_i (θ_i − θ) = Σ ω_i θ_i
+    torch.testing.assert_close(new["w"], torch.tensor([2 * wa, 2 * (1 - wa), 0.0]))
+
+
+def test_rpg_volatility_is_clipped_to_sigma_max():
+    aggregator = rpg(iota=0.5)
+    aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], 0.0)], 0)
+    aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], 1.0)], 1)
+    # 0.5·0.05 + 0.5·1.0 = 0.525 → 0.2; h = 1 / 0.2 = 5
+    assert aggregator.volatilities["a"] == pytest.approx(0.2)
+    assert aggregator.last_gains["a"] == pytest.approx(5.0)
+
+
+def test_rpg_partial_participation_keeps_absent_client_state():
+    aggregator = rpg()
+    aggregator.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in [("a", 0.1), ("b", 0.4), ("c", 0.6)]], 0)
+    before = (dict(aggregator.baselines), dict(aggregator.volatilities))
+    aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], 0.3), update("c", [0, 0, 0], 0.6)], 1)
+    assert aggregator.baselines["b"] == before[0]["b"] and aggregator.volatilities["b"] == before[1]["b"]
+    assert set(aggregator.last_weights) == {"a", "c"}
+    assert sum(aggregator.last_weights.values()) == pytest.approx(1.0)
+    # c did not move: h = 0; a gained 0.2 / clip(0.045 + 0.02) = 0.2 / 0.065
+    assert aggregator.last_gains == pytest.approx({"a": 0.2 / 0.065, "c": 0.0}, rel=1e-6)
+
+    # b returns in round 2 against its round-0 baseline 0.4
+    aggregator.aggregate(GLOBAL, [update("b", [0, 0, 0], 0.5)], 2)
+    assert aggregator.last_gains["b"] == pytest.approx(0.1 / (0.045 + 0.01), rel=1e-6)
+    assert aggregator.last_weights == {"b": 1.0}
+
+
+def test_rpg_h_max_bounds_the_weight_of_a_lying_client():
+    honest = [("a", 0.30), ("b", 0.32)]
+    aggregator = rpg(h_max=2.0)
+    aggregator.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in honest + [("liar", 0.3)]], 0)
+    aggregator.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in honest + [("liar", 1e6)]], 1)
+    tau = aggregator.last_temperature
+    assert aggregator.last_gains["liar"] == 2.0
+    # the liar's weight is at most that of a client with h = h_max against two at h ≥ −h_max... and in fact
+    # against these honest gains:
+    bound = math.exp(2.0 / tau) / (math.exp(2.0 / tau) + 2 * math.exp(-2.0 / tau))
+    assert aggregator.last_weights["liar"] <= bound
+    unbounded = rpg()
+    unbounded.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in honest + [("liar", 0.3)]], 0)
+    unbounded.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in honest + [("liar", 1e6)]], 1)
+    assert unbounded.last_weights["liar"] > 0.999
+
+
+def test_rpg_with_server_adam_state_round_trip():
+    a = rpg(server_optimizer=ServerAdam(learning_rate=0.01))
+    b = rpg(server_optimizer=ServerAdam(learning_rate=0.01))
+    updates = [update("a", [2.0, 0.0, 0.0], 0.3), update("b", [0.0, 1.0, 1.0], 0.6)]
+    state = a.aggregate(GLOBAL, updates, 0)
+    b.load_state_dict(a.state_dict())
+    updates = [update("a", [1.0, 0.0, 0.0], 0.5), update("b", [0.0, 1.0, 0.0], 0.55)]
+    assert torch.equal(a.aggregate(state, updates, 1)["w"], b.aggregate(state, updates, 1)["w"])
+    assert a.last_weights == b.last_weights
+
+
+def test_aggregate_without_updates_is_an_error():
+    with pytest.raises(ValueError, match="at least one client"):
+        rpg().aggregate(GLOBAL, [], 0)
+
+
+def test_aggregator_from_config(tmp_path):
+    from trl_federated import FedGRPOConfig
+
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, aggregation="fedavg", server_optimizer="sgd")
+    aggregator = aggregator_from_config(args)
+    assert isinstance(aggregator, FedAvgAggregator) and isinstance(aggregator.server_optimizer, ServerSGD)
+    assert aggregator.server_optimizer.learning_rate == 1.0
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0)
+    aggregator = aggregator_from_config(args)
+    assert isinstance(aggregator, RPGAggregator) and isinstance(aggregator.server_optimizer, ServerAdam)
+    assert (aggregator.tau_min, aggregator.h_max, aggregator.server_optimizer.learning_rate) == (1.0, 3.0, 1e-3)
