@@ -53,6 +53,8 @@ class FederatedRunner:
         eval_dataset: Held-out prompts scored by `eval_reward_func` before training and every `eval_every` rounds.
         callbacks: `RoundCallback`s (they also receive the clients' trainer events) or plain `TrainerCallback`s.
         eval_reward_func: Binary correctness reward used for evaluation accuracy (default: `accuracy_reward`).
+        trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
+            `tools`, `rollout_func`, ...).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class FederatedRunner:
         eval_dataset: Dataset | None = None,
         callbacks: list | None = None,
         eval_reward_func: Callable | None = None,
+        trainer_kwargs: dict[str, Any] | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -91,6 +94,7 @@ class FederatedRunner:
         self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args)
         self.eval_dataset = eval_dataset
         self.eval_reward_func = eval_reward_func
+        self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.global_state: AdapterState = get_adapter_state(model)
         self.history: list[RoundRecord] = []
@@ -147,6 +151,7 @@ class FederatedRunner:
             train_dataset=dataset,
             processing_class=self.processing_class,
             callbacks=list(self.callbacks),
+            **self.trainer_kwargs,
         )
         trainer.remove_callback(PrinterCallback)
         start = time.perf_counter()

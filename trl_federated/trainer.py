@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+import time
+
 import torch
+from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
@@ -22,6 +26,8 @@ class FedGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs):
+        # Kept so that federated mode can hand the same arguments to every client's trainer.
+        self._init_arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         super().__init__(*args, **kwargs)
         # (optimizer step the batch was generated for, mean reward of the batch, number of completions)
         self._generation_rewards: list[tuple[int, float, int]] = []
@@ -65,7 +71,46 @@ class FedGRPOTrainer(GRPOTrainer):
 
     def train(self, *args, **kwargs):
         if isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1:
-            from .federated_mode import train_federated
-
-            return train_federated(self)
+            return self._train_federated()
         return super().train(*args, **kwargs)
+
+    def _train_federated(self) -> TrainOutput:
+        """Federated mode: Dirichlet-partition `train_dataset` over `num_clients` clients and run every round.
+
+        The global adapter ends up in `output_dir` (PEFT layout) and in `self.model`; the returned `TrainOutput`
+        counts the local optimisation steps of all clients.
+        """
+        from .data import partition_clients
+        from .runner import FederatedRunner
+
+        if self.train_dataset is None:
+            raise ValueError("Federated training needs a `train_dataset` to partition across clients.")
+        arguments = self._init_arguments
+        runner = FederatedRunner(
+            model=self.model,
+            reward_funcs=arguments.get("reward_funcs"),
+            args=self.args,
+            client_datasets=partition_clients(self.train_dataset, self.args),
+            processing_class=self.processing_class,
+            eval_dataset=self.eval_dataset,
+            callbacks=arguments.get("callbacks"),
+            trainer_kwargs={
+                name: arguments[name]
+                for name in ("reward_processing_classes", "tools", "rollout_func", "environment_factory")
+                if arguments.get(name) is not None
+            },
+        )
+        start = time.perf_counter()
+        history = runner.run()
+        self.model = self.model_wrapped = runner.model
+        updates = [metrics for record in history for metrics in record.client_metrics.values()]
+        total_steps = sum(len(metrics["step_rewards"]) for metrics in updates)
+        return TrainOutput(
+            global_step=total_steps,
+            training_loss=sum(metrics["train_loss"] for metrics in updates) / len(updates),
+            metrics={
+                "train_runtime": time.perf_counter() - start,
+                "num_rounds": len(history),
+                "final_mean_client_reward": sum(history[-1].rewards.values()) / len(history[-1].rewards),
+            },
+        )

@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make demo` (federated FGRPO on the embedded SmolLM2-135M, CPU) and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test test-slow
+
+# torch==2.13.0 first: it is the CPU build, and pip keeps it; an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/trl-federated run --config examples/configs/quickstart.yaml
+
+test: install
+	$(BIN)/python -m pytest
+
+test-slow: install
+	$(BIN)/python -m pytest -m slow

@@ -1,0 +1,126 @@
+"""`trl-federated` command line: `trl-federated run --config examples/configs/quickstart.yaml [--key value ...]`.
+
+Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by `--key value` flags, filling a
+`FedGRPOConfig` (training and federation), a `ModelConfig` (model and LoRA) and `BenchmarkArguments` (data).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from .config import FedGRPOConfig
+
+logger = logging.getLogger("trl_federated")
+
+REWARD_FUNCTIONS = ("accuracy", "format")
+
+
+@dataclass
+class BenchmarkArguments:
+    """Which data the clients hold. The default is the embedded reasoning-gym benchmark."""
+
+    dataset_name: str = field(
+        default="reasoning_gym",
+        metadata={
+            "help": "'reasoning_gym' for the embedded procedural benchmark, or a `datasets.load_dataset` name or "
+            "local path with `prompt`, `answer` and the partition column."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split of `dataset_name`."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Evaluation split of `dataset_name`."})
+    benchmark_size: int = field(
+        default=400, metadata={"help": "Items generated for the reasoning-gym benchmark, before the 80/20 split."}
+    )
+    benchmark_seed: int = field(default=0, metadata={"help": "Seed of the reasoning-gym benchmark generation."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many test items (None: the whole test split)."}
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy"],
+        metadata={"help": f"Reward functions, among {REWARD_FUNCTIONS}: 'accuracy' is the paper's binary reward."},
+    )
+
+
+def load_benchmark(data_args: BenchmarkArguments):
+    """The train and test splits named by `data_args`."""
+    from datasets import load_dataset, load_from_disk
+    from pathlib import Path
+
+    from .data import build_reasoning_benchmark
+
+    if data_args.dataset_name == "reasoning_gym":
+        splits = build_reasoning_benchmark(size=data_args.benchmark_size, seed=data_args.benchmark_seed)
+    elif Path(data_args.dataset_name).is_dir() and (Path(data_args.dataset_name) / "dataset_dict.json").exists():
+        splits = load_from_disk(data_args.dataset_name)
+    else:
+        splits = load_dataset(data_args.dataset_name)
+    train, test = splits[data_args.dataset_train_split], splits[data_args.dataset_test_split]
+    if data_args.max_eval_samples is not None:
+        test = test.select(range(min(data_args.max_eval_samples, len(test))))
+    return train, test
+
+
+def reward_functions(names: list[str]):
+    from .rewards import accuracy_reward, format_reward
+
+    available = {"accuracy": accuracy_reward, "format": format_reward}
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ValueError(f"Unknown `reward_funcs` {unknown}; choose among {REWARD_FUNCTIONS}.")
+    return [available[name] for name in names]
+
+
+def run(argv: list[str]) -> int:
+    """Federate GRPO on the configured model and benchmark; write adapters, metrics, summary and plots."""
+    from .data import partition_clients
+    from .models import load_model_and_tokenizer
+    from .reporting import ReportCallback
+    from .runner import FederatedRunner, default_lora_config
+
+    parser = TrlParser((FedGRPOConfig, ModelConfig, BenchmarkArguments), prog="trl-federated run")
+    args, model_args, data_args = parser.parse_args_and_config(argv)
+    start = time.perf_counter()
+    rewards = reward_functions(data_args.reward_funcs)
+    train, test = load_benchmark(data_args)
+    clients = partition_clients(train, args)
+    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path)
+    peft_config = get_peft_config(model_args) if model_args.use_peft else default_lora_config()
+    header = (
+        f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
+        f"{args.num_clients} clients (Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`), "
+        f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
+        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
+        f"{len(train)} train / {len(test)} test items."
+    )
+    report = ReportCallback(args.output_dir, header=header)
+    runner = FederatedRunner(
+        model, rewards, args, clients, processing_class=tokenizer, peft_config=peft_config,
+        eval_dataset=test, callbacks=[report],
+    )
+    runner.run()
+    if runner.is_main_process:
+        summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
+        print(summary)
+        print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
+    return 0
+
+
+COMMANDS = {"run": run}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: trl-federated {{{','.join(COMMANDS)}}} --config CONFIG.yaml [--key value ...]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

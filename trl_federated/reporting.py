@@ -1,0 +1,131 @@
+"""Human-facing outputs of a run: `summary.md` and PNG plots, rewritten after every round."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .callbacks import RoundCallback, RoundRecord
+
+
+def format_round_table(history: list[RoundRecord]) -> str:
+    """Markdown table of every client's R̄, h, ω and traffic, round by round (τ once per round)."""
+    lines = [
+        "| Round | τ | Client | R̄ | h | ω | Sent (bytes) | Received (bytes) |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for record in history:
+        temperature = f"{record.temperature:.3f}" if record.temperature is not None else "-"
+        for client_id, reward in record.rewards.items():
+            gain = record.gains.get(client_id)
+            lines.append(
+                f"| {record.round_idx} | {temperature} | {client_id} | {reward:.3f} | "
+                f"{'-' if gain is None else f'{gain:+.3f}'} | {record.weights[client_id]:.3f} | "
+                f"{record.bytes_sent[client_id]:,} | {record.bytes_received[client_id]:,} |"
+            )
+    return "\n".join(lines)
+
+
+def write_summary(
+    path: str | Path,
+    history: list[RoundRecord],
+    evaluations: dict[int, dict[str, Any]],
+    header: str = "",
+) -> Path:
+    """`summary.md`: accuracy before/after (paper's Table 1 layout), then the per-round table."""
+    from .evaluation import format_accuracy_table
+
+    sections = ["# Federated run summary", header]
+    if evaluations:
+        named = {("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())}
+        sections += ["## Accuracy (%)", format_accuracy_table(named)]
+    if history:
+        wall = sum(record.wall_time for record in history)
+        sections += [f"## Rounds ({len(history)} rounds, {wall:.0f} s)", format_round_table(history)]
+    path = Path(path)
+    path.write_text("\n\n".join(section for section in sections if section) + "\n", encoding="utf-8")
+    return path
+
+
+def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: dict[int, dict[str, Any]]) -> list[Path]:
+    """Reward per local step for each client, aggregation weights per round, accuracy per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    written = []
+    client_ids = sorted({client for record in history for client in record.rewards})
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for client_id in client_ids:
+        rewards = [
+            reward
+            for record in history
+            for reward in record.client_metrics.get(client_id, {}).get("step_rewards", [])
+        ]
+        axis.plot(range(1, len(rewards) + 1), rewards, marker=".", label=client_id)
+    axis.set(xlabel="local step (all rounds)", ylabel="mean step reward R̄[t,e]", title="Reward per local step")
+    axis.legend(fontsize="small")
+    written.append(_save(figure, output_dir / "rewards.png"))
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for client_id in client_ids:
+        points = [(r.round_idx, r.weights[client_id]) for r in history if client_id in r.weights]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=client_id)
+    axis.set(xlabel="round", ylabel="aggregation weight ω", title="Aggregation weights per round")
+    axis.legend(fontsize="small")
+    written.append(_save(figure, output_dir / "weights.png"))
+
+    if evaluations:
+        figure, axis = plt.subplots(figsize=(7, 4))
+        rounds = sorted(evaluations)
+        labels = list(evaluations[rounds[0]]["accuracy"])
+        for label in labels:
+            axis.plot(
+                [idx + 1 for idx in rounds],
+                [100 * evaluations[idx]["accuracy"].get(label, float("nan")) for idx in rounds],
+                marker="o",
+                linewidth=2.5 if label == "Total" else 1.0,
+                label=label,
+            )
+        axis.set(xlabel="round (0 = before training)", ylabel="accuracy (%)", title="Test accuracy per round")
+        axis.legend(fontsize="small")
+        written.append(_save(figure, output_dir / "accuracy.png"))
+    return written
+
+
+def _save(figure, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+class ReportCallback(RoundCallback):
+    """Rewrites `summary.md` and the plots in `output_dir` after every round and evaluation, so an interrupted
+    run still leaves an up-to-date report."""
+
+    def __init__(self, output_dir: str | Path, header: str = ""):
+        self.output_dir = Path(output_dir)
+        self.header = header
+        self.history: list[RoundRecord] = []
+        self.evaluations: dict[int, dict[str, Any]] = {}
+
+    def on_evaluate_round(self, args, round_idx, results, **kwargs):
+        self.evaluations[round_idx] = results
+        if round_idx < 0:
+            self._write()
+
+    def on_round_end(self, args, record, **kwargs):
+        self.history.append(record)
+        self._write()
+
+    def _write(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_summary(self.output_dir / "summary.md", self.history, self.evaluations, self.header)
+        if self.history:
+            plot_run(self.output_dir, self.history, self.evaluations)
