@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-AGGREGATIONS = ("rpg", "fedavg")
+AGGREGATIONS = ("rpg", "fedavg", "fedprox")
 SERVER_OPTIMIZERS = ("adam", "sgd")
 # Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
 # its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
 DEFAULT_SERVER_LEARNING_RATE = {"sgd": 1.0, "adam": 1e-3}
+# FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset. The paper gives none; 0.01 is the middle of
+# the range FedProx (Li et al., 2020) sweeps ({0.001, 0.01, 0.1, 1}) and keeps the proximal gradient well below
+# the GRPO gradient of a LoRA adapter over ~10 local steps.
+DEFAULT_FEDPROX_MU = 0.01
 
 
 @dataclass
@@ -86,8 +90,9 @@ class FedGRPOConfig(GRPOConfig):
     aggregation: str = field(
         default="rpg",
         metadata={
-            "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains) or 'fedavg' (data "
-            "volume). 'fedavg' with server_optimizer='adam' is the paper's 'w/o RPG' ablation.",
+            "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
+            "volume) or 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`). "
+            "'fedavg' with server_optimizer='adam' is the paper's 'w/o RPG' ablation.",
             "choices": list(AGGREGATIONS),
         },
     )
@@ -113,6 +118,15 @@ class FedGRPOConfig(GRPOConfig):
         },
     )
 
+    fedprox_mu: float | None = field(
+        default=None,
+        metadata={
+            "help": "FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ||θ_i − θ^{[t]}||² "
+            "over the adapter to its GRPO loss. Defaults to 0.01 with aggregation='fedprox' and 0 (off) otherwise; "
+            "any aggregation accepts a positive value."
+        },
+    )
+
     # Server optimizer
     server_optimizer: str = field(
         default="adam",
@@ -134,6 +148,8 @@ class FedGRPOConfig(GRPOConfig):
         super().__post_init__()
         # YAML and the command line hand "inf" over as a string.
         self.dirichlet_alpha = float(self.dirichlet_alpha)
+        if self.fedprox_mu is None:
+            self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
         if self.server_learning_rate is None and self.server_optimizer in DEFAULT_SERVER_LEARNING_RATE:
             self.server_learning_rate = DEFAULT_SERVER_LEARNING_RATE[self.server_optimizer]
         for message in self._federation_errors():
@@ -167,6 +183,8 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`rpg_sigma_min` ({self.rpg_sigma_min}) must not exceed `rpg_sigma_max` ({self.rpg_sigma_max})."
         if self.rpg_tau_min > self.rpg_tau_max:
             yield f"`rpg_tau_min` ({self.rpg_tau_min}) must not exceed `rpg_tau_max` ({self.rpg_tau_max})."
+        if self.fedprox_mu < 0:
+            yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
         if self.rpg_lambda_anneal < 0:
             yield f"`rpg_lambda_anneal` must be >= 0, got {self.rpg_lambda_anneal}."
         if self.rpg_h_max is not None and not self.rpg_h_max > 0:
@@ -175,3 +193,43 @@ class FedGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if not 0 <= value < 1:
                 yield f"`{name}` must lie in [0, 1), got {value}."
+
+
+@dataclass
+class FedDAPOConfig(FedGRPOConfig):
+    r"""Federated DAPO (Yu et al., 2025): `FedGRPOConfig` with the defaults of TRL's DAPO recipe.
+
+    Token-level loss normalisation (`loss_type="dapo"`), clip-higher (`epsilon_high=0.28`), truncated completions
+    masked out of the loss, and no KL term (`beta=0`). Add `trl.rewards.get_soft_overlong_punishment` to the
+    reward functions for DAPO's overlong reward shaping. Reward-window tracking and the round callbacks are those
+    of every `FedGRPOConfig`; `aggregation="fedavg"` gives the paper's "FDAPO w/o RPG".
+    """
+
+    loss_type: str = field(default="dapo", metadata={"help": "DAPO's token-level loss normalisation."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clipping bound (clip-higher)."})
+    mask_truncated_completions: bool = field(
+        default=True, metadata={"help": "Exclude truncated completions from the loss (DAPO's overlong filtering)."}
+    )
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; DAPO drops the KL term."})
+
+
+@dataclass
+class FedGSPOConfig(FedGRPOConfig):
+    r"""Federated GSPO (Zheng et al., 2025): `FedGRPOConfig` with the defaults of TRL's GSPO recipe.
+
+    Sequence-level importance ratios (`importance_sampling_level="sequence"`) clipped in the narrow range
+    [1 − 3e-4, 1 + 4e-4], no KL term, and `steps_per_generation=4` so that each generation batch is reused for
+    off-policy steps, without which the ratio is always 1 and GSPO equals GRPO. `aggregation="fedavg"` gives the
+    paper's "FGSPO w/o RPG".
+    """
+
+    importance_sampling_level: str = field(
+        default="sequence", metadata={"help": "GSPO's sequence-level importance sampling ratio."}
+    )
+    loss_type: str = field(default="grpo", metadata={"help": "Sequence-mean loss, as in TRL's GSPO recipe."})
+    epsilon: float = field(default=3e-4, metadata={"help": "Lower clipping bound of the sequence ratio."})
+    epsilon_high: float | None = field(default=4e-4, metadata={"help": "Upper clipping bound of the sequence ratio."})
+    steps_per_generation: int | None = field(
+        default=4, metadata={"help": "Optimisation steps per generation batch: >1 makes updates off-policy."}
+    )
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; GSPO's recipe uses none."})

@@ -6,6 +6,7 @@ import inspect
 import time
 
 import torch
+from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
@@ -29,6 +30,9 @@ class FedGRPOTrainer(GRPOTrainer):
         # Kept so that federated mode can hand the same arguments to every client's trainer.
         self._init_arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         super().__init__(*args, **kwargs)
+        fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
+        if fedprox_mu:
+            self.add_callback(ProximalTerm(fedprox_mu))
         # (optimizer step the batch was generated for, mean reward of the batch, number of completions)
         self._generation_rewards: list[tuple[int, float, int]] = []
 
@@ -114,3 +118,30 @@ class FedGRPOTrainer(GRPOTrainer):
                 "final_mean_client_reward": sum(history[-1].rewards.values()) / len(history[-1].rewards),
             },
         )
+
+
+class ProximalTerm(TrainerCallback):
+    """FedProx (Li et al., MLSys 2020) on the trainable (adapter) parameters.
+
+    The local objective gains μ/2 ||θ − θ^{[t]}||², where θ^{[t]} is the adapter the client started the round
+    from. Its gradient μ (θ − θ^{[t]}) is added to the GRPO gradient right before every optimizer step: exact
+    whatever the gradient accumulation, and, like the penalty itself, not subject to gradient clipping.
+    """
+
+    def __init__(self, mu: float):
+        self.mu = mu
+        self.params: list[torch.Tensor] = []
+        self.anchor: list[torch.Tensor] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.params = [param for param in model.parameters() if param.requires_grad]
+        self.anchor = [param.detach().clone() for param in self.params]
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        with torch.no_grad():
+            torch._foreach_add_(
+                [param.grad for param in self.params], torch._foreach_sub(self.params, self.anchor), alpha=self.mu
+            )

@@ -28,7 +28,7 @@ def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
 def aggregator_from_config(args: FedGRPOConfig) -> Aggregator:
     """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields)."""
     server_optimizer = server_optimizer_from_config(args)
-    if args.aggregation == "fedavg":
+    if args.aggregation in ("fedavg", "fedprox"):  # FedProx differs on the clients only
         return FedAvgAggregator(server_optimizer=server_optimizer)
     return RPGAggregator(
         lambda_base=args.rpg_lambda_base,
