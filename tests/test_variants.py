@@ -77,3 +77,75 @@ def test_variant_trains_one_federated_round(tmp_path, tiny_model_dir, tiny_token
     assert set(record.rewards) == {"client_0", "client_1"}
     assert all(len(m["step_rewards"]) == 2 for m in record.client_metrics.values())
     assert any(not torch.equal(initial[k], runner.global_state[k]) for k in initial)
+
+
+def test_scaffold_server_step_by_hand():
+    from trl_federated import ClientUpdate, ServerSGD
+    from trl_federated.aggregation import ScaffoldAggregator
+
+    aggregator = ScaffoldAggregator(num_clients=4, server_optimizer=ServerSGD(1.0))
+    global_state = {"w": torch.tensor([0.0, 0.0])}
+    updates = [
+        ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0, control_delta={"w": torch.tensor([0.4, 0.0])}),
+        ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0, control_delta={"w": torch.tensor([0.0, -0.8])}),
+    ]
+    new = aggregator.aggregate(global_state, updates, 0)
+    torch.testing.assert_close(new["w"], torch.tensor([0.25, 0.75]))
+    # c = 0 + (1/N) Σ Δc_i with N = 4 clients in the federation, 2 of which reported
+    torch.testing.assert_close(aggregator.control["w"], torch.tensor([0.1, -0.2]))
+    with pytest.raises(ValueError, match="control_delta"):
+        aggregator.aggregate(global_state, [ClientUpdate("a", {"w": torch.zeros(2)}, 1, 0.0)], 1)
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "gradient"])
+def test_scaffold_client_correction_and_control_update_by_hand(tiny_model_dir, tiny_tokenizer, fast_args, mode):
+    """Constant learning rate η, K steps: check the correction of each step and c_i⁺ = c_i − c + (θ^t − θ_i)/(Kη)."""
+    from peft import get_peft_model_state_dict
+
+    from trl_federated.trainer import ScaffoldCorrection
+
+    lr, steps = 1e-2, 3
+    args = fast_args(max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = FedGRPOTrainer(
+        model=model, reward_funcs=length_reward, args=args, train_dataset=PROMPTS, processing_class=tiny_tokenizer,
+        peft_config=default_lora_config(),
+    )
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    generator = torch.Generator().manual_seed(0)
+    c = {k: 1e-3 * torch.randn(v.shape, generator=generator) for k, v in adapter.items()}
+    c_i = {k: 1e-3 * torch.randn(v.shape, generator=generator) for k, v in adapter.items()}
+    scaffold = ScaffoldCorrection(c, c_i, mode)
+    before, after = GradientProbe(), GradientProbe()
+    trainer.add_callback(before)
+    trainer.add_callback(scaffold)
+    trainer.add_callback(after)
+    trainer.train()
+    final = {k: v.detach() for k, v in get_peft_model_state_dict(trainer.model).items()}
+
+    if mode == "gradient":  # grad ← grad + (c − c_i) before the optimizer step
+        correction = [c[k] - c_i[k] for k in scaffold.keys]
+        for g0, g1 in zip(before.grads[0], after.grads[0]):
+            assert any(torch.allclose(g1 - g0, corr) for corr in correction if corr.shape == g0.shape)
+    assert scaffold.learning_rate_sum == pytest.approx(steps * lr)
+    for key in adapter:
+        expected_delta = -c[key] + (adapter[key] - final[key]) / (steps * lr)  # c_i⁺ − c_i
+        torch.testing.assert_close(scaffold.control_delta[key], expected_delta)
+
+
+def test_scaffold_federated_rounds_keep_client_controls(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+    args = fast_args(aggregation="scaffold", server_optimizer="sgd", num_rounds=2, local_steps=2, reward_window=1)
+    clients = [PROMPTS.select(range(0, 8)), PROMPTS.select(range(8, 16))]
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, args, clients,
+        processing_class=tiny_tokenizer,
+    )
+    assert runner.aggregator.num_clients == 2
+    runner.run()
+    assert set(runner.client_controls) == {"client_0", "client_1"}
+    control = runner.aggregator.control
+    # c is the mean of the clients' c_i when every client reports every round (c = Σ Δc_i / N accumulated)
+    for key in control:
+        mean = (runner.client_controls["client_0"][key] + runner.client_controls["client_1"][key]) / 2
+        torch.testing.assert_close(control[key], mean)
+    assert any(value.abs().sum() > 0 for value in control.values())

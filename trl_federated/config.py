@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-AGGREGATIONS = ("rpg", "fedavg", "fedprox")
+AGGREGATIONS = ("rpg", "fedavg", "fedprox", "scaffold")
 SERVER_OPTIMIZERS = ("adam", "sgd")
 # Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
@@ -91,7 +91,8 @@ class FedGRPOConfig(GRPOConfig):
         default="rpg",
         metadata={
             "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
-            "volume) or 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`). "
+            "volume), 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`) or "
+            "'scaffold' (data volume plus control variates, see `scaffold_correction`). "
             "'fedavg' with server_optimizer='adam' is the paper's 'w/o RPG' ablation.",
             "choices": list(AGGREGATIONS),
         },
@@ -124,6 +125,16 @@ class FedGRPOConfig(GRPOConfig):
             "help": "FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ||θ_i − θ^{[t]}||² "
             "over the adapter to its GRPO loss. Defaults to 0.01 with aggregation='fedprox' and 0 (off) otherwise; "
             "any aggregation accepts a positive value."
+        },
+    )
+
+    scaffold_correction: str = field(
+        default="decoupled",
+        metadata={
+            "help": "How SCAFFOLD's correction c − c_i meets the local Adam: 'decoupled' (applied to the "
+            "parameters after each step, scaled by the learning rate, outside Adam) or 'gradient' (added to the "
+            "gradient before Adam, as in SGD-SCAFFOLD).",
+            "choices": ["decoupled", "gradient"],
         },
     )
 
@@ -183,6 +194,8 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`rpg_sigma_min` ({self.rpg_sigma_min}) must not exceed `rpg_sigma_max` ({self.rpg_sigma_max})."
         if self.rpg_tau_min > self.rpg_tau_max:
             yield f"`rpg_tau_min` ({self.rpg_tau_min}) must not exceed `rpg_tau_max` ({self.rpg_tau_max})."
+        if self.scaffold_correction not in ("decoupled", "gradient"):
+            yield f"`scaffold_correction` must be 'decoupled' or 'gradient', got {self.scaffold_correction!r}."
         if self.fedprox_mu < 0:
             yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
         if self.rpg_lambda_anneal < 0:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
@@ -20,10 +21,10 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
-from .aggregation import Aggregator, ClientUpdate, RPGAggregator, aggregator_from_config
+from .aggregation import Aggregator, ClientUpdate, RPGAggregator, ScaffoldAggregator, aggregator_from_config
 from .callbacks import MetricsLoggerCallback, RoundCallback, RoundRecord
 from .config import FedGRPOConfig
-from .trainer import FedGRPOTrainer
+from .trainer import FedGRPOTrainer, ScaffoldCorrection
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +92,17 @@ class FederatedRunner:
         self.model = model
         self.processing_class = processing_class
         self.reward_funcs = reward_funcs
-        self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args)
+        self.aggregator = (
+            aggregator if aggregator is not None else aggregator_from_config(args, len(self.client_datasets))
+        )
         self.eval_dataset = eval_dataset
         self.eval_reward_func = eval_reward_func
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.global_state: AdapterState = get_adapter_state(model)
         self.history: list[RoundRecord] = []
+        # Client-side state that persists across rounds (SCAFFOLD's c_i), keyed by client id.
+        self.client_controls: dict[str, AdapterState] = {}
         self.evaluations: dict[int, dict[str, Any]] = {}
         self.is_main_process = PartialState().is_main_process
 
@@ -154,6 +159,14 @@ class FederatedRunner:
             **self.trainer_kwargs,
         )
         trainer.remove_callback(PrinterCallback)
+        scaffold = None
+        if isinstance(self.aggregator, ScaffoldAggregator):
+            server_control = self.aggregator.server_control(self.global_state)
+            client_control = self.client_controls.get(client_id) or {
+                key: torch.zeros_like(value) for key, value in server_control.items()
+            }
+            scaffold = ScaffoldCorrection(server_control, client_control, self.args.scaffold_correction)
+            trainer.add_callback(scaffold)
         start = time.perf_counter()
         output = trainer.train()
         update = ClientUpdate(
@@ -167,6 +180,12 @@ class FederatedRunner:
                 "train_seconds": time.perf_counter() - start,
             },
         )
+        if scaffold is not None:
+            update.control_delta = scaffold.control_delta
+            # c_i ← c_i⁺ = c_i + Δc_i: the client keeps its new control variate for its next round.
+            self.client_controls[client_id] = {
+                key: client_control[key] + delta for key, delta in scaffold.control_delta.items()
+            }
         self._release(trainer)
         return update
 

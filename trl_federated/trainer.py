@@ -6,6 +6,7 @@ import inspect
 import time
 
 import torch
+from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
@@ -145,3 +146,72 @@ class ProximalTerm(TrainerCallback):
             torch._foreach_add_(
                 [param.grad for param in self.params], torch._foreach_sub(self.params, self.anchor), alpha=self.mu
             )
+
+
+class ScaffoldCorrection(TrainerCallback):
+    """The client side of SCAFFOLD (Karimireddy et al., ICML 2020) on the adapter, with a local Adam(W).
+
+    SCAFFOLD corrects every local step by (c − c_i) and afterwards re-estimates the client's control variate with
+    option II: c_i⁺ = c_i − c + (θ^{[t]} − θ_i) / (K η). SCAFFOLD was written for SGD; with Adam the two natural
+    placements of the correction are:
+
+    - `"decoupled"` (default): after each optimizer step, θ ← θ − η_k (c − c_i), outside Adam's normalisation,
+      as AdamW decouples weight decay. Then (θ^{[t]} − θ_i) / Σ_k η_k is the mean Adam direction plus the
+      correction, so option II measures c_i in the units the correction is applied in, and c_i⁺ is exactly the
+      client's mean Adam direction.
+    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD. Adam rescales it per
+      coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered for
+      comparison.
+
+    K η is taken as Σ_k η_k, the learning rates the scheduler actually used. Keys are those of
+    `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
+    """
+
+    def __init__(
+        self,
+        server_control: dict[str, torch.Tensor],
+        client_control: dict[str, torch.Tensor],
+        mode: str = "decoupled",
+    ):
+        if mode not in ("decoupled", "gradient"):
+            raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
+        self.mode = mode
+        self.keys = list(server_control)
+        self.correction = [server_control[key] - client_control[key] for key in self.keys]  # c − c_i
+        self.server_control = [server_control[key] for key in self.keys]
+        self.control_delta: dict[str, torch.Tensor] | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        adapter = get_peft_model_state_dict(model)  # views that share storage with the adapter parameters
+        missing = [key for key in self.keys if key not in adapter]
+        if missing:
+            raise KeyError(f"Control variates have keys the adapter lacks: {missing[:5]}")
+        self.views = [adapter[key] for key in self.keys]
+        parameters = {param.data_ptr(): param for param in model.parameters()}
+        self.params = [parameters[view.data_ptr()] for view in self.views]
+        self.anchor = [view.detach().clone() for view in self.views]
+        self.correction = [c.to(view.device, view.dtype) for c, view in zip(self.correction, self.views)]
+        self.learning_rate_sum = 0.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.mode == "gradient":
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            torch._foreach_add_([param.grad for param in self.params], self.correction)
+
+    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
+        learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
+        self.learning_rate_sum += learning_rate
+        if self.mode == "decoupled":
+            with torch.no_grad():
+                torch._foreach_add_(self.params, self.correction, alpha=-learning_rate)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.learning_rate_sum <= 0:
+            raise RuntimeError("SCAFFOLD needs at least one local step with a positive learning rate.")
+        with torch.no_grad():
+            moved = torch._foreach_sub(self.anchor, [view.detach() for view in self.views])  # θ^{[t]} − θ_i
+            torch._foreach_div_(moved, self.learning_rate_sum)
+            delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
+        self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}

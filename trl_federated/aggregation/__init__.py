@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from .base import Aggregator, ClientUpdate, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .rpg import RPGAggregator
+from .scaffold import ScaffoldAggregator
 from .server_optim import ServerAdam, ServerOptimizer, ServerSGD
 
 if TYPE_CHECKING:
@@ -25,9 +26,12 @@ def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     )
 
 
-def aggregator_from_config(args: FedGRPOConfig) -> Aggregator:
-    """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields)."""
+def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) -> Aggregator:
+    """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields); `num_clients`
+    (default `args.num_clients`) is the size of the federation, which SCAFFOLD's server step needs."""
     server_optimizer = server_optimizer_from_config(args)
+    if args.aggregation == "scaffold":
+        return ScaffoldAggregator(num_clients=num_clients or args.num_clients, server_optimizer=server_optimizer)
     if args.aggregation in ("fedavg", "fedprox"):  # FedProx differs on the clients only
         return FedAvgAggregator(server_optimizer=server_optimizer)
     return RPGAggregator(
@@ -49,6 +53,7 @@ __all__ = [
     "ClientUpdate",
     "FedAvgAggregator",
     "RPGAggregator",
+    "ScaffoldAggregator",
     "ServerAdam",
     "ServerOptimizer",
     "ServerSGD",

@@ -21,6 +21,7 @@ class ClientUpdate:
         num_samples: D_i, the size of the client's training set (FedAvg weights).
         reward: R̄_i^{[t]}, the mean step reward over the client's last W local steps.
         metrics: Anything else worth logging (step rewards, loss, wall time).
+        control_delta: SCAFFOLD only: Δc_i, the change of the client's control variate, keyed like `state`.
     """
 
     client_id: str
@@ -28,6 +29,7 @@ class ClientUpdate:
     num_samples: int
     reward: float
     metrics: dict[str, Any] = field(default_factory=dict)
+    control_delta: dict[str, torch.Tensor] | None = None
 
 
 class Aggregator(ABC):

@@ -1,0 +1,54 @@
+"""SCAFFOLD's server (Karimireddy et al., ICML 2020, Algorithm 1 lines 16-17) over LoRA adapters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import ClientUpdate
+from .fedavg import FedAvgAggregator
+from .server_optim import ServerOptimizer
+
+
+class ScaffoldAggregator(FedAvgAggregator):
+    """FedAvg on the adapters plus a server control variate c:
+
+        θ^{[t+1]} = θ^{[t]} + η_g Σ_i ω_i (θ_i − θ^{[t]})     (ω_i = D_i / ΣD, as the paper's baselines weigh)
+        c^{[t+1]} = c^{[t]} + (1 / N) Σ_{i reported} Δc_i
+
+    with N the number of clients in the federation (SCAFFOLD's |S|/N scaling under partial participation). The
+    clients' own control variates c_i stay with the clients (see `trainer.ScaffoldCorrection`); each update
+    carries its Δc_i in `ClientUpdate.control_delta`.
+    """
+
+    def __init__(self, num_clients: int, server_optimizer: ServerOptimizer | None = None):
+        super().__init__(server_optimizer)
+        if num_clients < 1:
+            raise ValueError(f"`num_clients` must be >= 1, got {num_clients}.")
+        self.num_clients = num_clients
+        self.control: dict[str, torch.Tensor] = {}
+
+    def server_control(self, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """c, created as zeros shaped like the adapter on first use."""
+        if not self.control:
+            self.control = {key: torch.zeros_like(value, dtype=torch.float32) for key, value in global_state.items()}
+        return self.control
+
+    def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int):
+        missing = [update.client_id for update in updates if update.control_delta is None]
+        if missing:
+            raise ValueError(f"SCAFFOLD updates need `control_delta`; missing for clients {missing}.")
+        new_state = super().aggregate(global_state, updates, round_idx)
+        control = self.server_control(global_state)
+        for update in updates:
+            for key in control:
+                control[key].add_(update.control_delta[key].float(), alpha=1.0 / self.num_clients)
+        return new_state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "control": dict(self.control)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.control = {key: tensor.clone() for key, tensor in state["control"].items()}
