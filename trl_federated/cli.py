@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, TrlParser, get_peft_config
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: trl-federated {{{','.join(COMMANDS)}}} --config CONFIG.yaml [--key value ...]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # TRL 1.16's own defaults trigger transformers' rename notice for gradient checkpointing on every config.
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing` is deprecated", category=FutureWarning)
     return COMMANDS[argv[0]](argv[1:])
 
 

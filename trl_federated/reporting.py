@@ -9,7 +9,8 @@ from .callbacks import RoundCallback, RoundRecord
 
 
 def format_round_table(history: list[RoundRecord]) -> str:
-    """Markdown table of every client's R̄, h, ω and traffic, round by round (τ once per round)."""
+    """Markdown table of every client's R̄, h, ω and traffic, round by round; rounds count from 1 (the paper's
+    t, which sets τ^{[t]}, is the round minus 1)."""
     lines = [
         "| Round | τ | Client | R̄ | h | ω | Sent (bytes) | Received (bytes) |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -19,7 +20,7 @@ def format_round_table(history: list[RoundRecord]) -> str:
         for client_id, reward in record.rewards.items():
             gain = record.gains.get(client_id)
             lines.append(
-                f"| {record.round_idx} | {temperature} | {client_id} | {reward:.3f} | "
+                f"| {record.round_idx + 1} | {temperature} | {client_id} | {reward:.3f} | "
                 f"{'-' if gain is None else f'{gain:+.3f}'} | {record.weights[client_id]:.3f} | "
                 f"{record.bytes_sent[client_id]:,} | {record.bytes_received[client_id]:,} |"
             )

@@ -1,0 +1,105 @@
+"""The main job end to end on the tiny model: the drop-in federated mode and the `trl-federated run` CLI."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from conftest import length_reward
+from trl_federated import FedGRPOTrainer
+from trl_federated.adapters import get_adapter_state
+from trl_federated.cli import main
+from trl_federated.runner import default_lora_config
+
+
+def labelled_dataset(n=24):
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)],
+            "answer": [str(2 * i) for i in range(n)],
+            "difficulty": [("simple", "medium", "hard")[i % 3] for i in range(n)],
+        }
+    )
+
+
+def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+    args = fast_args(num_clients=3, dirichlet_alpha=float("inf"), num_rounds=2, local_steps=1, reward_window=1)
+    trainer = FedGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
+        train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
+    )
+    initial = {k: v.clone() for k, v in get_adapter_state(trainer.model).items()}
+    output = trainer.train()
+    assert output.global_step == 3 * 2 * 1  # clients x rounds x local steps
+    assert output.metrics["num_rounds"] == 2
+    final = get_adapter_state(trainer.model)
+    assert any(not torch.equal(initial[k], final[k]) for k in initial)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {line["client_id"] for line in lines if line["event"] == "client"} == {"client_0", "client_1", "client_2"}
+    assert (tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
+def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+    args = fast_args(num_clients=2, partition_column="category")
+    trainer = FedGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
+        train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
+    )
+    with pytest.raises(ValueError, match="'category'"):
+        trainer.train()
+
+
+def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
+    output_dir = tmp_path / "cli-run"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "output_dir": str(output_dir),
+                "model_name_or_path": str(tiny_model_dir),
+                "dataset_name": "reasoning_gym",
+                "benchmark_size": 60,
+                "max_eval_samples": 12,
+                "num_clients": 3,
+                "dirichlet_alpha": 0.5,
+                "min_partition_size": 2,
+                "num_rounds": 2,
+                "local_steps": 1,
+                "reward_window": 1,
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "max_completion_length": 8,
+                "per_device_eval_batch_size": 8,
+                "use_cpu": True,
+                "bf16": False,
+                "gradient_checkpointing": False,
+                "report_to": "none",
+                "reward_funcs": ["accuracy", "format"],
+            }
+        )
+    )
+    assert main(["run", "--config", str(config), "--num_rounds", "2", "--aggregation", "rpg"]) == 0
+
+    for name in ("metrics.jsonl", "summary.md", "rewards.png", "weights.png", "accuracy.png",
+                 "adapter_model.safetensors", "adapter_config.json"):
+        assert (output_dir / name).exists(), name
+    assert (output_dir / "round-1" / "adapter_model.safetensors").exists()
+    summary = (output_dir / "summary.md").read_text()
+    assert "Before training" in summary and "Round 2" in summary and "Total" in summary
+    assert "| 2 |" in summary  # the per-round table counts rounds from 1
+    events = [json.loads(line)["event"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
+
+
+def test_cli_rejects_unknown_reward(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="reward_funcs"):
+        main(["run", "--output_dir", str(tmp_path), "--model_name_or_path", str(tiny_model_dir), "--bf16", "false",
+              "--reward_funcs", "accuracy", "vibes"])
+
+
+def test_cli_without_command_prints_usage(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().err

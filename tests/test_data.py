@@ -1,0 +1,206 @@
+import json
+import logging
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from datasets import Dataset
+
+from trl_federated.data import (
+    DEFAULT_TASKS,
+    DIFFICULTIES,
+    SYSTEM_PROMPT,
+    build_reasoning_benchmark,
+    dirichlet_partition,
+    label_histogram,
+    partition_clients,
+)
+from trl_federated.rewards import accuracy_reward
+
+SMALL_TASKS = {
+    "chain_sum": {
+        "simple": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        "hard": {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2},
+    },
+    "letter_counting": {"simple": {"min_words": 2, "max_words": 3}},
+}
+COLUMNS = {"prompt", "answer", "difficulty", "category", "question", "rg_entry"}
+
+
+@pytest.fixture(scope="module")
+def small_benchmark():
+    return build_reasoning_benchmark(SMALL_TASKS, size=30, seed=0)
+
+
+def _rows(split):
+    return split.to_list()
+
+
+def test_benchmark_is_deterministic(small_benchmark):
+    again = build_reasoning_benchmark(SMALL_TASKS, size=30, seed=0)
+    other = build_reasoning_benchmark(SMALL_TASKS, size=30, seed=1)
+    for split in ("train", "test"):
+        assert _rows(again[split]) == _rows(small_benchmark[split])
+    assert set(other["test"]["question"]) != set(small_benchmark["test"]["question"])
+
+
+def test_benchmark_splits_80_20_per_group(small_benchmark):
+    assert len(small_benchmark["train"]) == 24 and len(small_benchmark["test"]) == 6
+    for split, per_group in (("train", 8), ("test", 2)):
+        groups = Counter(zip(small_benchmark[split]["category"], small_benchmark[split]["difficulty"]))
+        assert groups == {("chain_sum", "simple"): per_group, ("chain_sum", "hard"): per_group,
+                          ("letter_counting", "simple"): per_group}  # fmt: skip
+
+
+def test_benchmark_has_no_question_in_both_splits(small_benchmark):
+    train, test = small_benchmark["train"]["question"], small_benchmark["test"]["question"]
+    assert len(set(train)) == len(train) and len(set(test)) == len(test)
+    assert not set(train) & set(test)
+
+
+def test_benchmark_rows(small_benchmark):
+    for split in small_benchmark.values():
+        assert set(split.column_names) == COLUMNS
+        for row in split:
+            system, example_question, example_answer, question = row["prompt"]
+            assert system == {"role": "system", "content": SYSTEM_PROMPT}
+            assert example_question["role"] == "user" and question == {"role": "user", "content": row["question"]}
+            assert example_answer["role"] == "assistant" and "</answer>" in example_answer["content"]
+            assert row["category"] in SMALL_TASKS and row["difficulty"] in SMALL_TASKS[row["category"]]
+            entry = json.loads(row["rg_entry"])
+            assert entry["question"] == row["question"] and entry["answer"] == row["answer"]
+
+
+def test_worked_examples_are_never_asked(small_benchmark):
+    questions = set(small_benchmark["train"]["question"]) | set(small_benchmark["test"]["question"])
+    for split in small_benchmark.values():
+        examples = {row[1]["content"] for row in split["prompt"]}
+        assert not examples & questions
+
+
+def test_worked_example_reasons_then_answers(small_benchmark):
+    row = next(row for row in small_benchmark["train"] if row["category"] == "chain_sum")
+    reasoning = row["prompt"][2]["content"]
+    assert reasoning.index("=") < reasoning.index("<answer>")
+
+
+def test_gold_answers_score_one_with_the_reasoning_gym_scorer(small_benchmark):
+    test = small_benchmark["test"]
+    completions = [f"<answer>{answer}</answer>" for answer in test["answer"]]
+    assert accuracy_reward(completions, answer=test["answer"], rg_entry=test["rg_entry"]) == [1.0] * len(test)
+
+
+def test_default_benchmark_composition():
+    benchmark = build_reasoning_benchmark()
+    assert len(benchmark["train"]) == 384 and len(benchmark["test"]) == 96
+    assert set(benchmark["test"]["difficulty"]) == set(DIFFICULTIES)
+    assert set(benchmark["test"]["category"]) == set(DEFAULT_TASKS)
+
+
+def test_small_tiers_shrink_with_a_warning(caplog):
+    tasks = {"products": {"simple": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}}
+    with caplog.at_level(logging.WARNING):
+        benchmark = build_reasoning_benchmark(tasks, size=200)
+    assert "distinct" in caplog.text
+    total = len(benchmark["train"]) + len(benchmark["test"])
+    assert total < 100  # 10 x 10 single-digit products, minus the worked examples
+
+
+def test_benchmark_argument_errors():
+    with pytest.raises(ValueError, match="'chain_sum'.*'simple'"):
+        build_reasoning_benchmark({"chain_sum": {"simple": {"no_such_setting": 1}}})
+    with pytest.raises(ValueError, match="size"):
+        build_reasoning_benchmark(SMALL_TASKS, size=4)
+    with pytest.raises(ValueError, match="test_size"):
+        build_reasoning_benchmark(SMALL_TASKS, size=30, test_size=1.0)
+    with pytest.raises(ValueError, match="empty"):
+        build_reasoning_benchmark({})
+
+
+@pytest.fixture(scope="module")
+def labelled():
+    labels = ["a"] * 200 + ["b"] * 100 + ["c"] * 60 + ["d"] * 40
+    return Dataset.from_dict({"row_id": list(range(len(labels))), "label": labels})
+
+
+def _ids(partitions):
+    return [sorted(partition["row_id"]) for partition in partitions]
+
+
+def _mean_max_share(partitions, column="label"):
+    shares = [max(label_histogram(p, column).values()) / len(p) for p in partitions]
+    return sum(shares) / len(shares)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 1.0, float("inf")])
+def test_every_row_is_assigned_exactly_once(labelled, alpha):
+    partitions = dirichlet_partition(labelled, num_clients=4, partition_column="label", alpha=alpha, seed=0)
+    assigned = [row_id for ids in _ids(partitions) for row_id in ids]
+    assert sorted(assigned) == list(range(len(labelled)))
+    assert set(partitions[0].column_names) == {"row_id", "label"}
+
+
+@pytest.mark.parametrize("alpha", [0.05, float("inf")])
+def test_partition_is_deterministic(labelled, alpha):
+    first = dirichlet_partition(labelled, 4, "label", alpha, seed=0)
+    assert _ids(dirichlet_partition(labelled, 4, "label", alpha, seed=0)) == _ids(first)
+    assert _ids(dirichlet_partition(labelled, 4, "label", alpha, seed=1)) != _ids(first)
+
+
+def test_small_alpha_skews_labels(labelled):
+    skewed = [_mean_max_share(dirichlet_partition(labelled, 4, "label", 0.05, seed=s)) for s in range(5)]
+    iid = [_mean_max_share(dirichlet_partition(labelled, 4, "label", float("inf"), seed=s)) for s in range(5)]
+    # The largest label is half the data, so IID clients hold about 50% of it; skewed ones mostly one label.
+    assert max(iid) < 0.65
+    assert sum(skewed) / len(skewed) > sum(iid) / len(iid) + 0.2
+
+
+def test_iid_partition_sizes_differ_by_at_most_one(labelled):
+    sizes = [len(p) for p in dirichlet_partition(labelled, 3, "label", float("inf"), seed=0)]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_min_partition_size_is_respected(labelled):
+    partitions = dirichlet_partition(labelled, 4, "label", 0.5, seed=0, min_partition_size=20)
+    assert min(len(p) for p in partitions) >= 20
+
+
+def test_partition_logs_each_client_histogram(labelled, caplog):
+    with caplog.at_level(logging.INFO, logger="trl_federated.data.partition"):
+        dirichlet_partition(labelled, 2, "label", 1.0, seed=0)
+    assert "Client 0" in caplog.text and "Client 1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"partition_column": "difficulty"}, "'difficulty'"),
+        ({"num_clients": 0}, "num_clients"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"alpha": -1.0}, "alpha"),
+        ({"alpha": float("nan")}, "alpha"),
+        ({"num_clients": 5, "min_partition_size": 100}, "at least 100"),
+        ({"num_clients": 401}, "401 clients"),
+    ],
+)
+def test_partition_argument_errors(labelled, kwargs, message):
+    arguments = {"num_clients": 2, "partition_column": "label", "alpha": 1.0} | kwargs
+    with pytest.raises(ValueError, match=message):
+        dirichlet_partition(labelled, **arguments)
+
+
+def test_unmet_min_partition_size_is_a_clear_error(labelled):
+    with pytest.raises(ValueError, match="No Dirichlet.*min_partition_size"):
+        dirichlet_partition(labelled, 8, "label", 0.01, seed=0, min_partition_size=45)
+
+
+def test_partition_clients_reads_the_federation_settings(labelled):
+    args = SimpleNamespace(num_clients=3, partition_column="label", dirichlet_alpha=0.5, min_partition_size=2, seed=7)
+    expected = dirichlet_partition(labelled, 3, "label", 0.5, seed=7, min_partition_size=2)
+    assert _ids(partition_clients(labelled, args)) == _ids(expected)
+
+
+def test_label_histogram(labelled):
+    assert label_histogram(labelled, "label") == {"a": 200, "b": 100, "c": 60, "d": 40}
+    with pytest.raises(ValueError, match="'nope'"):
+        label_histogram(labelled, "nope")

@@ -1,0 +1,123 @@
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_federated.evaluation import evaluate_accuracy, format_accuracy_table
+
+LABELS = ["hard", "simple", "medium", "simple", "other", "medium", "simple"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    """The tiny model with its matrices redrawn at unit scale.
+
+    At its initial scale its greedy output is the same token for every prompt, which would make a comparison
+    of batched and unbatched generation vacuous.
+    """
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, 1.0)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def eval_dataset():
+    # Prompts of different lengths, so that batches really are padded.
+    prompts = [[{"role": "user", "content": "What is 1 + " + "1 + " * index + "1?"}] for index in range(len(LABELS))]
+    answers = [str(index + 2) for index in range(len(LABELS))]
+    return Dataset.from_dict({"prompt": prompts, "answer": answers, "difficulty": LABELS})
+
+
+def recording_reward():
+    """A reward that varies on random text (the parity of its code points) and remembers what it scored."""
+    seen = []
+
+    def reward(completions, answer, **kwargs):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        seen.extend(texts)
+        return [float(sum(map(ord, text)) % 2) for text in texts]
+
+    reward.completions = seen
+    return reward
+
+
+def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
+    model, tokenizer = model_and_tokenizer
+    results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=6)
+    assert list(results) == ["accuracy", "count"]
+    assert list(results["accuracy"]) == ["simple", "medium", "hard", "other", "Total"]
+    assert results["count"] == {"simple": 3, "medium": 2, "hard": 1, "other": 1, "Total": 7}
+    assert sum(count for label, count in results["count"].items() if label != "Total") == results["count"]["Total"]
+    assert all(0.0 <= value <= 1.0 for value in results["accuracy"].values())
+    assert results["accuracy"]["Total"] == 0.0  # a random model never writes a correct tagged answer
+
+
+def test_batching_does_not_change_greedy_results(model_and_tokenizer, eval_dataset):
+    model, tokenizer = model_and_tokenizer
+    one_by_one, batched = recording_reward(), recording_reward()
+    single = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=1, max_new_tokens=8, reward_func=one_by_one)
+    together = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=4, max_new_tokens=8, reward_func=batched)
+    assert len(set(one_by_one.completions)) == len(eval_dataset)  # one distinct completion per prompt
+    assert batched.completions == one_by_one.completions
+    assert together == single
+    assert 0.0 < single["accuracy"]["Total"] < 1.0  # the recording reward really varies
+
+
+def test_model_and_tokenizer_state_is_restored(model_and_tokenizer, eval_dataset):
+    model, tokenizer = model_and_tokenizer
+    model.train()
+    tokenizer.padding_side = "right"
+    evaluate_accuracy(model, tokenizer, eval_dataset.select(range(2)), max_new_tokens=2)
+    assert model.training and tokenizer.padding_side == "right"
+    model.eval()
+    evaluate_accuracy(model, tokenizer, eval_dataset.select(range(2)), max_new_tokens=2)
+    assert not model.training
+
+
+def test_peft_model(tiny_model_dir, eval_dataset):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    results = evaluate_accuracy(model, tokenizer, eval_dataset, label_column="answer", batch_size=4, max_new_tokens=4)
+    assert results["count"]["Total"] == len(eval_dataset)
+
+
+def test_plain_text_prompts(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    dataset = Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 ="], "answer": ["2", "4"], "difficulty": ["simple"] * 2})
+    reward = recording_reward()
+    results = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=3, reward_func=reward)
+    assert results["count"] == {"simple": 2, "Total": 2} and len(reward.completions) == 2
+
+
+def test_missing_columns_are_named(model_and_tokenizer, eval_dataset):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match="'category'"):
+        evaluate_accuracy(model, tokenizer, eval_dataset, label_column="category")
+    with pytest.raises(ValueError, match="'prompt'"):
+        evaluate_accuracy(model, tokenizer, eval_dataset.rename_column("prompt", "messages"))
+
+
+def test_accuracy_table():
+    results = {
+        "Before training": {"accuracy": {"hard": 0.0, "simple": 0.5, "medium": 0.25, "Total": 0.25}, "count": {}},
+        "Round 3": {"accuracy": {"simple": 0.875, "medium": 1 / 3, "hard": 0.125, "Total": 0.4444}},
+    }
+    assert format_accuracy_table(results).splitlines() == [
+        "| | simple | medium | hard | Total |",
+        "|---|---:|---:|---:|---:|",
+        "| Before training | 50.00 | 25.00 | 0.00 | 25.00 |",
+        "| Round 3 | 87.50 | 33.33 | 12.50 | 44.44 |",
+    ]
+
+
+def test_accuracy_table_with_chosen_labels_and_missing_values():
+    results = {"A": {"chain_sum": 0.5, "gcd": 0.1, "Total": 0.3}, "B": {"chain_sum": 1.0, "Total": 1.0}}
+    table = format_accuracy_table(results, labels=["gcd", "chain_sum"]).splitlines()
+    assert table[0] == "| | gcd | chain_sum | Total |"
+    assert table[2:] == ["| A | 10.00 | 50.00 | 30.00 |", "| B | - | 100.00 | 100.00 |"]

@@ -1,0 +1,151 @@
+"""Held-out accuracy per label, and the paper's Table 1 layout to report it.
+
+Evaluation is greedy, so numbers are reproducible and comparable across rounds and runs; it is batched with
+left padding (generation appends on the right, so every prompt must end at the same position). The default
+scorer is the training reward, so what is reported is what is optimised.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .data.reasoning_gym import DIFFICULTIES
+from .rewards import accuracy_reward
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+logger = logging.getLogger(__name__)
+
+TOTAL = "Total"
+"""The key of the all-rows entry in evaluation results and the last column of accuracy tables."""
+
+RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def _ordered_labels(labels: Iterable[str]) -> list[str]:
+    """The difficulty tiers first in their natural order (simple, medium, hard), then the rest sorted."""
+    labels = set(labels) - {TOTAL}
+    return [tier for tier in DIFFICULTIES if tier in labels] + sorted(labels - set(DIFFICULTIES))
+
+
+def _render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> tuple[list[str], bool]:
+    """Prompt texts ready to tokenize, and whether they came from conversations (TRL's two prompt formats)."""
+    conversational = isinstance(prompts[0], list)
+    if not conversational:
+        return list(prompts), False
+    texts = [tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) for prompt in prompts]
+    return texts, True
+
+
+def evaluate_accuracy(
+    model: PreTrainedModel | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    label_column: str = "difficulty",
+    batch_size: int = 16,
+    max_new_tokens: int = 64,
+    reward_func: RewardFunc = accuracy_reward,
+) -> dict[str, dict[str, float | int]]:
+    """Greedy-decode every prompt of `dataset` and report the mean reward per value of `label_column`.
+
+    Args:
+        model: a causal LM, or a `PeftModel` wrapping one. Put in eval mode for the duration and returned to
+            training mode afterwards if it was in it.
+        tokenizer: its tokenizer; its `padding_side` is set to `"left"` for the duration and then restored.
+        dataset: rows with a `prompt` column (a conversation or a plain string) and `label_column`. Its other
+            columns (e.g. `answer`, `rg_entry`) are passed to `reward_func` as keyword lists, as TRL does.
+        label_column: the column to break accuracy down by.
+        batch_size: prompts generated together. Greedy decoding with left padding gives the same completions
+            for any batch size, up to floating-point ties.
+        max_new_tokens: the generation budget per prompt; a completion cut off before closing its answer tag
+            scores 0 with the default reward.
+        reward_func: a TRL-style reward function; with the binary `accuracy_reward` the mean reward is the
+            accuracy. A `None` reward (TRL's "not applicable") counts as 0.
+
+    Returns:
+        `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows}}`,
+        labels in the order simple, medium, hard, then the others sorted.
+    """
+    for column in ("prompt", label_column):
+        if column not in dataset.column_names:
+            raise ValueError(f"The evaluation dataset has no column {column!r} (columns: {dataset.column_names}).")
+    if len(dataset) == 0:
+        raise ValueError("The evaluation dataset is empty.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+
+    reward_columns = [column for column in dataset.column_names if column != "prompt"]
+    rewards: list[float] = []
+    was_training = model.training
+    padding_side = tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    try:
+        for start in range(0, len(dataset), batch_size):
+            batch = dataset[start : start + batch_size]
+            texts, conversational = _render_prompts(tokenizer, batch["prompt"])
+            # A chat template writes its own special tokens; a plain prompt gets the tokenizer's usual ones.
+            inputs = tokenizer(
+                texts, return_tensors="pt", padding=True, add_special_tokens=not conversational
+            ).to(model.device)
+            with torch.inference_mode():
+                output_ids = model.generate(
+                    **inputs,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            texts = tokenizer.batch_decode(output_ids[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+            columns = {column: batch[column] for column in reward_columns}
+            values = reward_func(prompts=batch["prompt"], completions=completions, **columns)
+            rewards.extend(0.0 if value is None else float(value) for value in values)
+    finally:
+        tokenizer.padding_side = padding_side
+        if was_training:
+            model.train()
+
+    per_label: dict[str, list[float]] = defaultdict(list)
+    for label, reward in zip(dataset[label_column], rewards, strict=True):
+        per_label[str(label)].append(reward)
+    labels = _ordered_labels(per_label)
+    accuracy: dict[str, float | int] = {label: sum(per_label[label]) / len(per_label[label]) for label in labels}
+    count: dict[str, float | int] = {label: len(per_label[label]) for label in labels}
+    accuracy[TOTAL] = sum(rewards) / len(rewards)
+    count[TOTAL] = len(rewards)
+    logger.info("Accuracy by %s: %s", label_column, {label: round(value, 4) for label, value in accuracy.items()})
+    return {"accuracy": accuracy, "count": count}
+
+
+def format_accuracy_table(results: dict[str, dict[str, Any]], labels: list[str] | None = None) -> str:
+    """Render evaluation results as a Markdown table laid out like the paper's Table 1.
+
+    Args:
+        results: row name (e.g. `"Before training"`, `"Round 3"`) -> an `evaluate_accuracy` result, or
+            directly its `"accuracy"` mapping. Rows keep the order of `results`.
+        labels: the label columns to show, in order; by default every label found, tiers first. A `Total`
+            column always comes last.
+
+    Returns:
+        The table as Markdown; accuracies in percent with two decimals, `-` where a row lacks a label.
+    """
+    accuracies = {name: result.get("accuracy", result) for name, result in results.items()}
+    if labels is None:
+        labels = _ordered_labels(label for accuracy in accuracies.values() for label in accuracy)
+    columns = [label for label in labels if label != TOTAL] + [TOTAL]
+    lines = [
+        "| | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for name, accuracy in accuracies.items():
+        cells = [f"{100 * accuracy[column]:.2f}" if column in accuracy else "-" for column in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

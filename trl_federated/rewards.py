@@ -1,0 +1,194 @@
+"""Answer extraction and the rewards used for federated GRPO.
+
+The paper trains with a binary correctness reward: 1.0 when the answer the model puts inside
+`<answer></answer>` matches the reference, else 0.0. Rows built by `trl_federated.data` carry their
+reasoning-gym entry (column `rg_entry`), and are scored by that task's own scorer, so that "7" and "7.0", or
+"1,000" and "1000", count the same way reasoning-gym counts them. Other rows (e.g. paper math datasets) go
+through a fast exact/numeric comparison and then `math_verify`.
+
+Every reward here follows TRL's reward-function signature (`completions` plus the dataset columns as keyword
+lists), never raises on malformed model output, and declares the interval its values lie in as a
+`reward_range` attribute, which the federated server uses to reject out-of-range client rewards.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_OPEN_RE = re.compile("<answer>", re.IGNORECASE)
+_CLOSE_RE = re.compile("</answer>", re.IGNORECASE)
+# A pair with no other opening tag inside, so that nested tags yield the innermost content.
+_PAIR_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.IGNORECASE | re.DOTALL)
+_THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
+
+Completion = str | list[dict[str, Any]]
+
+
+def extract_answer(text: str) -> str | None:
+    """Return the stripped content of the last complete `<answer>...</answer>` pair in `text`, or `None`.
+
+    The last pair wins: a model that corrects itself states its final answer last. Tags are matched
+    case-insensitively; with nested tags (`<answer><answer>5</answer></answer>`) the innermost content is
+    returned. An opening tag that is never closed is not an answer: the paper's format requires the pair,
+    and a truncated generation should not be rewarded for what it had written so far.
+
+    Args:
+        text: a completion as plain text.
+
+    Returns:
+        The answer with surrounding whitespace removed (possibly the empty string for `<answer> </answer>`),
+        or `None` when `text` holds no complete pair.
+    """
+    if not isinstance(text, str):
+        return None
+    answers = _PAIR_RE.findall(text)
+    return answers[-1].strip() if answers else None
+
+
+def completion_text(completion: Completion) -> str:
+    """The text of one completion, whether TRL passes it as a string or as a list of chat messages.
+
+    For conversational completions this is the content of the last message; multimodal content given as a
+    list of parts is reduced to its text parts.
+    """
+    if isinstance(completion, str):
+        return completion
+    if not completion:
+        return ""
+    content = completion[-1].get("content", "")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _normalise(text: str) -> str:
+    """Strip whitespace, `$` delimiters, a trailing full stop and thousands separators."""
+    text = text.strip().strip("$").strip()
+    text = text.removesuffix(".").strip()
+    if _THOUSANDS_RE.match(text):
+        text = text.replace(",", "")
+    return text
+
+
+def _as_decimal(text: str) -> Decimal | None:
+    try:
+        value = Decimal(text)
+    except (InvalidOperation, ValueError):
+        return None
+    return value if value.is_finite() else None
+
+
+def _math_verify_equal(prediction: str, gold: str) -> bool:
+    """Symbolic comparison with `math_verify`, trying the prediction both raw and as inline LaTeX.
+
+    `math_verify` times out with `signal.alarm`, which only works in the main thread; elsewhere (e.g. a
+    Flower or Ray worker thread) it runs without a timeout instead of raising.
+    """
+    from math_verify import parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_text = gold if ("$" in gold or "\\boxed" in gold) else f"${gold}$"
+    gold_parsed = parse(gold_text, parsing_timeout=timeout)
+    if not gold_parsed:
+        return False
+    for candidate in (prediction, f"${prediction}$"):
+        parsed = parse(candidate, parsing_timeout=timeout)
+        if parsed and verify(gold_parsed, parsed, timeout_seconds=timeout):
+            return True
+    return False
+
+
+def answers_match(prediction: str, gold: str) -> bool:
+    """Whether `prediction` states the same answer as `gold`, without reasoning-gym metadata.
+
+    Exact match after light normalisation, then numeric equality (`"7"` == `"7.0"`, `"1,000"` == `"1000"`),
+    then `math_verify` for LaTeX and symbolic answers (`"\\frac{1}{2}"` == `"0.5"`).
+    """
+    prediction, gold = _normalise(prediction), _normalise(gold)
+    if not prediction or not gold:
+        return False
+    if prediction == gold:
+        return True
+    prediction_number, gold_number = _as_decimal(prediction), _as_decimal(gold)
+    if prediction_number is not None and gold_number is not None:
+        return prediction_number == gold_number
+    return _math_verify_equal(prediction, gold)
+
+
+@functools.cache
+def _reasoning_gym_scorer(task_name: str) -> Callable[[str | None, dict[str, Any]], float]:
+    """The `score_answer` of a reasoning-gym task, built once per task (scorers do not depend on the seed)."""
+    from reasoning_gym.factory import get_score_answer_fn
+
+    return get_score_answer_fn(task_name)
+
+
+def _is_correct(completion: Completion, gold: Any, rg_entry: str | dict[str, Any] | None) -> bool:
+    """Whether the completion's tagged answer is right.
+
+    Errors while scoring what the model wrote count as wrong answers; a malformed `rg_entry` (a bug in the
+    dataset, not in the model's output) raises.
+    """
+    prediction = extract_answer(completion_text(completion))
+    if prediction is None or gold is None:
+        return False
+    scorer = None
+    if rg_entry:
+        entry = json.loads(rg_entry) if isinstance(rg_entry, str) else rg_entry
+        scorer = _reasoning_gym_scorer(entry["metadata"]["source_dataset"])
+    try:
+        if scorer is not None:
+            # Binary, as in the paper: reasoning-gym's partial credit does not count as correct.
+            return scorer(prediction, entry) >= 1.0
+        return answers_match(prediction, str(gold))
+    except Exception:  # a reward must never take a training step down because of what the model wrote
+        logger.debug("Scoring failed for prediction %r against %r", prediction, gold, exc_info=True)
+        return False
+
+
+def accuracy_reward(
+    completions: Sequence[Completion], answer: Sequence[Any], rg_entry: Sequence[Any] | None = None, **kwargs: Any
+) -> list[float]:
+    """The paper's binary correctness reward: 1.0 when the tagged answer matches the reference, else 0.0.
+
+    Args:
+        completions: one completion per sample, as text or as a list of chat messages.
+        answer: the reference answer of each sample (the dataset's `answer` column).
+        rg_entry: the JSON reasoning-gym entry of each sample, when the dataset carries one; rows with it are
+            scored by the task's own scorer, the others by `answers_match`.
+        **kwargs: the other dataset columns and TRL's extra arguments, ignored.
+
+    Returns:
+        One reward in `accuracy_reward.reward_range` per completion. A completion with no complete
+        `<answer></answer>` pair scores 0.0.
+    """
+    entries = rg_entry if rg_entry is not None else [None] * len(completions)
+    return [float(_is_correct(c, gold, entry)) for c, gold, entry in zip(completions, answer, entries, strict=True)]
+
+
+def format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float]:
+    """1.0 for a completion holding exactly one well-formed, non-empty `<answer>...</answer>` pair, else 0.0.
+
+    An optional shaping reward: it rewards the answer format that the correctness reward depends on, which
+    helps small models that have not yet learnt to close the tag.
+    """
+    rewards = []
+    for completion in completions:
+        text = completion_text(completion)
+        opens, closes = _OPEN_RE.findall(text), _CLOSE_RE.findall(text)
+        well_formed = len(opens) == 1 and len(closes) == 1 and bool(extract_answer(text))
+        rewards.append(float(well_formed))
+    return rewards
+
+
+accuracy_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
+format_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
