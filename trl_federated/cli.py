@@ -6,19 +6,23 @@ Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import yaml
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from .config import FedGRPOConfig
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 
 logger = logging.getLogger("trl_federated")
 
 REWARD_FUNCTIONS = ("accuracy", "format")
+CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
 
 
 @dataclass
@@ -41,6 +45,14 @@ class BenchmarkArguments:
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many test items (None: the whole test split)."}
     )
+    algorithm: str = field(
+        default="grpo",
+        metadata={
+            "help": "Local RL algorithm: 'grpo' (FedGRPOConfig), 'dapo' (FedDAPOConfig) or 'gspo' (FedGSPOConfig); "
+            "it picks the recipe defaults, which explicit keys still override.",
+            "choices": list(CONFIG_CLASSES),
+        },
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
         metadata={"help": f"Reward functions, among {REWARD_FUNCTIONS}: 'accuracy' is the paper's binary reward."},
@@ -50,7 +62,6 @@ class BenchmarkArguments:
 def load_benchmark(data_args: BenchmarkArguments):
     """The train and test splits named by `data_args`."""
     from datasets import load_dataset, load_from_disk
-    from pathlib import Path
 
     from .data import build_reasoning_benchmark
 
@@ -76,6 +87,35 @@ def reward_functions(names: list[str]):
     return [available[name] for name in names]
 
 
+def config_class(argv: list[str]) -> type[FedGRPOConfig]:
+    """The config dataclass named by `--algorithm` (or `algorithm:` in the `--config` YAML), read before parsing
+    because the recipe decides the defaults of the other fields."""
+    algorithm = "grpo"
+    if "--config" in argv[:-1]:
+        with open(argv[argv.index("--config") + 1], encoding="utf-8") as stream:
+            algorithm = (yaml.safe_load(stream) or {}).get("algorithm", algorithm)
+    if "--algorithm" in argv[:-1]:
+        algorithm = argv[argv.index("--algorithm") + 1]
+    if algorithm not in CONFIG_CLASSES:
+        raise ValueError(f"`algorithm` must be one of {list(CONFIG_CLASSES)}, got {algorithm!r}.")
+    return CONFIG_CLASSES[algorithm]
+
+
+def write_result(path: Path, runner, wall_time: float) -> None:
+    """`result.json`, written last and atomically: its presence marks a finished run (the harness relies on it)."""
+    result = {
+        "wall_time": wall_time,
+        "evaluations": {str(idx): value for idx, value in sorted(runner.evaluations.items())},
+        "rounds": [
+            {key: getattr(record, key) for key in ("round_idx", "rewards", "gains", "weights", "temperature", "bytes_sent")}
+            for record in runner.history
+        ],
+    }
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    temporary.replace(path)
+
+
 def run(argv: list[str]) -> int:
     """Federate GRPO on the configured model and benchmark; write adapters, metrics, summary and plots."""
     from .data import partition_clients
@@ -83,7 +123,7 @@ def run(argv: list[str]) -> int:
     from .reporting import ReportCallback
     from .runner import FederatedRunner, default_lora_config
 
-    parser = TrlParser((FedGRPOConfig, ModelConfig, BenchmarkArguments), prog="trl-federated run")
+    parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run")
     args, model_args, data_args = parser.parse_args_and_config(argv)
     start = time.perf_counter()
     rewards = reward_functions(data_args.reward_funcs)
@@ -95,7 +135,7 @@ def run(argv: list[str]) -> int:
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
         f"{args.num_clients} clients (Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
-        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
+        f"{data_args.algorithm.upper()} locally, aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
         f"{len(train)} train / {len(test)} test items."
     )
     report = ReportCallback(args.output_dir, header=header)
@@ -105,13 +145,21 @@ def run(argv: list[str]) -> int:
     )
     runner.run()
     if runner.is_main_process:
+        write_result(Path(args.output_dir) / "result.json", runner, time.perf_counter() - start)
         summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
         print(summary)
         print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
     return 0
 
 
-COMMANDS = {"run": run}
+def compare(argv: list[str]) -> int:
+    """Methods × seeds grid with resumable cells; see `trl_federated.compare`."""
+    from .compare import main as compare_main
+
+    return compare_main(argv)
+
+
+COMMANDS = {"run": run, "compare": compare}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,189 @@
+"""Comparison harness: methods × seeds (× clients × Dirichlet μ) on the same partitions and local-step budget.
+
+Every cell is one `trl-federated run` in its own process, in its own folder; a cell whose `result.json` exists
+is finished and skipped, so an interrupted grid resumes where it stopped. The tables follow the paper's layout:
+Table 1 (per-split accuracy, mean ± std over seeds) and Table 3 (each GRPO variant with and without RPG).
+
+    trl-federated compare --config examples/configs/quickstart.yaml --methods fgrpo fedavg --seeds 0 1 \
+        --output_dir outputs/compare [--num_clients 3 5 10] [--dirichlet_alpha 0.05 1 inf] [--key value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Each method is a set of config overrides on the shared base config (and, for DAPO/GSPO, a config class).
+METHODS: dict[str, dict[str, str]] = {
+    "fgrpo": {"aggregation": "rpg", "server_optimizer": "adam"},
+    "fgrpo-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
+    "fedavg": {"aggregation": "fedavg", "server_optimizer": "sgd"},
+    "fedprox": {"aggregation": "fedprox", "server_optimizer": "sgd"},
+    "scaffold": {"aggregation": "scaffold", "server_optimizer": "sgd"},
+    "fdapo": {"algorithm": "dapo", "aggregation": "rpg", "server_optimizer": "adam"},
+    "fdapo-wo-rpg": {"algorithm": "dapo", "aggregation": "fedavg", "server_optimizer": "adam"},
+    "fgspo": {"algorithm": "gspo", "aggregation": "rpg", "server_optimizer": "adam"},
+    "fgspo-wo-rpg": {"algorithm": "gspo", "aggregation": "fedavg", "server_optimizer": "adam"},
+}
+# Table 3 pairs: (with RPG, without RPG)
+ABLATIONS = {"FGRPO": ("fgrpo", "fgrpo-wo-rpg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg")}
+
+
+@dataclass(frozen=True)
+class Cell:
+    method: str
+    seed: int
+    num_clients: int | None
+    dirichlet_alpha: str | None
+
+    @property
+    def setting(self) -> str:
+        parts = [f"N={self.num_clients}" if self.num_clients else "", f"mu={self.dirichlet_alpha}" if self.dirichlet_alpha else ""]
+        return ",".join(part for part in parts if part) or "base"
+
+    def directory(self, root: Path) -> Path:
+        return root / self.setting.replace("=", "").replace(",", "-") / self.method / f"seed{self.seed}"
+
+    def overrides(self) -> list[str]:
+        values = {**METHODS[self.method], "seed": str(self.seed)}
+        if self.num_clients:
+            values["num_clients"] = str(self.num_clients)
+        if self.dirichlet_alpha:
+            values["dirichlet_alpha"] = self.dirichlet_alpha
+        return [token for key, value in values.items() for token in (f"--{key}", value)]
+
+
+def run_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> Path:
+    """Run one cell unless its `result.json` already exists; return its folder."""
+    directory = cell.directory(root)
+    if (directory / "result.json").exists():
+        print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: done, skipped", flush=True)
+        return directory
+    print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: running", flush=True)
+    command = [sys.executable, "-m", "trl_federated.cli", "run", "--config", config, *extra, *cell.overrides(),
+               "--output_dir", str(directory)]
+    subprocess.run(command, check=True)
+    return directory
+
+
+def load_result(directory: Path) -> dict:
+    return json.loads((directory / "result.json").read_text(encoding="utf-8"))
+
+
+def final_accuracy(result: dict) -> dict[str, float]:
+    evaluations = result["evaluations"]
+    return evaluations[max(evaluations, key=int)]["accuracy"]
+
+
+def mean_std(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{100 * values[0]:.2f}"
+    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.stdev(values):.2f}"
+
+
+def table1(results: dict[Cell, dict]) -> tuple[str, list[list[str]]]:
+    """Per-split final accuracy (%) by setting and method, mean ± std over seeds (the paper's Table 1)."""
+    labels: list[str] = []
+    for result in results.values():
+        labels += [label for label in final_accuracy(result) if label not in labels]
+    labels = [label for label in labels if label != "Total"] + ["Total"]
+    groups: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for cell, result in results.items():
+        groups.setdefault((cell.setting, cell.method), []).append(final_accuracy(result))
+    header = ["Setting", "Method", *labels, "Seeds"]
+    rows = [
+        [setting, method, *[mean_std([acc.get(label, float("nan")) for acc in accs]) for label in labels], str(len(accs))]
+        for (setting, method), accs in sorted(groups.items(), key=lambda item: (item[0][0], list(METHODS).index(item[0][1])))
+    ]
+    return markdown(header, rows), [header, *rows]
+
+
+def table3(results: dict[Cell, dict]) -> tuple[str, list[list[str]]]:
+    """Total accuracy (%) of each GRPO variant with and without RPG weighting (the paper's Table 3)."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for cell, result in results.items():
+        totals.setdefault((cell.setting, cell.method), []).append(final_accuracy(result)["Total"])
+    header = ["Setting", "Variant", "w/ RPG", "w/o RPG"]
+    rows = []
+    for setting in sorted({setting for setting, _ in totals}):
+        for variant, (with_rpg, without_rpg) in ABLATIONS.items():
+            if (setting, with_rpg) in totals or (setting, without_rpg) in totals:
+                rows.append([
+                    setting, variant,
+                    *[mean_std(totals[(setting, m)]) if (setting, m) in totals else "-" for m in (with_rpg, without_rpg)],
+                ])
+    return markdown(header, rows), [header, *rows]
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def plot(results: dict[Cell, dict], root: Path) -> None:
+    """Mean client reward per round and test accuracy per round, one line per method (averaged over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for setting in sorted({cell.setting for cell in results}):
+        figure, (reward_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
+        for method in METHODS:
+            cells = [cell for cell in results if cell.setting == setting and cell.method == method]
+            if not cells:
+                continue
+            rewards = [[statistics.mean(r["rewards"].values()) for r in results[c]["rounds"]] for c in cells]
+            reward_axis.plot(range(1, len(rewards[0]) + 1), [statistics.mean(v) for v in zip(*rewards)], marker="o", label=method)
+            rounds = sorted(results[cells[0]]["evaluations"], key=int)
+            accuracy = [[results[c]["evaluations"][r]["accuracy"]["Total"] for r in rounds] for c in cells]
+            accuracy_axis.plot([int(r) + 1 for r in rounds], [100 * statistics.mean(v) for v in zip(*accuracy)], marker="o", label=method)
+        reward_axis.set(xlabel="round", ylabel="mean client R̄", title=f"Reward per round ({setting})")
+        accuracy_axis.set(xlabel="round (0 = before training)", ylabel="test accuracy (%)", title="Accuracy per round")
+        reward_axis.legend(fontsize="small")
+        figure.tight_layout()
+        figure.savefig(root / f"curves-{setting.replace('=', '').replace(',', '-')}.png", dpi=110)
+        plt.close(figure)
+
+
+def write_tables(results: dict[Cell, dict], root: Path) -> str:
+    text1, rows1 = table1(results)
+    text3, rows3 = table3(results)
+    for name, rows in (("table1.csv", rows1), ("table3.csv", rows3)):
+        with (root / name).open("w", newline="", encoding="utf-8") as stream:
+            csv.writer(stream).writerows(rows)
+    report = f"# Comparison\n\n## Table 1: accuracy (%)\n\n{text1}\n\n## Table 3: with and without RPG\n\n{text3}\n"
+    (root / "comparison.md").write_text(report, encoding="utf-8")
+    plot(results, root)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trl-federated compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="Base YAML config shared by every cell.")
+    parser.add_argument("--output_dir", required=True, help="Grid folder; cells already finished there are skipped.")
+    parser.add_argument("--methods", nargs="+", default=["fgrpo", "fedavg"], choices=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--num_clients", nargs="+", type=int, default=[None], help="e.g. 3 5 10")
+    parser.add_argument("--dirichlet_alpha", nargs="+", default=[None], help="e.g. 0.05 1 inf")
+    args, extra = parser.parse_known_args(argv)
+    root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    cells = [
+        Cell(method, seed, num_clients, alpha)
+        for num_clients, alpha, method, seed in itertools.product(args.num_clients, args.dirichlet_alpha, args.methods, args.seeds)
+    ]
+    results = {cell: load_result(run_cell(cell, args.config, root, extra)) for cell in cells}
+    print(write_tables(results, root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
