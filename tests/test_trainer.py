@@ -5,7 +5,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
-from conftest import length_reward
+from conftest import FAST_GRPO, length_reward
 from trl_federated import FedGRPOTrainer
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
@@ -13,21 +13,7 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAU
 
 
 def grpo_args(tmp_path, config_class=GRPOConfig, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
-        learning_rate=1e-2,
-        logging_steps=1,
-        max_steps=4,
-        seed=7,
-        disable_tqdm=True,
-    )
+    values = dict(FAST_GRPO, output_dir=str(tmp_path), max_steps=4, seed=7, disable_tqdm=True)
     values.update(overrides)
     return config_class(**values)
 

@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from conftest import length_reward
+from conftest import FAST_GRPO, length_reward
 from trl_federated import FedGRPOConfig, FederatedRunner, FedGRPOTrainer
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
 from trl_federated.config import FedDAPOConfig, FedGSPOConfig
@@ -63,9 +63,7 @@ def test_dapo_and_gspo_recipes():
 @pytest.mark.parametrize("aggregation", ["rpg", "fedavg"])
 def test_variant_trains_one_federated_round(tmp_path, tiny_model_dir, tiny_tokenizer, config_class, aggregation):
     args = config_class(
-        output_dir=str(tmp_path), bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=12, learning_rate=1e-2,
-        num_rounds=1, local_steps=2, reward_window=2, aggregation=aggregation, server_optimizer="adam",
+        **FAST_GRPO, output_dir=str(tmp_path), num_rounds=1, local_steps=2, reward_window=2, aggregation=aggregation, server_optimizer="adam",
     )
     clients = [PROMPTS.select(range(0, 8)), PROMPTS.select(range(8, 16))]
     runner = FederatedRunner(
