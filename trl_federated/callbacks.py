@@ -15,7 +15,8 @@ from transformers import TrainerCallback
 class RoundRecord:
     """What happened in one round; `FederatedRunner.run()` returns one per round.
 
-    Per-client dicts are keyed by client id and hold only the clients that reported this round.
+    Per-client dicts are keyed by client id and hold only the clients whose updates were aggregated this round;
+    `dropped` holds the others (a client that raised, timed out or sent an invalid update) with the reason.
     """
 
     round_idx: int
@@ -27,6 +28,7 @@ class RoundRecord:
     bytes_received: dict[str, int] = field(default_factory=dict)  # global adapter sent to the client
     bytes_sent: dict[str, int] = field(default_factory=dict)  # client update sent to the server
     client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
     evaluation: dict[str, Any] | None = None
     wall_time: float = 0.0
 
@@ -47,8 +49,17 @@ class RoundCallback(TrainerCallback):
     def on_client_end(self, args, round_idx: int, update, **kwargs):
         """After client `update.client_id` reported its `ClientUpdate` (adapter, R̄, metrics)."""
 
+    def on_client_dropped(self, args, round_idx: int, client_id: str, kind: str, reason: str, **kwargs):
+        """Client `client_id` is left out of round `round_idx`: `kind` is 'error', 'timeout' or 'invalid_update'."""
+
     def on_round_end(self, args, record: RoundRecord, **kwargs):
         """After aggregation: `record` holds R̄, h, ω, τ, bytes and metrics of the round."""
+
+    def on_resume(
+        self, args, round_idx: int, history: list[RoundRecord], evaluations: dict[int, dict[str, Any]], **kwargs
+    ):
+        """A checkpoint of round `round_idx` was restored and the run goes on with the next round; `history` and
+        `evaluations` are what the interrupted run had recorded up to it."""
 
     def on_evaluate_round(self, args, round_idx: int, results: dict[str, Any], **kwargs):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
@@ -64,8 +75,22 @@ def _json_safe(value):
     return value
 
 
+def _round_of(line: str) -> float:
+    """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore."""
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return math.inf
+    value = event.get("round", event.get("round_idx"))
+    return -math.inf if value is None else value
+
+
 class MetricsLoggerCallback(RoundCallback):
-    """Appends one JSON line per client report, round and evaluation to `output_dir/metrics.jsonl`."""
+    """Appends one JSON line per client report, dropped client, round and evaluation to `output_dir/metrics.jsonl`.
+
+    On resume it first removes the lines of the rounds after the checkpoint, which the interrupted run may have
+    begun and the resumed run repeats, so the log reads like an uninterrupted run's plus a `resumed` line.
+    """
 
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -87,8 +112,20 @@ class MetricsLoggerCallback(RoundCallback):
             },
         )
 
+    def on_client_dropped(self, args, round_idx, client_id, kind, reason, **kwargs):
+        self._write("client_dropped", {"round": round_idx, "client_id": client_id, "kind": kind, "reason": reason})
+
     def on_round_end(self, args, record, **kwargs):
         self._write("round", record.to_dict())
+
+    def on_resume(self, args, round_idx, history, evaluations, **kwargs):
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = [line for line in lines if _round_of(line) <= round_idx]
+            temporary = self.path.with_suffix(".jsonl.tmp")
+            temporary.write_text("".join(kept), encoding="utf-8")
+            temporary.replace(self.path)
+        self._write("resumed", {"checkpoint_round": round_idx})
 
     def on_evaluate_round(self, args, round_idx, results, **kwargs):
         self._write("evaluation", {"round": round_idx, **results})

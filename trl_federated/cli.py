@@ -118,6 +118,9 @@ def write_result(path: Path, runner, wall_time: float) -> None:
 
 def run(argv: list[str]) -> int:
     """Federate GRPO on the configured model and benchmark; write adapters, metrics, summary and plots."""
+    from accelerate import PartialState
+
+    from .checkpoint import prepare_output_dir
     from .data import partition_clients
     from .models import load_model_and_tokenizer
     from .reporting import ReportCallback
@@ -125,6 +128,8 @@ def run(argv: list[str]) -> int:
 
     parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run")
     args, model_args, data_args = parser.parse_args_and_config(argv)
+    # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
+    prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
     rewards = reward_functions(data_args.reward_funcs)
     train, test = load_benchmark(data_args)

@@ -1,7 +1,8 @@
 """Comparison harness: methods × seeds (× clients × Dirichlet μ) on the same partitions and local-step budget.
 
 Every cell is one `trl-federated run` in its own process, in its own folder; a cell whose `result.json` exists
-is finished and skipped, so an interrupted grid resumes where it stopped. The tables follow the paper's layout:
+is finished and skipped, and an interrupted cell resumes from its last round checkpoint, so an interrupted grid
+resumes where it stopped. The tables follow the paper's layout:
 Table 1 (per-split accuracy, mean ± std over seeds) and Table 3 (each GRPO variant with and without RPG).
 
     trl-federated compare --config examples/configs/quickstart.yaml --methods fgrpo fedavg --seeds 0 1 \
@@ -61,14 +62,19 @@ class Cell:
 
 
 def run_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> Path:
-    """Run one cell unless its `result.json` already exists; return its folder."""
+    """Run one cell unless its `result.json` already exists, from its last checkpoint if it has one (else afresh,
+    over whatever an interrupted first round left); return its folder."""
+    from .checkpoint import list_checkpoints  # torch and PEFT, which the harness itself does not need
+
     directory = cell.directory(root)
     if (directory / "result.json").exists():
         print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: done, skipped", flush=True)
         return directory
-    print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: running", flush=True)
+    resume = list_checkpoints(directory)
+    print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: {'resuming' if resume else 'running'}", flush=True)
+    start = ["--resume_from_checkpoint", "true"] if resume else ["--overwrite_output_dir", "true"]
     command = [sys.executable, "-m", "trl_federated.cli", "run", "--config", config, *extra, *cell.overrides(),
-               "--output_dir", str(directory)]
+               "--output_dir", str(directory), *start]
     subprocess.run(command, check=True)
     return directory
 

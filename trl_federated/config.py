@@ -85,6 +85,32 @@ class FedGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Save the global adapter of every round under output_dir/round-<t> (PEFT layout)."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds another run: that run's metrics.jsonl, result.json, "
+            "checkpoint-<t> and round-<t> folders are deleted first. Without it such an output_dir is an error, "
+            "unless `resume_from_checkpoint` continues that run."
+        },
+    )
+
+    # Failing clients
+    min_clients_per_round: int = field(
+        default=1,
+        metadata={
+            "help": "Fewest clients whose updates must be accepted for a round to aggregate. A client that raises, "
+            "exceeds `client_timeout` or sends an invalid update is dropped from its round; with fewer than this "
+            "many left the run stops with an error, and the last checkpoint stays intact."
+        },
+    )
+    client_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Wall-clock seconds a client's local round may take, from building its trainer to its last "
+            "step. Training stops at the first step boundary past it (a step in progress is not interrupted) and "
+            "the late update is dropped. None: no limit."
+        },
+    )
 
     # Aggregation
     aggregation: str = field(
@@ -168,12 +194,21 @@ class FedGRPOConfig(GRPOConfig):
 
     def _federation_errors(self):
         """Yield one message per invalid federated field, each naming the field and its value."""
-        for name in ("num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size"):
+        for name in (
+            "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round"
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 yield f"`{name}` must be a positive integer, got {value!r}."
         if self.reward_window > self.local_steps:
             yield f"`reward_window` (W={self.reward_window}) must not exceed `local_steps` (E={self.local_steps})."
+        if self.num_clients > 1 and self.min_clients_per_round > self.num_clients:
+            yield (
+                f"`min_clients_per_round` ({self.min_clients_per_round}) must not exceed `num_clients` "
+                f"({self.num_clients})."
+            )
+        if self.client_timeout is not None and not self.client_timeout > 0:
+            yield f"`client_timeout` must be > 0 seconds or None, got {self.client_timeout}."
         if self.eval_every < 0:
             yield f"`eval_every` must be >= 0, got {self.eval_every}."
         if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):

@@ -9,8 +9,8 @@ from .callbacks import RoundCallback, RoundRecord
 
 
 def format_round_table(history: list[RoundRecord]) -> str:
-    """Markdown table of every client's R̄, h, ω and traffic, round by round; rounds count from 1 (the paper's
-    t, which sets τ^{[t]}, is the round minus 1)."""
+    """Markdown table of every client's R̄, h, ω and traffic, round by round, and of the clients dropped (their
+    reasons are in metrics.jsonl); rounds count from 1 (the paper's t, which sets τ^{[t]}, is the round minus 1)."""
     lines = [
         "| Round | τ | Client | R̄ | h | ω | Sent (bytes) | Received (bytes) |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -24,6 +24,8 @@ def format_round_table(history: list[RoundRecord]) -> str:
                 f"{'-' if gain is None else f'{gain:+.3f}'} | {record.weights[client_id]:.3f} | "
                 f"{record.bytes_sent[client_id]:,} | {record.bytes_received[client_id]:,} |"
             )
+        for client_id in record.dropped:
+            lines.append(f"| {record.round_idx + 1} | {temperature} | {client_id} | dropped | - | - | - | - |")
     return "\n".join(lines)
 
 
@@ -124,6 +126,9 @@ class ReportCallback(RoundCallback):
     def on_round_end(self, args, record, **kwargs):
         self.history.append(record)
         self._write()
+
+    def on_resume(self, args, round_idx, history, evaluations, **kwargs):
+        self.history, self.evaluations = list(history), dict(evaluations)
 
     def _write(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -192,3 +192,27 @@ def format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[floa
 
 accuracy_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
 format_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
+
+
+def combined_reward_range(
+    reward_funcs: Any, reward_weights: Sequence[float] | None = None
+) -> tuple[float, float] | None:
+    """The interval a client's R̄ must lie in, or `None` when it cannot be known.
+
+    TRL scores a completion with Σ_j w_j r_j over the reward functions (weights `reward_weights`, 1 each by
+    default), and R̄ is a mean of such scores, so it lies in the weighted sum of the functions' declared
+    `reward_range`s (a negative weight swaps the ends). A function without `reward_range` (a reward model, a
+    user function that declares none) has no known bound, and then neither has R̄.
+    """
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    weights = [1.0] * len(funcs) if reward_weights is None else [float(weight) for weight in reward_weights]
+    if len(weights) != len(funcs):
+        raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions: give one weight each.")
+    low = high = 0.0
+    for func, weight in zip(funcs, weights):
+        bounds = getattr(func, "reward_range", None)
+        if bounds is None:
+            return None
+        ends = (weight * float(bounds[0]), weight * float(bounds[1]))
+        low, high = low + min(ends), high + max(ends)
+    return low, high

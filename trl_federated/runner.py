@@ -16,17 +16,47 @@ from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 
-from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
+from .adapters import (
+    AdapterState,
+    InvalidUpdateError,
+    get_adapter_state,
+    save_adapter,
+    set_adapter_state,
+    state_nbytes,
+    validate_update,
+)
 from .aggregation import Aggregator, ClientUpdate, RPGAggregator, ScaffoldAggregator, aggregator_from_config
 from .callbacks import MetricsLoggerCallback, RoundCallback, RoundRecord
+from .checkpoint import (
+    Checkpoint,
+    check_identity,
+    list_checkpoints,
+    prepare_output_dir,
+    read_checkpoint,
+    run_identity,
+    write_checkpoint,
+)
 from .config import FedGRPOConfig
-from .trainer import FedGRPOTrainer, ScaffoldCorrection
+from .rewards import combined_reward_range
+from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
 
 logger = logging.getLogger(__name__)
+
+
+class ClientTimeoutError(TimeoutError):
+    """A client's local round took longer than `client_timeout`; its update is dropped."""
+
+
+class NotEnoughClientsError(RuntimeError):
+    """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
+
+
+# How a dropped client's fault is labelled in metrics.jsonl; any other exception is an "error".
+_DROP_KINDS = ((ClientTimeoutError, "timeout"), (InvalidUpdateError, "invalid_update"))
 
 
 def default_lora_config() -> LoraConfig:
@@ -42,6 +72,12 @@ class FederatedRunner:
     `local_steps` steps on the client's data (seed `args.seed + round * num_clients + client_index`), and keeps
     only the client's adapter (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy
     per client, never by a model. The aggregator then produces the next global adapter.
+
+    Reliability: a client that raises, runs past `client_timeout` or reports an update that `validate_update`
+    rejects is dropped from its round (a `client_dropped` line in metrics.jsonl) and the round aggregates the
+    others, if at least `min_clients_per_round` are left; the run stops with `NotEnoughClientsError` otherwise.
+    After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
+    `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
 
     Args:
         model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
@@ -88,6 +124,9 @@ class FederatedRunner:
             if peft_config is not None:
                 raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
         else:
+            # LoRA draws its A matrices from the global RNG: seed it, as `Trainer` does before `model_init`, so that
+            # the initial global adapter, and with it the whole run, follows from `args` alone.
+            set_seed(args.seed)
             model = get_peft_model(model, peft_config or default_lora_config())
         self.model = model
         self.processing_class = processing_class
@@ -105,6 +144,11 @@ class FederatedRunner:
         self.client_controls: dict[str, AdapterState] = {}
         self.evaluations: dict[int, dict[str, Any]] = {}
         self.is_main_process = PartialState().is_main_process
+        # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
+        self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
+        self._check_clients()
+        # What a checkpoint must match to be resumed, taken before any training can touch the model.
+        self.identity = run_identity(self.model, self.client_datasets, self.aggregator)
 
     @staticmethod
     def _named_clients(client_datasets) -> dict[str, Dataset]:
@@ -118,6 +162,25 @@ class FederatedRunner:
         if empty:
             raise ValueError(f"Client datasets must not be empty; empty: {empty}.")
         return named
+
+    def _check_clients(self) -> None:
+        """Fail now, naming the clients, on a federation that could never run a round."""
+        args, num_clients = self.args, len(self.client_datasets)
+        if args.min_clients_per_round > num_clients:
+            raise ValueError(
+                f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds the {num_clients} clients of the "
+                "federation: no round could ever aggregate."
+            )
+        # TRL's sampler draws generation_batch_size / num_generations distinct prompts per generation batch and
+        # skips an incomplete batch, so a smaller client would never take a step.
+        needed = args.generation_batch_size // args.num_generations
+        small = {name: len(dataset) for name, dataset in self.client_datasets.items() if len(dataset) < needed}
+        if small:
+            raise ValueError(
+                f"Client datasets too small for one generation batch of {needed} prompts (generation_batch_size "
+                f"{args.generation_batch_size} / num_generations {args.num_generations}): {small} rows. Give these "
+                "clients more data, or lower per_device_train_batch_size or steps_per_generation."
+            )
 
     # Callbacks ---------------------------------------------------------------------------------------------
 
@@ -146,84 +209,133 @@ class FederatedRunner:
         return args
 
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
-        """Run one client's local round from the current global adapter and return its update."""
+        """Run one client's local round from the current global adapter and return its update.
+
+        Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
+        than `client_timeout` seconds; training already stops at the first step boundary past the limit.
+        """
+        started = time.perf_counter()
         dataset = self.client_datasets[client_id]
         set_adapter_state(self.model, self.global_state)
-        trainer = FedGRPOTrainer(
-            model=self.model,
-            reward_funcs=self.reward_funcs,
-            args=self.client_args(round_idx, client_index, client_id),
-            train_dataset=dataset,
-            processing_class=self.processing_class,
-            callbacks=list(self.callbacks),
-            **self.trainer_kwargs,
-        )
-        trainer.remove_callback(PrinterCallback)
-        scaffold = None
-        if isinstance(self.aggregator, ScaffoldAggregator):
-            server_control = self.aggregator.server_control(self.global_state)
-            client_control = self.client_controls.get(client_id) or {
-                key: torch.zeros_like(value) for key, value in server_control.items()
-            }
-            scaffold = ScaffoldCorrection(server_control, client_control, self.args.scaffold_correction)
-            trainer.add_callback(scaffold)
-        start = time.perf_counter()
-        output = trainer.train()
-        update = ClientUpdate(
-            client_id=client_id,
-            state=get_adapter_state(self.model),
-            num_samples=len(dataset),
-            reward=trainer.window_reward(),
-            metrics={
-                "step_rewards": trainer.step_rewards,
-                "train_loss": output.training_loss,
-                "train_seconds": time.perf_counter() - start,
-            },
-        )
-        if scaffold is not None:
-            update.control_delta = scaffold.control_delta
-            # c_i ← c_i⁺ = c_i + Δc_i: the client keeps its new control variate for its next round.
-            self.client_controls[client_id] = {
-                key: client_control[key] + delta for key, delta in scaffold.control_delta.items()
-            }
-        self._release(trainer)
+        trainer = None
+        try:
+            trainer = FedGRPOTrainer(
+                model=self.model,
+                reward_funcs=self.reward_funcs,
+                args=self.client_args(round_idx, client_index, client_id),
+                train_dataset=dataset,
+                processing_class=self.processing_class,
+                callbacks=list(self.callbacks),
+                **self.trainer_kwargs,
+            )
+            trainer.remove_callback(PrinterCallback)
+            if self.args.client_timeout is not None:
+                trainer.add_callback(Deadline(started + self.args.client_timeout))
+            scaffold = None
+            if isinstance(self.aggregator, ScaffoldAggregator):
+                server_control = self.aggregator.server_control(self.global_state)
+                client_control = self.client_control(client_id)
+                scaffold = ScaffoldCorrection(server_control, client_control, self.args.scaffold_correction)
+                trainer.add_callback(scaffold)
+            start = time.perf_counter()
+            output = trainer.train()
+            elapsed = time.perf_counter() - started
+            if self.args.client_timeout is not None and elapsed > self.args.client_timeout:
+                raise ClientTimeoutError(
+                    f"client {client_id!r} took {elapsed:.1f} s, over client_timeout={self.args.client_timeout} s "
+                    f"(stopped after {trainer.state.global_step} of {self.args.local_steps} local steps)"
+                )
+            update = ClientUpdate(
+                client_id=client_id,
+                state=get_adapter_state(self.model),
+                num_samples=len(dataset),
+                reward=trainer.window_reward(),
+                metrics={
+                    "step_rewards": trainer.step_rewards,
+                    "train_loss": output.training_loss,
+                    "train_seconds": time.perf_counter() - start,
+                },
+            )
+            if scaffold is not None:
+                update.control_delta = scaffold.control_delta
+        finally:
+            self._release(trainer)
         return update
 
-    def _release(self, trainer: FedGRPOTrainer) -> None:
-        """Drop everything a finished client trainer holds (optimizer state, TRL's `ref` adapter) so that memory
-        stays flat in the number of clients."""
+    def client_control(self, client_id: str) -> AdapterState:
+        """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
+        if client_id not in self.client_controls:
+            server_control = self.aggregator.server_control(self.global_state)
+            return {key: torch.zeros_like(value) for key, value in server_control.items()}
+        return self.client_controls[client_id]
+
+    def _release(self, trainer: FedGRPOTrainer | None) -> None:
+        """Drop everything a finished (or failed) client trainer holds (optimizer state, TRL's `ref` adapter) so
+        that memory stays flat in the number of clients."""
         if "ref" in self.model.peft_config:
             self.model.delete_adapter("ref")
             self.model.set_adapter("default")
-        trainer.accelerator.free_memory()
+        if trainer is not None:
+            trainer.accelerator.free_memory()
         del trainer
         gc.collect()
 
     # Rounds ------------------------------------------------------------------------------------------------
 
     def run(self) -> list[RoundRecord]:
-        """Run all `num_rounds` rounds; save the final global adapter in `output_dir` (PEFT layout)."""
+        """Run all `num_rounds` rounds; save the final global adapter in `output_dir` (PEFT layout).
+
+        With `args.resume_from_checkpoint` (a checkpoint folder, or "true" for the latest in `output_dir`) the
+        run restores that checkpoint and goes on from the round after it. Otherwise `output_dir` must not hold
+        another run, unless `args.overwrite_output_dir` (see `checkpoint.prepare_output_dir`).
+        """
         args = self.args
         output_dir = Path(args.output_dir)
-        self.evaluate(round_idx=-1)
+        resume_from = prepare_output_dir(args, self.is_main_process)
+        if resume_from is None:
+            first_round = 0
+            self.evaluate(round_idx=-1)
+        else:
+            first_round = self.load_checkpoint(resume_from) + 1
+            logger.info("Resumed from %s: continuing with round %d.", resume_from, first_round)
         client_ids = list(self.client_datasets)
         progress = tqdm(
-            total=args.num_rounds * len(client_ids), desc="Federated rounds", disable=not self.is_main_process
+            total=args.num_rounds * len(client_ids),
+            initial=min(first_round, args.num_rounds) * len(client_ids),
+            desc="Federated rounds",
+            disable=not self.is_main_process,
         )
-        for round_idx in range(args.num_rounds):
+        for round_idx in range(first_round, args.num_rounds):
             start = time.perf_counter()
             self._fire("on_round_begin", round_idx=round_idx)
             broadcast_bytes = state_nbytes(self.global_state)
-            updates = []
+            updates, dropped = [], {}
             for client_index, client_id in enumerate(client_ids):
                 progress.set_postfix_str(f"round {round_idx + 1}/{args.num_rounds}, {client_id}")
-                update = self.train_client(round_idx, client_index, client_id)
+                update = self._collect(round_idx, client_index, client_id, dropped)
+                progress.update(1)
+                if update is None:
+                    continue
+                if update.control_delta is not None:
+                    # c_i ← c_i⁺ = c_i + Δc_i, kept only with an accepted update: the server's c then stays the
+                    # mean of the clients' c_i.
+                    control = self.client_control(client_id)
+                    self.client_controls[client_id] = {
+                        key: control[key] + delta for key, delta in update.control_delta.items()
+                    }
                 updates.append(update)
                 self._fire("on_client_end", round_idx=round_idx, update=update)
-                progress.update(1)
+            if len(updates) < args.min_clients_per_round:
+                reasons = "; ".join(f"{client_id}: {reason}" for client_id, reason in dropped.items())
+                last = list_checkpoints(output_dir)
+                raise NotEnoughClientsError(
+                    f"Round {round_idx}: only {len(updates)} of {len(client_ids)} clients reported a valid update, "
+                    f"fewer than min_clients_per_round={args.min_clients_per_round}. Dropped: {reasons}. "
+                    f"The run stops; {f'the last checkpoint, {last[-1]}, is intact' if last else 'no round finished'}."
+                )
 
             self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
-            record = self._record(round_idx, updates, broadcast_bytes)
+            record = self._record(round_idx, updates, dropped, broadcast_bytes)
             if self.is_main_process and args.save_every_round:
                 save_adapter(self.model, self.global_state, output_dir / f"round-{round_idx}")
             is_last = round_idx == args.num_rounds - 1
@@ -232,13 +344,67 @@ class FederatedRunner:
             record.wall_time = time.perf_counter() - start
             self.history.append(record)
             self._fire("on_round_end", record=record)
+            if self.is_main_process:
+                self.save_checkpoint(round_idx)
         progress.close()
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
         set_adapter_state(self.model, self.global_state)
         return self.history
 
-    def _record(self, round_idx: int, updates: list[ClientUpdate], broadcast_bytes: int) -> RoundRecord:
+    def _collect(
+        self, round_idx: int, client_index: int, client_id: str, dropped: dict[str, str]
+    ) -> ClientUpdate | None:
+        """One client's validated update, or None after recording in `dropped` why the round goes without it."""
+        try:
+            update = self.train_client(round_idx, client_index, client_id)
+            validate_update(update, self.global_state, self.reward_range)
+            return update
+        except Exception as error:  # any client fault costs that client its round, not the federation its run
+            kind = next((kind for error_type, kind in _DROP_KINDS if isinstance(error, error_type)), "error")
+            reason = str(error) if kind != "error" else f"{type(error).__name__}: {error}"
+            # The traceback only helps with an unexpected error.
+            logger.warning(
+                "Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
+                exc_info=error if kind == "error" else None,
+            )
+            dropped[client_id] = reason
+            self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
+            return None
+
+    # Checkpoints -------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, round_idx: int) -> Path:
+        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically."""
+        checkpoint = Checkpoint(
+            round_idx=round_idx,
+            global_state=self.global_state,
+            aggregator=self.aggregator.state_dict(),
+            client_controls=self.client_controls,
+            history=self.history,
+            evaluations=self.evaluations,
+            identity=self.identity,
+        )
+        adapter_config = self.model.peft_config[self.model.active_adapter]
+        return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,
+        LoRA configuration, clients and aggregator, else `CheckpointMismatchError`); returns its round."""
+        checkpoint = read_checkpoint(path)
+        check_identity(checkpoint.identity, self.identity, path)
+        self.global_state = checkpoint.global_state
+        self.aggregator.load_state_dict(checkpoint.aggregator)
+        self.client_controls = checkpoint.client_controls
+        self.history = checkpoint.history
+        self.evaluations = checkpoint.evaluations
+        set_adapter_state(self.model, self.global_state)
+        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
+        return checkpoint.round_idx
+
+    def _record(
+        self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
+    ) -> RoundRecord:
         aggregator = self.aggregator
         is_rpg = isinstance(aggregator, RPGAggregator)
         return RoundRecord(
@@ -251,6 +417,7 @@ class FederatedRunner:
             bytes_received={update.client_id: broadcast_bytes for update in updates},
             bytes_sent={update.client_id: state_nbytes(update.state) for update in updates},
             client_metrics={update.client_id: update.metrics for update in updates},
+            dropped=dropped,
         )
 
     def evaluate(self, round_idx: int) -> dict[str, Any] | None:

@@ -24,7 +24,8 @@ class FedGRPOTrainer(GRPOTrainer):
     `reward_window` (W) steps.
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
-    `train_dataset` across the clients and hands over to `FederatedRunner`.
+    `train_dataset` across the clients and hands over to `FederatedRunner`; `train(resume_from_checkpoint=True)`
+    then continues the federation from its latest round checkpoint.
     """
 
     def __init__(self, *args, **kwargs):
@@ -74,10 +75,12 @@ class FedGRPOTrainer(GRPOTrainer):
         window = window or getattr(self.args, "reward_window", None) or len(rewards)
         return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         if isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1:
+            if resume_from_checkpoint is not None:  # a federated checkpoint: the runner restores it
+                self.args.resume_from_checkpoint = resume_from_checkpoint
             return self._train_federated()
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _train_federated(self) -> TrainOutput:
         """Federated mode: Dirichlet-partition `train_dataset` over `num_clients` clients and run every round.
@@ -215,3 +218,16 @@ class ScaffoldCorrection(TrainerCallback):
             torch._foreach_div_(moved, self.learning_rate_sum)
             delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
         self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}
+
+
+class Deadline(TrainerCallback):
+    """Ends local training at the first optimisation step that finishes past `deadline` (a `time.perf_counter()`
+    value). A step in progress, its generation included, is never interrupted: stopping between steps leaves the
+    model, the optimizer and TRL's buffers consistent, which killing a thread mid-step would not."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() >= self.deadline:
+            control.should_training_stop = True

@@ -1,0 +1,568 @@
+"""Reliability: per-round atomic checkpoints and exact resume (after a real SIGKILL), failing and slow clients,
+invalid updates, and inputs that must fail early with a clear message."""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from datasets import Dataset, DatasetDict
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import FAST_GRPO, length_reward
+from trl_federated import ClientUpdate, FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
+from trl_federated.adapters import InvalidUpdateError, get_adapter_state, validate_update
+from trl_federated.callbacks import MetricsLoggerCallback
+from trl_federated.checkpoint import (
+    Checkpoint,
+    CheckpointMismatchError,
+    list_checkpoints,
+    prepare_output_dir,
+    read_checkpoint,
+    write_checkpoint,
+)
+from trl_federated.cli import main
+from trl_federated.rewards import accuracy_reward, combined_reward_range, format_reward
+from trl_federated.runner import NotEnoughClientsError, default_lora_config
+from trl_federated.testing import save_tiny_model
+
+TESTS_DIR = Path(__file__).parent
+
+
+def prompt_clients(*names, rows=6):
+    return {name: Dataset.from_dict({"prompt": [f"{name} asks: what is {i} plus {i}?" for i in range(rows)]})
+            for name in names}
+
+
+def make_runner(model_dir, output_dir, reward_funcs=length_reward, clients=None, callbacks=(), runner_class=None,
+                **overrides):
+    """A federation of the tiny model on plain prompts: 2 clients, 1 local step, unless overridden."""
+    values = {**FAST_GRPO, "num_rounds": 2, "local_steps": 1, "reward_window": 1, "seed": 0, **overrides}
+    args = FedGRPOConfig(output_dir=str(output_dir), **values)
+    return (runner_class or FederatedRunner)(
+        AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs, args,
+        clients or prompt_clients("site-0", "site-1"), processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=list(callbacks),
+    )
+
+
+def events(output_dir, name=None):
+    lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if name is None or line["event"] == name]
+
+
+def assert_states_equal(a, b):
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# 1-2. Checkpoints and exact resume -----------------------------------------------------------------------
+
+
+class StallInRound(RoundCallback):
+    """Writes `marker` once the first client of round `round_idx` has reported, then hangs there, mid-round,
+    until the test kills the process."""
+
+    def __init__(self, round_idx, marker):
+        self.round_idx, self.marker = round_idx, Path(marker)
+
+    def on_client_end(self, args, round_idx, update, **kwargs):
+        if round_idx == self.round_idx:
+            self.marker.write_text(update.client_id)
+            time.sleep(600)
+
+
+def exact_resume_runner(model_dir, output_dir, callbacks=(), **overrides):
+    """3 rounds of FGRPO (RPG + server Adam), 2 clients x 2 local steps: the run the SIGKILL test repeats."""
+    return make_runner(model_dir, output_dir, callbacks=callbacks, num_rounds=3, local_steps=2, reward_window=2,
+                       **overrides)
+
+
+KILLED_RUN = f"""
+import sys
+sys.path.insert(0, {str(TESTS_DIR)!r})
+from test_reliability import StallInRound, exact_resume_runner
+exact_resume_runner(sys.argv[1], sys.argv[2], callbacks=[StallInRound(2, sys.argv[3])]).run()
+"""
+
+
+def test_resume_after_sigkill_mid_round_is_bit_identical(tmp_path, tiny_model_dir):
+    killed_dir, marker, log = tmp_path / "killed", tmp_path / "round-2-started", tmp_path / "killed.log"
+    with log.open("w") as stream:
+        process = subprocess.Popen(
+            [sys.executable, "-c", KILLED_RUN, str(tiny_model_dir), str(killed_dir), str(marker)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=stream, stderr=subprocess.STDOUT,
+        )
+    try:
+        # the uninterrupted reference run, in this process, while the other one gets to round 2
+        reference = exact_resume_runner(tiny_model_dir, tmp_path / "uninterrupted")
+        reference.run()
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert process.poll() is None, f"the run to kill ended on its own:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "round 2 never started"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+    # killed in round 2: rounds 0 and 1 are checkpointed, round 2 is not, and its first client had reported
+    assert [path.name for path in list_checkpoints(killed_dir)] == ["checkpoint-0", "checkpoint-1"]
+    assert not any(path.name.startswith(".checkpoint") for path in killed_dir.iterdir())
+    assert [line["client_id"] for line in events(killed_dir, "client") if line["round"] == 2] == ["site-0"]
+
+    resumed = exact_resume_runner(tiny_model_dir, killed_dir, resume_from_checkpoint="true")
+    history = resumed.run()
+
+    # a fresh process (no RNG state saved) lands on exactly the uninterrupted run's adapter
+    assert_states_equal(load_file(killed_dir / "adapter_model.safetensors"),
+                        load_file(tmp_path / "uninterrupted" / "adapter_model.safetensors"))
+    server, reference_server = resumed.aggregator.state_dict(), reference.aggregator.state_dict()
+    assert server["baselines"] == reference_server["baselines"]
+    assert server["volatilities"] == reference_server["volatilities"]
+    assert server["server_optimizer"]["num_steps"] == 3
+    assert_states_equal(server["server_optimizer"]["m"], reference_server["server_optimizer"]["m"])
+    assert_states_equal(server["server_optimizer"]["v"], reference_server["server_optimizer"]["v"])
+    assert [(r.rewards, r.weights) for r in history] == [(r.rewards, r.weights) for r in reference.history]
+    # the log reads like the uninterrupted run's: the torn round's lines are gone, one `resumed` line added
+    assert [(e["round"], e["client_id"]) for e in events(killed_dir, "client")] == [
+        (e["round"], e["client_id"]) for e in events(tmp_path / "uninterrupted", "client")
+    ]
+    assert events(killed_dir, "resumed") == [{"event": "resumed", "checkpoint_round": 1}]
+    assert [line["round_idx"] for line in events(killed_dir, "round")] == [0, 1, 2]
+
+
+def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path, tiny_model_dir):
+    reference = make_runner(tiny_model_dir, tmp_path / "run", aggregation="scaffold", server_optimizer="sgd")
+    reference.run()
+    assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-0", "checkpoint-1"]
+    path = tmp_path / "run" / "checkpoint-1"
+    checkpoint = read_checkpoint(path)
+    assert checkpoint.round_idx == 1
+    assert_states_equal(checkpoint.global_state, reference.global_state)
+    assert_states_equal(checkpoint.aggregator["control"], reference.aggregator.control)
+    assert checkpoint.aggregator["server_optimizer"] == {}  # SGD keeps no state
+    assert set(checkpoint.client_controls) == {"site-0", "site-1"}
+    for client_id, control in reference.client_controls.items():
+        assert_states_equal(checkpoint.client_controls[client_id], control)
+    assert [record.to_dict() for record in checkpoint.history] == [record.to_dict() for record in reference.history]
+    clients = checkpoint.identity["clients"]
+    assert [(c["id"], c["num_rows"]) for c in clients] == [("site-0", 6), ("site-1", 6)]
+    assert clients[0]["fingerprint"] != clients[1]["fingerprint"]
+    # JSON and safetensors only, and the adapter is a standard PEFT adapter
+    assert sorted(p.name for p in path.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "federation.json", "federation.safetensors"
+    ]
+    json.loads((path / "federation.json").read_text())
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), path)
+    assert_states_equal(get_adapter_state(loaded), reference.global_state)
+
+    # round 1 again from checkpoint-0 (into another output_dir): SCAFFOLD's server and client controls are restored
+    resumed = make_runner(tiny_model_dir, tmp_path / "resumed", aggregation="scaffold", server_optimizer="sgd",
+                          resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-0"))
+    resumed.run()
+    assert_states_equal(resumed.global_state, reference.global_state)
+    assert_states_equal(resumed.aggregator.control, reference.aggregator.control)
+    for client_id in ("site-0", "site-1"):
+        assert_states_equal(resumed.client_controls[client_id], reference.client_controls[client_id])
+
+
+def checkpoint_of(round_idx, value):
+    state = {"w": torch.full((2,), value)}
+    return Checkpoint(round_idx, state, {"m": {"w": torch.tensor([value, math.nan])}, "step": round_idx}, {}, [], {},
+                      {"note": "unit test"})
+
+
+def test_checkpoint_write_is_atomic_and_rotates(tmp_path, monkeypatch):
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    write_checkpoint(checkpoint_of(0, 0.5), tmp_path, lora)
+    loaded = read_checkpoint(tmp_path / "checkpoint-0")
+    assert loaded.aggregator["step"] == 0 and loaded.identity == {"note": "unit test"}
+    assert loaded.aggregator["m"]["w"][0] == 0.5 and math.isnan(loaded.aggregator["m"]["w"][1])
+
+    # a crash while writing checkpoint-1 leaves no checkpoint-1 and checkpoint-0 as it was
+    import trl_federated.checkpoint as checkpoint_module
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(checkpoint_of(1, 1.5), tmp_path, lora)
+    monkeypatch.undo()
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["checkpoint-0"]
+    assert torch.equal(read_checkpoint(tmp_path / "checkpoint-0").global_state["w"], torch.full((2,), 0.5))
+
+    # the next write clears the staging folder the crash left; save_total_limit keeps the latest ones
+    for round_idx in (1, 2, 3):
+        write_checkpoint(checkpoint_of(round_idx, float(round_idx)), tmp_path, lora, save_total_limit=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    # rewriting a round (after resuming from an older checkpoint) replaces it whole
+    write_checkpoint(checkpoint_of(3, 7.0), tmp_path, lora, save_total_limit=2)
+    assert torch.equal(read_checkpoint(tmp_path / "checkpoint-3").global_state["w"], torch.full((2,), 7.0))
+
+
+def test_resume_arguments(tmp_path):
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, resume_from_checkpoint="true")
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        prepare_output_dir(args)
+    args.resume_from_checkpoint = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        prepare_output_dir(args)
+    write_checkpoint(checkpoint_of(0, 0.0), tmp_path, LoraConfig(r=2, target_modules=["q_proj"]))
+    write_checkpoint(checkpoint_of(4, 0.0), tmp_path, LoraConfig(r=2, target_modules=["q_proj"]))
+    for value in ("true", "True", True):
+        args.resume_from_checkpoint = value
+        assert prepare_output_dir(args) == tmp_path / "checkpoint-4"
+    args.resume_from_checkpoint = str(tmp_path / "checkpoint-0")
+    assert prepare_output_dir(args) == tmp_path / "checkpoint-0"
+
+
+def test_metrics_log_drops_the_interrupted_rounds_on_resume(tmp_path):
+    logger = MetricsLoggerCallback(tmp_path)
+    lines = [{"event": "evaluation", "round": -1}, {"event": "client", "round": 0}, {"event": "round", "round_idx": 0},
+             {"event": "client", "round": 1}, {"event": "client_dropped", "round": 1}]
+    logger.path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"event": "cli')  # torn by the kill
+    logger.on_resume(None, round_idx=0, history=[], evaluations={})
+    assert events(tmp_path) == [*lines[:3], {"event": "resumed", "checkpoint_round": 0}]
+
+
+# 6. A checkpoint from another run ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    """The tiny model's architecture with other weights: only the weights fingerprint tells them apart."""
+    return save_tiny_model(tmp_path_factory.mktemp("other-model"), seed=1)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("model", "base model's weights differ"),
+        ("architecture", "base model's config differs .*hidden_size"),
+        ("lora", "LoRA configuration differs in r "),
+        ("clients", "clients differ"),
+        ("data", "client 'site-1' holds other data"),
+        ("aggregation", "aggregator differs"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, other_model_dir, change, message):
+    make_runner(tiny_model_dir, tmp_path / "run").save_checkpoint(0)
+    model_dir, clients, overrides, peft_config = tiny_model_dir, None, {}, None
+    if change == "model":
+        model_dir = other_model_dir
+    elif change == "architecture":
+        model_dir = save_tiny_model(tmp_path / "wide", hidden_size=64)
+    elif change == "lora":
+        peft_config = LoraConfig(r=8, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    elif change == "clients":
+        clients = prompt_clients("site-0", "site-2")
+    elif change == "data":
+        clients = prompt_clients("site-0", "site-1", rows=7)
+    elif change == "aggregation":
+        overrides = {"aggregation": "fedavg"}
+    args = FedGRPOConfig(output_dir=str(tmp_path / "run"),
+                         **{**FAST_GRPO, "resume_from_checkpoint": "true", **overrides})
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(model_dir), length_reward, args,
+        clients or prompt_clients("site-0", "site-1"), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        peft_config=peft_config,
+    )
+    with pytest.raises(CheckpointMismatchError, match=message):
+        runner.run()
+
+
+# 3. Failing and slow clients -----------------------------------------------------------------------------
+
+
+class FlakyReward(RoundCallback):
+    """A length reward that raises for the prompts of client `bad` in the rounds listed in `failing_rounds`."""
+
+    __name__ = "flaky_reward"
+
+    def __init__(self, failing_rounds):
+        self.failing_rounds, self.round_idx = set(failing_rounds), None
+
+    def on_round_begin(self, args, round_idx, **kwargs):
+        self.round_idx = round_idx
+
+    def __call__(self, prompts, completions, **kwargs):
+        if self.round_idx in self.failing_rounds and any(prompt.startswith("bad") for prompt in prompts):
+            raise ConnectionError("reward server unreachable")
+        return length_reward(completions)
+
+
+class Snapshot(RoundCallback):
+    def __init__(self, aggregator):
+        self.aggregator, self.states = aggregator, []
+
+    def on_round_end(self, args, record, **kwargs):
+        self.states.append((dict(self.aggregator.baselines), dict(self.aggregator.volatilities)))
+
+
+def test_a_failing_client_is_dropped_and_keeps_its_rpg_state(tmp_path, tiny_model_dir):
+    reward = FlakyReward(failing_rounds={1})
+    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=reward, clients=prompt_clients("good", "bad"))
+    snapshot = Snapshot(runner.aggregator)
+    runner.callbacks += [reward, snapshot]
+    history = runner.run()
+
+    assert history[0].dropped == {} and set(history[0].weights) == {"good", "bad"}
+    assert history[1].dropped == {"bad": "ConnectionError: reward server unreachable"}
+    assert history[1].weights == {"good": 1.0} and set(history[1].rewards) == {"good"}
+    # the server never saw `bad` in round 1: its baseline and volatility are those of round 0
+    (baselines_0, volatilities_0), (baselines_1, volatilities_1) = snapshot.states
+    assert baselines_1["bad"] == baselines_0["bad"] and volatilities_1["bad"] == volatilities_0["bad"]
+    assert baselines_1["good"] != baselines_0["good"]
+    assert events(tmp_path / "run", "client_dropped") == [{
+        "event": "client_dropped", "round": 1, "client_id": "bad", "kind": "error",
+        "reason": "ConnectionError: reward server unreachable",
+    }]
+    reports = [(e["round"], e["client_id"]) for e in events(tmp_path / "run", "client")]
+    assert reports == [(0, "good"), (0, "bad"), (1, "good")]
+
+
+def test_too_few_clients_stop_the_run_and_the_last_checkpoint_resumes(tmp_path, tiny_model_dir):
+    reward = FlakyReward(failing_rounds={1})
+    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=reward, clients=prompt_clients("good", "bad"),
+                         min_clients_per_round=2)
+    runner.callbacks.append(reward)
+    with pytest.raises(NotEnoughClientsError, match=r"Round 1: only 1 of 2 clients .* min_clients_per_round=2. "
+                       r"Dropped: bad: ConnectionError: reward server unreachable. .*checkpoint-0, is intact"):
+        runner.run()
+    assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-0"]
+
+    # once the reward server is back, the run resumes from round 1
+    reward = FlakyReward(failing_rounds=set())
+    resumed = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=reward, clients=prompt_clients("good", "bad"),
+                          min_clients_per_round=2, resume_from_checkpoint="true")
+    resumed.callbacks.append(reward)
+    assert [record.round_idx for record in resumed.run()] == [0, 1]
+
+
+def slow_reward(prompts, completions, **kwargs):
+    if any(prompt.startswith("slow") for prompt in prompts):
+        time.sleep(3.5)  # past client_timeout in the first step
+    return length_reward(completions)
+
+
+def test_a_client_over_client_timeout_stops_at_a_step_boundary_and_is_dropped(tmp_path, tiny_model_dir):
+    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=slow_reward,
+                         clients=prompt_clients("fast", "slow"), num_rounds=1, local_steps=3, reward_window=1,
+                         client_timeout=3.0)
+    record = runner.run()[0]
+    assert set(record.weights) == {"fast"} and len(record.client_metrics["fast"]["step_rewards"]) == 3
+    dropped = events(tmp_path / "run", "client_dropped")
+    assert [(e["client_id"], e["kind"]) for e in dropped] == [("slow", "timeout")]
+    assert re.fullmatch(r"client 'slow' took 3\.\d s, over client_timeout=3.0 s \(stopped after 1 of 3 local steps\)",
+                        dropped[0]["reason"])
+
+
+# 4. Invalid updates --------------------------------------------------------------------------------------
+
+GLOBAL = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+
+
+def corrupt(fault):
+    update = ClientUpdate("site-7", {"a": torch.ones(2, 3), "b": torch.ones(4)}, num_samples=5, reward=0.5,
+                          control_delta={"a": torch.ones(2, 3), "b": torch.ones(4)})
+    if fault == "nan":
+        update.state["a"][1, 2] = math.nan
+    elif fault == "inf":
+        update.state["b"][0] = -math.inf
+    elif fault == "missing key":
+        del update.state["b"]
+    elif fault == "extra key":
+        update.state["c"] = torch.ones(1)
+    elif fault == "shape":
+        update.state["b"] = torch.ones(5)
+    elif fault == "dtype":
+        update.state["a"] = torch.ones(2, 3, dtype=torch.float16)
+    elif fault == "not a tensor":
+        update.state["a"] = [[1.0] * 3] * 2
+    elif fault == "control nan":
+        update.control_delta["b"][3] = math.nan
+    elif fault == "control shape":
+        update.control_delta["a"] = torch.ones(3, 2)
+    elif fault == "reward nan":
+        update.reward = math.nan
+    elif fault == "reward inf":
+        update.reward = math.inf
+    elif fault == "reward not a number":
+        update.reward = "0.5"
+    elif fault == "reward above range":
+        update.reward = 2.5
+    elif fault == "reward below range":
+        update.reward = -0.01
+    elif fault == "no samples":
+        update.num_samples = 0
+    return update
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("nan", r"adapter\['a'\] holds NaN or Inf"),
+    ("inf", r"adapter\['b'\] holds NaN or Inf"),
+    ("missing key", r"adapter keys differ .*missing \['b'\]"),
+    ("extra key", r"adapter keys differ .*unexpected \['c'\]"),
+    ("shape", r"adapter\['b'\] has shape \(5,\), expected \(4,\)"),
+    ("dtype", r"adapter\['a'\] has dtype torch.float16, expected torch.float32"),
+    ("not a tensor", r"adapter\['a'\] has shape list"),
+    ("control nan", r"control_delta\['b'\] holds NaN"),
+    ("control shape", r"control_delta\['a'\] has shape \(3, 2\)"),
+    ("reward nan", "reward R̄ must be a finite number, got nan"),
+    ("reward inf", "reward R̄ must be a finite number, got inf"),
+    ("reward not a number", "reward R̄ must be a finite number, got '0.5'"),
+    ("reward above range", r"reward R̄ = 2.5 lies outside the reward functions' range \[0.0, 2.0\]"),
+    ("reward below range", r"reward R̄ = -0.01 lies outside the reward functions' range"),
+    ("no samples", "num_samples must be a positive integer"),
+])
+def test_validate_update_rejects(fault, message):
+    with pytest.raises(InvalidUpdateError, match=r"client 'site-7' rejected: " + message):
+        validate_update(corrupt(fault), GLOBAL, reward_range=(0.0, 2.0))
+
+
+def test_validate_update_accepts_a_valid_update():
+    validate_update(corrupt(None), GLOBAL, reward_range=(0.0, 2.0))
+    validate_update(corrupt("reward above range"), GLOBAL, reward_range=None)  # no declared range: no check
+    update = corrupt(None)
+    update.reward = 2.0 + 1e-7  # float32 rounding of a mean at the top of the range
+    validate_update(update, GLOBAL, reward_range=(0.0, 2.0))
+
+
+def test_combined_reward_range_follows_trl_reward_weights():
+    assert combined_reward_range([accuracy_reward, format_reward]) == (0.0, 2.0)
+    assert combined_reward_range(accuracy_reward) == (0.0, 1.0)
+    assert combined_reward_range([accuracy_reward, format_reward], [1.0, -0.5]) == (-0.5, 1.0)
+    assert combined_reward_range([accuracy_reward, length_reward]) is None  # length_reward declares no range
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        combined_reward_range([accuracy_reward], [1.0, 1.0])
+
+
+def bounded_length_reward(completions, **kwargs):
+    return [min(len(completion) / 64, 1.0) for completion in completions]
+
+
+bounded_length_reward.reward_range = (0.0, 1.0)
+
+
+class Tampering(FederatedRunner):
+    """Client `liar` reports a reward beyond the declared range, client `broken` an adapter with a NaN."""
+
+    def train_client(self, round_idx, client_index, client_id):
+        update = super().train_client(round_idx, client_index, client_id)
+        if client_id == "liar":
+            update.reward = 1e6
+        if client_id == "broken":
+            next(iter(update.state.values()))[0, 0] = math.nan
+        return update
+
+
+def test_invalid_updates_are_rejected_before_touching_server_state(tmp_path, tiny_model_dir):
+    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=bounded_length_reward, runner_class=Tampering,
+                         clients=prompt_clients("honest", "liar", "broken"), num_rounds=1)
+    assert runner.reward_range == (0.0, 1.0)
+    record = runner.run()[0]
+    assert record.weights == {"honest": 1.0}
+    assert set(runner.aggregator.baselines) == {"honest"}
+    assert all(torch.isfinite(tensor).all() for tensor in runner.global_state.values())
+    assert all(torch.isfinite(tensor).all() for tensor in runner.aggregator.server_optimizer.m.values())
+    dropped = {e["client_id"]: e for e in events(tmp_path / "run", "client_dropped")}
+    assert dropped["liar"]["kind"] == dropped["broken"]["kind"] == "invalid_update"
+    assert "client 'liar' rejected: reward R̄ = 1000000.0 lies outside" in dropped["liar"]["reason"]
+    assert "client 'broken' rejected: adapter[" in dropped["broken"]["reason"]
+    assert record.dropped == {client: event["reason"] for client, event in dropped.items()}
+
+
+# 5. Inputs -----------------------------------------------------------------------------------------------
+
+
+def test_a_reward_function_of_the_wrong_length_fails_clearly(tmp_path, tiny_model_dir):
+    def one_reward(completions, **kwargs):
+        return [0.0]
+
+    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=one_reward, clients=prompt_clients("site-0"))
+    with pytest.raises(NotEnoughClientsError, match=r"site-0: ValueError: The reward function 'one_reward' returned 1 "
+                       r"rewards, but 4 were expected.*no round finished"):
+        runner.run()
+
+
+def test_too_small_client_datasets_fail_early_naming_the_client(tmp_path, tiny_model_dir):
+    clients = {**prompt_clients("site-0"), "tiny-site": prompt_clients("tiny-site", rows=1)["tiny-site"]}
+    with pytest.raises(ValueError, match=r"one generation batch of 2 prompts .*\{'tiny-site': 1\} rows"):
+        make_runner(tiny_model_dir, tmp_path, clients=clients, per_device_train_batch_size=8)
+    with pytest.raises(ValueError, match=r"min_clients_per_round` \(3\) exceeds the 2 clients"):
+        make_runner(tiny_model_dir, tmp_path, min_clients_per_round=3)
+
+
+def test_new_config_fields_are_validated(tmp_path):
+    for overrides, message in [
+        ({"min_clients_per_round": 0}, "`min_clients_per_round` must be a positive integer"),
+        ({"num_clients": 3, "min_clients_per_round": 4}, r"`min_clients_per_round` \(4\) must not exceed"),
+        ({"client_timeout": 0}, "`client_timeout` must be > 0 seconds or None"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            FedGRPOConfig(output_dir=str(tmp_path), bf16=False, **overrides)
+
+
+def test_drop_in_trainer_resumes_the_federation(tmp_path, tiny_model_dir, tiny_tokenizer):
+    dataset = Dataset.from_dict({"prompt": [f"Question {i}?" for i in range(8)], "difficulty": ["easy", "hard"] * 4})
+
+    def trainer(num_rounds):
+        args = FedGRPOConfig(output_dir=str(tmp_path / "run"), **{
+            **FAST_GRPO, "num_clients": 2, "dirichlet_alpha": float("inf"), "num_rounds": num_rounds,
+            "local_steps": 1, "reward_window": 1,
+        })
+        return FedGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward,
+                              args=args, train_dataset=dataset, processing_class=tiny_tokenizer,
+                              peft_config=default_lora_config())
+
+    trainer(1).train()
+    output = trainer(2).train(resume_from_checkpoint=True)
+    assert output.metrics["num_rounds"] == 2
+    assert [line["round_idx"] for line in events(tmp_path / "run", "round")] == [0, 1]
+
+
+def test_cli_output_dir_guard_resume_and_overwrite(tmp_path, tiny_model_dir):
+    rows = 16
+    data = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(rows)],
+        "answer": [str(2 * i) for i in range(rows)],
+        "difficulty": ["simple", "hard"] * (rows // 2),
+    })
+    DatasetDict(train=data, test=data.select(range(4))).save_to_disk(tmp_path / "data")
+    output_dir = tmp_path / "cli-run"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        **FAST_GRPO, "output_dir": str(output_dir), "model_name_or_path": str(tiny_model_dir),
+        "dataset_name": str(tmp_path / "data"), "num_clients": 2, "dirichlet_alpha": "inf", "num_rounds": 1,
+        "local_steps": 1, "reward_window": 1, "per_device_eval_batch_size": 4,
+    }))
+    assert main(["run", "--config", str(config)]) == 0
+
+    with pytest.raises(FileExistsError, match="already holds another run .*checkpoint-0.*metrics.jsonl.*resume it"):
+        main(["run", "--config", str(config)])
+    assert main(["run", "--config", str(config), "--num_rounds", "2", "--resume_from_checkpoint", "true"]) == 0
+    result = json.loads((output_dir / "result.json").read_text())
+    assert [r["round_idx"] for r in result["rounds"]] == [0, 1] and set(result["evaluations"]) == {"-1", "0", "1"}
+    assert [e["event"] for e in events(output_dir)].count("resumed") == 1
+    summary = (output_dir / "summary.md").read_text()
+    assert "| 1 |" in summary and "| 2 |" in summary  # the report kept the first run's round
+
+    assert main(["run", "--config", str(config), "--overwrite_output_dir", "true"]) == 0
+    assert [e["event"] for e in events(output_dir)] == ["evaluation", "client", "client", "evaluation", "round"]
+    assert [path.name for path in list_checkpoints(output_dir)] == ["checkpoint-0"]
+    assert not (output_dir / "round-1").exists()
