@@ -354,21 +354,20 @@ def test_too_few_clients_stop_the_run_and_the_last_checkpoint_resumes(tmp_path, 
     assert [record.round_idx for record in resumed.run()] == [0, 1]
 
 
-def slow_reward(prompts, completions, **kwargs):
-    if any(prompt.startswith("slow") for prompt in prompts):
-        time.sleep(3.5)  # past client_timeout in the first step
+def slow_reward(completions, **kwargs):
+    time.sleep(1.5)  # past client_timeout in the first step, however fast the machine
     return length_reward(completions)
 
 
 def test_a_client_over_client_timeout_stops_at_a_step_boundary_and_is_dropped(tmp_path, tiny_model_dir):
-    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=slow_reward,
-                         clients=prompt_clients("fast", "slow"), num_rounds=1, local_steps=3, reward_window=1,
-                         client_timeout=3.0)
-    record = runner.run()[0]
-    assert set(record.weights) == {"fast"} and len(record.client_metrics["fast"]["step_rewards"]) == 3
+    # A single, slow client: no assertion here depends on how fast a healthy client is, so load cannot flake it.
+    runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=slow_reward, clients=prompt_clients("slow"),
+                         num_rounds=1, local_steps=2, reward_window=1, client_timeout=1.0)
+    with pytest.raises(NotEnoughClientsError, match="Dropped: slow: client 'slow' took"):
+        runner.run()
     dropped = events(tmp_path / "run", "client_dropped")
     assert [(e["client_id"], e["kind"]) for e in dropped] == [("slow", "timeout")]
-    assert re.fullmatch(r"client 'slow' took 3\.\d s, over client_timeout=3.0 s \(stopped after 1 of 3 local steps\)",
+    assert re.fullmatch(r"client 'slow' took \d+\.\d s, over client_timeout=1.0 s \(stopped after 1 of 2 local steps\)",
                         dropped[0]["reason"])
 
 
