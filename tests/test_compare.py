@@ -51,3 +51,21 @@ def test_grid_runs_writes_tables_and_resumes(tmp_path, tiny_model_dir, capsys, m
     assert table3[1][:2] == ["base", "FGRPO"] and "-" not in table3[1][2:]
     assert (grid / "comparison.md").exists() and (grid / "curves-base.png").exists()
     assert os.path.getsize(grid / "curves-base.png") > 0
+
+
+def test_an_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    import torch
+    from peft import LoraConfig
+
+    from trl_federated import compare
+    from trl_federated.checkpoint import Checkpoint, write_checkpoint
+
+    commands = []
+    monkeypatch.setattr(compare.subprocess, "run", lambda command, check: commands.append(command))
+    cell = compare.Cell("fgrpo", 0, None, None)
+    compare.run_cell(cell, "base.yaml", tmp_path, [])  # nothing there yet: a fresh start
+    write_checkpoint(Checkpoint(0, {"w": torch.zeros(1)}, {}, {}, [], {}, {}), cell.directory(tmp_path),
+                     LoraConfig(r=2, target_modules=["q_proj"]))
+    compare.run_cell(cell, "base.yaml", tmp_path, [])  # killed after round 0: resume
+    assert commands[0][-2:] == ["--overwrite_output_dir", "true"]
+    assert commands[1][-2:] == ["--resume_from_checkpoint", "true"]
