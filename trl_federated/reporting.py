@@ -76,8 +76,9 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
     figure, axis = plt.subplots(figsize=(7, 4))
     for client_id in client_ids:
         points = [(r.round_idx, r.weights[client_id]) for r in history if client_id in r.weights]
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=client_id)
+        axis.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=client_id)
     axis.set(xlabel="round", ylabel="aggregation weight ω", title="Aggregation weights per round")
+    axis.xaxis.get_major_locator().set_params(integer=True)
     axis.legend(fontsize="small")
     written.append(_save(figure, output_dir / "weights.png"))
 
