@@ -122,6 +122,7 @@ def run(argv: list[str]) -> int:
 
     from .checkpoint import prepare_output_dir
     from .data import partition_clients
+    from .distributed import shut_down
     from .models import load_model_and_tokenizer
     from .reporting import ReportCallback
     from .runner import FederatedRunner, default_lora_config
@@ -154,6 +155,7 @@ def run(argv: list[str]) -> int:
         summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
         print(summary)
         print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
+    shut_down()
     return 0
 
 

@@ -41,6 +41,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import FedGRPOConfig
+from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
 from .rewards import combined_reward_range
 from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
 
@@ -110,6 +111,7 @@ class FederatedRunner:
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
+        check_parameters_unsharded()
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
 
@@ -144,6 +146,7 @@ class FederatedRunner:
         self.client_controls: dict[str, AdapterState] = {}
         self.evaluations: dict[int, dict[str, Any]] = {}
         self.is_main_process = PartialState().is_main_process
+        self.num_processes = PartialState().num_processes
         # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
         self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
         self._check_clients()
@@ -292,9 +295,11 @@ class FederatedRunner:
         args = self.args
         output_dir = Path(args.output_dir)
         resume_from = prepare_output_dir(args, self.is_main_process)
+        wait_for_everyone()  # the main process may just have cleared output_dir
         if resume_from is None:
             first_round = 0
-            self.evaluate(round_idx=-1)
+            if self.is_main_process:
+                self.evaluate(round_idx=-1)
         else:
             first_round = self.load_checkpoint(resume_from) + 1
             logger.info("Resumed from %s: continuing with round %d.", resume_from, first_round)
@@ -334,13 +339,7 @@ class FederatedRunner:
                     f"The run stops; {f'the last checkpoint, {last[-1]}, is intact' if last else 'no round finished'}."
                 )
 
-            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
-            record = self._record(round_idx, updates, dropped, broadcast_bytes)
-            if self.is_main_process and args.save_every_round:
-                save_adapter(self.model, self.global_state, output_dir / f"round-{round_idx}")
-            is_last = round_idx == args.num_rounds - 1
-            if is_last or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
-                record.evaluation = self.evaluate(round_idx)
+            record = self._server_round(round_idx, updates, dropped, broadcast_bytes)
             record.wall_time = time.perf_counter() - start
             self.history.append(record)
             self._fire("on_round_end", record=record)
@@ -350,27 +349,64 @@ class FederatedRunner:
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
         set_adapter_state(self.model, self.global_state)
+        wait_for_everyone()
         return self.history
+
+    def _server_round(
+        self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
+    ) -> RoundRecord:
+        """Aggregate, save the round's adapter and evaluate, on the main process only; every other process then
+        receives the new global adapter, the aggregator's state (SCAFFOLD's c steers their next local steps) and
+        the round's record, so all processes leave the round identical."""
+        args = self.args
+        record = None
+        if self.is_main_process:
+            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
+            record = self._record(round_idx, updates, dropped, broadcast_bytes)
+            if args.save_every_round:
+                save_adapter(self.model, self.global_state, Path(args.output_dir) / f"round-{round_idx}")
+            is_last = round_idx == args.num_rounds - 1
+            if is_last or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
+                record.evaluation = self.evaluate(round_idx)
+        if self.num_processes > 1:
+            self.global_state, aggregator_state, record = from_main_process(
+                (self.global_state, self.aggregator.state_dict(), record)
+            )
+            self.aggregator.load_state_dict(aggregator_state)
+        return record
 
     def _collect(
         self, round_idx: int, client_index: int, client_id: str, dropped: dict[str, str]
     ) -> ClientUpdate | None:
         """One client's validated update, or None after recording in `dropped` why the round goes without it."""
+        update, fault, error = None, None, None
         try:
             update = self.train_client(round_idx, client_index, client_id)
             validate_update(update, self.global_state, self.reward_range)
-            return update
-        except Exception as error:  # any client fault costs that client its round, not the federation its run
+        except Exception as caught:  # any client fault costs that client its round, not the federation its run
+            error = caught
             kind = next((kind for error_type, kind in _DROP_KINDS if isinstance(error, error_type)), "error")
-            reason = str(error) if kind != "error" else f"{type(error).__name__}: {error}"
-            # The traceback only helps with an unexpected error.
-            logger.warning(
-                "Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
-                exc_info=error if kind == "error" else None,
-            )
-            dropped[client_id] = reason
-            self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
-            return None
+            fault = (kind, str(error) if kind != "error" else f"{type(error).__name__}: {error}")
+        if self.num_processes > 1:
+            # Whether the client counts is the main process's call (a timeout is measured on its clock).
+            main_fault = from_main_process(fault)
+            if main_fault is None and fault is not None:
+                raise RuntimeError(
+                    f"Round {round_idx}: client {client_id!r} failed on this process but not on the main process "
+                    f"({fault[1]}); the processes would diverge."
+                ) from error
+            fault = main_fault
+        if fault is None:
+            return update
+        kind, reason = fault
+        # The traceback only helps with an unexpected error.
+        logger.warning(
+            "Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
+            exc_info=error if kind == "error" else None,
+        )
+        dropped[client_id] = reason
+        self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
+        return None
 
     # Checkpoints -------------------------------------------------------------------------------------------
 

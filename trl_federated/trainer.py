@@ -12,6 +12,7 @@ from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
+from .distributed import from_main_process
 
 
 class FedGRPOTrainer(GRPOTrainer):
@@ -229,5 +230,6 @@ class Deadline(TrainerCallback):
         self.deadline = deadline
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.perf_counter() >= self.deadline:
+        # The main process's clock decides: processes that stopped at different steps would deadlock.
+        if from_main_process(time.perf_counter() >= self.deadline):
             control.should_training_stop = True

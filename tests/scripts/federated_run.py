@@ -1,0 +1,91 @@
+"""A small federated run on the tiny model, for tests that launch it with 1 or several processes.
+
+Usage: python federated_run.py MODEL_DIR OUTPUT_DIR RANKS_DIR PER_DEVICE_BATCH [key=value ...]
+(or under `accelerate launch` / `torchrun`). Completions come from `deterministic_rollout`, so the run's result
+depends on the data, the seeds and the federation logic only, not on how sampling is split over processes: one
+process with a batch of 2B must end where two processes with B each end.
+"""
+
+import json
+import sys
+import zlib
+
+import torch
+from datasets import Dataset
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+torch.set_num_threads(1)
+
+from trl_federated import FedGRPOConfig, FederatedRunner  # noqa: E402
+from trl_federated.distributed import shut_down  # noqa: E402
+
+NUM_GENERATIONS = 4
+
+
+def length_reward(completions, **kwargs):
+    return [len(completion) / 64 for completion in completions]
+
+
+length_reward.reward_range = (0.0, 10.0)
+
+
+def deterministic_rollout(prompts, trainer):
+    """Completion j of a prompt's group is a pseudo-random token string seeded by (prompt, j); j is the sample's
+    position in the *global* generation batch modulo the group size, which the sampler lays out identically for
+    any number of processes."""
+    tokenizer = trainer.processing_class
+    offset = trainer.accelerator.process_index * len(prompts)
+    prompt_ids, completion_ids = [], []
+    for local_index, prompt in enumerate(prompts):
+        member = (offset + local_index) % NUM_GENERATIONS
+        seed = zlib.crc32(prompt.encode()) * NUM_GENERATIONS + member
+        generator = torch.Generator().manual_seed(seed)
+        length = 2 + (seed % 9)
+        prompt_ids.append(tokenizer(prompt)["input_ids"])
+        completion_ids.append(torch.randint(10, len(tokenizer), (length,), generator=generator).tolist())
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
+    values = dict(
+        output_dir=output_dir, bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
+        per_device_train_batch_size=int(per_device_batch), num_generations=NUM_GENERATIONS, max_completion_length=12,
+        learning_rate=1e-2, logging_steps=1, num_rounds=2, local_steps=2, reward_window=2, seed=0,
+        aggregation="rpg", server_optimizer="adam", server_learning_rate=1e-2, per_device_eval_batch_size=4,
+    )
+    for override in overrides:
+        key, value = override.split("=", 1)
+        values[key] = type(values[key])(value) if key in values else value
+    args = FedGRPOConfig(**values)
+    clients = {
+        f"site-{c}": Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(8)]})
+        for c in range(2)
+    }
+    evaluation = Dataset.from_dict(
+        {"prompt": ["What is 2 + 2?", "What is 3 + 3?"], "answer": ["4", "6"], "difficulty": ["simple", "simple"]}
+    )
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(model_dir), length_reward, args, clients,
+        processing_class=AutoTokenizer.from_pretrained(model_dir), eval_dataset=evaluation,
+        trainer_kwargs={"rollout_func": deterministic_rollout},
+    )
+    initial = {key: value.clone() for key, value in runner.global_state.items()}
+    history = runner.run()
+    rank = PartialState().process_index
+    with open(f"{ranks_dir}/rank-{rank}.json", "w") as handle:
+        json.dump(
+            {
+                "num_processes": runner.num_processes,
+                "moved": max((runner.global_state[key] - value).abs().max().item() for key, value in initial.items()),
+                "global_state": {key: value.tolist() for key, value in runner.global_state.items()},
+                "rewards": [record.rewards for record in history],
+                "weights": [record.weights for record in history],
+            },
+            handle,
+        )
+    shut_down()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,112 @@
+"""`accelerate launch` with 2 CPU processes (gloo) against 1 process: the same federation, files written once."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "scripts" / "federated_run.py"
+# Plain SGD on the clients: Adam's first steps move every parameter by ±lr whatever the size of its gradient,
+# which turns float32 summation-order noise between 1 and 2 processes into lr-sized differences.
+CLIENT_SGD = ["optim=sgd", "learning_rate=0.5"]
+
+
+def launch(tmp_path, name, num_processes, overrides):
+    output_dir, ranks_dir = tmp_path / name, tmp_path / f"{name}-ranks"
+    ranks_dir.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=os.getcwd())
+    per_device_batch = str(8 // num_processes)
+    script = [str(SCRIPT), str(tmp_path / "model"), str(output_dir), str(ranks_dir), per_device_batch, *overrides]
+    if num_processes == 1:
+        command = [sys.executable, *script]
+    else:
+        accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+        command = [
+            accelerate, "launch", "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), *script,
+        ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((ranks_dir / f"rank-{rank}.json").read_text()) for rank in range(num_processes)]
+    return output_dir, ranks
+
+
+def free_port():
+    """A port no other test run holds, so that two runs can share the machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def states(rank):
+    return {key: torch.tensor(value) for key, value in rank["global_state"].items()}
+
+
+@pytest.fixture
+def model_dir(tmp_path, tiny_model_dir):
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["rpg", pytest.param("scaffold", marks=pytest.mark.slow)]
+)
+def test_two_processes_match_one(tmp_path, model_dir, aggregation):
+    overrides = [*CLIENT_SGD, f"aggregation={aggregation}"]
+    single_dir, (single,) = launch(tmp_path, "single", 1, overrides)
+    multi_dir, (rank0, rank1) = launch(tmp_path, "multi", 2, overrides)
+    assert single["num_processes"] == 1 and rank0["num_processes"] == 2
+
+    # Every process leaves with the main process's global adapter, bit for bit.
+    assert all(torch.equal(states(rank0)[key], value) for key, value in states(rank1).items())
+    assert rank0["rewards"] == rank1["rewards"] and rank0["weights"] == rank1["weights"]
+
+    # Same R̄ (gathered over both processes), same RPG weights, and the same adapter up to float32 summation order.
+    assert rank0["rewards"] == single["rewards"]
+    assert rank0["weights"] == single["weights"]
+    for key, value in states(single).items():
+        torch.testing.assert_close(states(rank0)[key], value, atol=1e-4, rtol=1e-3)
+    # ... which is a real comparison: training moved the adapter by far more than that tolerance.
+    assert single["moved"] > 1e-2 and rank0["moved"] > 1e-2
+
+    # Files are written once: the same set of outputs and one metrics line per event, as with one process.
+    def listing(root):
+        return sorted(str(path.relative_to(root)) for path in root.rglob("*") if "clients" not in path.parts)
+
+    assert listing(multi_dir) == listing(single_dir)
+    events = [json.loads(line)["event"] for line in (multi_dir / "metrics.jsonl").read_text().splitlines()]
+    single_events = [json.loads(line)["event"] for line in (single_dir / "metrics.jsonl").read_text().splitlines()]
+    assert events == single_events
+    assert events.count("client") == 4 and events.count("round") == 2
+
+
+@pytest.mark.parametrize(
+    "environment, named",
+    [({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "ZeRO-3"),
+     ({"ACCELERATE_USE_FSDP": "true"}, "FSDP")],
+)
+def test_parameter_sharding_is_refused_by_name(monkeypatch, tiny_model, tiny_tokenizer, fast_args, environment, named):
+    from datasets import Dataset
+
+    from conftest import length_reward
+    from trl_federated import FederatedRunner
+
+    args = fast_args()  # built first: TrainingArguments itself would try to set DeepSpeed up from the environment
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    clients = [Dataset.from_dict({"prompt": ["a b c"] * 4})] * 2
+    with pytest.raises(ValueError, match=named):
+        FederatedRunner(tiny_model, length_reward, args, clients, processing_class=tiny_tokenizer)
+
+
+def test_zero_2_is_accepted(monkeypatch):
+    from trl_federated.distributed import check_parameters_unsharded
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    check_parameters_unsharded()

@@ -1,0 +1,61 @@
+"""The few collective operations a federation needs under `accelerate launch` (or `torchrun`).
+
+Every process runs the same rounds: each client's local steps are data-parallel over the processes (TRL's
+trainer wraps the shared model in DDP or DeepSpeed), so all processes end a client's round with the same adapter
+and the same gathered R̄. Decisions that rest on one process's view, such as the wall clock of a deadline, the
+server step and evaluation, are taken on the main process and broadcast, so that no two processes can ever
+disagree about which clients count or what the next global adapter is.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from accelerate import PartialState
+
+T = TypeVar("T")
+
+
+def num_processes() -> int:
+    return PartialState().num_processes
+
+
+def from_main_process(value: T) -> T:
+    """The main process's `value`, on every process (pickled over the process group, CPU or GPU alike)."""
+    if num_processes() == 1:
+        return value
+    payload: list[Any] = [value]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def wait_for_everyone() -> None:
+    PartialState().wait_for_everyone()
+
+
+def shut_down() -> None:
+    """End the process group once every process got here. A process that exits while its peers still talk to it
+    can make a rank abort at interpreter exit, so scripts launched with several processes end with this."""
+    state = PartialState()
+    if state.num_processes > 1 and dist.is_initialized():
+        state.wait_for_everyone()
+        state.destroy_process_group()
+
+
+def check_parameters_unsharded() -> None:
+    """Refuse launch modes that shard the parameters themselves (DeepSpeed ZeRO-3, FSDP): the runner reads and
+    writes whole adapters between rounds, which there would need gathering it does not do yet. DDP and ZeRO-1/2
+    keep every parameter whole on every process and are supported."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+            raise ValueError(
+                "DeepSpeed ZeRO-3 shards the model's parameters, so the LoRA adapter cannot be read or loaded between "
+                "rounds. Use ZeRO-2 (examples/accelerate/deepspeed_zero2.yaml) or DDP (multi_gpu.yaml)."
+            )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise ValueError(
+            "FSDP shards the model's parameters, so the LoRA adapter cannot be read or loaded between rounds. Use "
+            "DDP (examples/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2 (deepspeed_zero2.yaml)."
+        )
