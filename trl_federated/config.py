@@ -14,6 +14,8 @@ from trl import GRPOConfig
 
 AGGREGATIONS = ("rpg", "fedavg", "fedprox", "scaffold")
 SERVER_OPTIMIZERS = ("adam", "sgd")
+LORA_AGGREGATIONS = ("separate", "freeze_a")
+TRANSFER_DTYPES = ("float32", "bfloat16")
 # Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
 # its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
@@ -164,6 +166,26 @@ class FedGRPOConfig(GRPOConfig):
         },
     )
 
+    lora_aggregation: str = field(
+        default="separate",
+        metadata={
+            "help": "How LoRA factors are federated. 'separate' (the paper's): clients train and send A and B, and the "
+            "server averages each; the average of B_i·A_i is then not the product of the averages. 'freeze_a' "
+            "(FFA-LoRA, Sun et al., ICLR 2024): A stays at its shared seeded initialisation, clients train and send B "
+            "only, so Σ ω_i B_i A is exactly the average of the clients' updates and the payload roughly halves.",
+            "choices": list(LORA_AGGREGATIONS),
+        },
+    )
+    transfer_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Precision of each client's update on the wire. 'float32' sends the adapter as trained. "
+            "'bfloat16' sends the change θ_i − θ^{[t]} in bfloat16 (half the bytes); the server adds it back in float32, "
+            "so the error is relative to the round's change, not to the weights. The server keeps float32 state.",
+            "choices": list(TRANSFER_DTYPES),
+        },
+    )
+
     # Server optimizer
     server_optimizer: str = field(
         default="adam",
@@ -215,6 +237,10 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
         if self.aggregation not in AGGREGATIONS:
             yield f"`aggregation` must be one of {AGGREGATIONS}, got {self.aggregation!r}."
+        if self.lora_aggregation not in LORA_AGGREGATIONS:
+            yield f"`lora_aggregation` must be one of {LORA_AGGREGATIONS}, got {self.lora_aggregation!r}."
+        if self.transfer_dtype not in TRANSFER_DTYPES:
+            yield f"`transfer_dtype` must be one of {TRANSFER_DTYPES}, got {self.transfer_dtype!r}."
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             yield f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}."
         for name in ("rpg_lambda_base", "rpg_iota"):

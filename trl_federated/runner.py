@@ -44,6 +44,7 @@ from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
 from .rewards import combined_reward_range
 from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
+from .transport import WireFormat, is_lora_a
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,12 @@ class FederatedRunner:
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.global_state: AdapterState = get_adapter_state(model)
+        self.wire = WireFormat.from_config(args, self.global_state)
+        if args.lora_aggregation == "freeze_a":
+            # FFA-LoRA: A keeps its seeded initialisation, shared by every client; only B trains.
+            for name, param in model.named_parameters():
+                if is_lora_a(name):
+                    param.requires_grad_(False)
         self.history: list[RoundRecord] = []
         # Client-side state that persists across rounds (SCAFFOLD's c_i), keyed by client id.
         self.client_controls: dict[str, AdapterState] = {}
@@ -313,7 +320,7 @@ class FederatedRunner:
         for round_idx in range(first_round, args.num_rounds):
             start = time.perf_counter()
             self._fire("on_round_begin", round_idx=round_idx)
-            broadcast_bytes = state_nbytes(self.global_state)
+            broadcast_bytes = state_nbytes(self.wire.sent(self.global_state))
             updates, dropped = [], {}
             for client_index, client_id in enumerate(client_ids):
                 progress.set_postfix_str(f"round {round_idx + 1}/{args.num_rounds}, {client_id}")
@@ -383,6 +390,10 @@ class FederatedRunner:
         try:
             update = self.train_client(round_idx, client_index, client_id)
             validate_update(update, self.global_state, self.reward_range)
+            # The server aggregates what the wire delivers, not the client's exact adapter.
+            payload = self.wire.encode(update.state, self.global_state)
+            update.state = self.wire.decode(payload, self.global_state)
+            update.wire_bytes = state_nbytes(payload)
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
             kind = next((kind for error_type, kind in _DROP_KINDS if isinstance(error, error_type)), "error")
@@ -451,7 +462,7 @@ class FederatedRunner:
             temperature=aggregator.last_temperature if is_rpg else None,
             num_samples={update.client_id: update.num_samples for update in updates},
             bytes_received={update.client_id: broadcast_bytes for update in updates},
-            bytes_sent={update.client_id: state_nbytes(update.state) for update in updates},
+            bytes_sent={update.client_id: update.wire_bytes for update in updates},
             client_metrics={update.client_id: update.metrics for update in updates},
             dropped=dropped,
         )

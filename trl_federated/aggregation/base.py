@@ -22,6 +22,7 @@ class ClientUpdate:
         reward: R̄_i^{[t]}, the mean step reward over the client's last W local steps.
         metrics: Anything else worth logging (step rewards, loss, wall time).
         control_delta: SCAFFOLD only: Δc_i, the change of the client's control variate, keyed like `state`.
+        wire_bytes: What the update took on the wire (see `transport.WireFormat`); None until it was sent.
     """
 
     client_id: str
@@ -30,6 +31,7 @@ class ClientUpdate:
     reward: float
     metrics: dict[str, Any] = field(default_factory=dict)
     control_delta: dict[str, torch.Tensor] | None = None
+    wire_bytes: int | None = None
 
 
 class Aggregator(ABC):

@@ -1,0 +1,57 @@
+"""What a client's update costs on the wire, and how it gets there: which adapter tensors are sent, in which
+precision. The in-process runner passes every update through the same encode/decode a network would, so the
+server aggregates exactly what it would receive, and the bytes it reports are the bytes that would be sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .adapters import AdapterState
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """Encoding of a client → server update.
+
+    Args:
+        dtype: Precision on the wire. float32 sends the client's adapter θ_i as is (exact). A lower precision sends
+            the change θ_i − θ^{[t]} instead: rounding the change errs by at most 2^-8 of each coordinate's change
+            (bfloat16), while rounding θ_i itself would err by 2^-8 of the weight, more than a round's change.
+        frozen_keys: Adapter entries the clients never change (LoRA A under `lora_aggregation="freeze_a"`). They
+            are not sent: the server's copy is the clients' copy.
+    """
+
+    dtype: torch.dtype = torch.float32
+    frozen_keys: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_config(cls, args, global_state: AdapterState) -> WireFormat:
+        frozen = frozenset(key for key in global_state if is_lora_a(key)) if args.lora_aggregation == "freeze_a" else frozenset()
+        return cls(dtype=DTYPES[args.transfer_dtype], frozen_keys=frozen)
+
+    def sent(self, state: AdapterState) -> AdapterState:
+        """The entries of `state` that travel (the server → client broadcast sends these in float32)."""
+        return {key: value for key, value in state.items() if key not in self.frozen_keys}
+
+    def encode(self, state: AdapterState, reference: AdapterState) -> AdapterState:
+        """The payload of a client whose round started from `reference` and ended at `state`."""
+        if self.dtype == torch.float32:
+            return self.sent(state)
+        return {key: (value.float() - reference[key].float()).to(self.dtype) for key, value in self.sent(state).items()}
+
+    def decode(self, payload: AdapterState, reference: AdapterState) -> AdapterState:
+        """The client's full adapter as the server sees it: `reference` where nothing was sent."""
+        if self.dtype == torch.float32:
+            received = payload
+        else:
+            received = {key: (reference[key].float() + value.float()).to(reference[key].dtype) for key, value in payload.items()}
+        return {key: received.get(key, value) for key, value in reference.items()}
+
+
+def is_lora_a(key: str) -> bool:
+    """Whether a PEFT state-dict key is a LoRA A factor (`...lora_A.weight`, `...lora_embedding_A`)."""
+    return ".lora_A." in key or "lora_embedding_A" in key
