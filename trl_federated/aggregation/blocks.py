@@ -5,7 +5,8 @@ moments, apply them. Fused over all tensors at once (`torch._foreach_*`), every 
 (tens to hundreds of MB) through main memory. Run block by block, a block's tensors stay in the CPU cache from
 one pass to the next, so the chain costs little more than reading its inputs once; temporaries are block-sized
 and their memory is reused by the next block instead of being freshly allocated (page-faulted) at full size.
-`benchmarks/aggregate.py` measures it: about a third less time for RPG + server Adam at N = 3 clients.
+`benchmarks/aggregate.py` measures it (RPG + server Adam, 3 clients): 2.4-2.8x a plain copy of the client
+adapters, against 8x for the same passes each over the whole adapter.
 """
 
 from __future__ import annotations
