@@ -7,6 +7,7 @@ import torch
 
 from trl_federated import ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
 from trl_federated.aggregation import aggregator_from_config, pseudo_gradient
+from trl_federated.aggregation.blocks import BLOCK_BYTES, blocks
 
 
 def update(client_id, values, reward=0.0, num_samples=1):
@@ -180,3 +181,50 @@ def test_aggregator_from_config(tmp_path):
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, RPGAggregator) and isinstance(aggregator.server_optimizer, ServerAdam)
     assert (aggregator.tau_min, aggregator.h_max, aggregator.server_optimizer.learning_rate) == (1.0, 3.0, 1e-3)
+
+
+def test_blocks_keep_key_order_and_stay_within_budget():
+    sizes = {"a": 10, "b": 30, "c": 70, "d": 5, "e": 5, "f": 20}  # float32 elements
+    state = {key: torch.zeros(n) for key, n in sizes.items()}
+    runs = list(blocks(state, block_bytes=160))  # 40 floats per block
+    assert [key for run in runs for key in run] == list(sizes)
+    assert runs == [["a", "b"], ["c"], ["d", "e", "f"]]  # "c" alone exceeds the budget: a block of its own
+
+
+def test_blocked_server_step_matches_the_equations_on_a_multi_block_adapter():
+    """RPG + Adam over an adapter of several cache-sized blocks equals Eqs. model_diff, momentum, model_update
+    computed tensor by tensor."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(300, 1000), (1000, 300), (64, 2000), (2000, 64), (2, 3), (600, 600)]
+    adapter = lambda: {f"t{i}": torch.randn(*shape, generator=generator) for i, shape in enumerate(shapes)}
+    theta = adapter()
+    assert len(list(blocks(theta))) > 2 and sum(t.numel() * 4 for t in theta.values()) > 2 * BLOCK_BYTES
+    aggregator = rpg(server_optimizer=ServerAdam(learning_rate=0.01, beta1=0.9, beta2=0.99, epsilon=1e-8))
+    m = {key: torch.zeros_like(value) for key, value in theta.items()}
+    v = {key: torch.zeros_like(value) for key, value in theta.items()}
+    for round_idx, rewards in enumerate([(0.2, 0.5, 0.4), (0.6, 0.45, 0.5)]):
+        # Clients that moved away from θ (Δ bounded away from 0, where m / √v is ill-conditioned).
+        moves = [adapter() for _ in rewards]
+        updates = [
+            ClientUpdate(f"c{i}", {key: theta[key] + 1 + move[key].abs() for key in theta}, 1, reward)
+            for i, (move, reward) in enumerate(zip(moves, rewards))
+        ]
+        new = aggregator.aggregate(theta, updates, round_idx)
+        weights = [aggregator.last_weights[update.client_id] for update in updates]
+        for key in theta:
+            delta = sum(w * (update.state[key] - theta[key]) for w, update in zip(weights, updates))
+            m[key] = 0.9 * m[key] + 0.1 * delta
+            v[key] = 0.99 * v[key] + 0.01 * delta**2
+            torch.testing.assert_close(aggregator.server_optimizer.m[key], m[key])
+            torch.testing.assert_close(aggregator.server_optimizer.v[key], v[key])
+            torch.testing.assert_close(new[key], theta[key] + 0.01 * m[key] / (v[key].sqrt() + 1e-8))
+        assert list(new) == list(theta)
+        theta = new
+    assert aggregator.server_optimizer.num_steps == 2
+
+
+def test_pseudo_gradient_accumulates_bfloat16_client_states_in_float32():
+    states = [{"w": torch.tensor([3.0, 0.0, 0.5]).bfloat16()}, {"w": torch.tensor([1.0, 2.0, 2.5]).bfloat16()}]
+    delta = pseudo_gradient(GLOBAL, states, [0.25, 0.75])
+    assert delta["w"].dtype == torch.float32
+    torch.testing.assert_close(delta["w"], 0.25 * states[0]["w"].float() + 0.75 * states[1]["w"].float() - GLOBAL["w"])

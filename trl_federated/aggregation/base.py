@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .blocks import blocks
 from .server_optim import ServerOptimizer, ServerSGD
 
 
@@ -59,8 +60,15 @@ class Aggregator(ABC):
             raise ValueError("aggregate() needs at least one client update.")
         weights = self.client_weights(updates, round_idx)
         self.last_weights = {update.client_id: weight for update, weight in zip(updates, weights)}
-        delta = pseudo_gradient(global_state, [update.state for update in updates], weights)
-        return self.server_optimizer.step(global_state, delta)
+        # Δ is computed and applied one cache-sized block at a time (see `blocks`): the block of Δ is still in
+        # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
+        client_states = [update.state for update in updates]
+        self.server_optimizer.start_step()
+        new_state = {}
+        for keys in blocks(global_state):
+            block = {key: global_state[key] for key in keys}
+            new_state.update(self.server_optimizer.step_block(block, pseudo_gradient(block, client_states, weights)))
+        return new_state
 
     def state_dict(self) -> dict[str, Any]:
         return {"server_optimizer": self.server_optimizer.state_dict()}
@@ -72,14 +80,15 @@ class Aggregator(ABC):
 def pseudo_gradient(
     global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]], weights: list[float]
 ) -> dict[str, torch.Tensor]:
-    """Δ = Σ_i ω_i (θ_i − θ) in float32, computed as Σ_i ω_i θ_i − θ (the weights sum to 1).
+    """Δ = Σ_i ω_i (θ_i − θ) in float32, over the keys of `global_state` (the whole adapter or a block of it),
+    computed as −θ + Σ_i ω_i θ_i (the weights sum to 1).
 
-    One fused pass per client over all tensors (`torch._foreach_*`, as torch's own optimizers do) keeps the
-    server step a few memory copies of the adapter, whatever the number of tensors.
+    One fused in-place addition per client (`torch._foreach_add_`, as torch's own optimizers do) into the one new
+    buffer; client tensors in another dtype (bfloat16 transfers) are promoted inside the addition rather than
+    copied to float32 first.
     """
     keys = list(global_state)
-    accumulator = [torch.zeros_like(global_state[key], dtype=torch.float32) for key in keys]
+    delta = torch._foreach_mul([global_state[key].float() for key in keys], -1.0)
     for state, weight in zip(client_states, weights):
-        torch._foreach_add_(accumulator, [state[key].float() for key in keys], alpha=float(weight))
-    torch._foreach_sub_(accumulator, [global_state[key].float() for key in keys])
-    return dict(zip(keys, accumulator))
+        torch._foreach_add_(delta, [state[key] for key in keys], alpha=float(weight))
+    return dict(zip(keys, delta))

@@ -41,9 +41,10 @@ class ScaffoldAggregator(FedAvgAggregator):
             raise ValueError(f"SCAFFOLD updates need `control_delta`; missing for clients {missing}.")
         new_state = super().aggregate(global_state, updates, round_idx)
         control = self.server_control(global_state)
-        for update in updates:
-            for key in control:
-                control[key].add_(update.control_delta[key].float(), alpha=1.0 / self.num_clients)
+        keys = list(control)
+        for update in updates:  # one fused in-place pass per client, promoting bfloat16 deltas on the fly
+            deltas = [update.control_delta[key] for key in keys]
+            torch._foreach_add_([control[key] for key in keys], deltas, alpha=1.0 / self.num_clients)
         return new_state
 
     def state_dict(self) -> dict[str, Any]:

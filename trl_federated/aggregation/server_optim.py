@@ -6,23 +6,42 @@ as a gradient-ascent direction: SGD with learning rate 1 is FedAvg, Adam is FedA
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
+from .blocks import blocks
+
 
 class ServerOptimizer(ABC):
-    """Applies Δ to θ; subclasses keep their state explicit and serialisable."""
+    """Applies Δ to θ; subclasses keep their state explicit and serialisable.
+
+    A step is `start_step()` followed by `step_block()` on every part of the adapter exactly once, so that the
+    aggregator can compute Δ and apply it one cache-sized block at a time (see `blocks`); `step()` does all of it
+    for a whole Δ.
+    """
 
     def __init__(self, learning_rate: float):
         if not learning_rate > 0:
             raise ValueError(f"Server `learning_rate` must be > 0, got {learning_rate}.")
         self.learning_rate = learning_rate
 
-    @abstractmethod
     def step(self, params: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Return the new parameters (same keys and dtypes as `params`); `params` is left untouched."""
+        self.start_step()
+        new = {}
+        for keys in blocks(params):
+            new.update(self.step_block({key: params[key] for key in keys}, {key: delta[key] for key in keys}))
+        return new
+
+    def start_step(self) -> None:
+        """Open a server step; its `step_block` calls follow."""
+
+    @abstractmethod
+    def step_block(self, params: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new values of the part `params` of the adapter, given its part of Δ; `params` is left untouched."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -37,10 +56,12 @@ class ServerSGD(ServerOptimizer):
     def __init__(self, learning_rate: float = 1.0):
         super().__init__(learning_rate)
 
-    def step(self, params, delta):
-        return {
-            key: (params[key].float() + self.learning_rate * delta[key]).to(params[key].dtype) for key in params
-        }
+    def step_block(self, params, delta):
+        keys = list(params)
+        new = torch._foreach_add(
+            [params[key].float() for key in keys], [delta[key] for key in keys], alpha=self.learning_rate
+        )
+        return {key: value.to(params[key].dtype) for key, value in zip(keys, new)}
 
 
 class ServerAdam(ServerOptimizer):
@@ -68,28 +89,28 @@ class ServerAdam(ServerOptimizer):
         self.v: dict[str, torch.Tensor] = {}
         self.num_steps = 0
 
-    def step(self, params, delta):
+    def start_step(self):
+        self.num_steps += 1
+
+    def step_block(self, params, delta):
         keys = list(params)
-        if not self.m:
-            self.m = {key: torch.zeros_like(delta[key]) for key in keys}
-            self.v = {key: torch.zeros_like(delta[key]) for key in keys}
+        for key in keys:
+            if key not in self.m:  # m^{[-1]} = v^{[-1]} = 0
+                self.m[key] = torch.zeros_like(delta[key])
+                self.v[key] = torch.zeros_like(delta[key])
         m, v, d = [self.m[k] for k in keys], [self.v[k] for k in keys], [delta[k] for k in keys]
         torch._foreach_lerp_(m, d, 1 - self.beta1)  # m ← β1 m + (1 − β1) Δ
         torch._foreach_mul_(v, self.beta2)
         torch._foreach_addcmul_(v, d, d, value=1 - self.beta2)  # v ← β2 v + (1 − β2) Δ²
-        self.num_steps += 1
 
-        step_size, v_scale = self.learning_rate, 1.0
+        step_size = self.learning_rate
+        denominator = torch._foreach_sqrt(v)
         if self.bias_correction:
             step_size /= 1 - self.beta1**self.num_steps
-            v_scale = 1 - self.beta2**self.num_steps
-        denominator = torch._foreach_div(v, v_scale) if v_scale != 1.0 else v
-        denominator = torch._foreach_sqrt(denominator)
+            torch._foreach_div_(denominator, math.sqrt(1 - self.beta2**self.num_steps))
         torch._foreach_add_(denominator, self.epsilon)
-        updates = torch._foreach_div(m, denominator)
-        return {
-            key: (params[key].float() + step_size * update).to(params[key].dtype) for key, update in zip(keys, updates)
-        }
+        new = torch._foreach_addcdiv([params[k].float() for k in keys], m, denominator, value=step_size)
+        return {key: value.to(params[key].dtype) for key, value in zip(keys, new)}
 
     def state_dict(self):
         return {"m": dict(self.m), "v": dict(self.v), "num_steps": self.num_steps}
