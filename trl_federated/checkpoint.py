@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # what `PeftConfig.save_pretrained` writes
 TENSORS_FILE = "federation.safetensors"
 STATE_FILE = "federation.json"
 _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
@@ -115,6 +116,26 @@ def write_checkpoint(
         for path in older[: max(0, len(older) - (save_total_limit - 1))]:
             shutil.rmtree(path)
     return final
+
+
+def export_adapter(checkpoint_dir: str | Path, destination: str | Path) -> Path:
+    """Publish a checkpoint's global adapter as a standalone PEFT adapter folder (`round-<t>`), atomically.
+
+    The files are hard links to the checkpoint's, so the round costs no second write of the adapter, and they
+    outlive the checkpoint when `save_total_limit` rotates it out (a copy where links are not supported).
+    """
+    checkpoint_dir, destination = Path(checkpoint_dir), Path(destination)
+    staging = destination.with_name(f".{destination.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in (ADAPTER_FILE, ADAPTER_CONFIG_FILE):
+        try:
+            os.link(checkpoint_dir / name, staging / name)
+        except OSError:
+            shutil.copy2(checkpoint_dir / name, staging / name)
+    shutil.rmtree(destination, ignore_errors=True)
+    os.replace(staging, destination)
+    return destination
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

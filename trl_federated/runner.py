@@ -34,6 +34,7 @@ from .callbacks import MetricsLoggerCallback, RoundCallback, RoundRecord
 from .checkpoint import (
     Checkpoint,
     check_identity,
+    export_adapter,
     list_checkpoints,
     prepare_output_dir,
     read_checkpoint,
@@ -361,7 +362,9 @@ class FederatedRunner:
             self.history.append(record)
             self._fire("on_round_end", record=record)
             if self.is_main_process:
-                self.save_checkpoint(round_idx)
+                checkpoint = self.save_checkpoint(round_idx)
+                if args.save_every_round:
+                    export_adapter(checkpoint, output_dir / f"round-{round_idx}")
         progress.close()
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
@@ -372,7 +375,7 @@ class FederatedRunner:
     def _server_round(
         self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
     ) -> RoundRecord:
-        """Aggregate, save the round's adapter and evaluate, on the main process only; every other process then
+        """Aggregate and evaluate, on the main process only; every other process then
         receives the new global adapter, the aggregator's state (SCAFFOLD's c steers their next local steps) and
         the round's record, so all processes leave the round identical."""
         args = self.args
@@ -380,8 +383,6 @@ class FederatedRunner:
         if self.is_main_process:
             self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
             record = self._record(round_idx, updates, dropped, broadcast_bytes)
-            if args.save_every_round:
-                save_adapter(self.model, self.global_state, Path(args.output_dir) / f"round-{round_idx}")
             is_last = round_idx == args.num_rounds - 1
             if is_last or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
                 record.evaluation = self.evaluate(round_idx)
