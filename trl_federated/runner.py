@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import copy
-import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-from transformers.trainer_callback import PrinterCallback
-from transformers.trainer_utils import IntervalStrategy
 
 from .adapters import (
     AdapterState,
@@ -40,15 +34,11 @@ from .checkpoint import (
     run_identity,
     write_checkpoint,
 )
+from .client import ClientTimeoutError, local_training_args, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .rewards import combined_reward_range
-from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
 
 logger = logging.getLogger(__name__)
-
-
-class ClientTimeoutError(TimeoutError):
-    """A client's local round took longer than `client_timeout`; its update is dropped."""
 
 
 class NotEnoughClientsError(RuntimeError):
@@ -194,19 +184,8 @@ class FederatedRunner:
     # One client --------------------------------------------------------------------------------------------
 
     def client_args(self, round_idx: int, client_index: int, client_id: str) -> FedGRPOConfig:
-        """The local-training configuration of one client in one round: `local_steps` steps, its own seed, no
-        checkpoints or reports of its own (the runner logs and saves the federation)."""
-        args = copy.deepcopy(self.args)
-        args.num_clients = 1  # a client trains; it does not federate again
-        args.max_steps = self.args.local_steps
-        args.seed = self.args.seed + round_idx * len(self.client_datasets) + client_index
-        args.output_dir = os.path.join(self.args.output_dir, "clients", client_id)
-        args.save_strategy = IntervalStrategy.NO
-        args.eval_strategy = IntervalStrategy.NO
-        args.report_to = []
-        args.disable_tqdm = True
-        args.push_to_hub = False
-        return args
+        """The local-training configuration of one client in one round (see `client.local_training_args`)."""
+        return local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id)
 
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
         """Run one client's local round from the current global adapter and return its update.
@@ -214,71 +193,27 @@ class FederatedRunner:
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        started = time.perf_counter()
-        dataset = self.client_datasets[client_id]
-        set_adapter_state(self.model, self.global_state)
-        trainer = None
-        try:
-            trainer = FedGRPOTrainer(
-                model=self.model,
-                reward_funcs=self.reward_funcs,
-                args=self.client_args(round_idx, client_index, client_id),
-                train_dataset=dataset,
-                processing_class=self.processing_class,
-                callbacks=list(self.callbacks),
-                **self.trainer_kwargs,
-            )
-            trainer.remove_callback(PrinterCallback)
-            if self.args.client_timeout is not None:
-                trainer.add_callback(Deadline(started + self.args.client_timeout))
-            scaffold = None
-            if isinstance(self.aggregator, ScaffoldAggregator):
-                server_control = self.aggregator.server_control(self.global_state)
-                client_control = self.client_control(client_id)
-                scaffold = ScaffoldCorrection(server_control, client_control, self.args.scaffold_correction)
-                trainer.add_callback(scaffold)
-            start = time.perf_counter()
-            output = trainer.train()
-            elapsed = time.perf_counter() - started
-            if self.args.client_timeout is not None and elapsed > self.args.client_timeout:
-                raise ClientTimeoutError(
-                    f"client {client_id!r} took {elapsed:.1f} s, over client_timeout={self.args.client_timeout} s "
-                    f"(stopped after {trainer.state.global_step} of {self.args.local_steps} local steps)"
-                )
-            update = ClientUpdate(
-                client_id=client_id,
-                state=get_adapter_state(self.model),
-                num_samples=len(dataset),
-                reward=trainer.window_reward(),
-                metrics={
-                    "step_rewards": trainer.step_rewards,
-                    "train_loss": output.training_loss,
-                    "train_seconds": time.perf_counter() - start,
-                },
-            )
-            if scaffold is not None:
-                update.control_delta = scaffold.control_delta
-        finally:
-            self._release(trainer)
-        return update
+        scaffold_controls = None
+        if isinstance(self.aggregator, ScaffoldAggregator):
+            scaffold_controls = (self.aggregator.server_control(self.global_state), self.client_control(client_id))
+        return train_local_round(
+            self.model,
+            self.global_state,
+            client_id,
+            self.client_datasets[client_id],
+            self.client_args(round_idx, client_index, client_id),
+            self.reward_funcs,
+            self.processing_class,
+            callbacks=self.callbacks,
+            trainer_kwargs=self.trainer_kwargs,
+            scaffold_controls=scaffold_controls,
+        )
 
     def client_control(self, client_id: str) -> AdapterState:
         """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
         if client_id not in self.client_controls:
-            server_control = self.aggregator.server_control(self.global_state)
-            return {key: torch.zeros_like(value) for key, value in server_control.items()}
+            return zero_control(self.aggregator.server_control(self.global_state))
         return self.client_controls[client_id]
-
-    def _release(self, trainer: FedGRPOTrainer | None) -> None:
-        """Drop everything a finished (or failed) client trainer holds (optimizer state, TRL's `ref` adapter) so
-        that memory stays flat in the number of clients."""
-        if "ref" in self.model.peft_config:
-            self.model.delete_adapter("ref")
-            self.model.set_adapter("default")
-        if trainer is not None:
-            trainer.accelerator.free_memory()
-        del trainer
-        gc.collect()
 
     # Rounds ------------------------------------------------------------------------------------------------
 
