@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 
-from .adapters import AdapterState, get_adapter_state, set_adapter_state
+from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
 from .aggregation import ClientUpdate
 from .config import FedGRPOConfig
 from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
@@ -29,6 +29,17 @@ from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
 
 class ClientTimeoutError(TimeoutError):
     """A client's local round took longer than `client_timeout`; its update is dropped."""
+
+
+# How a dropped client's fault is labelled in metrics.jsonl; any other exception is an "error".
+_FAILURE_KINDS = ((ClientTimeoutError, "timeout"), (InvalidUpdateError, "invalid_update"))
+
+
+def describe_failure(error: Exception) -> tuple[str, str]:
+    """(kind, reason) of a client round that failed with `error`: kind is "timeout", "invalid_update" or "error";
+    the reason of an unexpected "error" names the exception type."""
+    kind = next((kind for error_type, kind in _FAILURE_KINDS if isinstance(error, error_type)), "error")
+    return kind, str(error) if kind != "error" else f"{type(error).__name__}: {error}"
 
 
 def local_training_args(

@@ -16,15 +16,14 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .adapters import (
     AdapterState,
-    InvalidUpdateError,
     get_adapter_state,
     save_adapter,
     set_adapter_state,
     state_nbytes,
     validate_update,
 )
-from .aggregation import Aggregator, ClientUpdate, RPGAggregator, ScaffoldAggregator, aggregator_from_config
-from .callbacks import MetricsLoggerCallback, RoundCallback, RoundRecord
+from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
+from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
     check_identity,
@@ -34,7 +33,7 @@ from .checkpoint import (
     run_identity,
     write_checkpoint,
 )
-from .client import ClientTimeoutError, local_training_args, train_local_round, zero_control
+from .client import describe_failure, local_training_args, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .rewards import combined_reward_range
 
@@ -45,13 +44,25 @@ class NotEnoughClientsError(RuntimeError):
     """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
 
 
-# How a dropped client's fault is labelled in metrics.jsonl; any other exception is an "error".
-_DROP_KINDS = ((ClientTimeoutError, "timeout"), (InvalidUpdateError, "invalid_update"))
-
-
 def default_lora_config() -> LoraConfig:
     """LoRA on every linear projection of the decoder, as the paper does (it uses r=32, α=128 on 3B+ models)."""
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_config: PeftConfig | None = None):
+    """`model` wrapped in the LoRA adapter the federation trains (`peft_config`, default `default_lora_config`);
+    a `PeftModel` is returned as it is.
+
+    LoRA draws its A matrices from the global RNG: it is seeded with `seed` first, as `Trainer` does before
+    `model_init`, so that the initial global adapter, and with it the whole run, follows from the seed alone,
+    in whichever process (runner, Flower ServerApp) builds it.
+    """
+    if isinstance(model, PeftModel):
+        if peft_config is not None:
+            raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
+        return model
+    set_seed(seed)
+    return get_peft_model(model, peft_config or default_lora_config())
 
 
 class FederatedRunner:
@@ -110,15 +121,7 @@ class FederatedRunner:
             processing_class = processing_class or tokenizer
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
-        if isinstance(model, PeftModel):
-            if peft_config is not None:
-                raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
-        else:
-            # LoRA draws its A matrices from the global RNG: seed it, as `Trainer` does before `model_init`, so that
-            # the initial global adapter, and with it the whole run, follows from `args` alone.
-            set_seed(args.seed)
-            model = get_peft_model(model, peft_config or default_lora_config())
-        self.model = model
+        self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
         self.reward_funcs = reward_funcs
         self.aggregator = (
@@ -175,11 +178,8 @@ class FederatedRunner:
     # Callbacks ---------------------------------------------------------------------------------------------
 
     def _fire(self, hook: str, **kwargs) -> None:
-        if not self.is_main_process:
-            return
-        for callback in self.callbacks:
-            if isinstance(callback, RoundCallback):
-                getattr(callback, hook)(self.args, **kwargs)
+        if self.is_main_process:
+            fire_round_callbacks(self.callbacks, hook, self.args, **kwargs)
 
     # One client --------------------------------------------------------------------------------------------
 
@@ -296,8 +296,7 @@ class FederatedRunner:
             validate_update(update, self.global_state, self.reward_range)
             return update
         except Exception as error:  # any client fault costs that client its round, not the federation its run
-            kind = next((kind for error_type, kind in _DROP_KINDS if isinstance(error, error_type)), "error")
-            reason = str(error) if kind != "error" else f"{type(error).__name__}: {error}"
+            kind, reason = describe_failure(error)
             # The traceback only helps with an unexpected error.
             logger.warning(
                 "Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
@@ -340,20 +339,7 @@ class FederatedRunner:
     def _record(
         self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
     ) -> RoundRecord:
-        aggregator = self.aggregator
-        is_rpg = isinstance(aggregator, RPGAggregator)
-        return RoundRecord(
-            round_idx=round_idx,
-            rewards={update.client_id: update.reward for update in updates},
-            gains=dict(aggregator.last_gains) if is_rpg else {},
-            weights=dict(aggregator.last_weights),
-            temperature=aggregator.last_temperature if is_rpg else None,
-            num_samples={update.client_id: update.num_samples for update in updates},
-            bytes_received={update.client_id: broadcast_bytes for update in updates},
-            bytes_sent={update.client_id: state_nbytes(update.state) for update in updates},
-            client_metrics={update.client_id: update.metrics for update in updates},
-            dropped=dropped,
-        )
+        return RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
 
     def evaluate(self, round_idx: int) -> dict[str, Any] | None:
         """Accuracy of the current global adapter on `eval_dataset` (None without one)."""
