@@ -336,7 +336,7 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
         "FLWR_HOME": str(flwr_home),
         "FLWR_TELEMETRY_ENABLED": "0",
         # The ClientApps import this checkout's trl_federated, and compute with one thread, as this process does.
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
