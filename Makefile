@@ -3,13 +3,14 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow
+.PHONY: install demo test test-slow test-flower
 
 # torch==2.13.0 first: it is the CPU build, and pip keeps it; an unpinned torch would pull a multi-GB CUDA build.
-$(VENV)/.installed: setup.py
+# The flower extra too: the Flower tests run with the suite.
+$(VENV)/.installed: setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,flower]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -22,3 +23,7 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow
+
+# A real SuperLink and two SuperNodes on 127.0.0.1 (marked slow: 60-90 s on 2 CPU cores).
+test-flower: install
+	$(BIN)/python -m pytest -m slow tests/test_flower.py

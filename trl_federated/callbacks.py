@@ -10,6 +10,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from .adapters import state_nbytes
+
 
 @dataclass
 class RoundRecord:
@@ -34,6 +36,26 @@ class RoundRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_aggregation(
+        cls, round_idx: int, aggregator, updates: list, dropped: dict[str, str], broadcast_bytes: int
+    ) -> RoundRecord:
+        """The record of round `round_idx` right after `aggregator` aggregated `updates` (`ClientUpdate`s);
+        `broadcast_bytes` is the size of the global adapter each client received. RPG's gains and temperature
+        are left empty for an aggregator that has none."""
+        return cls(
+            round_idx=round_idx,
+            rewards={update.client_id: update.reward for update in updates},
+            gains=dict(getattr(aggregator, "last_gains", {})),
+            weights=dict(aggregator.last_weights),
+            temperature=getattr(aggregator, "last_temperature", None),
+            num_samples={update.client_id: update.num_samples for update in updates},
+            bytes_received={update.client_id: broadcast_bytes for update in updates},
+            bytes_sent={update.client_id: update.wire_bytes or state_nbytes(update.state) for update in updates},
+            client_metrics={update.client_id: update.metrics for update in updates},
+            dropped=dropped,
+        )
 
 
 class RoundCallback(TrainerCallback):
@@ -63,6 +85,13 @@ class RoundCallback(TrainerCallback):
 
     def on_evaluate_round(self, args, round_idx: int, results: dict[str, Any], **kwargs):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
+
+
+def fire_round_callbacks(callbacks: list, hook: str, args, **kwargs) -> None:
+    """Call `hook` (e.g. "on_round_end") on every `RoundCallback` among `callbacks`."""
+    for callback in callbacks:
+        if isinstance(callback, RoundCallback):
+            getattr(callback, hook)(args, **kwargs)
 
 
 def _json_safe(value):

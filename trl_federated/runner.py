@@ -2,35 +2,29 @@
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-from transformers.trainer_callback import PrinterCallback
-from transformers.trainer_utils import IntervalStrategy
 
 from .adapters import (
     AdapterState,
-    InvalidUpdateError,
     get_adapter_state,
     save_adapter,
     set_adapter_state,
     state_nbytes,
     validate_update,
 )
-from .aggregation import Aggregator, ClientUpdate, RPGAggregator, ScaffoldAggregator, aggregator_from_config
-from .callbacks import MetricsLoggerCallback, RoundCallback, RoundRecord
+from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
+from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
     check_identity,
@@ -41,30 +35,38 @@ from .checkpoint import (
     run_identity,
     write_checkpoint,
 )
+from .client import describe_failure, local_training_args, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
 from .rewards import combined_reward_range
-from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
 from .transport import WireFormat, is_lora_a
 
 logger = logging.getLogger(__name__)
-
-
-class ClientTimeoutError(TimeoutError):
-    """A client's local round took longer than `client_timeout`; its update is dropped."""
 
 
 class NotEnoughClientsError(RuntimeError):
     """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
 
 
-# How a dropped client's fault is labelled in metrics.jsonl; any other exception is an "error".
-_DROP_KINDS = ((ClientTimeoutError, "timeout"), (InvalidUpdateError, "invalid_update"))
-
-
 def default_lora_config() -> LoraConfig:
     """LoRA on every linear projection of the decoder, as the paper does (it uses r=32, α=128 on 3B+ models)."""
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_config: PeftConfig | None = None):
+    """`model` wrapped in the LoRA adapter the federation trains (`peft_config`, default `default_lora_config`);
+    a `PeftModel` is returned as it is.
+
+    LoRA draws its A matrices from the global RNG: it is seeded with `seed` first, as `Trainer` does before
+    `model_init`, so that the initial global adapter, and with it the whole run, follows from the seed alone,
+    in whichever process (runner, Flower ServerApp) builds it.
+    """
+    if isinstance(model, PeftModel):
+        if peft_config is not None:
+            raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
+        return model
+    set_seed(seed)
+    return get_peft_model(model, peft_config or default_lora_config())
 
 
 class FederatedRunner:
@@ -124,15 +126,7 @@ class FederatedRunner:
             processing_class = processing_class or tokenizer
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
-        if isinstance(model, PeftModel):
-            if peft_config is not None:
-                raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
-        else:
-            # LoRA draws its A matrices from the global RNG: seed it, as `Trainer` does before `model_init`, so that
-            # the initial global adapter, and with it the whole run, follows from `args` alone.
-            set_seed(args.seed)
-            model = get_peft_model(model, peft_config or default_lora_config())
-        self.model = model
+        self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
         self.reward_funcs = reward_funcs
         self.aggregator = (
@@ -196,28 +190,14 @@ class FederatedRunner:
     # Callbacks ---------------------------------------------------------------------------------------------
 
     def _fire(self, hook: str, **kwargs) -> None:
-        if not self.is_main_process:
-            return
-        for callback in self.callbacks:
-            if isinstance(callback, RoundCallback):
-                getattr(callback, hook)(self.args, **kwargs)
+        if self.is_main_process:
+            fire_round_callbacks(self.callbacks, hook, self.args, **kwargs)
 
     # One client --------------------------------------------------------------------------------------------
 
     def client_args(self, round_idx: int, client_index: int, client_id: str) -> FedGRPOConfig:
-        """The local-training configuration of one client in one round: `local_steps` steps, its own seed, no
-        checkpoints or reports of its own (the runner logs and saves the federation)."""
-        args = copy.deepcopy(self.args)
-        args.num_clients = 1  # a client trains; it does not federate again
-        args.max_steps = self.args.local_steps
-        args.seed = self.args.seed + round_idx * len(self.client_datasets) + client_index
-        args.output_dir = os.path.join(self.args.output_dir, "clients", client_id)
-        args.save_strategy = IntervalStrategy.NO
-        args.eval_strategy = IntervalStrategy.NO
-        args.report_to = []
-        args.disable_tqdm = True
-        args.push_to_hub = False
-        return args
+        """The local-training configuration of one client in one round (see `client.local_training_args`)."""
+        return local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id)
 
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
         """Run one client's local round from the current global adapter and return its update.
@@ -225,71 +205,27 @@ class FederatedRunner:
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        started = time.perf_counter()
-        dataset = self.client_datasets[client_id]
-        set_adapter_state(self.model, self.global_state)
-        trainer = None
-        try:
-            trainer = FedGRPOTrainer(
-                model=self.model,
-                reward_funcs=self.reward_funcs,
-                args=self.client_args(round_idx, client_index, client_id),
-                train_dataset=dataset,
-                processing_class=self.processing_class,
-                callbacks=list(self.callbacks),
-                **self.trainer_kwargs,
-            )
-            trainer.remove_callback(PrinterCallback)
-            if self.args.client_timeout is not None:
-                trainer.add_callback(Deadline(started + self.args.client_timeout))
-            scaffold = None
-            if isinstance(self.aggregator, ScaffoldAggregator):
-                server_control = self.aggregator.server_control(self.global_state)
-                client_control = self.client_control(client_id)
-                scaffold = ScaffoldCorrection(server_control, client_control, self.args.scaffold_correction)
-                trainer.add_callback(scaffold)
-            start = time.perf_counter()
-            output = trainer.train()
-            elapsed = time.perf_counter() - started
-            if self.args.client_timeout is not None and elapsed > self.args.client_timeout:
-                raise ClientTimeoutError(
-                    f"client {client_id!r} took {elapsed:.1f} s, over client_timeout={self.args.client_timeout} s "
-                    f"(stopped after {trainer.state.global_step} of {self.args.local_steps} local steps)"
-                )
-            update = ClientUpdate(
-                client_id=client_id,
-                state=get_adapter_state(self.model),
-                num_samples=len(dataset),
-                reward=trainer.window_reward(),
-                metrics={
-                    "step_rewards": trainer.step_rewards,
-                    "train_loss": output.training_loss,
-                    "train_seconds": time.perf_counter() - start,
-                },
-            )
-            if scaffold is not None:
-                update.control_delta = scaffold.control_delta
-        finally:
-            self._release(trainer)
-        return update
+        scaffold_controls = None
+        if isinstance(self.aggregator, ScaffoldAggregator):
+            scaffold_controls = (self.aggregator.server_control(self.global_state), self.client_control(client_id))
+        return train_local_round(
+            self.model,
+            self.global_state,
+            client_id,
+            self.client_datasets[client_id],
+            self.client_args(round_idx, client_index, client_id),
+            self.reward_funcs,
+            self.processing_class,
+            callbacks=self.callbacks,
+            trainer_kwargs=self.trainer_kwargs,
+            scaffold_controls=scaffold_controls,
+        )
 
     def client_control(self, client_id: str) -> AdapterState:
         """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
         if client_id not in self.client_controls:
-            server_control = self.aggregator.server_control(self.global_state)
-            return {key: torch.zeros_like(value) for key, value in server_control.items()}
+            return zero_control(self.aggregator.server_control(self.global_state))
         return self.client_controls[client_id]
-
-    def _release(self, trainer: FedGRPOTrainer | None) -> None:
-        """Drop everything a finished (or failed) client trainer holds (optimizer state, TRL's `ref` adapter) so
-        that memory stays flat in the number of clients."""
-        if "ref" in self.model.peft_config:
-            self.model.delete_adapter("ref")
-            self.model.set_adapter("default")
-        if trainer is not None:
-            trainer.accelerator.free_memory()
-        del trainer
-        gc.collect()
 
     # Rounds ------------------------------------------------------------------------------------------------
 
@@ -301,7 +237,7 @@ class FederatedRunner:
         another run, unless `args.overwrite_output_dir` (see `checkpoint.prepare_output_dir`).
         """
         # Everything alive now (the libraries, the model, the datasets) outlives the run, and `Trainer.train()` runs
-        # a full `gc.collect()` for every client round, as `_release` does: with TRL imported that is ~0.2 s a
+        # a full `gc.collect()` for every client round, as `client.release_trainer` does: with TRL imported that is ~0.2 s a
         # collection, scanning ~400k long-lived objects. Frozen, they are skipped and a collection costs microseconds.
         gc.freeze()
         try:
@@ -407,8 +343,7 @@ class FederatedRunner:
             update.wire_bytes = state_nbytes(payload)
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
-            kind = next((kind for error_type, kind in _DROP_KINDS if isinstance(error, error_type)), "error")
-            fault = (kind, str(error) if kind != "error" else f"{type(error).__name__}: {error}")
+            fault = describe_failure(error)
         if self.num_processes > 1:
             # Whether the client counts is the main process's call (a timeout is measured on its clock).
             main_fault = from_main_process(fault)
@@ -463,20 +398,7 @@ class FederatedRunner:
     def _record(
         self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
     ) -> RoundRecord:
-        aggregator = self.aggregator
-        is_rpg = isinstance(aggregator, RPGAggregator)
-        return RoundRecord(
-            round_idx=round_idx,
-            rewards={update.client_id: update.reward for update in updates},
-            gains=dict(aggregator.last_gains) if is_rpg else {},
-            weights=dict(aggregator.last_weights),
-            temperature=aggregator.last_temperature if is_rpg else None,
-            num_samples={update.client_id: update.num_samples for update in updates},
-            bytes_received={update.client_id: broadcast_bytes for update in updates},
-            bytes_sent={update.client_id: update.wire_bytes for update in updates},
-            client_metrics={update.client_id: update.metrics for update in updates},
-            dropped=dropped,
-        )
+        return RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
 
     def evaluate(self, round_idx: int) -> dict[str, Any] | None:
         """Accuracy of the current global adapter on `eval_dataset` (None without one)."""

@@ -1,0 +1,1 @@
+"""fgrpo_app: federated GRPO with trl-federated's ClientApp and ServerApp."""

@@ -1,0 +1,45 @@
+"""The ClientApp: one data owner's local GRPO round on its own data, from the global adapter."""
+
+import tempfile
+from pathlib import Path
+
+from datasets import Dataset, load_dataset, load_from_disk
+from flwr.app import Context
+
+from trl_federated import FedGRPOConfig
+from trl_federated.cli import BenchmarkArguments, load_benchmark
+from trl_federated.data import partition_clients
+from trl_federated.flower import ClientSite, make_client_app
+from trl_federated.models import load_model_and_tokenizer
+
+from .task import lora_config, read_config, rewards
+
+
+def site_dataset(node_config, args: FedGRPOConfig, data_args: BenchmarkArguments) -> Dataset:
+    """The data owner's training set: the SuperNode's `data-path` (a `save_to_disk` folder or a JSON Lines file
+    with a `prompt` column and the columns the rewards read, `answer` for accuracy), or, to try the app out
+    without data of one's own, this node's Dirichlet share of the embedded benchmark (the split the in-process
+    runner makes)."""
+    if "data-path" in node_config:
+        path = Path(node_config["data-path"])
+        return load_from_disk(str(path)) if path.is_dir() else load_dataset("json", data_files=str(path), split="train")
+    train, _ = load_benchmark(data_args)
+    return partition_clients(train, args)[int(node_config["partition-id"])]
+
+
+def load_site(context: Context) -> ClientSite:
+    args, model_args, data_args = read_config(context)
+    # A local scratch folder: the server, not the client, saves the federation's adapters and logs.
+    args.output_dir = str(context.node_config.get("work-dir", Path(tempfile.gettempdir()) / "fgrpo-client"))
+    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path)
+    return ClientSite(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=rewards(data_args),
+        train_dataset=site_dataset(context.node_config, args, data_args),
+        args=args,
+        peft_config=lora_config(model_args),
+    )
+
+
+app = make_client_app(load_site)

@@ -1,0 +1,377 @@
+"""Flower deployment: record conversions, the strategy against the aggregators, whole federations through the
+`ClientApp` and `FederatedStrategy` in one process, and a real loopback run (a SuperLink and two SuperNodes as
+separate processes on 127.0.0.1) whose final global adapter must equal the in-process runner's, bit for bit."""
+
+import copy
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from datasets import Dataset  # noqa: E402
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from trl_federated import ClientUpdate, FederatedRunner  # noqa: E402
+from trl_federated.adapters import InvalidUpdateError  # noqa: E402
+from trl_federated.aggregation import aggregator_from_config  # noqa: E402
+from trl_federated.checkpoint import list_checkpoints, read_checkpoint  # noqa: E402
+from trl_federated.flower import (  # noqa: E402
+    FederatedStrategy,
+    TrainInstruction,
+    array_record_to_state,
+    content_to_update,
+    state_to_array_record,
+    update_to_content,
+)
+from trl_federated.runner import NotEnoughClientsError  # noqa: E402
+
+APP_DIR = Path(__file__).parent / "flower_app"
+sys.path.insert(0, str(APP_DIR))
+import loopback_app  # noqa: E402
+
+
+def events(output_dir, name):
+    lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if line["event"] == name]
+
+
+def assert_states_equal(a, b):
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+# Records ---------------------------------------------------------------------------------------------------
+
+
+def test_adapter_states_cross_array_records_bit_for_bit():
+    state = {
+        "lora_A.weight": torch.randn(4, 8),
+        "lora_B.weight": torch.randn(8, 4).to(torch.bfloat16),  # NumPy has no bfloat16
+        "steps": torch.arange(3),
+    }
+    assert_states_equal(array_record_to_state(state_to_array_record(state)), state)
+
+
+def test_train_instructions_and_updates_cross_flower_records_intact():
+    state = {"a": torch.randn(3, 2), "b": torch.randn(2)}
+    control = {key: torch.randn_like(value) for key, value in state.items()}
+    instruction = TrainInstruction.from_content(TrainInstruction(state, 4, 3, (control, state)).to_content())
+    assert (instruction.round_idx, instruction.num_clients) == (4, 3)
+    assert_states_equal(instruction.global_state, state)
+    assert_states_equal(instruction.scaffold_controls[0], control)
+    assert TrainInstruction.from_content(TrainInstruction(state, 0, 2).to_content()).scaffold_controls is None
+
+    update = ClientUpdate("hospital-a", state, num_samples=12, reward=0.375,
+                          metrics={"step_rewards": [0.25, math.nan], "train_loss": 0.1}, control_delta=control)
+    received, client_index = content_to_update(update_to_content(update, client_index=2))
+    assert (received.client_id, client_index, received.num_samples, received.reward) == ("hospital-a", 2, 12, 0.375)
+    assert received.metrics["train_loss"] == 0.1 and received.metrics["step_rewards"][0] == 0.25
+    assert math.isnan(received.metrics["step_rewards"][1])
+    assert_states_equal(received.state, state)
+    assert_states_equal(received.control_delta, control)
+
+
+def test_a_reply_that_is_no_update_is_an_invalid_update():
+    content = update_to_content(ClientUpdate("site", {"a": torch.zeros(2)}, 3, 0.5), client_index=0)
+    del content["metrics"]
+    with pytest.raises(InvalidUpdateError, match="client 'site' rejected: its reply lacks metrics"):
+        content_to_update(content)
+    with pytest.raises(InvalidUpdateError, match="The reply names no client"):
+        content_to_update(RecordDict({"config": ConfigRecord({"client-id": "x"})}))
+
+
+# The strategy, with a grid that delivers messages in this process ------------------------------------------
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """The identity Flower gives a ServerApp process, without which no `Message` can be created."""
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+class LocalGrid(Grid):
+    """A `Grid` whose nodes answer in this process: `respond(message, context)` (e.g. a `ClientApp`) replies to
+    every message, or returns None for a node that never replies."""
+
+    def __init__(self, respond, node_configs, run_config=None):
+        self.respond = respond
+        self.contexts = {
+            node_id: Context(run_id=1, node_id=node_id, node_config=config, state=RecordDict(),
+                             run_config=run_config or {})
+            for node_id, config in node_configs.items()
+        }
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = (self.respond(message, self.contexts[message.metadata.dst_node_id]) for message in messages)
+        return [reply for reply in replies if reply is not None]
+
+    # Unused by the strategy.
+    def set_run(self, run):
+        raise NotImplementedError
+
+    @property
+    def run(self):
+        raise NotImplementedError
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        raise NotImplementedError
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+
+def moved(state, seed, scale=0.01):
+    generator = torch.Generator().manual_seed(seed)
+    return {key: value + scale * torch.randn(value.shape, generator=generator) for key, value in state.items()}
+
+
+def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_clients(
+    tmp_path, tiny_model_dir, fast_args, task_identity
+):
+    args = fast_args(num_clients=4, num_rounds=2)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
+                                 node_wait_timeout=0, reply_timeout=5)
+    reference_state = copy.deepcopy(strategy.global_state)
+    reference = aggregator_from_config(args, 4)
+    rewards = {0: [0.2, 0.6], 1: [0.5, 0.4], 2: [0.0, 0.0], 3: [0.3, 0.9]}
+
+    def client(index, round_idx):
+        return f"site-{index}", moved(reference_state, seed=10 * round_idx + index), 10 + index, rewards[index][round_idx]
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        round_idx = TrainInstruction.from_content(message.content).round_idx
+        client_id, state, num_samples, reward = client(index, round_idx)
+        if index == 2:  # its ClientApp fails: an error reply, as `make_client_app` sends it
+            report = {"client-id": client_id, "kind": "error", "reason": "RuntimeError: out of memory"}
+            return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+        if index == 1 and round_idx == 0:  # a NaN in its adapter
+            next(iter(state.values()))[0, 0] = math.nan
+        update = ClientUpdate(client_id, state, num_samples, reward, metrics={"train_loss": 0.5})
+        return Message(update_to_content(update, index), reply_to=message)
+
+    for round_idx in range(2):
+        # New node ids every round, and replies in another order: state is keyed by client id, order by index.
+        grid = LocalGrid(respond, {100 * (round_idx + 1) + (3 - index): {"partition-id": index} for index in range(4)})
+        messages = strategy.configure_train(round_idx + 1, None, None, grid)
+        assert {message.metadata.dst_node_id for message in messages} == set(grid.contexts)
+        arrays, metrics = strategy.aggregate_train(round_idx + 1, grid.send_and_receive(messages))
+
+        accepted = [0, 3] if round_idx == 0 else [0, 1, 3]
+        updates = [ClientUpdate(*client(index, round_idx)) for index in accepted]
+        reference_state = reference.aggregate(reference_state, updates, round_idx)
+        assert_states_equal(strategy.global_state, reference_state)
+        assert_states_equal(array_record_to_state(arrays), reference_state)
+        assert strategy.aggregator.last_weights == reference.last_weights
+        assert metrics["clients-aggregated"] == len(accepted)
+
+    assert strategy.aggregator.state_dict()["baselines"] == reference.state_dict()["baselines"]
+    dropped = sorted((event["round"], event["client_id"], event["kind"])
+                     for event in events(args.output_dir, "client_dropped"))
+    assert dropped == [(0, "site-1", "invalid_update"), (0, "site-2", "error"), (1, "site-2", "error")]
+    assert "adapter[" in strategy.history[0].dropped["site-1"] and "holds NaN" in strategy.history[0].dropped["site-1"]
+    assert strategy.history[1].dropped == {"site-2": "RuntimeError: out of memory"}
+    checkpoint = read_checkpoint(list_checkpoints(args.output_dir)[-1])
+    assert checkpoint.round_idx == 1
+    assert_states_equal(checkpoint.global_state, reference_state)
+
+    # A node that never replies is dropped as a timeout; too few updates stop the run, the checkpoint intact.
+    silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: no reply within 5 s"):
+        strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
+    assert list_checkpoints(args.output_dir)[-1].name == "checkpoint-1"
+
+
+# Whole federations in one process: the ClientApp and the strategy, against FederatedRunner -------------------
+
+
+def prompt_datasets():
+    return [Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(6)]})
+            for c in range(2)]
+
+
+@pytest.fixture(scope="module")
+def client_data_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("client-data")
+    paths = []
+    for index, dataset in enumerate(prompt_datasets()):
+        dataset.save_to_disk(root / f"client_{index}")
+        paths.append(str(root / f"client_{index}"))
+    return paths
+
+
+def runner_result(model_dir, output_dir, aggregation, num_rounds=2):
+    """The in-process runner on the loopback app's settings: clients client_0, client_1 in this order."""
+    args = loopback_app.federation_args(str(output_dir), {"aggregation": aggregation, "num-rounds": num_rounds})
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(model_dir), loopback_app.length_reward, args,
+        dict(zip(["client_0", "client_1"], prompt_datasets())), processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    runner.run()
+    return runner
+
+
+def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11, 12), num_rounds=2, resume=False):
+    run_config = {"model-dir": str(model_dir), "output-dir": str(output_dir), "aggregation": aggregation,
+                  "num-rounds": num_rounds}
+    grid = LocalGrid(loopback_app.client_app,
+                     {node_id: {"partition-id": index, "data-dir": data_dirs[index]}
+                      for index, node_id in enumerate(node_ids)}, run_config)
+    strategy = loopback_app.build_strategy(grid.contexts[node_ids[0]])
+    strategy.args.resume_from_checkpoint = resume
+    strategy.run(grid)
+    return strategy
+
+
+@pytest.mark.parametrize("aggregation", ["rpg", "scaffold"])
+def test_flower_apps_in_one_process_end_where_the_runner_ends(
+    tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation
+):
+    strategy = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", aggregation)
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", aggregation)
+    assert_states_equal(strategy.global_state, runner.global_state)
+    assert [record.weights for record in strategy.history] == [record.weights for record in runner.history]
+    assert [record.rewards for record in strategy.history] == [record.rewards for record in runner.history]
+    if aggregation == "scaffold":
+        assert_states_equal(strategy.aggregator.control, runner.aggregator.control)
+        for client_id in ("client_0", "client_1"):
+            assert_states_equal(strategy.client_controls[client_id], runner.client_controls[client_id])
+    final = load_file(tmp_path / "flower" / "adapter_model.safetensors")
+    assert_states_equal({key: final[key] for key in runner.global_state}, runner.global_state)
+
+
+def test_a_restarted_server_app_resumes_from_its_checkpoint(tmp_path, tiny_model_dir, client_data_dirs, task_identity):
+    local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", "rpg", num_rounds=1)
+    # The ServerApp restarts with the full number of rounds; the SuperNodes come back with new node ids.
+    resumed = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", "rpg", node_ids=(21, 22),
+                               resume=True)
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", "rpg")
+    assert [record.round_idx for record in resumed.history] == [0, 1]
+    assert_states_equal(resumed.global_state, runner.global_state)
+    assert [event["checkpoint_round"] for event in events(tmp_path / "flower", "resumed")] == [0]
+
+
+# The real thing: a SuperLink and two SuperNodes as processes on 127.0.0.1 -----------------------------------
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Processes:
+    """Background processes, each in its own process group, stopped with SIGTERM and then SIGKILL."""
+
+    def __init__(self, env, log_dir):
+        self.env, self.log_dir, self.started = env, log_dir, []
+
+    def start(self, name, *command):
+        log = open(self.log_dir / f"{name}.log", "w")
+        process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started.append((process, log))
+        return process
+
+    def stop(self):
+        for process, _ in self.started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for process, log in self.started:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            log.close()
+
+
+def wait_for_port(port, process, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the SuperLink exited"
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+@pytest.mark.slow  # 60-90 s on 2 CPU cores: every round starts a fresh ClientApp process per SuperNode
+def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):
+    """`flwr run` of tests/flower_app on a real SuperLink and two SuperNodes (insecure, 127.0.0.1), 2 rounds of
+    FGRPO on the tiny model; the final global adapter equals FederatedRunner's for the same seeds and data."""
+    bin_dir = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr and the processes they start
+    flwr_home = tmp_path / "flwr-home"
+    flwr_home.mkdir()
+    link_port = free_port()
+    (flwr_home / "config.toml").write_text(
+        f'[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n', encoding="utf-8"
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        # The ClientApps import this checkout's trl_federated, and compute with one thread, as this process does.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    processes = Processes(env, tmp_path)
+    output_dir = tmp_path / "flower"
+    started = time.perf_counter()
+    try:
+        superlink = processes.start(
+            "superlink", str(bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+            "--database", str(tmp_path / "state.db"), "--port", str(link_port),
+        )
+        wait_for_port(link_port, superlink)
+        for index, data_dir in enumerate(client_data_dirs):
+            processes.start(
+                f"supernode-{index}", str(bin_dir / "flower-supernode"), "--insecure",
+                "--superlink", f"127.0.0.1:{link_port}", "--port", str(free_port()),
+                "--node-config", f"partition-id={index} data-dir='{data_dir}'",
+            )
+        run = subprocess.run(
+            [str(bin_dir / "flwr"), "run", str(APP_DIR), "loopback", "--stream", "--run-config",
+             f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2"],
+            env=env, capture_output=True, text=True, timeout=400,
+        )
+    finally:
+        processes.stop()
+    wall_time = time.perf_counter() - started
+    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
+    assert (output_dir / "adapter_model.safetensors").exists(), f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
+    print(f"loopback Flower run: {wall_time:.1f} s from SuperLink start to stop")
+
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", "rpg")
+    flower_state = load_file(output_dir / "adapter_model.safetensors")
+    assert_states_equal({key: flower_state[key] for key in runner.global_state}, runner.global_state)
+    rounds = events(output_dir, "round")
+    assert [line["round_idx"] for line in rounds] == [0, 1]
+    assert [line["weights"] for line in rounds] == [record.weights for record in runner.history]
+    assert [line["client_id"] for line in events(output_dir, "client")] == ["client_0", "client_1"] * 2
+    assert (output_dir / "checkpoint-1").is_dir() and (output_dir / "round-0" / "adapter_model.safetensors").exists()

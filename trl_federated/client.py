@@ -1,0 +1,152 @@
+"""One client's local round (Algorithm 1, lines 4-18), shared by `FederatedRunner` and the Flower `ClientApp`.
+
+Whatever the transport, a client round is the same: load the global adapter into the client's `PeftModel`, train
+a fresh `FedGRPOTrainer` for `local_steps` steps on the client's data with the seed of (round, client), and
+report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the in-process runner
+ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import time
+from typing import Any
+
+import torch
+from datasets import Dataset
+from peft import PeftModel
+from transformers import PreTrainedTokenizerBase
+from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_utils import IntervalStrategy
+
+from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
+from .aggregation import ClientUpdate
+from .config import FedGRPOConfig
+from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
+
+
+class ClientTimeoutError(TimeoutError):
+    """A client's local round took longer than `client_timeout`; its update is dropped."""
+
+
+# How a dropped client's fault is labelled in metrics.jsonl; any other exception is an "error".
+_FAILURE_KINDS = ((ClientTimeoutError, "timeout"), (InvalidUpdateError, "invalid_update"))
+
+
+def describe_failure(error: Exception) -> tuple[str, str]:
+    """(kind, reason) of a client round that failed with `error`: kind is "timeout", "invalid_update" or "error";
+    the reason of an unexpected "error" names the exception type."""
+    kind = next((kind for error_type, kind in _FAILURE_KINDS if isinstance(error, error_type)), "error")
+    return kind, str(error) if kind != "error" else f"{type(error).__name__}: {error}"
+
+
+def local_training_args(
+    args: FedGRPOConfig, round_idx: int, client_index: int, num_clients: int, client_id: str
+) -> FedGRPOConfig:
+    """The local-training configuration of one client in one round: `local_steps` steps, the seed
+    `args.seed + round_idx * num_clients + client_index`, and no checkpoints or reports of its own (the server
+    logs and saves the federation)."""
+    local = copy.deepcopy(args)  # dataclasses.replace fails on TRL's GRPOConfig
+    local.num_clients = 1  # a client trains; it does not federate again
+    local.max_steps = args.local_steps
+    local.seed = args.seed + round_idx * num_clients + client_index
+    local.output_dir = os.path.join(args.output_dir, "clients", client_id)
+    local.save_strategy = IntervalStrategy.NO
+    local.eval_strategy = IntervalStrategy.NO
+    local.report_to = []
+    local.disable_tqdm = True
+    local.push_to_hub = False
+    return local
+
+
+def zero_control(server_control: AdapterState) -> AdapterState:
+    """SCAFFOLD's c_i of a client before its first accepted update."""
+    return {key: torch.zeros_like(value) for key, value in server_control.items()}
+
+
+def train_local_round(
+    model: PeftModel,
+    global_state: AdapterState,
+    client_id: str,
+    train_dataset: Dataset,
+    args: FedGRPOConfig,
+    reward_funcs,
+    processing_class: PreTrainedTokenizerBase,
+    callbacks: list | None = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+    scaffold_controls: tuple[AdapterState, AdapterState] | None = None,
+) -> ClientUpdate:
+    """Run one client's local round from `global_state` and return its update.
+
+    Args:
+        model: The client's `PeftModel`; its active adapter is overwritten with `global_state` first.
+        global_state: The global adapter θ^{[t]}.
+        client_id: Stable name of the client, reported in the update.
+        train_dataset: The client's private training set.
+        args: The client's local configuration (`local_training_args`).
+        reward_funcs, processing_class, callbacks, trainer_kwargs: As for `GRPOTrainer`.
+        scaffold_controls: SCAFFOLD only: (c, c_i), the server's and this client's control variates; the update
+            then carries Δc_i in `control_delta`.
+
+    Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
+    `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
+    """
+    started = time.perf_counter()
+    set_adapter_state(model, global_state)
+    trainer = None
+    try:
+        trainer = FedGRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=list(callbacks or []),
+            **(trainer_kwargs or {}),
+        )
+        trainer.remove_callback(PrinterCallback)
+        if args.client_timeout is not None:
+            trainer.add_callback(Deadline(started + args.client_timeout))
+        scaffold = None
+        if scaffold_controls is not None:
+            scaffold = ScaffoldCorrection(*scaffold_controls, args.scaffold_correction)
+            trainer.add_callback(scaffold)
+        start = time.perf_counter()
+        output = trainer.train()
+        elapsed = time.perf_counter() - started
+        if args.client_timeout is not None and elapsed > args.client_timeout:
+            raise ClientTimeoutError(
+                f"client {client_id!r} took {elapsed:.1f} s, over client_timeout={args.client_timeout} s "
+                f"(stopped after {trainer.state.global_step} of {args.local_steps} local steps)"
+            )
+        update = ClientUpdate(
+            client_id=client_id,
+            state=get_adapter_state(model),
+            num_samples=len(train_dataset),
+            reward=trainer.window_reward(),
+            metrics={
+                "step_rewards": trainer.step_rewards,
+                "train_loss": output.training_loss,
+                "train_seconds": time.perf_counter() - start,
+            },
+        )
+        if scaffold is not None:
+            update.control_delta = scaffold.control_delta
+    finally:
+        release_trainer(model, trainer)
+    return update
+
+
+def release_trainer(model: PeftModel, trainer: FedGRPOTrainer | None) -> None:
+    """Drop everything a finished (or failed) client trainer holds (optimizer state, TRL's `ref` adapter) so
+    that memory stays flat in the number of clients."""
+    if "ref" in model.peft_config:
+        model.delete_adapter("ref")
+        model.set_adapter("default")
+    if trainer is not None:
+        trainer.accelerator.free_memory()
+    del trainer
+    gc.collect()
+

@@ -1,0 +1,125 @@
+"""Flower `ClientApp` and `ServerApp` factories over `train_local_round` and `FederatedStrategy`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from datasets import Dataset
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid, ServerApp
+from peft import PeftConfig, PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..client import describe_failure, local_training_args, train_local_round
+from ..config import FedGRPOConfig
+from ..runner import with_federated_adapter
+from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
+from .strategy import FederatedStrategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientSite:
+    """What one data owner trains with; the `load_site(context)` given to `make_client_app` builds it.
+
+    Args:
+        model: The base model, or a `PeftModel` with the federation's adapter. A base model is wrapped in
+            `peft_config` (default: `default_lora_config`), which must be the server's: the global adapter is loaded
+            into it by key and shape.
+        processing_class: Tokenizer or processor, as for `GRPOTrainer`.
+        reward_funcs: As for `GRPOTrainer`.
+        train_dataset: The site's own training set; it never leaves the site.
+        args: The federation's `FedGRPOConfig` (its GRPO fields configure local training; `seed` must be the
+            server's for the run to equal the in-process runner's). `output_dir` is a local scratch folder.
+        peft_config: LoRA configuration for a base `model`.
+        callbacks, trainer_kwargs: Further `GRPOTrainer` callbacks and arguments.
+    """
+
+    model: PreTrainedModel | PeftModel
+    processing_class: PreTrainedTokenizerBase
+    reward_funcs: Any
+    train_dataset: Dataset
+    args: FedGRPOConfig
+    peft_config: PeftConfig | None = None
+    callbacks: list = field(default_factory=list)
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def node_client_identity(context: Context) -> tuple[str, int]:
+    """(client id, client index) of a SuperNode from its `--node-config`: `partition-id=<index>` (0 to N-1, the
+    index that seeds the client's rounds) and optionally `client-id=<name>`, by default `client_<index>`: the names
+    the in-process runner gives a list of client datasets."""
+    node_config = context.node_config
+    if "partition-id" not in node_config:
+        raise ValueError(
+            "The SuperNode has no `partition-id` in its node config: start it with "
+            "--node-config 'partition-id=<client index, 0 to num_clients-1>' (and optionally client-id=\"<name>\")."
+        )
+    client_index = int(node_config["partition-id"])
+    return str(node_config.get("client-id", f"client_{client_index}")), client_index
+
+
+def make_client_app(
+    load_site: Callable[[Context], ClientSite],
+    identify: Callable[[Context], tuple[str, int]] = node_client_identity,
+) -> ClientApp:
+    """A `ClientApp` that runs one local round of federated GRPO per train message.
+
+    For each train message it calls `load_site(context)` (model, tokenizer, rewards, the site's own data and
+    config; under Flower's deployment runtime every message starts a fresh ClientApp process), trains with
+    `client.train_local_round`, the runner's own code, from the received global adapter with the seed of
+    (round, client index), and replies with the adapter, R̄, the sample count and the training metrics. A local
+    round that fails replies with an error naming the client, the kind of failure ("timeout" past
+    `client_timeout`, else "error") and the reason, which the server logs as a dropped client.
+
+    It also answers the server's identity query (which client a node serves) from `identify(context)`, without
+    loading anything.
+    """
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        client_id, client_index = identify(context)
+        try:
+            instruction = TrainInstruction.from_content(message.content)
+            site = load_site(context)
+            model = with_federated_adapter(site.model, site.args.seed, site.peft_config)
+            args = local_training_args(
+                site.args, instruction.round_idx, client_index, instruction.num_clients, client_id
+            )
+            update = train_local_round(
+                model, instruction.global_state, client_id, site.train_dataset, args, site.reward_funcs,
+                site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
+                scaffold_controls=instruction.scaffold_controls,
+            )
+        except Exception as error:  # reported to the server, which drops this client from the round
+            kind, reason = describe_failure(error)
+            logger.exception("Client %r failed its local round (%s)", client_id, kind)
+            report = json.dumps({"client-id": client_id, "kind": kind, "reason": reason})
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=report), reply_to=message)
+        return Message(update_to_content(update, client_index), reply_to=message)
+
+    @app.query("identify")
+    def identify_client(message: Message, context: Context) -> Message:
+        return Message(RecordDict({CLIENT: client_identity_record(*identify(context))}), reply_to=message)
+
+    return app
+
+
+def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
+    """A `ServerApp` that runs the federation `build_strategy(context)` describes (model, `FedGRPOConfig`, reward
+    functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        build_strategy(context).run(grid)
+
+    return app

@@ -1,0 +1,339 @@
+"""`FederatedStrategy`: the server of `FederatedRunner` as a Flower strategy, over the same aggregators."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from peft import PeftConfig, PeftModel
+from transformers import PreTrainedModel
+
+from ..adapters import AdapterState, InvalidUpdateError, get_adapter_state, save_adapter, state_nbytes, validate_update
+from ..aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
+from ..callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
+from ..checkpoint import Checkpoint, check_identity, prepare_output_dir, read_checkpoint, run_identity, write_checkpoint
+from ..client import zero_control
+from ..config import FedGRPOConfig
+from ..rewards import combined_reward_range
+from ..runner import NotEnoughClientsError, with_federated_adapter
+from .records import TrainInstruction, content_to_update, read_client_identity, state_to_array_record
+
+logger = logging.getLogger(__name__)
+
+# A query message that asks a ClientApp which data owner it serves (SCAFFOLD addresses c_i to each client).
+IDENTIFY = f"{MessageType.QUERY}.identify"
+# Seconds a reply may take beyond `client_timeout`: a ClientApp process starts, imports and loads its model first.
+REPLY_SLACK = 300.0
+# Seconds to wait for replies without a `client_timeout` (Flower's own default for `Strategy.start`).
+DEFAULT_REPLY_TIMEOUT = 3600.0
+
+
+class FederatedStrategy(Strategy):
+    """The server side of `FederatedRunner` as a Flower `Strategy`, for a federation of SuperNodes.
+
+    Every round it sends the global adapter to every connected SuperNode (full participation, as in the runner),
+    turns the replies of the `ClientApp`s (`make_client_app`) into `ClientUpdate`s, checks each with
+    `adapters.validate_update`, and hands the accepted ones, in client-index order, to the same `Aggregator` the
+    runner uses (`aggregator_from_config(args)`: RPG + server Adam, FedAvg, FedProx, SCAFFOLD). A client whose
+    ClientApp failed, timed out or replied with an invalid update is dropped from the round and logged; fewer than
+    `min_clients_per_round` accepted updates stop the run with `NotEnoughClientsError`.
+
+    Per-client state is keyed by the stable client id a ClientApp reports (from its SuperNode's `--node-config`),
+    never by Flower's node id, which changes when a SuperNode restarts. SCAFFOLD's client control variates c_i
+    stay with the server, as in the runner: c_i is the sum of the client's accepted Δc_i, which the server
+    receives anyway, so keeping it reveals nothing new, survives SuperNode restarts, and is checkpointed.
+
+    After every round the strategy writes `output_dir/metrics.jsonl`, `round-<t>/` and the atomic
+    `checkpoint-<t>/` exactly as the runner does, so `run()` with `args.resume_from_checkpoint` continues an
+    interrupted Flower run (with new node ids, even with new SuperNodes for the same clients). Evaluation of the
+    global adapter is left to the runner or `trl-federated eval` on the saved adapters.
+
+    Args:
+        model: The base model (wrapped here in `peft_config`'s LoRA, seeded with `args.seed`, so that the initial
+            global adapter equals the runner's) or a `PeftModel` whose active adapter is federated.
+        args: The federation's `FedGRPOConfig`: `num_clients`, `num_rounds`, aggregation, checkpoints.
+        reward_funcs: The reward functions the clients train with; only their declared `reward_range` is used, to
+            reject a reported R̄ outside it.
+        peft_config: LoRA configuration for a model that is not yet a `PeftModel` (default: `default_lora_config`).
+        aggregator: Server strategy; built from `args` when omitted.
+        callbacks: `RoundCallback`s to fire on the server (round and client events).
+        node_wait_timeout: Seconds to wait each round for all `num_clients` SuperNodes to be connected; the round
+            then goes on with those connected if they are at least `min_clients_per_round`.
+        reply_timeout: Seconds to wait for the replies of a round (default: `client_timeout` + 300 s, else 3600 s).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | PeftModel,
+        args: FedGRPOConfig,
+        reward_funcs=None,
+        peft_config: PeftConfig | None = None,
+        aggregator: Aggregator | None = None,
+        callbacks: list | None = None,
+        node_wait_timeout: float = 600.0,
+        reply_timeout: float | None = None,
+    ):
+        if not isinstance(args, FedGRPOConfig):
+            raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
+        if args.min_clients_per_round > args.num_clients:
+            raise ValueError(
+                f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds `num_clients` ({args.num_clients}): "
+                "no round could ever aggregate."
+            )
+        self.args = args
+        self.model = with_federated_adapter(model, args.seed, peft_config)
+        self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args, args.num_clients)
+        self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
+        self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
+        self.node_wait_timeout = node_wait_timeout
+        if reply_timeout is None:
+            reply_timeout = DEFAULT_REPLY_TIMEOUT if args.client_timeout is None else args.client_timeout + REPLY_SLACK
+        self.reply_timeout = reply_timeout
+        self.global_state: AdapterState = get_adapter_state(self.model)
+        self.history: list[RoundRecord] = []
+        self.client_controls: dict[str, AdapterState] = {}  # SCAFFOLD's c_i, by client id
+        # The server holds no client data, so a checkpoint pins the base model, LoRA and aggregator only.
+        self.identity = run_identity(self.model, {}, self.aggregator)
+        self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
+        self.node_clients: dict[int, tuple[str, int]] = {}  # Flower node id → (client id, client index)
+        self._awaiting: set[int] = set()  # nodes sent a train message this round that have not replied
+        self._early_drops: dict[str, str] = {}  # clients dropped before training (no answer to IDENTIFY)
+        self._round_started = 0.0
+
+    # Running -----------------------------------------------------------------------------------------------
+
+    def run(self, grid: Grid) -> list[RoundRecord]:
+        """Run the rounds left of `args.num_rounds` (all, or those after the checkpoint `args.resume_from_checkpoint`
+        names) and save the final global adapter in `output_dir` (PEFT layout)."""
+        resume_from = prepare_output_dir(self.args)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        remaining = self.args.num_rounds - self.first_round
+        if remaining > 0:
+            self.start(grid, state_to_array_record(self.global_state), num_rounds=remaining, timeout=self.reply_timeout)
+        save_adapter(self.model, self.global_state, self.args.output_dir)
+        return self.history
+
+    def summary(self) -> None:
+        logger.info(
+            "FederatedStrategy: %s, %d clients, rounds %d-%d of %d, output_dir %s",
+            type(self.aggregator).__name__, self.args.num_clients, self.first_round, self.args.num_rounds - 1,
+            self.args.num_rounds, self.args.output_dir,
+        )
+
+    def _round_idx(self, server_round: int) -> int:
+        return self.first_round + server_round - 1
+
+    def _fire(self, hook: str, **kwargs) -> None:
+        fire_round_callbacks(self.callbacks, hook, self.args, **kwargs)
+
+    # Training ----------------------------------------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One train message per connected SuperNode, carrying the global adapter (kept here as tensors: `arrays`
+        holds the same values) and the round; under SCAFFOLD also c and that client's c_i."""
+        round_idx = self._round_idx(server_round)
+        self._round_started = time.perf_counter()
+        self._fire("on_round_begin", round_idx=round_idx)
+        node_ids = self._wait_for_nodes(grid, round_idx)
+        self._early_drops = {}
+        if isinstance(self.aggregator, ScaffoldAggregator):
+            node_ids = self._identify(grid, node_ids)
+            server_control = self.aggregator.server_control(self.global_state)
+            contents = {
+                node_id: TrainInstruction(
+                    self.global_state, round_idx, self.args.num_clients,
+                    (server_control, self.client_control(self.node_clients[node_id][0])),
+                ).to_content()
+                for node_id in node_ids
+            }
+        else:
+            content = TrainInstruction(self.global_state, round_idx, self.args.num_clients).to_content()
+            contents = dict.fromkeys(node_ids, content)
+        self._awaiting = set(node_ids)
+        return [
+            Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
+            for node_id, content in contents.items()
+        ]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate the replies, aggregate the accepted updates, record and checkpoint the round."""
+        round_idx = self._round_idx(server_round)
+        dropped = dict(self._early_drops)
+        accepted: list[tuple[int, ClientUpdate]] = []
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            self._awaiting.discard(node_id)
+            if reply.has_error():
+                client_id, kind, reason = self._read_failure(reply, node_id)
+                self._drop(round_idx, client_id, kind, reason, dropped)
+                continue
+            try:
+                update, client_index = content_to_update(reply.content)
+                self._check_client(update.client_id, client_index, accepted)
+                validate_update(update, self.global_state, self.reward_range)
+            except InvalidUpdateError as error:
+                self._drop(round_idx, self._reply_label(reply, node_id), "invalid_update", str(error), dropped)
+                continue
+            self.node_clients[node_id] = (update.client_id, client_index)
+            accepted.append((client_index, update))
+        for node_id in sorted(self._awaiting):
+            reason = f"no reply within {self.reply_timeout:.0f} s"
+            self._drop(round_idx, self._node_label(node_id), "timeout", reason, dropped)
+
+        # The runner's order, so that summation order, and with it every bit of the result, is the same.
+        updates = [update for _, update in sorted(accepted, key=lambda pair: pair[0])]
+        for update in updates:
+            if update.control_delta is not None:
+                control = self.client_control(update.client_id)
+                self.client_controls[update.client_id] = {
+                    key: control[key] + delta for key, delta in update.control_delta.items()
+                }
+            self._fire("on_client_end", round_idx=round_idx, update=update)
+        if len(updates) < self.args.min_clients_per_round:
+            reasons = "; ".join(f"{client_id}: {reason}" for client_id, reason in dropped.items())
+            raise NotEnoughClientsError(
+                f"Round {round_idx}: only {len(updates)} clients reported a valid update, fewer than "
+                f"min_clients_per_round={self.args.min_clients_per_round}. Dropped: {reasons or 'none'}. The run "
+                "stops; its last checkpoint, if any, is intact."
+            )
+
+        broadcast_bytes = state_nbytes(self.global_state)
+        self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
+        record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
+        output_dir = Path(self.args.output_dir)
+        if self.args.save_every_round:
+            save_adapter(self.model, self.global_state, output_dir / f"round-{round_idx}")
+        record.wall_time = time.perf_counter() - self._round_started
+        self.history.append(record)
+        self._fire("on_round_end", record=record)
+        self.save_checkpoint(round_idx)
+        metrics = MetricRecord(
+            {"mean-reward": sum(record.rewards.values()) / len(updates), "clients-aggregated": len(updates)}
+        )
+        return state_to_array_record(self.global_state), metrics
+
+    def client_control(self, client_id: str) -> AdapterState:
+        """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
+        if client_id not in self.client_controls:
+            return zero_control(self.aggregator.server_control(self.global_state))
+        return self.client_controls[client_id]
+
+    def _wait_for_nodes(self, grid: Grid, round_idx: int) -> list[int]:
+        """The connected SuperNodes, once all `num_clients` are there or `node_wait_timeout` has passed."""
+        deadline = time.monotonic() + self.node_wait_timeout
+        while len(node_ids := sorted(grid.get_node_ids())) < self.args.num_clients and time.monotonic() < deadline:
+            logger.info("Round %d: %d of %d SuperNodes connected; waiting.", round_idx, len(node_ids), self.args.num_clients)
+            time.sleep(2.0)
+        if len(node_ids) < self.args.min_clients_per_round:
+            raise NotEnoughClientsError(
+                f"Round {round_idx}: only {len(node_ids)} SuperNodes connected after {self.node_wait_timeout:.0f} s, "
+                f"fewer than min_clients_per_round={self.args.min_clients_per_round}."
+            )
+        return node_ids
+
+    def _identify(self, grid: Grid, node_ids: list[int]) -> list[int]:
+        """The nodes whose client is known, after asking the ones not yet known (a new run or a restarted
+        SuperNode) which client they serve; a node that does not answer sits the round out."""
+        unknown = [node_id for node_id in node_ids if node_id not in self.node_clients]
+        if unknown:
+            queries = [Message(RecordDict(), dst_node_id=node_id, message_type=IDENTIFY) for node_id in unknown]
+            for reply in grid.send_and_receive(queries, timeout=self.reply_timeout):
+                node_id = reply.metadata.src_node_id
+                if reply.has_error():
+                    logger.warning("Node %d did not identify its client: %s", node_id, reply.error.reason)
+                    continue
+                self.node_clients[node_id] = read_client_identity(reply.content)
+        for node_id in node_ids:
+            if node_id not in self.node_clients:
+                self._early_drops[self._node_label(node_id)] = "did not identify its client"
+        return [node_id for node_id in node_ids if node_id in self.node_clients]
+
+    def _check_client(self, client_id: str, client_index: int, accepted: list[tuple[int, ClientUpdate]]) -> None:
+        """Reject a client index outside the federation, or an id or index another node already reported: the
+        seeds and the per-client state would collide."""
+        if not 0 <= client_index < self.args.num_clients:
+            raise InvalidUpdateError(
+                f"Update of client {client_id!r} rejected: client index {client_index} lies outside the "
+                f"federation's [0, {self.args.num_clients}) (set the SuperNode's partition-id)"
+            )
+        for index, update in accepted:
+            if update.client_id == client_id or index == client_index:
+                raise InvalidUpdateError(
+                    f"Update of client {client_id!r} (index {client_index}) rejected: client {update.client_id!r} "
+                    f"(index {index}) already reported this round from another SuperNode"
+                )
+
+    def _drop(self, round_idx: int, client_id: str, kind: str, reason: str, dropped: dict[str, str]) -> None:
+        logger.warning("Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason)
+        dropped[client_id] = reason
+        self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
+
+    def _node_label(self, node_id: int) -> str:
+        """The client id of a node, or its node id when no reply has named the client yet."""
+        return self.node_clients[node_id][0] if node_id in self.node_clients else f"node-{node_id}"
+
+    def _reply_label(self, reply: Message, node_id: int) -> str:
+        try:
+            return read_client_identity(reply.content)[0]
+        except InvalidUpdateError:
+            return self._node_label(node_id)
+
+    def _read_failure(self, reply: Message, node_id: int) -> tuple[str, str, str]:
+        """(client id, kind, reason) of an error reply: the ClientApp's own report (`make_client_app` sends
+        JSON), else Flower's reason (the ClientApp process crashed or could not be loaded)."""
+        try:
+            report = json.loads(reply.error.reason or "")
+            return report["client-id"], report["kind"], report["reason"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return self._node_label(node_id), "error", f"Flower error {reply.error.code}: {reply.error.reason}"
+
+    # Evaluation happens outside the federation (see the class docstring) ------------------------------------
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    # Checkpoints -------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, round_idx: int) -> Path:
+        """Write `output_dir/checkpoint-<round_idx>` atomically, in the runner's format."""
+        checkpoint = Checkpoint(
+            round_idx=round_idx,
+            global_state=self.global_state,
+            aggregator=self.aggregator.state_dict(),
+            client_controls=self.client_controls,
+            history=self.history,
+            evaluations={},
+            identity=self.identity,
+        )
+        adapter_config = self.model.peft_config[self.model.active_adapter]
+        return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore the server state of a checkpoint of this federation (same base model, LoRA configuration and
+        aggregator, else `CheckpointMismatchError`); the next round run is the one after it."""
+        checkpoint = read_checkpoint(path)
+        check_identity(checkpoint.identity, self.identity, path)
+        self.global_state = checkpoint.global_state
+        self.aggregator.load_state_dict(checkpoint.aggregator)
+        self.client_controls = checkpoint.client_controls
+        self.history = checkpoint.history
+        self.first_round = checkpoint.round_idx + 1
+        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations={})
+        logger.info("Resumed from %s: continuing with round %d.", path, self.first_round)
+        return checkpoint.round_idx
