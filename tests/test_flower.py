@@ -375,3 +375,11 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     assert [line["weights"] for line in rounds] == [record.weights for record in runner.history]
     assert [line["client_id"] for line in events(output_dir, "client")] == ["client_0", "client_1"] * 2
     assert (output_dir / "checkpoint-1").is_dir() and (output_dir / "round-0" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("setting", [{"lora_aggregation": "freeze_a"}, {"transfer_dtype": "bfloat16"}])
+def test_wire_formats_of_the_in_process_runner_are_refused_by_name(tiny_model, fast_args, setting):
+    from trl_federated.flower.strategy import FederatedStrategy
+
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        FederatedStrategy(tiny_model, fast_args(num_clients=2, **setting))

@@ -86,6 +86,19 @@ class FederatedStrategy(Strategy):
                 f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds `num_clients` ({args.num_clients}): "
                 "no round could ever aggregate."
             )
+        unsupported = {
+            name: value
+            for name, value, default in (
+                ("lora_aggregation", args.lora_aggregation, "separate"),
+                ("transfer_dtype", args.transfer_dtype, "float32"),
+            )
+            if value != default
+        }
+        if unsupported:
+            raise ValueError(
+                f"The Flower deployment sends whole float32 adapters; {unsupported} are only supported by the "
+                "in-process FederatedRunner so far."
+            )
         self.args = args
         self.model = with_federated_adapter(model, args.seed, peft_config)
         self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args, args.num_clients)
