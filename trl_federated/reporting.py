@@ -66,17 +66,19 @@ def write_summary(
 
 
 def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: dict[int, dict[str, Any]]) -> list[Path]:
-    """Reward per local step for each client, aggregation weights per round, accuracy per round."""
-    import matplotlib
+    """Reward per local step for each client, aggregation weights per round, accuracy per round.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Figures are built without pyplot, so writing them never switches the backend of a notebook or script that
+    also plots.
+    """
+    from matplotlib.figure import Figure
 
     output_dir = Path(output_dir)
     written = []
     client_ids = sorted({client for record in history for client in record.rewards})
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure = Figure(figsize=(7, 4))
+    axis = figure.subplots()
     for client_id in client_ids:
         rewards = [
             reward
@@ -88,7 +90,8 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
     axis.legend(fontsize="small")
     written.append(_save(figure, output_dir / "rewards.png"))
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure = Figure(figsize=(7, 4))
+    axis = figure.subplots()
     for client_id in client_ids:
         points = [(r.round_idx, r.weights[client_id]) for r in history if client_id in r.weights]
         axis.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=client_id)
@@ -98,7 +101,8 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
     written.append(_save(figure, output_dir / "weights.png"))
 
     if evaluations:
-        figure, axis = plt.subplots(figsize=(7, 4))
+        figure = Figure(figsize=(7, 4))
+        axis = figure.subplots()
         rounds = sorted(evaluations)
         labels = list(evaluations[rounds[0]]["accuracy"])
         for label in labels:
@@ -116,11 +120,8 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
 
 
 def _save(figure, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
     return path
 
 
