@@ -92,7 +92,8 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     assert "Before training" in summary and "Round 2" in summary and "Total" in summary
     assert "| 2 |" in summary  # the per-round table counts rounds from 1
     # Table 4's quantity: one adapter up and one down per client and round
-    adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(output_dir / "adapter_model.safetensors").values())
+    adapter = load_file(output_dir / "adapter_model.safetensors")
+    adapter_bytes = sum(tensor.numel() * tensor.element_size() for tensor in adapter.values())
     mib = f"{adapter_bytes / 2**20:.3f} MiB"
     assert f"{mib} sent ({adapter_bytes:,} bytes, its adapter), {mib} received ({adapter_bytes:,} bytes" in summary
     events = [json.loads(line)["event"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ from PIL import Image as PILImage
 
 from conftest import GEOQA_FIXTURE, OPEN_R1_FIXTURE
 from trl_federated.data import (
+    DIFFICULTIES,
     GEOMETRY_PRIMITIVES,
     build_geoqa_benchmark,
     build_open_r1_benchmark,
@@ -33,7 +34,7 @@ def test_open_r1_tiers_are_equal_tertiles_of_trace_length(open_r1):
     rows = [row for split in open_r1.values() for row in split.to_list()]
     assert len(rows) == 24
     assert Counter(row["difficulty"] for row in rows) == {"simple": 8, "medium": 8, "hard": 8}
-    by_tier = {tier: [row["trace_length"] for row in rows if row["difficulty"] == tier] for tier in ("simple", "medium", "hard")}
+    by_tier = {tier: [row["trace_length"] for row in rows if row["difficulty"] == tier] for tier in DIFFICULTIES}
     assert max(by_tier["simple"]) <= min(by_tier["medium"]) and max(by_tier["medium"]) <= min(by_tier["hard"])
     raw = load_from_disk(str(OPEN_R1_FIXTURE))
     assert sorted(row["trace_length"] for row in rows) == sorted(len(reasoning_trace(s)) for s in raw["solution"])
@@ -87,7 +88,8 @@ def test_gold_answers_earn_the_full_reward(open_r1, geoqa):
 
 
 def test_label_column_feeds_the_dirichlet_partitioner(geoqa, fast_args):
-    clients = partition_clients(geoqa["train"], fast_args(num_clients=2, partition_column="category", dirichlet_alpha=0.05))
+    args = fast_args(num_clients=2, partition_column="category", dirichlet_alpha=0.05)
+    clients = partition_clients(geoqa["train"], args)
     assert sum(len(client) for client in clients) == len(geoqa["train"])
     assert all(set(client.column_names) == set(geoqa["train"].column_names) for client in clients)
 
@@ -136,6 +138,17 @@ def test_reasoning_trace_is_the_think_block_else_the_text_around_the_answer():
     assert reasoning_trace("Adding gives 5. <answer>5</answer>") == "Adding gives 5."
 
 
+def test_solutions_without_reasoning_are_flagged(caplog):
+    rows = Dataset.from_list(
+        [{"image": PILImage.new("RGB", (8, 8)), "problem": f"Q{i}", "solution": f"<answer>{i}</answer>"}
+         for i in range(6)],
+        features=Features(image=Image(), problem=Value("string"), solution=Value("string")),
+    )
+    splits = build_open_r1_benchmark(rows)
+    assert len(splits["train"]) + len(splits["test"]) == 6
+    assert "6 of 6 solutions hold no reasoning trace" in caplog.text
+
+
 def test_rows_without_a_gold_answer_are_dropped(caplog):
     rows = Dataset.from_list(
         [{"image": PILImage.new("RGB", (8, 8)), "problem": f"Line a meets line b at {i}°.", "answer": a}
@@ -145,6 +158,10 @@ def test_rows_without_a_gold_answer_are_dropped(caplog):
     splits = build_geoqa_benchmark(rows)
     assert len(splits["train"]) + len(splits["test"]) == 5
     assert "without a gold answer" in caplog.text
+    solutions = [f"<think>{'x' * i}</think><answer>{a}</answer>" for i, a in enumerate(["1", "", "3", "4", "5", "6"])]
+    splits = build_open_r1_benchmark(rows.remove_columns("answer").add_column("solution", solutions))
+    kept = sorted((row["answer"], row["trace_length"]) for split in splits.values() for row in split)
+    assert kept == [("1", 0), ("3", 2), ("4", 3), ("5", 4), ("6", 5)]  # each row keeps its own trace length
 
 
 def test_missing_columns_are_named():

@@ -13,7 +13,6 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_federated.cli import CONFIG_CLASSES, BenchmarkArguments, config_class
 from trl_federated.compare import METHODS
-from trl_federated.config import FedGRPOConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 RECIPES = sorted(CONFIGS.rglob("*.yaml"))
@@ -60,15 +59,27 @@ def test_paper_recipes_share_the_paper_setting_and_differ_only_by_method(name):
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
     assert (model_args.use_peft, model_args.lora_r, model_args.lora_alpha) == (True, 32, 128)
     assert (args.num_clients, args.dirichlet_alpha) == (5, 0.05)
-    assert (data_args.dataset_name, args.partition_column, data_args.reward_funcs) == ("open_r1", "difficulty", ["accuracy"])
-    # the RPG hyperparameters the paper reports (Section 4.3) are also FedGRPOConfig's defaults
-    for field in ("rpg_lambda_base", "rpg_tau_min", "rpg_tau_max", "rpg_sigma_min", "rpg_sigma_max", "rpg_lambda_anneal"):
-        assert getattr(args, field) == FedGRPOConfig.__dataclass_fields__[field].default
-    # each method is the comparison harness's definition of it
+    assert (data_args.dataset_name, args.partition_column) == ("open_r1", "difficulty")
+    assert data_args.reward_funcs == ["accuracy"]
+    # the RPG hyperparameters the paper reports (Section 4.3)
+    rpg = (args.rpg_lambda_base, args.rpg_tau_min, args.rpg_tau_max, args.rpg_sigma_min, args.rpg_sigma_max)
+    assert (*rpg, args.rpg_lambda_anneal) == (0.8, 1.5, 2.5, 0.05, 0.2, 0.1)
+    # each method is the comparison harness's definition of it, and only the method's keys differ from FGRPO's
     for key, value in METHODS[name].items():
         parsed = data_args.algorithm if key == "algorithm" else getattr(args, key)
         assert str(parsed) == value, key
     assert args.loss_type == {"fdapo": "dapo", "fgspo": "grpo"}.get(name, "grpo")
+    recipe, fgrpo = (yaml.safe_load((PAPER / f"{stem}.yaml").read_text()) for stem in (name, "fgrpo"))
+    changed = {key for key in recipe.keys() | fgrpo.keys() if recipe.get(key) != fgrpo.get(key)}
+    assert changed <= {"output_dir", *METHOD_KEYS}
+
+
+# What a method may change: the server, its client-side terms, the local algorithm and that algorithm's loss defaults.
+METHOD_KEYS = {
+    "aggregation", "server_optimizer", "server_learning_rate", "fedprox_mu", "scaffold_correction", "algorithm",
+    "loss_type", "beta", "rpg_lambda_base", "rpg_tau_min", "rpg_tau_max", "rpg_sigma_min", "rpg_sigma_max",
+    "rpg_lambda_anneal",
+}  # fmt: skip
 
 
 def test_geoqa_recipe_is_the_main_recipe_on_geoqa():
@@ -81,13 +92,12 @@ def test_geoqa_recipe_is_the_main_recipe_on_geoqa():
 
 # Language-model dimensions of the paper's backbones (their config.json), Table 4's overhead in "MB", and the
 # vision tower, whose MLP also has gate/up/down projections that the recipe must leave alone.
+MROPE = {"rope_type": "default", "mrope_section": [16, 24, 24]}
 QWEN25_VL = {
     "Qwen2.5-VL-3B": (dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                           num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]}),
-                      2048, 228.45),
+                           num_key_value_heads=2, rope_parameters=MROPE), 2048, 228.45),
     "Qwen2.5-VL-7B": (dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                           num_key_value_heads=4, rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]}),
-                      3584, 308.06),
+                           num_key_value_heads=4, rope_parameters=MROPE), 3584, 308.06),
 }  # fmt: skip
 
 

@@ -152,12 +152,16 @@ def build_open_r1_benchmark(
     rows = _load_rows(source, required=("problem", "solution"), name="Multimodal-Open-R1")
     solutions = list(rows["solution"])
     lengths = [len(reasoning_trace(solution)) for solution in solutions]
+    untraced = sum(length == 0 for length in lengths)
+    if untraced:
+        logger.warning(
+            "%d of %d solutions hold no reasoning trace (no <think> block, no text besides the <answer>): they rank "
+            "as the shortest, so the difficulty tiers of this source are partly arbitrary.", untraced, len(lengths),
+        )  # fmt: skip
     labelled = _standardise(
-        rows, system_prompt, answers=solutions, label_column="difficulty", labels=difficulty_tiers(lengths)
+        rows, system_prompt, solutions, "difficulty", difficulty_tiers(lengths), extra_columns={"trace_length": lengths}
     )
-    return _stratified_split(
-        labelled.add_column("trace_length", lengths), "difficulty", test_size, seed, name="Multimodal-Open-R1"
-    )
+    return _stratified_split(labelled, "difficulty", test_size, seed, name="Multimodal-Open-R1")
 
 
 def build_geoqa_benchmark(
@@ -194,7 +198,7 @@ def build_geoqa_benchmark(
         )
     labels = [categorise(problem) for problem in rows["problem"]]
     answers = list(rows[answer_column])
-    labelled = _standardise(rows, system_prompt, answers=answers, label_column="category", labels=labels)
+    labelled = _standardise(rows, system_prompt, answers, "category", labels)
     return _stratified_split(labelled, "category", test_size, seed, name="GEOQA")
 
 
@@ -232,9 +236,14 @@ def _gold_answer(text: str | None) -> str:
 
 
 def _standardise(
-    rows: Dataset, system_prompt: str, answers: Sequence[str | None], label_column: str, labels: Sequence[str]
+    rows: Dataset,
+    system_prompt: str,
+    answers: Sequence[str | None],
+    label_column: str,
+    labels: Sequence[str],
+    extra_columns: dict[str, Sequence] | None = None,
 ) -> Dataset:
-    """Rows in the output layout: `prompt`, `image`, `answer`, `question` and the label column.
+    """Rows in the output layout: `prompt`, `image`, `answer`, `question`, the label column and `extra_columns`.
 
     Rows without a gold answer cannot be rewarded; they are dropped with a warning.
     """
@@ -253,12 +262,14 @@ def _standardise(
     )
     standard = standard.add_column("answer", gold).add_column("question", problems)
     standard = standard.add_column(label_column, list(labels))
+    for name, values in (extra_columns or {}).items():
+        standard = standard.add_column(name, list(values))
     unanswered = [index for index, answer in enumerate(gold) if not answer]
     if unanswered:
         logger.warning("Dropping %d rows without a gold answer (first indices: %s).", len(unanswered), unanswered[:5])
         keep = sorted(set(range(len(gold))) - set(unanswered))
         standard = standard.select(keep)
-    return standard.select_columns(["prompt", "image", "answer", "question", label_column])
+    return standard.select_columns(["prompt", "image", "answer", "question", label_column, *(extra_columns or {})])
 
 
 def _stratified_split(dataset: Dataset, column: str, test_size: float, seed: int, name: str) -> DatasetDict:
