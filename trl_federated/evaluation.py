@@ -73,8 +73,8 @@ def _model_inputs(
             prepare_multimodal_messages(prompt, images=row_images) for prompt, row_images in zip(prompts, images)
         ]
         inputs = processing_class.apply_chat_template(
-            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True,
-            return_tensors="pt",
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            processor_kwargs={"padding": True},
         )  # fmt: skip
         return inputs, True
     texts, conversational = _render_prompts(processing_class, batch["prompt"])
