@@ -211,7 +211,8 @@ def _load_rows(source: Source, required: Sequence[str], name: str) -> Dataset:
     else:
         path = Path(source)
         if path.is_dir() and any((path / marker).exists() for marker in ("dataset_dict.json", "state.json")):
-            loaded = load_from_disk(str(path))
+            # In memory: later maps, shuffles and selections must not write cache files into someone's folder.
+            loaded = load_from_disk(str(path), keep_in_memory=True)
         elif path.is_file() and path.suffix == ".parquet":
             loaded = load_dataset("parquet", data_files=str(path), split="train")
         else:
