@@ -55,7 +55,7 @@ def build_tiny_tokenizer(vocab_size: int = 512, with_image_token: bool = False) 
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + [IMAGE_TOKEN] * with_image_token,
+        special_tokens=SPECIAL_TOKENS + ([IMAGE_TOKEN] if with_image_token else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -133,10 +133,11 @@ def build_open_r1_benchmark(
     """Multimodal-Open-R1-8k-Verified with the paper's difficulty tiers and 80/20 split.
 
     Expected columns (those of `lmms-lab/multimodal-open-r1-8k-verified`, as TRL's `grpo_vlm.py` example reads
-    them): `image` (the figure), `problem` (the question) and `solution`, a verified GPT-4o solution written as
-    `<think>reasoning</think> <answer>final</answer>`. Other columns (`original_question`, `original_answer`) are
-    dropped. The gold answer is the content of the `<answer>` pair; `difficulty` is the equal tertile of the
-    length in characters of the `<think>` trace, over all rows; the extra column `trace_length` keeps that length.
+    them): `image` (the figure), `problem` (the question) and `solution`, GPT-4o's verified solution with the final
+    answer in an `<answer>` pair (what open-r1-multimodal's reward reads), assumed to hold its reasoning in a
+    `<think>` block or around that pair. Other columns (`original_question`, `original_answer`) are dropped. The
+    gold answer is the content of the `<answer>` pair; `difficulty` is the equal tertile, over all rows, of the
+    length in characters of the reasoning (`reasoning_trace`), which the extra column `trace_length` keeps.
 
     Args:
         source: a Hub dataset id (default: the paper's), a local `save_to_disk` folder or parquet file, or a
