@@ -22,7 +22,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "nbmake>=1.5", "ipykernel>=6"],  # nbmake runs examples/notebooks
     "deepspeed": ["deepspeed>=0.18.6"],
     "flower": ["flwr[simulation]>=1.41,<2"],
     "vlm": ["Pillow>=10", "num2words==0.5.14"],

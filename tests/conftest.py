@@ -1,13 +1,19 @@
-"""Shared fixtures: a tiny real model and tokenizer built offline, and a fast CPU GRPO configuration."""
+"""Shared fixtures: a tiny real model and tokenizer built offline, a tiny vision-language model, the paper's
+datasets as small offline fixtures, and a fast CPU GRPO configuration."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_federated import FedGRPOConfig
-from trl_federated.testing import save_tiny_model
+from trl_federated.testing import save_tiny_model, save_tiny_vlm
+
+FIXTURES = Path(__file__).parent / "fixtures"
+OPEN_R1_FIXTURE = FIXTURES / "open_r1"  # Multimodal-Open-R1-8k-Verified's schema, 24 rows
+GEOQA_FIXTURE = FIXTURES / "geoqa"  # GEOQA_8K_R1V's schema and splits, 20 + 4 rows
 
 # The tiny model gains nothing from intra-op threads, and two busy processes each spinning two threads on a
 # 2-core machine run 20x slower: one thread keeps test times stable.
@@ -18,6 +24,12 @@ torch.set_num_threads(1)
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer Qwen2 (hidden 32) and a locally trained tokenizer, saved once per session."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny LLaVA-layout vision-language model (CLIP tower, Qwen2 decoder) and its processor, saved once."""
+    return save_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
 
 
 @pytest.fixture

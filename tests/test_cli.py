@@ -6,12 +6,13 @@ import pytest
 import torch
 import yaml
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import length_reward
+from conftest import OPEN_R1_FIXTURE, length_reward
 from trl_federated import FedGRPOTrainer
 from trl_federated.adapters import get_adapter_state
-from trl_federated.cli import main
+from trl_federated.cli import BenchmarkArguments, load_benchmark, main
 from trl_federated.runner import default_lora_config
 
 
@@ -90,6 +91,11 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     summary = (output_dir / "summary.md").read_text()
     assert "Before training" in summary and "Round 2" in summary and "Total" in summary
     assert "| 2 |" in summary  # the per-round table counts rounds from 1
+    # Table 4's quantity: one adapter up and one down per client and round
+    adapter = load_file(output_dir / "adapter_model.safetensors")
+    adapter_bytes = sum(tensor.numel() * tensor.element_size() for tensor in adapter.values())
+    mib = f"{adapter_bytes / 2**20:.3f} MiB"
+    assert f"{mib} sent ({adapter_bytes:,} bytes, its adapter), {mib} received ({adapter_bytes:,} bytes" in summary
     events = [json.loads(line)["event"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
 
@@ -103,3 +109,12 @@ def test_cli_rejects_unknown_reward(tmp_path, tiny_model_dir):
 def test_cli_without_command_prints_usage(capsys):
     assert main([]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_paper_benchmarks_read_their_source():
+    train, test = load_benchmark(
+        BenchmarkArguments(dataset_name="open_r1", benchmark_source=str(OPEN_R1_FIXTURE), max_eval_samples=4)
+    )
+    assert (len(train), len(test)) == (18, 4) and "difficulty" in train.column_names and "image" in test.column_names
+    with pytest.raises(ValueError, match="benchmark_source"):
+        load_benchmark(BenchmarkArguments(dataset_name="reasoning_gym", benchmark_source=str(OPEN_R1_FIXTURE)))

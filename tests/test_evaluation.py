@@ -121,3 +121,8 @@ def test_accuracy_table_with_chosen_labels_and_missing_values():
     table = format_accuracy_table(results, labels=["gcd", "chain_sum"]).splitlines()
     assert table[0] == "| | gcd | chain_sum | Total |"
     assert table[2:] == ["| A | 10.00 | 50.00 | 30.00 |", "| B | - | 100.00 | 100.00 |"]
+
+
+def test_accuracy_table_orders_geoqa_primitives_as_the_paper():
+    results = {"Round 1": {"polygons": 0.5, "circles": 0.25, "lines": 0.75, "points": 1.0, "other": 0.0, "Total": 0.5}}
+    assert format_accuracy_table(results).splitlines()[0] == "| | points | lines | circles | polygons | other | Total |"

@@ -32,8 +32,17 @@ class BenchmarkArguments:
     dataset_name: str = field(
         default="reasoning_gym",
         metadata={
-            "help": "'reasoning_gym' for the embedded procedural benchmark, or a `datasets.load_dataset` name or "
-            "local path with `prompt`, `answer` and the partition column."
+            "help": "'reasoning_gym' for the embedded procedural benchmark; 'open_r1' (Multimodal-Open-R1-8k-Verified, "
+            "label `difficulty`) or 'geoqa' (GEOQA-8k, label `category`) for the paper's benchmarks, read from "
+            "`benchmark_source`; or a `datasets.load_dataset` name or local path with `prompt`, `answer` and the "
+            "partition column, and `train`/`test` splits."
+        },
+    )
+    benchmark_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "For 'open_r1' and 'geoqa': the Hub dataset id or local copy (a `save_to_disk` folder or a parquet "
+            "file) with the raw rows. None: the paper's Hub dataset."
         },
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Training split of `dataset_name`."})
@@ -41,7 +50,10 @@ class BenchmarkArguments:
     benchmark_size: int = field(
         default=400, metadata={"help": "Items generated for the reasoning-gym benchmark, before the 80/20 split."}
     )
-    benchmark_seed: int = field(default=0, metadata={"help": "Seed of the reasoning-gym benchmark generation."})
+    benchmark_seed: int = field(
+        default=0,
+        metadata={"help": "Seed of the reasoning-gym generation, and of the 80/20 split of the paper's benchmarks."},
+    )
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many test items (None: the whole test split)."}
     )
@@ -63,10 +75,28 @@ def load_benchmark(data_args: BenchmarkArguments):
     """The train and test splits named by `data_args`."""
     from datasets import load_dataset, load_from_disk
 
-    from .data import build_reasoning_benchmark
+    from .data import (
+        GEOQA_DATASET,
+        OPEN_R1_DATASET,
+        build_geoqa_benchmark,
+        build_open_r1_benchmark,
+        build_reasoning_benchmark,
+    )
 
+    paper_benchmarks = {
+        "open_r1": (build_open_r1_benchmark, OPEN_R1_DATASET),
+        "geoqa": (build_geoqa_benchmark, GEOQA_DATASET),
+    }
+    if data_args.benchmark_source is not None and data_args.dataset_name not in paper_benchmarks:
+        raise ValueError(
+            f"`benchmark_source` is read only by the paper benchmarks {list(paper_benchmarks)}, not by "
+            f"dataset_name={data_args.dataset_name!r}."
+        )
     if data_args.dataset_name == "reasoning_gym":
         splits = build_reasoning_benchmark(size=data_args.benchmark_size, seed=data_args.benchmark_seed)
+    elif data_args.dataset_name in paper_benchmarks:
+        build, hub_id = paper_benchmarks[data_args.dataset_name]
+        splits = build(data_args.benchmark_source or hub_id, seed=data_args.benchmark_seed)
     elif Path(data_args.dataset_name).is_dir() and (Path(data_args.dataset_name) / "dataset_dict.json").exists():
         splits = load_from_disk(data_args.dataset_name)
     else:
@@ -135,7 +165,7 @@ def run(argv: list[str]) -> int:
     rewards = reward_functions(data_args.reward_funcs)
     train, test = load_benchmark(data_args)
     clients = partition_clients(train, args)
-    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path)
+    model, processing_class = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
     peft_config = get_peft_config(model_args) if model_args.use_peft else default_lora_config()
     header = (
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
@@ -146,7 +176,7 @@ def run(argv: list[str]) -> int:
     )
     report = ReportCallback(args.output_dir, header=header)
     runner = FederatedRunner(
-        model, rewards, args, clients, processing_class=tokenizer, peft_config=peft_config,
+        model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
         eval_dataset=test, callbacks=[report],
     )
     runner.run()

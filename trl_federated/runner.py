@@ -13,7 +13,7 @@ from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
 
 from .adapters import (
     AdapterState,
@@ -89,7 +89,8 @@ class FederatedRunner:
         reward_funcs: As for `GRPOTrainer`.
         args: The run's `FedGRPOConfig`; its GRPO fields configure every client's local training.
         client_datasets: Each client's private training set, as a dict keyed by client id or a list.
-        processing_class: Tokenizer or processor; loaded from the model's path when omitted.
+        processing_class: Tokenizer, or processor for a vision-language model; loaded from the model's path when
+            omitted (`models.load_processing_class`).
         peft_config: LoRA configuration for a model that is not yet a `PeftModel` (default: `default_lora_config`).
         aggregator: Server strategy; built from `args` (`aggregation`, `server_optimizer`, `rpg_*`) when omitted.
         eval_dataset: Held-out prompts scored by `eval_reward_func` before training and every `eval_every` rounds.
@@ -105,7 +106,7 @@ class FederatedRunner:
         reward_funcs,
         args: FedGRPOConfig,
         client_datasets: Mapping[str, Dataset] | Sequence[Dataset],
-        processing_class: PreTrainedTokenizerBase | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
         peft_config: PeftConfig | None = None,
         aggregator: Aggregator | None = None,
         eval_dataset: Dataset | None = None,
@@ -125,7 +126,9 @@ class FederatedRunner:
             model, tokenizer = load_model_and_tokenizer(model)
             processing_class = processing_class or tokenizer
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            from .models import load_processing_class
+
+            processing_class = load_processing_class(model.config._name_or_path)
         self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
         self.reward_funcs = reward_funcs
