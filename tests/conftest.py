@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny real model and tokenizer built offline, a tiny vision-language model, the paper's
 datasets as small offline fixtures, and a fast CPU GRPO configuration."""
 
-import warnings
 from pathlib import Path
 
 import pytest

@@ -1,6 +1,5 @@
 """What crosses the wire: exact LoRA aggregation with `freeze_a`, and bfloat16 updates with a bounded error."""
 
-import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig

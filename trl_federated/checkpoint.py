@@ -118,6 +118,34 @@ def write_checkpoint(
     return final
 
 
+class CheckpointedServer:
+    """`save_checkpoint` for a server that keeps its state in the attributes named below (`FederatedRunner`, the
+    Flower `FederatedStrategy`), so both write the same checkpoint format."""
+
+    args: FedGRPOConfig
+    model: PeftModel
+    global_state: AdapterState
+    aggregator: Aggregator
+    client_controls: dict[str, AdapterState]
+    history: list
+    evaluations: dict[int, dict[str, Any]]
+    identity: dict[str, Any]
+
+    def save_checkpoint(self, round_idx: int) -> Path:
+        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically."""
+        checkpoint = Checkpoint(
+            round_idx=round_idx,
+            global_state=self.global_state,
+            aggregator=self.aggregator.state_dict(),
+            client_controls=self.client_controls,
+            history=self.history,
+            evaluations=self.evaluations,
+            identity=self.identity,
+        )
+        adapter_config = self.model.peft_config[self.model.active_adapter]
+        return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
+
+
 def export_adapter(checkpoint_dir: str | Path, destination: str | Path) -> Path:
     """Publish a checkpoint's global adapter as a standalone PEFT adapter folder (`round-<t>`), atomically.
 

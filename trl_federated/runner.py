@@ -26,14 +26,13 @@ from .adapters import (
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
 from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import (
-    Checkpoint,
+    CheckpointedServer,
     check_identity,
     export_adapter,
     list_checkpoints,
     prepare_output_dir,
     read_checkpoint,
     run_identity,
-    write_checkpoint,
 )
 from .client import describe_failure, local_training_args, train_local_round, zero_control
 from .config import FedGRPOConfig
@@ -69,7 +68,7 @@ def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_c
     return get_peft_model(model, peft_config or default_lora_config())
 
 
-class FederatedRunner:
+class FederatedRunner(CheckpointedServer):
     """Simulates N clients and the server of a federated GRPO run in one process.
 
     The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
@@ -369,20 +368,6 @@ class FederatedRunner:
         return None
 
     # Checkpoints -------------------------------------------------------------------------------------------
-
-    def save_checkpoint(self, round_idx: int) -> Path:
-        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically."""
-        checkpoint = Checkpoint(
-            round_idx=round_idx,
-            global_state=self.global_state,
-            aggregator=self.aggregator.state_dict(),
-            client_controls=self.client_controls,
-            history=self.history,
-            evaluations=self.evaluations,
-            identity=self.identity,
-        )
-        adapter_config = self.model.peft_config[self.model.active_adapter]
-        return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,

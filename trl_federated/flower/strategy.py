@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from ..adapters import AdapterState, InvalidUpdateError, get_adapter_state, save_adapter, state_nbytes, validate_update
 from ..aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
 from ..callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
-from ..checkpoint import Checkpoint, check_identity, prepare_output_dir, read_checkpoint, run_identity, write_checkpoint
+from ..checkpoint import CheckpointedServer, check_identity, prepare_output_dir, read_checkpoint, run_identity
 from ..client import zero_control
 from ..config import FedGRPOConfig
 from ..rewards import combined_reward_range
@@ -34,7 +34,7 @@ REPLY_SLACK = 300.0
 DEFAULT_REPLY_TIMEOUT = 3600.0
 
 
-class FederatedStrategy(Strategy):
+class FederatedStrategy(CheckpointedServer, Strategy):
     """The server side of `FederatedRunner` as a Flower `Strategy`, for a federation of SuperNodes.
 
     Every round it sends the global adapter to every connected SuperNode (full participation, as in the runner),
@@ -111,6 +111,7 @@ class FederatedStrategy(Strategy):
         self.global_state: AdapterState = get_adapter_state(self.model)
         self.history: list[RoundRecord] = []
         self.client_controls: dict[str, AdapterState] = {}  # SCAFFOLD's c_i, by client id
+        self.evaluations: dict[int, dict] = {}  # the Flower path does not evaluate on the server
         # The server holds no client data, so a checkpoint pins the base model, LoRA and aggregator only.
         self.identity = run_identity(self.model, {}, self.aggregator)
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
@@ -322,20 +323,6 @@ class FederatedStrategy(Strategy):
         return None
 
     # Checkpoints -------------------------------------------------------------------------------------------
-
-    def save_checkpoint(self, round_idx: int) -> Path:
-        """Write `output_dir/checkpoint-<round_idx>` atomically, in the runner's format."""
-        checkpoint = Checkpoint(
-            round_idx=round_idx,
-            global_state=self.global_state,
-            aggregator=self.aggregator.state_dict(),
-            client_controls=self.client_controls,
-            history=self.history,
-            evaluations={},
-            identity=self.identity,
-        )
-        adapter_config = self.model.peft_config[self.model.active_adapter]
-        return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore the server state of a checkpoint of this federation (same base model, LoRA configuration and
