@@ -135,3 +135,11 @@ def test_runner_rejects_empty_clients(tmp_path, tiny_model_dir, tiny_tokenizer, 
             AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, fast_args(),
             {"a": Dataset.from_dict({"prompt": []})}, processing_class=tiny_tokenizer,
         )
+
+
+def test_colocated_vllm_is_refused_by_name(tiny_model, tiny_tokenizer, fast_args):
+    # Checked before any engine starts, so it needs no vLLM installed.
+    args = fast_args()
+    args.use_vllm, args.vllm_mode = True, "colocate"
+    with pytest.raises(ValueError, match="vllm_mode='server'"):
+        FederatedRunner(tiny_model, length_reward, args, client_datasets(), processing_class=tiny_tokenizer)

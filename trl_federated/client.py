@@ -145,6 +145,11 @@ def release_trainer(model: PeftModel, trainer: FedGRPOTrainer | None) -> None:
     if "ref" in model.peft_config:
         model.delete_adapter("ref")
         model.set_adapter("default")
+    vllm = getattr(trainer, "vllm_generation", None)
+    if getattr(vllm, "vllm_client", None) is not None:
+        # The vLLM server outlives the trainer: release this trainer's weight-sync channel to it, so that the next
+        # client's trainer can open its own.
+        vllm.vllm_client.close_communicator()
     if trainer is not None:
         trainer.accelerator.free_memory()
     del trainer
