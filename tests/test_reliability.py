@@ -258,6 +258,7 @@ def other_model_dir(tmp_path_factory):
         ("clients", "clients differ"),
         ("data", "client 'site-1' holds other data"),
         ("aggregation", "aggregator differs"),
+        ("wire", "wire format differs in lora_aggregation"),
     ],
 )
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, other_model_dir, change, message):
@@ -275,6 +276,8 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, ot
         clients = prompt_clients("site-0", "site-1", rows=7)
     elif change == "aggregation":
         overrides = {"aggregation": "fedavg"}
+    elif change == "wire":
+        overrides = {"lora_aggregation": "freeze_a"}
     args = FedGRPOConfig(output_dir=str(tmp_path / "run"),
                          **{**FAST_GRPO, "resume_from_checkpoint": "true", **overrides})
     runner = FederatedRunner(

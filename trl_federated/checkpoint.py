@@ -338,6 +338,10 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any], path: str | P
                     f"client {now['id']!r} holds other data ({now['num_rows']} rows now, {before['num_rows']} in "
                     "the checkpoint, or the same number of different rows)"
                 )
+    # A checkpoint from before the wire options carries none: it used the defaults.
+    default_wire = {"lora_aggregation": "separate", "transfer_dtype": "float32"}
+    if differences := _differences(saved.get("wire", default_wire), current.get("wire", default_wire)):
+        problems.append(f"the wire format differs in {differences}")
     if saved["aggregator"] != current["aggregator"]:
         problems.append(f"the aggregator differs (checkpoint: {saved['aggregator']}, now: {current['aggregator']})")
     if problems:

@@ -156,6 +156,7 @@ class FederatedRunner(CheckpointedServer):
         self._check_clients()
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
         self.identity = run_identity(self.model, self.client_datasets, self.aggregator)
+        self.identity["wire"] = {"lora_aggregation": args.lora_aggregation, "transfer_dtype": args.transfer_dtype}
 
     @staticmethod
     def _named_clients(client_datasets) -> dict[str, Dataset]:
