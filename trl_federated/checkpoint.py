@@ -119,7 +119,7 @@ def write_checkpoint(
 
 
 class CheckpointedServer:
-    """`save_checkpoint` for a server that keeps its state in the attributes named below (`FederatedRunner`, the
+    """`save_checkpoint` and `restore_checkpoint` for a server that keeps its state in the attributes named below (`FederatedRunner`, the
     Flower `FederatedStrategy`), so both write the same checkpoint format."""
 
     args: FedGRPOConfig
@@ -144,6 +144,18 @@ class CheckpointedServer:
         )
         adapter_config = self.model.peft_config[self.model.active_adapter]
         return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
+
+    def restore_checkpoint(self, path: str | Path) -> Checkpoint:
+        """Load the server state of the checkpoint at `path`, after checking that this run made it (same base model,
+        LoRA configuration, clients, aggregator and wire format, else `CheckpointMismatchError`)."""
+        checkpoint = read_checkpoint(path)
+        check_identity(checkpoint.identity, self.identity, path)
+        self.global_state = checkpoint.global_state
+        self.aggregator.load_state_dict(checkpoint.aggregator)
+        self.client_controls = checkpoint.client_controls
+        self.history = checkpoint.history
+        self.evaluations = checkpoint.evaluations
+        return checkpoint
 
 
 def export_adapter(checkpoint_dir: str | Path, destination: str | Path) -> Path:

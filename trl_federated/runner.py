@@ -27,11 +27,9 @@ from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregato
 from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import (
     CheckpointedServer,
-    check_identity,
     export_adapter,
     list_checkpoints,
     prepare_output_dir,
-    read_checkpoint,
     run_identity,
 )
 from .client import describe_failure, local_training_args, train_local_round, zero_control
@@ -379,13 +377,7 @@ class FederatedRunner(CheckpointedServer):
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,
         LoRA configuration, clients and aggregator, else `CheckpointMismatchError`); returns its round."""
-        checkpoint = read_checkpoint(path)
-        check_identity(checkpoint.identity, self.identity, path)
-        self.global_state = checkpoint.global_state
-        self.aggregator.load_state_dict(checkpoint.aggregator)
-        self.client_controls = checkpoint.client_controls
-        self.history = checkpoint.history
-        self.evaluations = checkpoint.evaluations
+        checkpoint = self.restore_checkpoint(path)
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx

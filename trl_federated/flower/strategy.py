@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from ..adapters import AdapterState, InvalidUpdateError, get_adapter_state, save_adapter, state_nbytes, validate_update
 from ..aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
 from ..callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
-from ..checkpoint import CheckpointedServer, check_identity, prepare_output_dir, read_checkpoint, run_identity
+from ..checkpoint import CheckpointedServer, prepare_output_dir, run_identity
 from ..client import zero_control
 from ..config import FedGRPOConfig
 from ..rewards import combined_reward_range
@@ -327,13 +327,8 @@ class FederatedStrategy(CheckpointedServer, Strategy):
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore the server state of a checkpoint of this federation (same base model, LoRA configuration and
         aggregator, else `CheckpointMismatchError`); the next round run is the one after it."""
-        checkpoint = read_checkpoint(path)
-        check_identity(checkpoint.identity, self.identity, path)
-        self.global_state = checkpoint.global_state
-        self.aggregator.load_state_dict(checkpoint.aggregator)
-        self.client_controls = checkpoint.client_controls
-        self.history = checkpoint.history
+        checkpoint = self.restore_checkpoint(path)
         self.first_round = checkpoint.round_idx + 1
-        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations={})
+        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         logger.info("Resumed from %s: continuing with round %d.", path, self.first_round)
         return checkpoint.round_idx
