@@ -65,3 +65,30 @@ def test_parses_from_yaml_and_command_line(tmp_path):
     )
     assert (args.num_rounds, args.local_steps, args.reward_window) == (4, 6, 3)
     assert args.aggregation == "fedavg" and args.dirichlet_alpha == float("inf") and args.rpg_h_max == 2.5
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["rpg_lambda_anneal", "server_learning_rate", "server_epsilon", "rpg_eps", "rpg_tau_max", "rpg_tau_min",
+     "rpg_sigma_max", "rpg_h_max", "fedprox_mu", "client_timeout", "server_beta2", "learning_rate", "beta"],
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_are_refused_by_name(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"`{field}` must be a finite number"):
+        make(tmp_path, **{field: value})
+
+
+def test_only_dirichlet_alpha_may_be_infinite(tmp_path):
+    assert make(tmp_path, dirichlet_alpha=float("inf")).dirichlet_alpha == float("inf")
+    with pytest.raises(ValueError, match="`dirichlet_alpha`"):
+        make(tmp_path, dirichlet_alpha=float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_rounds", "3"), ("local_steps", 2.0), ("num_clients", True), ("rpg_h_max", "big"), ("aggregation", 3),
+     ("dirichlet_alpha", "lots"), ("server_bias_correction", "yes"), ("client_timeout", [60])],
+)
+def test_wrong_types_are_refused_by_name(tmp_path, field, value):
+    with pytest.raises(TypeError, match=f"`{field}` must be of type"):
+        make(tmp_path, **{field: value})

@@ -2,7 +2,7 @@
 
 from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
 from .callbacks import RoundCallback, RoundRecord
-from .config import FedGRPOConfig
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 from .runner import FederatedRunner
 from .trainer import FedGRPOTrainer
 
@@ -12,7 +12,9 @@ __all__ = [
     "Aggregator",
     "ClientUpdate",
     "FedAvgAggregator",
+    "FedDAPOConfig",
     "FedGRPOConfig",
+    "FedGSPOConfig",
     "FedGRPOTrainer",
     "FederatedRunner",
     "RPGAggregator",

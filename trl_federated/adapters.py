@@ -30,9 +30,10 @@ def get_adapter_state(model: PeftModel) -> AdapterState:
     return {key: value.detach().to("cpu", copy=True) for key, value in get_peft_model_state_dict(model).items()}
 
 
-def set_adapter_state(model: PeftModel, state: AdapterState) -> None:
-    """Load `state` into the model's active adapter; a key the adapter lacks is an error, not a silent skip."""
-    result = set_peft_model_state_dict(model, state)
+def set_adapter_state(model: PeftModel, state: AdapterState, adapter_name: str = "default") -> None:
+    """Load `state` into the model's adapter `adapter_name`; a key the adapter lacks is an error, not a silent
+    skip."""
+    result = set_peft_model_state_dict(model, state, adapter_name=adapter_name)
     if result.unexpected_keys:
         raise KeyError(f"Adapter state has keys the model's adapter lacks: {sorted(result.unexpected_keys)[:5]}")
 

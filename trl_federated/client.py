@@ -45,13 +45,17 @@ def describe_failure(error: Exception) -> tuple[str, str]:
 def local_training_args(
     args: FedGRPOConfig, round_idx: int, client_index: int, num_clients: int, client_id: str
 ) -> FedGRPOConfig:
-    """The local-training configuration of one client in one round: `local_steps` steps, the seed
-    `args.seed + round_idx * num_clients + client_index`, and no checkpoints or reports of its own (the server
-    logs and saves the federation)."""
+    """The local-training configuration of one client in one round: `local_steps` steps at their place in the
+    federation's learning-rate schedule, the seed `args.seed + round_idx * num_clients + client_index`, a log
+    entry every step (R̄ is read from it), and no checkpoints or reports of its own (the server logs and saves the
+    federation)."""
     local = copy.deepcopy(args)  # dataclasses.replace fails on TRL's GRPOConfig
     local.num_clients = 1  # a client trains; it does not federate again
+    local.federation_round = round_idx
     local.max_steps = args.local_steps
     local.seed = args.seed + round_idx * num_clients + client_index
+    local.logging_strategy = IntervalStrategy.STEPS
+    local.logging_steps = 1
     local.output_dir = os.path.join(args.output_dir, "clients", client_id)
     local.save_strategy = IntervalStrategy.NO
     local.eval_strategy = IntervalStrategy.NO
@@ -77,6 +81,7 @@ def train_local_round(
     callbacks: list | None = None,
     trainer_kwargs: dict[str, Any] | None = None,
     scaffold_controls: tuple[AdapterState, AdapterState] | None = None,
+    reference_state: AdapterState | None = None,
 ) -> ClientUpdate:
     """Run one client's local round from `global_state` and return its update.
 
@@ -89,11 +94,20 @@ def train_local_round(
         reward_funcs, processing_class, callbacks, trainer_kwargs: As for `GRPOTrainer`.
         scaffold_controls: SCAFFOLD only: (c, c_i), the server's and this client's control variates; the update
             then carries Δc_i in `control_delta`.
+        reference_state: With `beta > 0`: θ^{[0]}, the adapter the federation started from, which is π_ref in every
+            round. TRL's trainer copies the adapter it is built with (θ^{[t]}) into its `ref` adapter; this state
+            overwrites that copy. None: π_ref is the base model (adapters disabled), which equals θ^{[0]} for a
+            freshly initialised LoRA.
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
     """
     started = time.perf_counter()
+    if args.beta != 0 and REFERENCE_ADAPTER in model.peft_config:
+        raise ValueError(
+            f"The model already has an adapter named {REFERENCE_ADAPTER!r}, which TRL reserves for the KL reference "
+            "when `beta` != 0: rename that adapter, or set `beta: 0`."
+        )
     set_adapter_state(model, global_state)
     trainer = None
     try:
@@ -106,6 +120,12 @@ def train_local_round(
             callbacks=list(callbacks or []),
             **(trainer_kwargs or {}),
         )
+        if args.beta != 0:
+            # π_ref stays θ^{[0]} in every round (see `reference_state`), not the θ^{[t]} TRL just copied.
+            if reference_state is None:
+                model.delete_adapter(REFERENCE_ADAPTER)
+            else:
+                set_adapter_state(model, reference_state, adapter_name=REFERENCE_ADAPTER)
         trainer.remove_callback(PrinterCallback)
         if args.client_timeout is not None:
             trainer.add_callback(Deadline(started + args.client_timeout))
@@ -135,15 +155,20 @@ def train_local_round(
         if scaffold is not None:
             update.control_delta = scaffold.control_delta
     finally:
-        release_trainer(model, trainer)
+        release_trainer(model, trainer, drop_reference=args.beta != 0)
     return update
 
 
-def release_trainer(model: PeftModel, trainer: FedGRPOTrainer | None) -> None:
-    """Drop everything a finished (or failed) client trainer holds (optimizer state, TRL's `ref` adapter) so
-    that memory stays flat in the number of clients."""
-    if "ref" in model.peft_config:
-        model.delete_adapter("ref")
+# The adapter TRL adds to a PeftModel for the KL reference when beta != 0 (GRPOTrainer.__init__).
+REFERENCE_ADAPTER = "ref"
+
+
+def release_trainer(model: PeftModel, trainer: FedGRPOTrainer | None, drop_reference: bool = True) -> None:
+    """Drop everything a finished (or failed) client trainer holds (optimizer state and, with `drop_reference`,
+    the `ref` adapter TRL added for its KL term) so that memory stays flat in the number of clients. A `ref`
+    adapter of the user's own (a run with beta = 0) is left alone."""
+    if drop_reference and REFERENCE_ADAPTER in model.peft_config:
+        model.delete_adapter(REFERENCE_ADAPTER)
         model.set_adapter("default")
     vllm = getattr(trainer, "vllm_generation", None)
     if getattr(vllm, "vllm_client", None) is not None:

@@ -1,12 +1,15 @@
 """Configuration of federated GRPO runs.
 
-`FedGRPOConfig` is a `trl.GRPOConfig`: every GRPO field keeps its meaning and default, and the federated fields
-below parse the same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Without federation
-(`num_clients=1`, the default) a `FedGRPOConfig` trains exactly like the `GRPOConfig` it extends.
+`FedGRPOConfig` is a `trl.GRPOConfig`: every GRPO field keeps its meaning, and the federated fields below parse the
+same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Without federation (`num_clients=1`,
+the default) a `FedGRPOConfig` trains exactly like a `GRPOConfig` with the same field values. Its defaults are
+the paper's Algorithm 1 where TRL's differ (`loss_type`, `lr_scheduler_type`); where we keep TRL's (`optim`,
+`max_grad_norm`, `beta`), the field's help says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -20,10 +23,23 @@ TRANSFER_DTYPES = ("float32", "bfloat16")
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
 # its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
 DEFAULT_SERVER_LEARNING_RATE = {"sgd": 1.0, "adam": 1e-3}
+# Server optimizer when `server_optimizer` is left unset: each method as its paper defines it. FGRPO's server
+# step is Adam (Algorithm 1, line 23); FedAvg, FedProx and SCAFFOLD average the client models, i.e. SGD with lr 1
+# (SCAFFOLD's global step size η_g = 1).
+DEFAULT_SERVER_OPTIMIZER = {"rpg": "adam", "fedavg": "sgd", "fedprox": "sgd", "scaffold": "sgd"}
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset. The paper gives none; 0.01 is the middle of
 # the range FedProx (Li et al., 2020) sweeps ({0.001, 0.01, 0.1, 1}) and keeps the proximal gradient well below
 # the GRPO gradient of a LoRA adapter over ~10 local steps.
 DEFAULT_FEDPROX_MU = 0.01
+
+
+def _is_of_type(value, type_name: str) -> bool:
+    """Whether `value` fits the annotation `type_name` ("int", "float", "str", "bool"); booleans are not numbers."""
+    if type_name == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, {"int": int, "float": (int, float), "str": str}[type_name])
 
 
 @dataclass
@@ -51,6 +67,59 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": "Window W (<= local_steps): a client reports R̄, the mean of its last W step rewards, where a "
             "step reward is the mean over the B prompts x K completions of that step."
+        },
+    )
+
+    # Local training: the defaults of Algorithm 1 where they differ from TRL's
+    loss_type: str = field(
+        default="grpo",
+        metadata={
+            "help": "GRPO loss normalisation. 'grpo' (default here; TRL's default is 'dapo') is the paper's Eq. "
+            "(obj_grpo): each completion's token terms are averaged over its own length, then over the group. "
+            "Other values as in GRPOConfig ('dapo', 'dr_grpo', 'bnpo', ...); FedDAPOConfig sets 'dapo'."
+        },
+    )
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={
+            "help": "Local learning-rate schedule. 'constant' (default here; TRL's is 'linear') is Algorithm 1's fixed "
+            "local step size α_i. In a federation any other schedule (with its warmup) runs once over the whole "
+            "federation, num_rounds x local_steps steps, and local step e of round t takes its value at t·E + e: "
+            "each client's fresh trainer continues the schedule instead of restarting it every round."
+        },
+    )
+    optim: str = field(
+        default=GRPOConfig.__dataclass_fields__["optim"].default,
+        metadata={
+            "help": "Local optimizer (TRL's default, AdamW). Algorithm 1 writes the local step as plain gradient "
+            "ascent θ + α_i g; the paper's experiments, like TRL and the GRPO recipes it builds on, train with Adam(W), "
+            "and SGD at GRPO's gradient scale needs a very different learning rate. Set 'sgd' for the literal "
+            "Algorithm 1 step."
+        },
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={
+            "help": "Gradient clipping of every local step (TRL's default; Algorithm 1 has none, 0 disables it). Kept "
+            "on because a GRPO step on a batch with one rare high-advantage completion can be far larger than the "
+            "rest; FedProx's proximal gradient is added after clipping."
+        },
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL coefficient β of Eq. (obj_grpo); the paper gives no value, and 0.0 (TRL's default) drops the "
+            "KL term. With β > 0 the reference policy π_ref is θ^{[0]}, the adapter the federation starts from (the "
+            "base model for a freshly initialised LoRA), fixed for every client and round, as one-process "
+            "GRPOTrainer keeps its initial adapter."
+        },
+    )
+    federation_round: int | None = field(
+        default=None,
+        metadata={
+            "help": "Set by the federation on each client's local configuration, not by users: the round t a client "
+            "trains in, which places its steps at t·local_steps in the federation-wide learning-rate schedule. "
+            "None: a plain GRPO run whose schedule spans `max_steps`."
         },
     )
 
@@ -131,8 +200,21 @@ class FedGRPOConfig(GRPOConfig):
     rpg_iota: float = field(
         default=0.9, metadata={"help": "Decay ι in (0, 1] of the reward-volatility estimate σ."}
     )
-    rpg_sigma_min: float = field(default=0.05, metadata={"help": "Lower clip σ_min of the reward volatility."})
-    rpg_sigma_max: float = field(default=0.2, metadata={"help": "Upper clip σ_max of the reward volatility."})
+    rpg_sigma_min: float = field(
+        default=0.05,
+        metadata={
+            "help": "Lower clip σ_min of the reward volatility, in absolute reward units: the paper's value, tuned for "
+            "a binary reward in [0, 1]. Scale it with the reward's range (the run warns when the reward functions "
+            "declare a wider one)."
+        },
+    )
+    rpg_sigma_max: float = field(
+        default=0.2,
+        metadata={
+            "help": "Upper clip σ_max of the reward volatility, in absolute reward units, tuned for a reward in [0, 1] "
+            "(see `rpg_sigma_min`)."
+        },
+    )
     rpg_tau_min: float = field(default=1.5, metadata={"help": "Final softmax temperature τ_min."})
     rpg_tau_max: float = field(default=2.5, metadata={"help": "Initial softmax temperature τ_max."})
     rpg_lambda_anneal: float = field(
@@ -187,9 +269,16 @@ class FedGRPOConfig(GRPOConfig):
     )
 
     # Server optimizer
-    server_optimizer: str = field(
-        default="adam",
-        metadata={"help": "Server step on the pseudo-gradient: 'adam' (paper) or 'sgd'.", "choices": list(SERVER_OPTIMIZERS)},
+    server_optimizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "Server step on the pseudo-gradient: 'adam' (the paper's Eq. momentum/model_update) or 'sgd'. "
+            "Unset, it follows `aggregation`: 'adam' for 'rpg' (FGRPO), 'sgd' with learning rate 1 for 'fedavg', "
+            "'fedprox' and 'scaffold', which is plain (weighted) model averaging, what those methods are. "
+            "'fedavg' with 'adam' is the paper's 'w/o RPG' ablation (`trl-federated compare` method "
+            "'fgrpo-wo-rpg').",
+            "choices": list(SERVER_OPTIMIZERS),
+        },
     )
     server_learning_rate: float | None = field(
         default=None,
@@ -205,17 +294,62 @@ class FedGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        # YAML and the command line hand "inf" over as a string.
-        self.dirichlet_alpha = float(self.dirichlet_alpha)
+        # YAML hands "inf" over as a string.
+        if isinstance(self.dirichlet_alpha, str):
+            with contextlib.suppress(ValueError):  # left a string, it is named by _type_errors
+                self.dirichlet_alpha = float(self.dirichlet_alpha)
+        for message in self._type_errors():
+            raise TypeError(message)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
+        if self.server_optimizer is None:
+            self.server_optimizer = DEFAULT_SERVER_OPTIMIZER.get(self.aggregation)
         if self.server_learning_rate is None and self.server_optimizer in DEFAULT_SERVER_LEARNING_RATE:
             self.server_learning_rate = DEFAULT_SERVER_LEARNING_RATE[self.server_optimizer]
         for message in self._federation_errors():
             raise ValueError(message)
 
+    def federation_warnings(self, reward_range: tuple[float, float] | None = None) -> list[str]:
+        """What about this configuration makes a federation learn something other than the user likely means, one
+        message per problem; the runner and the Flower server log them. `reward_range`: the interval the reward
+        functions declare (`rewards.combined_reward_range`), None when unknown."""
+        warnings = []
+        # A generation batch serves steps_per_generation micro-batches, num_iterations times over: the policy that
+        # generated it is that of the batch's first optimisation step. R̄ reflects local training only if some step
+        # of the round trains on a batch generated after the round's first update.
+        steps_per_batch = self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
+        if self.local_steps <= steps_per_batch:
+            warnings.append(
+                f"Every local step of a round trains on completions generated by the global model: `local_steps` "
+                f"({self.local_steps}) <= `steps_per_generation` ({self.steps_per_generation}) x `num_iterations` "
+                f"({self.num_iterations}) / `gradient_accumulation_steps` ({self.gradient_accumulation_steps}), so "
+                "R̄ measures θ^{[t]}, not the client's local progress. Raise `local_steps` or lower "
+                "`steps_per_generation`."
+            )
+        if self.aggregation == "rpg" and reward_range is not None and reward_range[1] - reward_range[0] > 1:
+            low, high = reward_range
+            warnings.append(
+                f"The reward functions declare rewards in [{low}, {high}], wider than the [0, 1] that `rpg_sigma_min` "
+                f"({self.rpg_sigma_min}) and `rpg_sigma_max` ({self.rpg_sigma_max}) are tuned for: they are absolute "
+                f"reward units, so scale them by {high - low:g} to weigh clients as the paper does."
+            )
+        return warnings
+
+    def _type_errors(self):
+        """Yield one message per federated field whose value is not of its declared type."""
+        for name, annotation in vars(FedGRPOConfig)["__annotations__"].items():
+            value, allowed = getattr(self, name), annotation.split(" | ")
+            if value is None and "None" in allowed:
+                continue
+            if not any(_is_of_type(value, type_name) for type_name in allowed if type_name != "None"):
+                yield f"`{name}` must be of type {annotation}, got {value!r} ({type(value).__name__})."
+
     def _federation_errors(self):
         """Yield one message per invalid federated field, each naming the field and its value."""
+        # Every float of the whole configuration, TRL's included: NaN and inf pass every range check below.
+        for name, value in vars(self).items():
+            if isinstance(value, float) and not math.isfinite(value) and not (name == "dirichlet_alpha" and value > 0):
+                yield f"`{name}` must be a finite number, got {value}."
         for name in (
             "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round"
         ):
@@ -231,6 +365,10 @@ class FedGRPOConfig(GRPOConfig):
             )
         if self.client_timeout is not None and not self.client_timeout > 0:
             yield f"`client_timeout` must be > 0 seconds or None, got {self.client_timeout}."
+        if self.federation_round is not None and (
+            not isinstance(self.federation_round, int) or self.federation_round < 0
+        ):
+            yield f"`federation_round` must be a round index >= 0 or None, got {self.federation_round!r}."
         if self.eval_every < 0:
             yield f"`eval_every` must be >= 0, got {self.eval_every}."
         if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):

@@ -137,6 +137,8 @@ class FederatedRunner(CheckpointedServer):
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.global_state: AdapterState = get_adapter_state(model)
+        # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
+        self.reference_state = self.global_state if args.beta != 0 else None
         self.wire = WireFormat.from_config(args, self.global_state)
         if args.lora_aggregation == "freeze_a":
             # FFA-LoRA: A keeps its seeded initialisation, shared by every client; only B trains.
@@ -183,6 +185,8 @@ class FederatedRunner(CheckpointedServer):
                 "for every client's trainer in every round. Use `vllm_mode='server'`: one `trl vllm-serve` engine "
                 "serves all clients and rounds, and TRL pushes each client's merged weights to it without reloading."
             )
+        for message in args.federation_warnings(self.reward_range):
+            logger.warning(message)
         # TRL's sampler draws generation_batch_size / num_generations distinct prompts per generation batch and
         # skips an incomplete batch, so a smaller client would never take a step.
         needed = args.generation_batch_size // args.num_generations
@@ -226,6 +230,7 @@ class FederatedRunner(CheckpointedServer):
             callbacks=self.callbacks,
             trainer_kwargs=self.trainer_kwargs,
             scaffold_controls=scaffold_controls,
+            reference_state=self.reference_state,
         )
 
     def client_control(self, client_id: str) -> AdapterState:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput
@@ -36,43 +38,55 @@ class FedGRPOTrainer(GRPOTrainer):
         fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
         if fedprox_mu:
             self.add_callback(ProximalTerm(fedprox_mu))
-        # (optimizer step the batch was generated for, mean reward of the batch, number of completions)
-        self._generation_rewards: list[tuple[int, float, int]] = []
 
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            # TRL has just appended this generation batch's mean reward, gathered over all processes.
-            batch_reward = self._metrics["train"]["reward"][-1]
-            self._generation_rewards.append(
-                (self.state.global_step, batch_reward, output["completion_ids"].size(0))
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
+        the whole federation, `num_rounds * local_steps` steps with its warmup, and starts at this round's first
+        step t·E, so that a fresh trainer per round continues the schedule rather than restarting it."""
+        round_idx = getattr(self.args, "federation_round", None)
+        if round_idx is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        federation_schedule = super().create_scheduler(self.args.num_rounds * self.args.local_steps, optimizer)
+        if not isinstance(federation_schedule, LambdaLR):
+            raise ValueError(
+                f"`lr_scheduler_type={self.args.lr_scheduler_type!r}` cannot continue across rounds (it is not a "
+                "function of the step); use 'constant' or a step-based schedule such as 'linear' or 'cosine'."
             )
-        return output
+        first_step = round_idx * self.args.local_steps
+        self.lr_scheduler = LambdaLR(
+            federation_schedule.optimizer,
+            [functools.partial(_from_step, schedule, first_step) for schedule in federation_schedule.lr_lambdas],
+        )
+        return self.lr_scheduler
 
     @property
     def step_rewards(self) -> list[float]:
-        """R̄^{[t,e]} for every optimisation step e taken so far.
+        """R̄^{[t,e]} for every optimisation step e taken so far, read from TRL's training logs (`log_history`).
 
-        A step that reuses an earlier generation batch (`num_iterations > 1`, or `steps_per_generation` above
-        `gradient_accumulation_steps`) is credited with that batch's reward: it trained on those completions.
+        TRL logs `reward`, the mean reward of the generation batches since the last log (over the B prompts x K
+        completions, summed over reward functions with their weights, gathered over processes). A step with no
+        generation of its own (it reuses a batch: `num_iterations > 1`, or `steps_per_generation` above
+        `gradient_accumulation_steps`) is credited with the last batch's reward: it trained on those completions.
+        Federated clients log every step; with `logging_steps > 1` each step gets the mean of its logging interval.
         """
-        by_step: dict[int, tuple[float, int]] = {}
-        for step, reward, count in self._generation_rewards:
-            total, n = by_step.get(step, (0.0, 0))
-            by_step[step] = (total + reward * count, n + count)
-        rewards, current = [], float("nan")
-        for step in range(self.state.global_step):
-            if step in by_step:
-                total, n = by_step[step]
-                current = total / n
-            rewards.append(current)
+        rewards, current, last_step = [], float("nan"), 0
+        for entry in self.state.log_history:
+            if "loss" not in entry:  # evaluation and end-of-training entries
+                continue
+            if "reward" in entry:
+                current = float("nan") if entry["reward"] is None else entry["reward"]
+            rewards.extend([current] * (entry["step"] - last_step))
+            last_step = entry["step"]
         return rewards
 
     def window_reward(self, window: int | None = None) -> float:
         """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
         rewards = self.step_rewards
         if not rewards:
-            raise RuntimeError("No optimisation step has run yet: call train() before window_reward().")
+            raise RuntimeError(
+                "No logged optimisation step: call train() before window_reward(), with a `logging_strategy` that "
+                "logs steps (R̄ is read from TRL's training logs)."
+            )
         window = window or getattr(self.args, "reward_window", None) or len(rewards)
         return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
 
@@ -123,6 +137,11 @@ class FedGRPOTrainer(GRPOTrainer):
                 "final_mean_client_reward": sum(history[-1].rewards.values()) / len(history[-1].rewards),
             },
         )
+
+
+def _from_step(schedule, first_step: int, step: int) -> float:
+    """`schedule` (a LambdaLR factor) read `first_step` steps later; a module function, so the scheduler pickles."""
+    return schedule(first_step + step)
 
 
 class ProximalTerm(TrainerCallback):

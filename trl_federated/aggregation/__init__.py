@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from .base import Aggregator, ClientUpdate, pseudo_gradient
@@ -12,6 +13,8 @@ from .server_optim import ServerAdam, ServerOptimizer, ServerSGD
 
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
+
+logger = logging.getLogger(__name__)
 
 
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
@@ -30,6 +33,11 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields); `num_clients`
     (default `args.num_clients`) is the size of the federation, which SCAFFOLD's server step needs."""
     server_optimizer = server_optimizer_from_config(args)
+    # `server_optimizer` may have been resolved from `aggregation` (FedGRPOConfig.__post_init__): say which it is.
+    logger.info(
+        "Aggregation %r with server optimizer %r (learning rate %g).",
+        args.aggregation, args.server_optimizer, args.server_learning_rate,
+    )
     if args.aggregation == "scaffold":
         return ScaffoldAggregator(num_clients=num_clients or args.num_clients, server_optimizer=server_optimizer)
     if args.aggregation in ("fedavg", "fedprox"):  # FedProx differs on the clients only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..adapters import get_adapter_state
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
@@ -23,6 +25,11 @@ from .records import CLIENT, TrainInstruction, client_identity_record, update_to
 from .strategy import FederatedStrategy
 
 logger = logging.getLogger(__name__)
+
+# θ^{[0]} of each model a ClientApp has trained, taken the first time it is seen (before any round touched it): the
+# KL reference π_ref when beta != 0. A model `load_site` caches across messages keeps its reference; a model loaded
+# afresh per message is θ^{[0]} anyway.
+_initial_adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -91,6 +98,8 @@ def make_client_app(
             instruction = TrainInstruction.from_content(message.content)
             site = load_site(context)
             model = with_federated_adapter(site.model, site.args.seed, site.peft_config)
+            if site.args.beta != 0 and model not in _initial_adapters:
+                _initial_adapters[model] = get_adapter_state(model)
             args = local_training_args(
                 site.args, instruction.round_idx, client_index, instruction.num_clients, client_id
             )
@@ -98,6 +107,7 @@ def make_client_app(
                 model, instruction.global_state, client_id, site.train_dataset, args, site.reward_funcs,
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
                 scaffold_controls=instruction.scaffold_controls,
+                reference_state=_initial_adapters.get(model),
             )
         except Exception as error:  # reported to the server, which drops this client from the round
             kind, reason = describe_failure(error)

@@ -103,6 +103,8 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         self.model = with_federated_adapter(model, args.seed, peft_config)
         self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args, args.num_clients)
         self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
+        for message in args.federation_warnings(self.reward_range):
+            logger.warning(message)
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.node_wait_timeout = node_wait_timeout
         if reply_timeout is None:
