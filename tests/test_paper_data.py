@@ -1,5 +1,6 @@
 """The paper's benchmark builders on offline fixtures with the Hub datasets' schemas (tests/fixtures/)."""
 
+import math
 from collections import Counter
 
 import pytest
@@ -19,6 +20,8 @@ from trl_federated.data import (
 )
 from trl_federated.data.paper import VISUAL_SYSTEM_PROMPT, reasoning_trace
 from trl_federated.rewards import accuracy_reward, extract_answer
+
+RECIPE_MAX_PIXELS = 501_760  # the paper recipes' cap (examples/configs/paper/)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +131,31 @@ def test_both_geoqa_copies_give_the_same_benchmark(geoqa):
     for split in ("train", "test"):
         assert r1v[split].select_columns(columns).to_list() == geoqa[split].select_columns(columns).to_list()
     assert GEOQA_DATASET == "leonardPKU/GEOQA_R1V_Train_8K"  # R1-V's own release, which the paper cites
+
+
+def test_max_pixels_scales_down_only_larger_figures_keeping_their_aspect_ratio():
+    sizes = {row["problem"]: row["image"].size for row in load_from_disk(str(GEOQA_R1V_FIXTURE))["train"]}
+    splits = build_geoqa_benchmark(str(GEOQA_R1V_FIXTURE), max_pixels=RECIPE_MAX_PIXELS)
+    scaled = []
+    for row in (row for split in splits.values() for row in split):
+        (width, height), (new_width, new_height) = sizes[row["question"]], row["image"].size
+        if width * height <= RECIPE_MAX_PIXELS:
+            assert (new_width, new_height) == (width, height)
+        else:
+            scaled.append((width, height))
+            assert 0.99 * RECIPE_MAX_PIXELS <= new_width * new_height <= RECIPE_MAX_PIXELS
+            assert new_width / new_height == pytest.approx(width / height, rel=0.01)
+    assert sorted(scaled) == [(600, 900), (1024, 768)]
+    # the cap also applies to the first figure of an `images` list (EasyR1's copy of 48 x 48 figures)
+    easyr1 = build_geoqa_benchmark(str(GEOQA_FIXTURE), max_pixels=24 * 24)
+    assert {row["image"].size for split in easyr1.values() for row in split} == {(24, 24)}
+
+
+@pytest.mark.parametrize("max_pixels", [0, -1, math.nan, 1.5, True])
+def test_bad_max_pixels_are_refused_by_name(max_pixels):
+    for build, source in ((build_geoqa_benchmark, GEOQA_FIXTURE), (build_open_r1_benchmark, OPEN_R1_FIXTURE)):
+        with pytest.raises(ValueError, match="`max_pixels` must be a positive whole number"):
+            build(str(source), max_pixels=max_pixels)
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,8 @@
 
 Both are image + question datasets with a verifiable final answer. The builders read the raw rows from the Hugging
 Face Hub (the default) or from a local copy with the same columns, drop the rows without a gold answer (counted in the
-log), label every row with the column the Dirichlet partitioner splits clients by, and make the paper's stratified
-80/20 train/test split (Section 4.2, Appendix C).
+log), optionally cap the image size (`max_pixels`), label every row with the column the Dirichlet partitioner splits
+clients by, and make the paper's stratified 80/20 train/test split (Section 4.2, Appendix C).
 
 Each output row has:
 
@@ -23,7 +23,10 @@ GEOQA), not read from the Hub, and the repository tests the builders on fixture 
 
 from __future__ import annotations
 
+import io
 import logging
+import math
+import numbers
 import random
 import re
 from collections import Counter, defaultdict
@@ -31,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from datasets import Dataset, DatasetDict, Image, List, concatenate_datasets, load_dataset, load_from_disk
+from PIL import Image as PILImage
 
 from ..rewards import extract_answer
 from .reasoning_gym import DIFFICULTIES
@@ -114,6 +118,14 @@ def _question_text(problem: str) -> str:
     return _IMAGE_PLACEHOLDER_RE.sub(" ", problem).strip()
 
 
+def check_max_pixels(max_pixels: int | None) -> None:
+    """Refuse a `max_pixels` that is not a positive whole number of pixels (None, no cap, is fine)."""
+    if max_pixels is None:
+        return
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, numbers.Integral) or max_pixels < 1:
+        raise ValueError(f"`max_pixels` must be a positive whole number of pixels (None: no cap), got {max_pixels!r}.")
+
+
 def reasoning_trace(solution: str) -> str:
     """The reasoning part of a solution: the `<think>` content, else the text around the `<answer>` pair."""
     match = _THINK_RE.search(solution)
@@ -141,6 +153,7 @@ def build_open_r1_benchmark(
     test_size: float = 0.2,
     seed: int = 0,
     system_prompt: str = VISUAL_SYSTEM_PROMPT,
+    max_pixels: int | None = None,
 ) -> DatasetDict:
     """Multimodal-Open-R1-8k-Verified with the paper's difficulty tiers and 80/20 split.
 
@@ -159,11 +172,14 @@ def build_open_r1_benchmark(
         test_size: fraction of every difficulty tier that goes to the test split (the paper's 0.2).
         seed: seeds the split and the row order.
         system_prompt: the system message of every prompt.
+        max_pixels: the largest image area in pixels; a larger figure is scaled down to it, keeping its aspect
+            ratio (None: figures as stored).
 
     Returns:
         `DatasetDict(train=..., test=...)` with columns `prompt`, `image`, `answer`, `question`, `difficulty`,
         `trace_length`.
     """
+    check_max_pixels(max_pixels)
     name = "Multimodal-Open-R1"
     rows, answers = _answered_rows(_load_rows(source, required=("problem", "solution"), name=name), "solution", name)
     lengths = [len(reasoning_trace(solution)) for solution in rows["solution"]]
@@ -175,7 +191,7 @@ def build_open_r1_benchmark(
         )  # fmt: skip
     questions = [_question_text(problem) for problem in rows["problem"]]
     labelled = _standardise(
-        rows, system_prompt, questions, answers, "difficulty", difficulty_tiers(lengths),
+        rows, system_prompt, questions, answers, "difficulty", difficulty_tiers(lengths), max_pixels,
         extra_columns={"trace_length": lengths},
     )  # fmt: skip
     return _stratified_split(labelled, "difficulty", test_size, seed, name=name)
@@ -187,6 +203,7 @@ def build_geoqa_benchmark(
     seed: int = 0,
     system_prompt: str = VISUAL_SYSTEM_PROMPT,
     categorise: Callable[[str], str] = geometry_category,
+    max_pixels: int | None = None,
 ) -> DatasetDict:
     """GEOQA-8k with the paper's geometric-primitive categories and 80/20 split.
 
@@ -212,10 +229,13 @@ def build_geoqa_benchmark(
         system_prompt: the system message of every prompt.
         categorise: maps a problem text to its category; `geometry_category` (whose docstring states the rule)
             by default.
+        max_pixels: the largest image area in pixels; a larger figure is scaled down to it, keeping its aspect
+            ratio (None: figures as stored).
 
     Returns:
         `DatasetDict(train=..., test=...)` with columns `prompt`, `image`, `answer`, `question`, `category`.
     """
+    check_max_pixels(max_pixels)
     rows = _load_rows(source, required=("problem",), name="GEOQA")
     answer_column = next((column for column in ("answer", "solution") if column in rows.column_names), None)
     if answer_column is None:
@@ -225,7 +245,7 @@ def build_geoqa_benchmark(
     rows, answers = _answered_rows(rows, answer_column, "GEOQA")
     questions = [_question_text(problem) for problem in rows["problem"]]
     labels = [categorise(question) for question in questions]
-    labelled = _standardise(rows, system_prompt, questions, answers, "category", labels)
+    labelled = _standardise(rows, system_prompt, questions, answers, "category", labels, max_pixels)
     return _stratified_split(labelled, "category", test_size, seed, name="GEOQA")
 
 
@@ -287,6 +307,45 @@ def _answered_rows(rows: Dataset, column: str, name: str) -> tuple[Dataset, list
     return rows.select(keep), [answers[index] for index in keep]
 
 
+def _capped_image(image: dict, max_pixels: int | None) -> dict:
+    """An encoded image (`{"bytes", "path"}`) as it is when at most `max_pixels` large, else scaled down to fit.
+
+    As EasyR1's `process_image` does, the scaling keeps the aspect ratio and rounds each side down, so the area
+    never exceeds `max_pixels` (a side never goes below 1 pixel). Only an image to scale is decoded; it is
+    re-encoded as PNG, which is lossless.
+    """
+    if max_pixels is None:
+        return image
+    with PILImage.open(io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]) as figure:
+        width, height = figure.size  # from the header: the pixels are read only when the figure is resized
+        if width * height <= max_pixels:
+            return image
+        scale = math.sqrt(max_pixels / (width * height))
+        resized = figure.resize((max(1, int(width * scale)), max(1, int(height * scale))))
+    buffer = io.BytesIO()
+    resized.save(buffer, format="PNG")
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+def _figures(rows: Dataset, max_pixels: int | None) -> Dataset:
+    """`rows` with each row's figure in an `image` column (the first of an `images` list), capped to `max_pixels`.
+
+    Figures move as encoded bytes: none is decoded and re-encoded unless it has to be scaled down.
+    """
+    listed = "image" not in rows.column_names
+    if not listed and max_pixels is None:
+        return rows
+    column = "images" if listed else "image"
+    rows = rows.cast_column(column, List(Image(decode=False)) if listed else Image(decode=False))
+
+    def figure(value):
+        image = (value[0] if value else None) if listed else value
+        return {"image": None if image is None else _capped_image(image, max_pixels)}
+
+    rows = rows.map(figure, input_columns=column, remove_columns=column)
+    return rows.cast_column("image", Image())
+
+
 def _standardise(
     rows: Dataset,
     system_prompt: str,
@@ -294,17 +353,11 @@ def _standardise(
     answers: Sequence[str],
     label_column: str,
     labels: Sequence[str],
+    max_pixels: int | None,
     extra_columns: dict[str, Sequence] | None = None,
 ) -> Dataset:
     """Rows in the output layout: `prompt`, `image`, `answer`, `question`, the label column and `extra_columns`."""
-    if "images" in rows.column_names and "image" not in rows.column_names:
-        # The first figure of each row, moved as encoded bytes: no image is decoded and re-encoded.
-        rows = rows.cast_column("images", List(Image(decode=False)))
-        rows = rows.map(
-            lambda images: {"image": images[0] if images else None}, input_columns="images", remove_columns="images"
-        )
-        rows = rows.cast_column("image", Image())
-    standard = rows.select_columns(["image"])
+    standard = _figures(rows, max_pixels).select_columns(["image"])
     standard = standard.add_column(
         "prompt", [[{"role": "system", "content": system_prompt}, {"role": "user", "content": q}] for q in questions]
     )
