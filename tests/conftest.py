@@ -11,8 +11,9 @@ from trl_federated import FedGRPOConfig
 from trl_federated.testing import save_tiny_model, save_tiny_vlm
 
 FIXTURES = Path(__file__).parent / "fixtures"
-OPEN_R1_FIXTURE = FIXTURES / "open_r1"  # Multimodal-Open-R1-8k-Verified's schema, 24 rows
-GEOQA_FIXTURE = FIXTURES / "geoqa"  # GEOQA_8K_R1V's schema and splits, 20 + 4 rows
+OPEN_R1_FIXTURE = FIXTURES / "open_r1"  # Multimodal-Open-R1-8k-Verified's schema, 27 rows (3 without <answer>)
+GEOQA_FIXTURE = FIXTURES / "geoqa"  # EasyR1's copy (GEOQA_8K_R1V): its schema and splits, 20 + 4 rows
+GEOQA_R1V_FIXTURE = FIXTURES / "geoqa_r1v"  # R1-V's copy (GEOQA_R1V_Train_8K) of the same 24 problems, one split
 
 # The tiny model gains nothing from intra-op threads, and two busy processes each spinning two threads on a
 # 2-core machine run 20x slower: one thread keeps test times stable.

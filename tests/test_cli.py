@@ -116,5 +116,10 @@ def test_paper_benchmarks_read_their_source():
         BenchmarkArguments(dataset_name="open_r1", benchmark_source=str(OPEN_R1_FIXTURE), max_eval_samples=4)
     )
     assert (len(train), len(test)) == (18, 4) and "difficulty" in train.column_names and "image" in test.column_names
-    with pytest.raises(ValueError, match="benchmark_source"):
-        load_benchmark(BenchmarkArguments(dataset_name="reasoning_gym", benchmark_source=str(OPEN_R1_FIXTURE)))
+    _, capped = load_benchmark(
+        BenchmarkArguments(dataset_name="open_r1", benchmark_source=str(OPEN_R1_FIXTURE), max_pixels=24 * 24)
+    )
+    assert {image.size for image in capped["image"]} == {(24, 24)}  # the fixture's figures are 48 x 48
+    for name, value in (("benchmark_source", str(OPEN_R1_FIXTURE)), ("max_pixels", 24 * 24)):
+        with pytest.raises(ValueError, match=name):
+            load_benchmark(BenchmarkArguments(dataset_name="reasoning_gym", **{name: value}))

@@ -1,15 +1,17 @@
 """The paper's benchmark builders on offline fixtures with the Hub datasets' schemas (tests/fixtures/)."""
 
+import math
 from collections import Counter
 
 import pytest
-from datasets import Dataset, Features, Image, Value, load_from_disk
+from datasets import Dataset, Features, Image, List, Value, load_from_disk
 from PIL import Image as PILImage
 
-from conftest import GEOQA_FIXTURE, OPEN_R1_FIXTURE
+from conftest import GEOQA_FIXTURE, GEOQA_R1V_FIXTURE, OPEN_R1_FIXTURE
 from trl_federated.data import (
     DIFFICULTIES,
     GEOMETRY_PRIMITIVES,
+    GEOQA_DATASET,
     build_geoqa_benchmark,
     build_open_r1_benchmark,
     difficulty_tiers,
@@ -17,7 +19,9 @@ from trl_federated.data import (
     partition_clients,
 )
 from trl_federated.data.paper import VISUAL_SYSTEM_PROMPT, reasoning_trace
-from trl_federated.rewards import accuracy_reward
+from trl_federated.rewards import accuracy_reward, extract_answer
+
+RECIPE_MAX_PIXELS = 501_760  # the paper recipes' cap (examples/configs/paper/)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,21 @@ def test_open_r1_tiers_are_equal_tertiles_of_trace_length(open_r1):
     assert Counter(row["difficulty"] for row in rows) == {"simple": 8, "medium": 8, "hard": 8}
     by_tier = {tier: [row["trace_length"] for row in rows if row["difficulty"] == tier] for tier in DIFFICULTIES}
     assert max(by_tier["simple"]) <= min(by_tier["medium"]) and max(by_tier["medium"]) <= min(by_tier["hard"])
+    tagged = [s for s in load_from_disk(str(OPEN_R1_FIXTURE))["solution"] if extract_answer(s) is not None]
+    assert sorted(row["trace_length"] for row in rows) == sorted(len(reasoning_trace(s)) for s in tagged)
+
+
+def test_open_r1_solutions_without_an_answer_pair_are_dropped_and_counted(caplog):
     raw = load_from_disk(str(OPEN_R1_FIXTURE))
-    assert sorted(row["trace_length"] for row in rows) == sorted(len(reasoning_trace(s)) for s in raw["solution"])
+    untagged = [index for index, solution in enumerate(raw["solution"]) if "<answer>" not in solution]
+    assert untagged == [4, 13, 22]
+    splits = build_open_r1_benchmark(str(OPEN_R1_FIXTURE))
+    answers = [answer for split in splits.values() for answer in split["answer"]]
+    assert len(answers) == 24 and not any("<think>" in answer or "result is" in answer for answer in answers)
+    assert (
+        "Multimodal-Open-R1: dropping 3 of 27 rows whose `solution` has no <answer></answer> pair: the whole "
+        "solution would become the gold answer, which no completion matches (first indices: [4, 13, 22])"
+    ) in caplog.text
 
 
 def test_open_r1_rows_hold_prompt_image_and_gold_answer(open_r1):
@@ -72,7 +89,7 @@ def test_split_is_seeded(geoqa):
 
 def test_geoqa_rows_take_the_first_image_of_the_list_and_the_answer_column(geoqa):
     raw = load_from_disk(str(GEOQA_FIXTURE))
-    answers = {row["problem"]: row["answer"] for split in raw.values() for row in split}
+    answers = {row["problem"].removeprefix("<image>"): row["answer"] for split in raw.values() for row in split}
     for row in geoqa["test"]:
         assert isinstance(row["image"], PILImage.Image)
         assert row["answer"] == answers[row["question"]]
@@ -94,19 +111,51 @@ def test_label_column_feeds_the_dirichlet_partitioner(geoqa, fast_args):
     assert all(set(client.column_names) == set(geoqa["train"].column_names) for client in clients)
 
 
-def test_geoqa_accepts_r1v_layout_with_image_and_tagged_solution():
+def test_geoqa_questions_lose_the_image_placeholder(geoqa):
+    raw = load_from_disk(str(GEOQA_FIXTURE))
+    assert all(problem.startswith("<image>") for split in raw.values() for problem in split["problem"])
+    for row in (row for split in geoqa.values() for row in split):
+        assert "<image>" not in row["question"] and row["prompt"][1]["content"] == row["question"]
     rows = Dataset.from_list(
-        [
-            {"image": PILImage.new("RGB", (8, 8)), "problem": f"In circle O, the radius is {i}. Find the diameter.",
-             "solution": f"<answer>{2 * i}</answer>"}
-            for i in range(1, 6)
-        ],
-        features=Features(image=Image(), problem=Value("string"), solution=Value("string")),
+        [{"images": [PILImage.new("RGB", (8, 8))], "problem": problem, "answer": "1"}
+         for problem in ["<image>\nLine a ∥ b.", "Line a ∥ b. <image>", "Line a <image> ∥ b.", "Line a ∥ b."]],
+        features=Features(images=List(Image()), problem=Value("string"), answer=Value("string")),
     )  # fmt: skip
-    splits = build_geoqa_benchmark(rows, test_size=0.2)
-    assert len(splits["train"]) == 4 and len(splits["test"]) == 1
-    assert sorted([*splits["train"]["answer"], *splits["test"]["answer"]]) == sorted(str(2 * i) for i in range(1, 6))
-    assert set(splits["train"]["category"]) == {"circles"}
+    splits = build_geoqa_benchmark(rows, test_size=0.25)
+    assert {row["question"] for split in splits.values() for row in split} == {"Line a ∥ b."}
+
+
+def test_both_geoqa_copies_give_the_same_benchmark(geoqa):
+    r1v = build_geoqa_benchmark(str(GEOQA_R1V_FIXTURE))  # image, problem, tagged solution; one split
+    columns = ["prompt", "answer", "question", "category"]
+    for split in ("train", "test"):
+        assert r1v[split].select_columns(columns).to_list() == geoqa[split].select_columns(columns).to_list()
+    assert GEOQA_DATASET == "leonardPKU/GEOQA_R1V_Train_8K"  # R1-V's own release, which the paper cites
+
+
+def test_max_pixels_scales_down_only_larger_figures_keeping_their_aspect_ratio():
+    sizes = {row["problem"]: row["image"].size for row in load_from_disk(str(GEOQA_R1V_FIXTURE))["train"]}
+    splits = build_geoqa_benchmark(str(GEOQA_R1V_FIXTURE), max_pixels=RECIPE_MAX_PIXELS)
+    scaled = []
+    for row in (row for split in splits.values() for row in split):
+        (width, height), (new_width, new_height) = sizes[row["question"]], row["image"].size
+        if width * height <= RECIPE_MAX_PIXELS:
+            assert (new_width, new_height) == (width, height)
+        else:
+            scaled.append((width, height))
+            assert 0.99 * RECIPE_MAX_PIXELS <= new_width * new_height <= RECIPE_MAX_PIXELS
+            assert new_width / new_height == pytest.approx(width / height, rel=0.01)
+    assert sorted(scaled) == [(600, 900), (1024, 768)]
+    # the cap also applies to the first figure of an `images` list (EasyR1's copy of 48 x 48 figures)
+    easyr1 = build_geoqa_benchmark(str(GEOQA_FIXTURE), max_pixels=24 * 24)
+    assert {row["image"].size for split in easyr1.values() for row in split} == {(24, 24)}
+
+
+@pytest.mark.parametrize("max_pixels", [0, -1, math.nan, 1.5, True])
+def test_bad_max_pixels_are_refused_by_name(max_pixels):
+    for build, source in ((build_geoqa_benchmark, GEOQA_FIXTURE), (build_open_r1_benchmark, OPEN_R1_FIXTURE)):
+        with pytest.raises(ValueError, match="`max_pixels` must be a positive whole number"):
+            build(str(source), max_pixels=max_pixels)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +165,7 @@ def test_geoqa_accepts_r1v_layout_with_image_and_tagged_solution():
         ("In triangle ABC inscribed in a circle, the chord AB = 6. Find the radius.", "circles"),  # circle wins
         ("如图，AB是圆O的直径，∠C=30°，则∠ABD的度数是（）", "circles"),
         ("As shown in the figure, in parallelogram ABCD, ∠A = 110°, then ∠C = ?", "polygons"),
+        ("As shown in the figure, in Rttriangle ABC, ∠C = 90°, AC = 3, BC = 4, then AB = ?", "polygons"),  # "Rt△"
         ("如图，在△ABC中，∠A=50°，∠B=60°，则∠C的度数为（）", "polygons"),
         ("As shown in the figure, line a ∥ line b, ∠1 = 50°, then ∠2 = ?", "lines"),
         ("As shown, OC bisects ∠AOB and ∠AOC = 35°. Find ∠AOB.", "lines"),

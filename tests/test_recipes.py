@@ -1,6 +1,7 @@
 """The shipped YAML recipes: each parses like TRL's scripts into the right config class, and the paper recipes
 reproduce the paper's setting, down to Table 4's per-round communication."""
 
+import math
 from enum import Enum
 from pathlib import Path
 
@@ -72,6 +73,23 @@ def test_paper_recipes_share_the_paper_setting_and_differ_only_by_method(name):
     recipe, fgrpo = (yaml.safe_load((PAPER / f"{stem}.yaml").read_text()) for stem in (name, "fgrpo"))
     changed = {key for key in recipe.keys() | fgrpo.keys() if recipe.get(key) != fgrpo.get(key)}
     assert changed <= {"output_dir", *METHOD_KEYS}
+
+
+def test_paper_recipes_cap_the_image_size():
+    for path in sorted(PAPER.glob("*.yaml")):
+        _, _, data_args = parse(path)
+        assert data_args.max_pixels == 501_760, path.name  # R1-V's value for Qwen2.5-VL-3B on GEOQA
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan")])
+def test_bad_max_pixels_is_refused_when_parsing(value, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({**yaml.safe_load((PAPER / "fgrpo.yaml").read_text()), "max_pixels": value}))
+    with pytest.raises(ValueError, match="`max_pixels` must be a positive whole number"):
+        parse(recipe)
+    if not math.isnan(value):  # a "nan" flag is already refused by argparse, as not an int
+        with pytest.raises(ValueError, match="`max_pixels` must be a positive whole number"):
+            parse(PAPER / "fgrpo.yaml", "--max_pixels", str(value))
 
 
 # What a method may change: the server, its client-side terms, the local algorithm and that algorithm's loss defaults.

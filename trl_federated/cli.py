@@ -45,6 +45,14 @@ class BenchmarkArguments:
             "file) with the raw rows. None: the paper's Hub dataset."
         },
     )
+    max_pixels: int | None = field(
+        default=None,
+        metadata={
+            "help": "For 'open_r1' and 'geoqa': the largest image area in pixels; a larger figure is scaled down to "
+            "it when the benchmark loads, keeping its aspect ratio (as `max_pixels` in R1-V and EasyR1). None: "
+            "figures as stored."
+        },
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Training split of `dataset_name`."})
     dataset_test_split: str = field(default="test", metadata={"help": "Evaluation split of `dataset_name`."})
     benchmark_size: int = field(
@@ -70,6 +78,11 @@ class BenchmarkArguments:
         metadata={"help": f"Reward functions, among {REWARD_FUNCTIONS}: 'accuracy' is the paper's binary reward."},
     )
 
+    def __post_init__(self):
+        from .data.paper import check_max_pixels
+
+        check_max_pixels(self.max_pixels)
+
 
 def load_benchmark(data_args: BenchmarkArguments):
     """The train and test splits named by `data_args`."""
@@ -87,16 +100,19 @@ def load_benchmark(data_args: BenchmarkArguments):
         "open_r1": (build_open_r1_benchmark, OPEN_R1_DATASET),
         "geoqa": (build_geoqa_benchmark, GEOQA_DATASET),
     }
-    if data_args.benchmark_source is not None and data_args.dataset_name not in paper_benchmarks:
-        raise ValueError(
-            f"`benchmark_source` is read only by the paper benchmarks {list(paper_benchmarks)}, not by "
-            f"dataset_name={data_args.dataset_name!r}."
-        )
+    for name in ("benchmark_source", "max_pixels"):
+        if getattr(data_args, name) is not None and data_args.dataset_name not in paper_benchmarks:
+            raise ValueError(
+                f"`{name}` is read only by the paper benchmarks {list(paper_benchmarks)}, not by "
+                f"dataset_name={data_args.dataset_name!r}."
+            )
     if data_args.dataset_name == "reasoning_gym":
         splits = build_reasoning_benchmark(size=data_args.benchmark_size, seed=data_args.benchmark_seed)
     elif data_args.dataset_name in paper_benchmarks:
         build, hub_id = paper_benchmarks[data_args.dataset_name]
-        splits = build(data_args.benchmark_source or hub_id, seed=data_args.benchmark_seed)
+        splits = build(
+            data_args.benchmark_source or hub_id, seed=data_args.benchmark_seed, max_pixels=data_args.max_pixels
+        )
     elif Path(data_args.dataset_name).is_dir() and (Path(data_args.dataset_name) / "dataset_dict.json").exists():
         splits = load_from_disk(data_args.dataset_name)
     else:
