@@ -1,6 +1,7 @@
 """The main job end to end on the tiny model: the drop-in federated mode and the `trl-federated run` CLI."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -91,6 +92,7 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     summary = (output_dir / "summary.md").read_text()
     assert "Before training" in summary and "Round 2" in summary and "Total" in summary
     assert "| 2 |" in summary  # the per-round table counts rounds from 1
+    assert re.search(r"Evaluation: \d+ rows, greedy, [\d.]+ s per pass \(2 passes", summary)
     # Table 4's quantity: one adapter up and one down per client and round
     adapter = load_file(output_dir / "adapter_model.safetensors")
     adapter_bytes = sum(tensor.numel() * tensor.element_size() for tensor in adapter.values())

@@ -49,7 +49,7 @@ def recording_reward():
 def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
     model, tokenizer = model_and_tokenizer
     results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=6)
-    assert list(results) == ["accuracy", "count"]
+    assert list(results) == ["accuracy", "count", "seconds"] and results["seconds"] > 0
     assert list(results["accuracy"]) == ["simple", "medium", "hard", "other", "Total"]
     assert results["count"] == {"simple": 3, "medium": 2, "hard": 1, "other": 1, "Total": 7}
     assert sum(count for label, count in results["count"].items() if label != "Total") == results["count"]["Total"]
@@ -64,8 +64,47 @@ def test_batching_does_not_change_greedy_results(model_and_tokenizer, eval_datas
     together = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=4, max_new_tokens=8, reward_func=batched)
     assert len(set(one_by_one.completions)) == len(eval_dataset)  # one distinct completion per prompt
     assert batched.completions == one_by_one.completions
-    assert together == single
+    assert (together["accuracy"], together["count"]) == (single["accuracy"], single["count"])
     assert 0.0 < single["accuracy"]["Total"] < 1.0  # the recording reward really varies
+
+
+def test_batches_group_prompts_of_similar_length(model_and_tokenizer, eval_dataset):
+    """Longest prompts first, and every row's reward lands on its own row whatever the batch it ran in."""
+    model, tokenizer = model_and_tokenizer
+    batched = recording_reward()
+    evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_func=batched)
+    per_row = [
+        evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_func=recording_reward())
+        for i in range(len(eval_dataset))
+    ]
+    rows_longest_first = sorted(range(len(eval_dataset)), key=lambda i: -len(eval_dataset[i]["prompt"][0]["content"]))
+    single = recording_reward()
+    for i in rows_longest_first:
+        evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_func=single)
+    assert batched.completions == single.completions
+    # the label table is the mean of each row's own reward
+    results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_func=recording_reward())
+    simple = [per_row[i]["accuracy"]["Total"] for i, label in enumerate(LABELS) if label == "simple"]
+    assert results["accuracy"]["simple"] == pytest.approx(sum(simple) / len(simple))
+
+
+def test_generation_stops_at_the_stop_string(model_and_tokenizer, eval_dataset):
+    """A completion ends with the token that completes the first stop string; before it, it is the full greedy
+    completion."""
+    model, tokenizer = model_and_tokenizer
+    full, stopped = recording_reward(), recording_reward()
+    evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=24, reward_func=full, stop_strings=())
+    # a two-character string that some, not all, completions contain after their start
+    candidates = {text[i : i + 2] for text in full.completions for i in range(2, len(text) - 2)}
+    stop = next(c for c in sorted(candidates) if c.strip() == c and 0 < sum(c in t[2:] for t in full.completions) < 7)
+    evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=24, reward_func=stopped, stop_strings=(stop,))
+    assert any(len(short) < len(long) for short, long in zip(stopped.completions, full.completions))
+    for short, long in zip(stopped.completions, full.completions):
+        assert long.startswith(short)
+        if stop in long:
+            assert stop in short and len(short) - (short.index(stop) + len(stop)) < 16  # within the last token
+        else:
+            assert short == long
 
 
 def test_model_and_tokenizer_state_is_restored(model_and_tokenizer, eval_dataset):

@@ -9,6 +9,7 @@ through their processor, with each row's `image` (or `images`) placed in its pro
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,9 @@ TOTAL = "Total"
 """The key of the all-rows entry in evaluation results and the last column of accuracy tables."""
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+ANSWER_STOP = ("</answer>",)
+"""Where evaluation stops a completion by default: the closing tag of the paper's answer format."""
 
 
 # Labels with a natural order, in the paper's column order: the difficulty tiers, then GEOQA's primitives.
@@ -91,8 +95,14 @@ def evaluate_accuracy(
     batch_size: int = 16,
     max_new_tokens: int = 64,
     reward_func: RewardFunc = accuracy_reward,
-) -> dict[str, dict[str, float | int]]:
+    stop_strings: Sequence[str] = ANSWER_STOP,
+) -> dict[str, Any]:
     """Greedy-decode every prompt of `dataset` and report the mean reward per value of `label_column`.
+
+    Prompts are generated in batches of similar length (sorted by token count), so little compute goes into
+    padding, and a row stops at the first of `stop_strings` (by default the closing answer tag: with the paper's
+    format nothing after it is scored), so a batch ends when its slowest row has answered instead of after
+    `max_new_tokens` for every row.
 
     Args:
         model: a causal LM or a vision-language model, or a `PeftModel` wrapping one. Put in eval mode for the
@@ -109,10 +119,13 @@ def evaluate_accuracy(
             scores 0 with the default reward.
         reward_func: a TRL-style reward function; with the binary `accuracy_reward` the mean reward is the
             accuracy. A `None` reward (TRL's "not applicable") counts as 0.
+        stop_strings: texts that end a completion (kept in it); empty to always generate `max_new_tokens`. With
+            the default, the first complete answer is the one scored, also where `accuracy_reward` on a longer
+            completion would score a later one.
 
     Returns:
-        `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows}}`,
-        labels in the order simple, medium, hard, then the others sorted.
+        `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows},
+        "seconds": wall time}`, labels in the order simple, medium, hard, then the others sorted.
     """
     for column in ("prompt", label_column):
         if column not in dataset.column_names:
@@ -122,16 +135,17 @@ def evaluate_accuracy(
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
 
+    started = time.perf_counter()
     reward_columns = [column for column in dataset.column_names if column != "prompt"]
-    rewards: list[float] = []
+    rewards: list[float] = [0.0] * len(dataset)
     was_training = model.training
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     padding_side = tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
     try:
-        for start in range(0, len(dataset), batch_size):
-            batch = dataset[start : start + batch_size]
+        for indices in _batches_by_length(dataset["prompt"], batch_size):
+            batch = dataset[indices]
             inputs, conversational = _model_inputs(processing_class, batch)
             inputs = inputs.to(model.device)
             with torch.inference_mode():
@@ -140,12 +154,15 @@ def evaluate_accuracy(
                     do_sample=False,
                     max_new_tokens=max_new_tokens,
                     pad_token_id=tokenizer.pad_token_id,
+                    stop_strings=list(stop_strings) or None,
+                    tokenizer=tokenizer,
                 )
             texts = tokenizer.batch_decode(output_ids[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
             columns = {column: batch[column] for column in reward_columns}
             values = reward_func(prompts=batch["prompt"], completions=completions, **columns)
-            rewards.extend(0.0 if value is None else float(value) for value in values)
+            for index, value in zip(indices, values, strict=True):
+                rewards[index] = 0.0 if value is None else float(value)
     finally:
         tokenizer.padding_side = padding_side
         if was_training:
@@ -159,8 +176,27 @@ def evaluate_accuracy(
     count: dict[str, float | int] = {label: len(per_label[label]) for label in labels}
     accuracy[TOTAL] = sum(rewards) / len(rewards)
     count[TOTAL] = len(rewards)
-    logger.info("Accuracy by %s: %s", label_column, {label: round(value, 4) for label, value in accuracy.items()})
-    return {"accuracy": accuracy, "count": count}
+    seconds = time.perf_counter() - started
+    logger.info(
+        "Accuracy by %s: %s (%d rows in %.1f s)",
+        label_column, {label: round(value, 4) for label, value in accuracy.items()}, len(rewards), seconds,
+    )
+    return {"accuracy": accuracy, "count": count, "seconds": seconds}
+
+
+def _batches_by_length(prompts: list[Any], batch_size: int) -> list[list[int]]:
+    """Row indices in batches of `batch_size`, longest prompts first: rows of similar length share a batch, so
+    left padding wastes little, and a batch that does not fit in memory fails at the start, not at the end.
+    Characters stand in for tokens: the order only needs to group similar lengths."""
+
+    def length(prompt: Any) -> int:
+        if isinstance(prompt, list):  # a conversation
+            return sum(len(str(message.get("content", ""))) for message in prompt)
+        return len(str(prompt))
+
+    lengths = [length(prompt) for prompt in prompts]
+    order = sorted(range(len(prompts)), key=lambda index: (-lengths[index], index))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 def format_accuracy_table(results: dict[str, dict[str, Any]], labels: list[str] | None = None) -> str:

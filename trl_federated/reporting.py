@@ -56,6 +56,13 @@ def write_summary(
     if evaluations:
         named = {("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())}
         sections += ["## Accuracy (%)", format_accuracy_table(named)]
+        timed = [result["seconds"] for result in evaluations.values() if "seconds" in result]
+        if timed:
+            rows = next(iter(evaluations.values()))["count"]["Total"]
+            sections.append(
+                f"Evaluation: {rows} rows, greedy, {sum(timed) / len(timed):.1f} s per pass "
+                f"({len(timed)} passes, {sum(timed):.0f} s in all)."
+            )
     if history:
         wall = sum(record.wall_time for record in history)
         sections += ["## Communication", format_communication(history)]
