@@ -143,3 +143,16 @@ def test_colocated_vllm_is_refused_by_name(tiny_model, tiny_tokenizer, fast_args
     args.use_vllm, args.vllm_mode = True, "colocate"
     with pytest.raises(ValueError, match="vllm_mode='server'"):
         FederatedRunner(tiny_model, length_reward, args, client_datasets(), processing_class=tiny_tokenizer)
+
+
+def test_progress_bar_counts_local_steps_and_shows_the_client(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, capsys):
+    args = fast_args(num_rounds=2, local_steps=2, reward_window=2)
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, args, client_datasets(),
+        processing_class=tiny_tokenizer,
+    )
+    runner.run()
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    final = [line for line in bar if "Federated rounds" in line][-1]
+    assert "12/12" in final  # 2 rounds x 3 clients x 2 local steps
+    assert "round 2/2, site-2, step 2/2, reward " in final and " s/step" in final

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
 
 from .callbacks import RoundCallback, RoundRecord
 
@@ -159,3 +163,50 @@ class ReportCallback(RoundCallback):
         write_summary(self.output_dir / "summary.md", self.history, self.evaluations, self.header)
         if self.history:
             plot_run(self.output_dir, self.history, self.evaluations)
+
+
+class RunProgress(TrainerCallback):
+    """The runner's progress bar, counted in local steps (rounds x clients x `local_steps`), so that it moves while a
+    client trains and its rate and time left are those of training. The postfix names the round, the client, its
+    local step, its last logged reward and its seconds per step. Passed to every client's trainer; the runner
+    calls `start_client`/`end_client` around each client's round."""
+
+    def __init__(self, num_rounds: int, client_ids: list[str], local_steps: int, first_round: int, disable: bool):
+        self.num_rounds, self.num_clients, self.local_steps = num_rounds, len(client_ids), local_steps
+        self.bar = tqdm(
+            total=num_rounds * self.num_clients * local_steps,
+            initial=min(first_round, num_rounds) * self.num_clients * local_steps,
+            desc="Federated rounds",
+            unit="step",
+            disable=disable,
+        )
+
+    def start_client(self, round_idx: int, client_id: str) -> None:
+        self.round_idx, self.client_id = round_idx, client_id
+        self.steps, self.reward = 0, None
+        self.started = time.perf_counter()
+        self._show()
+
+    def end_client(self) -> None:
+        """Account for the steps a client did not take (it failed or stopped at its deadline)."""
+        self.bar.update(self.local_steps - self.steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        self.bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and logs.get("reward") is not None:
+            self.reward = logs["reward"]
+        self._show()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _show(self) -> None:
+        parts = [f"round {self.round_idx + 1}/{self.num_rounds}", self.client_id, f"step {self.steps}/{self.local_steps}"]
+        if self.reward is not None:
+            parts.append(f"reward {self.reward:.3f}")
+        if self.steps:
+            parts.append(f"{(time.perf_counter() - self.started) / self.steps:.1f} s/step")
+        self.bar.set_postfix_str(", ".join(parts))

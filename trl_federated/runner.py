@@ -12,7 +12,6 @@ from typing import Any
 from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
 
 from .adapters import (
@@ -35,6 +34,7 @@ from .checkpoint import (
 from .client import describe_failure, local_training_args, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
+from .reporting import RunProgress
 from .rewards import combined_reward_range
 from .transport import WireFormat, is_lora_a
 
@@ -149,6 +149,7 @@ class FederatedRunner(CheckpointedServer):
         # Client-side state that persists across rounds (SCAFFOLD's c_i), keyed by client id.
         self.client_controls: dict[str, AdapterState] = {}
         self.evaluations: dict[int, dict[str, Any]] = {}
+        self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
         self.is_main_process = PartialState().is_main_process
         self.num_processes = PartialState().num_processes
         # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
@@ -227,7 +228,7 @@ class FederatedRunner(CheckpointedServer):
             self.client_args(round_idx, client_index, client_id),
             self.reward_funcs,
             self.processing_class,
-            callbacks=self.callbacks,
+            callbacks=[*self.callbacks, self.progress] if self.progress is not None else self.callbacks,
             trainer_kwargs=self.trainer_kwargs,
             scaffold_controls=scaffold_controls,
             reference_state=self.reference_state,
@@ -270,11 +271,8 @@ class FederatedRunner(CheckpointedServer):
             first_round = self.load_checkpoint(resume_from) + 1
             logger.info("Resumed from %s: continuing with round %d.", resume_from, first_round)
         client_ids = list(self.client_datasets)
-        progress = tqdm(
-            total=args.num_rounds * len(client_ids),
-            initial=min(first_round, args.num_rounds) * len(client_ids),
-            desc="Federated rounds",
-            disable=not self.is_main_process,
+        self.progress = RunProgress(
+            args.num_rounds, client_ids, args.local_steps, first_round, disable=not self.is_main_process
         )
         for round_idx in range(first_round, args.num_rounds):
             start = time.perf_counter()
@@ -282,9 +280,9 @@ class FederatedRunner(CheckpointedServer):
             broadcast_bytes = state_nbytes(self.wire.sent(self.global_state))
             updates, dropped = [], {}
             for client_index, client_id in enumerate(client_ids):
-                progress.set_postfix_str(f"round {round_idx + 1}/{args.num_rounds}, {client_id}")
+                self.progress.start_client(round_idx, client_id)
                 update = self._collect(round_idx, client_index, client_id, dropped)
-                progress.update(1)
+                self.progress.end_client()
                 if update is None:
                     continue
                 if update.control_delta is not None:
@@ -313,7 +311,8 @@ class FederatedRunner(CheckpointedServer):
                 checkpoint = self.save_checkpoint(round_idx)
                 if args.save_every_round:
                     export_adapter(checkpoint, output_dir / f"round-{round_idx}")
-        progress.close()
+        self.progress.close()
+        self.progress = None
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
         set_adapter_state(self.model, self.global_state)
