@@ -22,7 +22,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "nbmake>=1.5", "ipykernel>=6"],  # nbmake runs examples/notebooks
+    # nbmake runs examples/notebooks; hypothesis drives the answer checker's property tests
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6"],
     "deepspeed": ["deepspeed>=0.18.6"],
     "flower": ["flwr[simulation]>=1.41,<2"],
     "vlm": ["Pillow>=10", "num2words==0.5.14"],

@@ -4,7 +4,8 @@ The paper trains with a binary correctness reward: 1.0 when the answer the model
 `<answer></answer>` matches the reference, else 0.0. Rows built by `trl_federated.data` carry their
 reasoning-gym entry (column `rg_entry`), and are scored by that task's own scorer, so that "7" and "7.0", or
 "1,000" and "1000", count the same way reasoning-gym counts them. Other rows (e.g. paper math datasets) go
-through a fast exact/numeric comparison and then `math_verify`.
+through `answers_match`, which normalises LaTeX, unicode math, units and answer prefixes and then compares
+complete expressions only (`trl_federated.answer_check`).
 
 Every reward here follows TRL's reward-function signature (`completions` plus the dataset columns as keyword
 lists), never raises on malformed model output, and declares the interval its values lie in as a
@@ -17,10 +18,10 @@ import functools
 import json
 import logging
 import re
-import threading
 from collections.abc import Callable, Sequence
-from decimal import Decimal, InvalidOperation
 from typing import Any
+
+from .answer_check import answers_match
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ _OPEN_RE = re.compile("<answer>", re.IGNORECASE)
 _CLOSE_RE = re.compile("</answer>", re.IGNORECASE)
 # A pair with no other opening tag inside, so that nested tags yield the innermost content.
 _PAIR_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.IGNORECASE | re.DOTALL)
-_THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(,\d{3})+(\.\d+)?$")
 
 Completion = str | list[dict[str, Any]]
 
@@ -68,60 +68,6 @@ def completion_text(completion: Completion) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return content if isinstance(content, str) else ""
-
-
-def _normalise(text: str) -> str:
-    """Strip whitespace, `$` delimiters, a trailing full stop and thousands separators."""
-    text = text.strip().strip("$").strip()
-    text = text.removesuffix(".").strip()
-    if _THOUSANDS_RE.match(text):
-        text = text.replace(",", "")
-    return text
-
-
-def _as_decimal(text: str) -> Decimal | None:
-    try:
-        value = Decimal(text)
-    except (InvalidOperation, ValueError):
-        return None
-    return value if value.is_finite() else None
-
-
-def _math_verify_equal(prediction: str, gold: str) -> bool:
-    """Symbolic comparison with `math_verify`, trying the prediction both raw and as inline LaTeX.
-
-    `math_verify` times out with `signal.alarm`, which only works in the main thread; elsewhere (e.g. a
-    Flower or Ray worker thread) it runs without a timeout instead of raising.
-    """
-    from math_verify import parse, verify
-
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold_text = gold if ("$" in gold or "\\boxed" in gold) else f"${gold}$"
-    gold_parsed = parse(gold_text, parsing_timeout=timeout)
-    if not gold_parsed:
-        return False
-    for candidate in (prediction, f"${prediction}$"):
-        parsed = parse(candidate, parsing_timeout=timeout)
-        if parsed and verify(gold_parsed, parsed, timeout_seconds=timeout):
-            return True
-    return False
-
-
-def answers_match(prediction: str, gold: str) -> bool:
-    """Whether `prediction` states the same answer as `gold`, without reasoning-gym metadata.
-
-    Exact match after light normalisation, then numeric equality (`"7"` == `"7.0"`, `"1,000"` == `"1000"`),
-    then `math_verify` for LaTeX and symbolic answers (`"\\frac{1}{2}"` == `"0.5"`).
-    """
-    prediction, gold = _normalise(prediction), _normalise(gold)
-    if not prediction or not gold:
-        return False
-    if prediction == gold:
-        return True
-    prediction_number, gold_number = _as_decimal(prediction), _as_decimal(gold)
-    if prediction_number is not None and gold_number is not None:
-        return prediction_number == gold_number
-    return _math_verify_equal(prediction, gold)
 
 
 @functools.cache
