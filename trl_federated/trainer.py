@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
 from .distributed import from_main_process
+from .shared_prefix import SharedPrefixStats, shared_prefix_logps_and_entropies, unsupported_reason
 
 
 class FedGRPOTrainer(GRPOTrainer):
@@ -38,6 +39,28 @@ class FedGRPOTrainer(GRPOTrainer):
             self.add_callback(ProximalTerm(fedprox_mu))
         # (optimizer step the batch was generated for, mean reward of the batch, number of completions)
         self._generation_rewards: list[tuple[int, float, int]] = []
+        self.shared_prefix_stats = SharedPrefixStats()
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **extra_inputs,
+    ):  # fmt: skip
+        """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
+        (`shared_prefix.py`)."""
+        if getattr(self.args, "shared_prefix", False):
+            prompt_length = input_ids.size(1) - logits_to_keep
+            reason = unsupported_reason(self.accelerator.unwrap_model(model), prompt_length, compute_aux_loss, extra_inputs)
+            if reason is None:
+                logps, entropies = shared_prefix_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                    autocast=self.accelerator.autocast, stats=self.shared_prefix_stats,
+                )  # fmt: skip
+                return logps, entropies, None
+            self.shared_prefix_stats.record_fallback(reason)
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+            **extra_inputs,
+        )  # fmt: skip
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
