@@ -73,7 +73,9 @@ def generation_batch(trainer, num_prompts: int, group_size: int, micro_batch: in
         "completion_mask": torch.ones(rows, COMPLETION_LENGTH, dtype=torch.long),
         "advantages": torch.randn(rows, generator=generator),
     }
-    micro_batches = [{key: value[start : start + micro_batch] for key, value in batch.items()} for start in range(0, rows, micro_batch)]
+    micro_batches = [
+        {key: value[start : start + micro_batch] for key, value in batch.items()} for start in range(0, rows, micro_batch)
+    ]
     for inputs in micro_batches:
         inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     return micro_batches
@@ -94,7 +96,10 @@ def step(trainer, micro_batches: list[dict], shared_prefix: bool) -> tuple[float
 def token_counts(micro_batches: list[dict]) -> dict[str, int]:
     """Decoder and LM-head positions of both sides, as the module docstring counts them."""
     rows = sum(inputs["prompt_ids"].size(0) for inputs in micro_batches)
-    distinct = sum(torch.unique(torch.cat([m["prompt_ids"], m["prompt_mask"]], 1), dim=0).size(0) for m in micro_batches)
+    distinct = sum(
+        torch.unique(torch.cat([inputs["prompt_ids"], inputs["prompt_mask"]], 1), dim=0).size(0)
+        for inputs in micro_batches
+    )
     length = PROMPT_LENGTH + COMPLETION_LENGTH
     return {
         "rows": rows,

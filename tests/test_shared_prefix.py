@@ -96,7 +96,9 @@ def test_loss_and_adapter_gradients_equal_the_standard_forward(tmp_path, tiny_mo
     input_ids, attention_mask = sequence_inputs(batch)
     logits_to_keep = batch["completion_ids"].size(1)
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, logits_to_keep)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, logits_to_keep
+        )
     generator = torch.Generator().manual_seed(1)
     # Off-policy and reference log-probabilities near the policy's, so that ratios, clipping and the KL all act.
     batch["old_per_token_logps"] = logps + 0.3 * torch.randn(logps.shape, generator=generator)
@@ -117,7 +119,10 @@ def test_loss_and_adapter_gradients_equal_the_standard_forward(tmp_path, tiny_mo
 def test_old_and_reference_logps_in_chunks_that_split_groups(tmp_path, tiny_model_dir, tiny_tokenizer, architecture):
     """The no-grad passes of the old (num_iterations > 1) and reference (beta > 0, adapter disabled) log-probs,
     in chunks of `batch_size` rows, as `_generate_and_score_completions` runs them."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir) if architecture == "qwen2" else tiny_llama(tiny_tokenizer)
+    if architecture == "qwen2":
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    else:
+        model = tiny_llama(tiny_tokenizer)
     trainer = make_trainer(tmp_path, model, tiny_tokenizer)
     batch = micro_batch(len(tiny_tokenizer), tiny_tokenizer.pad_token_id, prompt_lengths=(2, 13, 6))
     input_ids, attention_mask = sequence_inputs(batch)
@@ -135,7 +140,8 @@ def test_old_and_reference_logps_in_chunks_that_split_groups(tmp_path, tiny_mode
             assert relative_difference(logps(True), logps(False)) <= TOLERANCE
     chunks = [batch["prompt_ids"][start : start + 4].tolist() for start in (0, 4, 8)]
     distinct_prompts = sum(len({tuple(row) for row in chunk}) for chunk in chunks)
-    assert trainer.shared_prefix_stats.rows == 2 * 10 and trainer.shared_prefix_stats.prompt_rows == 2 * distinct_prompts
+    stats = trainer.shared_prefix_stats
+    assert stats.rows == 2 * 10 and stats.prompt_rows == 2 * distinct_prompts and not stats.fallbacks
 
 
 def test_training_with_shared_prefix_matches_standard(tmp_path, tiny_model_dir, tiny_tokenizer):

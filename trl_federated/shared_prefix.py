@@ -115,11 +115,11 @@ def shared_prefix_logps_and_entropies(
         distinct, row_to_prompt = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
         distinct_ids, distinct_mask = distinct[:, : prompt_ids.size(1)], distinct[:, prompt_ids.size(1) :]
 
-        # Labels as in TRL: the completion's padding is not scored, nor the last prompt token, whose label lies in
-        # the prompt.
+        # Labels as in TRL: the completion's padding is not scored. The head's shift drops the first label (the
+        # last prompt token's own).
         completion_input = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-        labels = completion_input.masked_fill(mask[:, -logits_to_keep - 1 :] == 0, -100)
-        labels[:, 0] = -100
+        completion_labels = completion_ids.masked_fill(mask[:, -logits_to_keep:] == 0, -100)
+        labels = torch.nn.functional.pad(completion_labels, (1, 0), value=-100)
         cache = DynamicCache()
         with autocast():
             # The LM head of the prompt pass is not needed; logits_to_keep=1 keeps it to one position.
@@ -128,6 +128,7 @@ def shared_prefix_logps_and_entropies(
                 use_cache=True, logits_to_keep=1,
             )  # fmt: skip
             cache.batch_select_indices(row_to_prompt)
+            # The mask is the standard forward's, over all P + T positions: cache (P - 1) + this pass (T + 1).
             outputs = model(
                 input_ids=completion_input, attention_mask=mask,
                 past_key_values=cache, labels=labels, fused_lm_head=True,

@@ -49,7 +49,8 @@ class FedGRPOTrainer(GRPOTrainer):
         (`shared_prefix.py`)."""
         if getattr(self.args, "shared_prefix", False):
             prompt_length = input_ids.size(1) - logits_to_keep
-            reason = unsupported_reason(self.accelerator.unwrap_model(model), prompt_length, compute_aux_loss, extra_inputs)
+            unwrapped = self.accelerator.unwrap_model(model)
+            reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
             if reason is None:
                 logps, entropies = shared_prefix_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
