@@ -51,3 +51,14 @@ def test_overhead_benchmark_runs_equal_steps_and_times_every_phase(tmp_path):
     # phases exclude what is nested in them, so together they never exceed the wall time
     for timer in (plain, federated):
         assert 0 < sum(timer.seconds.values()) <= timer.total * 1.001
+
+
+def test_shared_prefix_benchmark_counts_tokens_and_compares_gradients():
+    shared_prefix = load("shared_prefix")
+    (result,) = shared_prefix.measure(model="tiny", group_sizes=[4], num_prompts=1, micro_batch=4, repeats=1)
+    prompt, completion = shared_prefix.PROMPT_LENGTH, shared_prefix.COMPLETION_LENGTH
+    assert result["rows"] == 4 and result["micro_batches"] == 1 and result["distinct_prompts"] == 1
+    assert result["standard_model"] == 4 * (prompt + completion)
+    assert result["shared_model"] == (prompt - 1) + 4 * (completion + 1)
+    assert result["standard_cpu_s"] > 0 and result["shared_cpu_s"] > 0
+    assert result["gradient_relative_difference"] <= 1e-5

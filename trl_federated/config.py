@@ -292,6 +292,18 @@ class FedGRPOConfig(GRPOConfig):
         metadata={"help": "Apply Adam bias correction on the server (the paper's update has none)."},
     )
 
+    # Shared-prefix log-probabilities (any number of clients, 1 included)
+    shared_prefix: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute each distinct prompt of a batch once, and its K completions on top of the prompt's "
+            "keys and values, instead of the whole prompt + completion K times; for the loss and for the old and "
+            "reference log-probabilities. Exact (the same loss and gradients up to float rounding) for any loss "
+            "type; calls it cannot split (images, gradient checkpointing in training, sliding-window or recurrent "
+            "layers, prompt-learning adapters) use the standard forward, and are counted and logged once."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         # YAML hands "inf" over as a string.
