@@ -31,7 +31,7 @@ from .checkpoint import (
     prepare_output_dir,
     run_identity,
 )
-from .client import describe_failure, local_training_args, train_local_round, zero_control
+from .client import describe_failure, local_training_args, release_free_memory, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
 from .reporting import RunProgress
@@ -408,6 +408,7 @@ class FederatedRunner(CheckpointedServer):
             max_new_tokens=self.args.max_completion_length,
             reward_func=self.eval_reward_func or accuracy_reward,
         )
+        release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
         return results
