@@ -3,9 +3,11 @@
 separate processes on 127.0.0.1) whose final global adapter must equal the in-process runner's, bit for bit."""
 
 import copy
+import io
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,13 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("flwr")
 
 from datasets import Dataset  # noqa: E402
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402,E501
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -37,6 +40,8 @@ from trl_federated.flower import (  # noqa: E402
     state_to_array_record,
     update_to_content,
 )
+from trl_federated.flower.records import CLIENT, client_identity_record  # noqa: E402
+from trl_federated.flower.strategy import IDENTIFY  # noqa: E402
 from trl_federated.runner import NotEnoughClientsError  # noqa: E402
 
 APP_DIR = Path(__file__).parent / "flower_app"
@@ -162,6 +167,8 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
 
     def respond(message, context):
         index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:  # as `make_client_app` answers it
+            return Message(RecordDict({CLIENT: client_identity_record(f"site-{index}", index)}), reply_to=message)
         round_idx = TrainInstruction.from_content(message.content).round_idx
         client_id, state, num_samples, reward = client(index, round_idx)
         if index == 2:  # its ClientApp fails: an error reply, as `make_client_app` sends it
@@ -197,10 +204,15 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     assert checkpoint.round_idx == 1
     assert_states_equal(checkpoint.global_state, reference_state)
 
-    # A node that never replies is dropped as a timeout; too few updates stop the run, the checkpoint intact.
+    # A node that never identifies itself is sent nothing; one that stops replying is dropped as a timeout; too few
+    # updates stop the run, the checkpoint intact.
     silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: no reply within 5 s"):
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: did not identify its client"):
         strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
+    mute = LocalGrid(lambda message, context: respond(message, context) if message.metadata.message_type == IDENTIFY
+                     else None, {8: {"partition-id": 0}})
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* site-0: no reply within 5 s"):
+        strategy.aggregate_train(3, mute.send_and_receive(strategy.configure_train(3, None, None, mute)))
     assert list_checkpoints(args.output_dir)[-1].name == "checkpoint-1"
 
 
@@ -383,3 +395,141 @@ def test_wire_formats_of_the_in_process_runner_are_refused_by_name(tiny_model, f
 
     with pytest.raises(ValueError, match=next(iter(setting))):
         FederatedStrategy(tiny_model, fast_args(num_clients=2, **setting))
+
+
+# A hostile participant: every reply goes through one guarded path ---------------------------------------------
+
+
+def npy_bytes(values, **kwargs):
+    buffer = io.BytesIO()
+    np.save(buffer, values, **kwargs)
+    return buffer.getvalue()
+
+
+def fuzz_content(rng, content, global_state):
+    """A random fault in a valid reply's records (arrays, identity, metrics), or None for a valid reply; faults 7
+    and 8 may draw valid values (a sample count the server caps, R̄ = 1e9 without a declared reward range)."""
+    fault = rng.randrange(14)
+    key = rng.choice(list(global_state))
+    arrays = content["arrays"]
+    shape, dtype = tuple(global_state[key].shape), "float32"
+    if fault == 0:  # random bytes, with or without a valid magic string
+        data = rng.choice([b"", b"\x93NUMPY"]) + rng.randbytes(rng.randrange(0, 300))
+        arrays[key] = Array(dtype=dtype, shape=shape, stype="numpy.ndarray", data=data)
+    elif fault == 1:  # truncated, or a header that claims more than it carries
+        data = arrays[key].data if rng.random() < 0.5 else npy_bytes(np.zeros((4096, 4096), np.float32))
+        arrays[key] = Array(dtype=dtype, shape=shape, stype="numpy.ndarray", data=data[: rng.randrange(0, 400)])
+    elif fault == 2:  # oversized: another shape, with all its data
+        arrays[key] = Array(np.zeros((rng.randrange(1, 600), rng.randrange(1, 600)), np.float32))
+    elif fault == 3:  # dtypes: what torch cannot hold, and what the adapter is not
+        values = np.zeros(shape)
+        choices = [values.astype(t) for t in (np.float16, np.float64, np.int64, np.bool_, np.complex64, np.uint16,
+                                                "<U3", "datetime64[s]")]
+        arrays[key] = Array(rng.choice(choices))
+    elif fault == 4:  # pickled objects, Fortran order, a lying record header
+        data = rng.choice([npy_bytes(np.array([{"x": 1}] * 4, dtype=object), allow_pickle=True),
+                           npy_bytes(np.asfortranarray(np.zeros(shape + (2,), np.float32)))])
+        arrays[key] = Array(dtype=rng.choice(["float32", "object", "bfloat16"]), shape=rng.choice([shape, (1,)]),
+                            stype=rng.choice(["numpy.ndarray", "torch"]), data=data)
+    elif fault == 5:  # entries missing or extra
+        if rng.random() < 0.5:
+            del arrays[key]
+        else:
+            arrays[rng.choice(["extra", key + "x"])] = Array(np.zeros(3, np.float32))
+    elif fault == 6:  # whole records missing or of the wrong kind
+        name = rng.choice(["arrays", "metrics", "client"])
+        del content[name]
+        if rng.random() < 0.5:
+            content[name] = rng.choice([ConfigRecord({"x": 1}), MetricRecord({"x": 1.0}), ArrayRecord()])
+    elif fault == 7:  # wrong types in every identity field
+        content["client"] = ConfigRecord({
+            "client-id": rng.choice([5, 1.5, b"site-2", True, "", "x" * 10_000, "site-2"]),
+            "client-index": rng.choice([2, "2", 2.0, True, -1, 99, 2**64]),
+        })
+    elif fault == 8:  # and in every metric
+        metrics = content["metrics"]
+        name = rng.choice(["num-examples", "reward"])
+        metrics[name] = rng.choice([1.5, -1, 0, 2**62, 2**64, [], [1, 2], math.nan, math.inf, -math.inf, 1e308, 10**9])
+    elif fault == 9:  # speaking for another client
+        content["client"] = client_identity_record(*rng.choice([("site-0", 0), ("site-2", 0), ("site-0", 2)]))
+    elif fault == 10:  # a SCAFFOLD control variate nobody asked for, well-formed or not
+        content["control-delta"] = rng.choice([state_to_array_record(global_state), ArrayRecord()])
+    elif fault == 11:  # poison: finite, scaled or huge
+        arrays[key] = Array((global_state[key] * rng.choice([1e6, -1e30, 3e38])).numpy())
+    else:
+        return None
+    return fault
+
+
+def fuzz_error(rng):
+    report = rng.choice([
+        "not json", "", "[1, 2]", "null", '"text"', "{" * 100_000,
+        json.dumps({"client-id": rng.choice([5, None, ["site-0"], "site-0"]), "kind": "error", "reason": "boom"}),
+        json.dumps({"client-id": "site-2", "kind": rng.choice(["invalid_update", 5, None]), "reason": rng.choice([
+            "x" * 100_000, 5, None])}),
+    ])
+    return Error(code=rng.choice([0, 2, -1]), reason=report)
+
+
+def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args, task_identity):
+    """Garbage arrays, lying headers, wrong dtypes, wrong types in every metadata field, error reports of every
+    shape, impersonation, poison, duplicate, late and unasked replies: a client's bad reply is that client's
+    `invalid_update` (or error), the honest clients' updates are aggregated, the server state stays finite."""
+    args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
+                                 node_wait_timeout=0, reply_timeout=5)
+    rng = random.Random(0)
+    nodes = {11: 0, 12: 1, 13: 2}  # node 13 serves site-2, the hostile one
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"site-{index}", index)}), reply_to=message)
+        instruction = TrainInstruction.from_content(message.content)
+        update = ClientUpdate(f"site-{index}", moved(instruction.global_state, seed=index), 8, 0.5 + 0.1 * index)
+        return Message(update_to_content(update, index), reply_to=message)
+
+    grid = LocalGrid(respond, {node_id: {"partition-id": index} for node_id, index in nodes.items()})
+    faults = {}
+    for server_round in range(1, 101):
+        messages = list(strategy.configure_train(server_round, None, None, grid))
+        assert {message.metadata.dst_node_id for message in messages} == set(nodes)
+        replies = grid.send_and_receive(messages)
+        hostile = next(reply for reply in replies if reply.metadata.src_node_id == 13)
+        if rng.random() < 0.15:
+            replies.remove(hostile)
+            replies.append(Message(fuzz_error(rng), reply_to=next(m for m in messages if m.metadata.dst_node_id == 13)))
+            fault = "error"
+        else:
+            fault = fuzz_content(rng, hostile.content, strategy.global_state)
+        extra = rng.randrange(4)
+        if extra == 1:  # a reply delivered twice (only its node can send it: Flower authenticates the source)
+            replies.append(copy.deepcopy(rng.choice(replies)))
+        elif extra == 2:  # a late reply, to the previous round
+            late = respond(messages[1], grid.contexts[messages[1].metadata.dst_node_id])
+            late.metadata.group_id = str(server_round - 2)
+            replies.insert(0, late)
+        elif extra == 3:  # a reply from a node that was never asked
+            stranger = Message(RecordDict(), dst_node_id=99, message_type=MessageType.TRAIN, group_id=str(server_round - 1))
+            replies.append(Message(update_to_content(ClientUpdate("site-0", strategy.global_state, 8, 0.9), 0),
+                                   reply_to=stranger))
+        rng.shuffle(replies)
+
+        strategy.aggregate_train(server_round, replies)  # never raises
+        record = strategy.history[-1]
+        assert {"site-0", "site-1"} <= set(record.weights), (server_round, fault, record.dropped)
+        assert record.num_samples["site-0"] == 8
+        if fault in (7, 8) and "site-2" in record.weights:  # valid values, bounded by the server
+            assert record.num_samples["site-2"] <= args.max_client_samples and math.isfinite(record.rewards["site-2"])
+            assert abs(record.gains["site-2"]) <= args.rpg_h_max
+        elif fault is not None:
+            assert "site-2" in record.dropped and "site-2" not in record.weights, (server_round, fault)
+        else:
+            assert "site-2" in record.weights and not record.dropped
+        assert set(record.dropped) <= {"site-2"}
+        faults[fault] = faults.get(fault, 0) + 1
+        assert all(torch.isfinite(value).all() for value in strategy.global_state.values())
+    assert all(torch.isfinite(value).all() for value in strategy.aggregator.server_optimizer.v.values())
+    assert set(faults) == {*range(12), None, "error"}, faults
+    kinds = {(e["client_id"], e["kind"]) for e in events(args.output_dir, "client_dropped")}
+    assert kinds == {("site-2", "invalid_update"), ("site-2", "error")}
