@@ -356,10 +356,11 @@ class FedGRPOConfig(GRPOConfig):
             "does for clients registered with `num-samples`). None: no cap."
         },
     )
-    resume_allow_changes: list[str] | None = field(
+    resume_allow_changes: str | None = field(
         default=None,
         metadata={
-            "help": "Fields of the run's identity that a resumed run may change (e.g. learning_rate rpg_tau_min): "
+            "help": "Comma-separated fields of the run's identity that a resumed run may change (e.g. "
+            "'learning_rate,rpg_tau_min'): "
             "anything else that differs from the checkpoint's run is a CheckpointMismatchError. The model, LoRA, "
             "clients, aggregation, server_optimizer and wire format can never change."
         },

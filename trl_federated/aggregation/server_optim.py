@@ -116,6 +116,9 @@ class ServerAdam(ServerOptimizer):
         return {"m": dict(self.m), "v": dict(self.v), "num_steps": self.num_steps}
 
     def load_state_dict(self, state):
+        missing = sorted({"m", "v", "num_steps"} - set(state))
+        if missing:
+            raise ValueError(f"Server Adam state lacks {missing}: it was not saved by a server Adam.")
         # Copies: `step` updates m and v in place, and the source (a checkpoint, another server) must not move.
         self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
         self.v = {key: tensor.clone() for key, tensor in state["v"].items()}
