@@ -183,3 +183,85 @@ def test_fuzz_every_field_of_an_in_process_update(tmp_path, tiny_model_dir, tiny
             assert admitted.control_delta is None
         assert outcomes["accepted"] > 10 and outcomes["rejected"] > 200, outcomes
         assert all(torch.equal(runner.global_state[key], reference[key]) for key in reference)  # untouched
+
+
+# The attacks of issue 16, through the in-process runner -------------------------------------------------------
+
+
+class Hostile(FederatedRunner):
+    """Client `evil` tampers with its update in the rounds listed in `self.attack_rounds`: `self.attack(update)`."""
+
+    attack_rounds = (0,)
+
+    def train_client(self, round_idx, client_index, client_id):
+        update = super().train_client(round_idx, client_index, client_id)
+        if client_id == "evil" and round_idx in self.attack_rounds:
+            self.attack(update, self.global_state)
+        return update
+
+
+def scale_delta(update, global_state, factor=1e6):
+    update.state = {key: global_state[key] + factor * (value - global_state[key]) for key, value in update.state.items()}
+
+
+def huge_values(update, global_state):
+    update.state = {key: torch.full_like(value, 1e30) for key, value in update.state.items()}
+
+
+def hostile_runner(tmp_path, model_dir, tokenizer, fast_args, attack, num_rounds=1, **overrides):
+    clients = {name: Dataset.from_dict({"prompt": [f"{name} asks {i}?" for i in range(rows)]})
+               for name, rows in (("honest-a", 4), ("honest-b", 12), ("evil", 4))}
+    runner = Hostile(AutoModelForCausalLM.from_pretrained(model_dir), length_reward,
+                     fast_args(num_rounds=num_rounds, local_steps=1, reward_window=1, **overrides), clients,
+                     processing_class=tokenizer)
+    runner.attack = attack
+    return runner
+
+
+@pytest.mark.parametrize("aggregation, attack", [
+    ("fedavg", scale_delta),  # moves FedAvg's adapter arbitrarily far
+    ("rpg", huge_values),  # finite, but Adam's v = Δ² overflows: the adapter never moves again
+])
+def test_finite_poison_is_rejected_by_the_update_norm_bound(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args,
+                                                            aggregation, attack):
+    runner = hostile_runner(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, attack, aggregation=aggregation)
+    record = runner.run()[0]
+    assert set(record.weights) == {"honest-a", "honest-b"}
+    assert "exceeds update_norm_bound" in record.dropped["evil"]
+    state = runner.aggregator.state_dict()["server_optimizer"]
+    assert all(torch.isfinite(t).all() for t in [*runner.global_state.values(), *state.get("v", {}).values()])
+
+
+def test_a_non_finite_aggregate_stops_the_run_and_keeps_the_last_good_checkpoint(
+    tmp_path, tiny_model_dir, tiny_tokenizer, fast_args
+):
+    from trl_federated.aggregation import AggregationError
+    from trl_federated.checkpoint import list_checkpoints, read_checkpoint
+
+    runner = hostile_runner(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, huge_values, num_rounds=2,
+                            update_norm_bound=None)  # no bound: the poison reaches server Adam
+    runner.attack_rounds = (1,)
+    with pytest.raises(AggregationError, match=r"Round 1: .*non-finite values in server optimizer\['v'\]"):
+        runner.run()
+    assert [path.name for path in list_checkpoints(tmp_path / "run")] == ["checkpoint-0"]
+    checkpoint = read_checkpoint(tmp_path / "run" / "checkpoint-0")
+    assert all(torch.isfinite(value).all() for value in checkpoint.aggregator["server_optimizer"]["v"].values())
+
+
+def test_self_reported_sample_counts_and_rewards_are_bounded(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+    def lie(update, global_state):
+        update.num_samples = 2**62  # all of FedAvg's weight, if believed
+        update.reward = 1e9  # all of RPG's weight without a declared reward range, if h were unbounded
+
+    fedavg = hostile_runner(tmp_path / "fedavg", tiny_model_dir, tiny_tokenizer, fast_args, lie, aggregation="fedavg",
+                            output_dir=str(tmp_path / "fedavg"))
+    assert fedavg.run()[0].weights == {"honest-a": 0.2, "honest-b": 0.6, "evil": 0.2}  # the runner's own D_i
+
+    rpg = hostile_runner(tmp_path / "rpg", tiny_model_dir, tiny_tokenizer, fast_args, lie, num_rounds=2,
+                         output_dir=str(tmp_path / "rpg"))
+    rpg.attack_rounds = (1,)
+    record = rpg.run()[1]
+    assert record.gains["evil"] == 10.0  # rpg_h_max, the paper's Assumption 5, on by default
+    tau, honest = record.temperature, [record.gains["honest-a"], record.gains["honest-b"]]
+    expected = math.exp(10.0 / tau) / (math.exp(10.0 / tau) + sum(math.exp(h / tau) for h in honest))
+    assert record.weights["evil"] == pytest.approx(expected)
