@@ -20,7 +20,6 @@ from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregato
 from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import (
     CheckpointedServer,
-    export_adapter,
     list_checkpoints,
     prepare_output_dir,
     run_identity,
@@ -156,8 +155,7 @@ class FederatedRunner(CheckpointedServer):
         )
         self._check_clients()
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
-        self.identity = run_identity(self.model, self.client_datasets, self.aggregator)
-        self.identity["wire"] = {"lora_aggregation": args.lora_aggregation, "transfer_dtype": args.transfer_dtype}
+        self.identity = run_identity(self.model, self.client_datasets, self.aggregator, args)
 
     @staticmethod
     def _named_clients(client_datasets) -> dict[str, Dataset]:
@@ -309,9 +307,7 @@ class FederatedRunner(CheckpointedServer):
             self.history.append(record)
             self._fire("on_round_end", record=record)
             if self.is_main_process:
-                checkpoint = self.save_checkpoint(round_idx)
-                if args.save_every_round:
-                    export_adapter(checkpoint, output_dir / f"round-{round_idx}")
+                self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
         self.progress.close()
         self.progress = None
         if self.is_main_process:

@@ -118,8 +118,8 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         self.history: list[RoundRecord] = []
         self.client_controls: dict[str, AdapterState] = {}  # SCAFFOLD's c_i, by client id
         self.evaluations: dict[int, dict] = {}  # the Flower path does not evaluate on the server
-        # The server holds no client data, so a checkpoint pins the base model, LoRA and aggregator only.
-        self.identity = run_identity(self.model, {}, self.aggregator)
+        # The server holds no client data: a checkpoint pins the model, LoRA, aggregation and training settings.
+        self.identity = run_identity(self.model, {}, self.aggregator, args)
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
         self.node_clients: dict[int, tuple[str, int]] = {}  # Flower node id → (client id, client index)
         self.client_indices: dict[str, int] = {}  # client id → client index, as first bound to a node
@@ -224,13 +224,10 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         broadcast_bytes = state_nbytes(self.global_state)
         self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
         record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
-        output_dir = Path(self.args.output_dir)
-        if self.args.save_every_round:
-            save_adapter(self.model, self.global_state, output_dir / f"round-{round_idx}")
         record.wall_time = time.perf_counter() - self._round_started
         self.history.append(record)
         self._fire("on_round_end", record=record)
-        self.save_checkpoint(round_idx)
+        self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round
         metrics = MetricRecord(
             {"mean-reward": sum(record.rewards.values()) / len(updates), "clients-aggregated": len(updates)}
         )
