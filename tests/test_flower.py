@@ -533,3 +533,130 @@ def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args,
     assert set(faults) == {*range(12), None, "error"}, faults
     kinds = {(e["client_id"], e["kind"]) for e in events(args.output_dir, "client_dropped")}
     assert kinds == {("site-2", "invalid_update"), ("site-2", "error")}
+
+
+# Identity: the server maps nodes to clients; a reply never speaks for another client ---------------------------
+
+
+class KeyedGrid(LocalGrid):
+    """A `LocalGrid` whose nodes hold SuperNode public keys (PEM, as the SuperLink reports them)."""
+
+    def __init__(self, respond, node_configs, keys):
+        super().__init__(respond, node_configs)
+        self.keys = keys
+
+    def get_nodes(self):
+        from flwr.proto.node_pb2 import NodeInfo
+
+        return [NodeInfo(node_id=node_id, public_key=self.keys.get(node_id, b"")) for node_id in self.contexts]
+
+
+def ec_key_pair():
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    public = ec.generate_private_key(ec.SECP384R1()).public_key()
+    pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    openssh = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return pem, openssh
+
+
+def scaffold_reply(message, client_id, index, num_samples=8, reward=0.5):
+    instruction = TrainInstruction.from_content(message.content)
+    control = {key: torch.zeros_like(value) for key, value in instruction.global_state.items()}
+    update = ClientUpdate(client_id, moved(instruction.global_state, seed=index), num_samples, reward,
+                          control_delta=control)
+    return Message(update_to_content(update, index), reply_to=message)
+
+
+def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_model_dir, fast_args, task_identity):
+    from trl_federated.flower.identity import ClientRegistry
+
+    (a_pem, a_ssh), (b_pem, b_ssh), (c_pem, c_ssh), (x_pem, _) = (ec_key_pair() for _ in range(4))
+    for name, key in (("a", a_ssh), ("b", b_ssh)):
+        (tmp_path / f"hospital-{name}.pub").write_bytes(key)
+    (tmp_path / "clients.json").write_text(json.dumps({"clients": [
+        {"client-id": "hospital-a", "public-key": "hospital-a.pub", "num-samples": 10},
+        {"client-id": "hospital-b", "public-key": "hospital-b.pub", "num-samples": 30},
+        {"client-id": "hospital-c", "public-key": c_pem.decode()},
+    ]}))
+    registry = ClientRegistry.from_file(tmp_path / "clients.json")
+    args = fast_args(num_clients=3, aggregation="scaffold")
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
+                                 reply_timeout=5, registry=registry)
+    marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
+    strategy.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
+
+    def respond(message, context):
+        assert message.metadata.message_type == MessageType.TRAIN, "a registry never asks a node who it is"
+        node_id = message.metadata.dst_node_id
+        if node_id == 11:  # hospital-a, honest, but claims 2**40 training rows
+            return scaffold_reply(message, "hospital-a", 0, num_samples=2**40)
+        if node_id == 12:  # hospital-b speaks for hospital-a
+            return scaffold_reply(message, "hospital-a", 0)
+        report = {"client-id": "hospital-a", "kind": "error", "reason": "RuntimeError: boom"}  # hospital-c blames a
+        return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+
+    # node 14 holds an unregistered key and claims hospital-b in its node config; node 15 holds no key at all
+    grid = KeyedGrid(respond, {node_id: {"partition-id": 1} for node_id in (11, 12, 13, 14, 15)},
+                     {11: a_pem, 12: b_pem, 13: c_pem, 14: x_pem})
+    messages = list(strategy.configure_train(1, None, None, grid))
+    assert {message.metadata.dst_node_id for message in messages} == {11, 12, 13}
+    sent_to_a = next(m for m in messages if m.metadata.dst_node_id == 11)
+    assert_states_equal(TrainInstruction.from_content(sent_to_a.content).scaffold_controls[1], marked)
+    for message in messages:
+        if message.metadata.dst_node_id != 11:
+            assert not any(value.eq(7.0).any() for value in
+                           TrainInstruction.from_content(message.content).scaffold_controls[1].values())
+
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
+    record = strategy.history[-1]
+    assert set(record.weights) == {"hospital-a"} and record.num_samples == {"hospital-a": 10}  # the registered count
+    assert "rejected: it speaks for client 'hospital-a' at index 0" in record.dropped["hospital-b"]
+    assert record.dropped["hospital-c"] == "RuntimeError: boom (the report names client 'hospital-a')"
+    assert record.dropped["node-14"] == record.dropped["node-15"] == "its public key is not registered for this federation"
+    kinds = {(e["client_id"], e["kind"]) for e in events(args.output_dir, "client_dropped")}
+    assert kinds == {("hospital-b", "invalid_update"), ("hospital-c", "error")}
+
+
+def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_model_dir, fast_args, task_identity):
+    args = fast_args(num_clients=3, aggregation="scaffold")
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
+                                 reply_timeout=5)
+    marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
+    strategy.client_controls["client_2"] = marked
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"client_{index}", index)}), reply_to=message)
+        if message.metadata.dst_node_id == 22:  # client_1 fails and blames client_0
+            report = {"client-id": "client_0", "kind": "timeout", "reason": "client 'client_0' took too long"}
+            return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+        return scaffold_reply(message, f"client_{index}", index)
+
+    # node 24 claims an index beyond num_clients; node 25 claims client_2, which node 23 already serves
+    configs = {21: {"partition-id": 0}, 22: {"partition-id": 1}, 23: {"partition-id": 2}, 24: {"partition-id": 5},
+               25: {"partition-id": 2}}
+    keys = {node_id: ec_key_pair()[0] for node_id in configs}
+    grid = KeyedGrid(respond, configs, keys)
+    messages = list(strategy.configure_train(1, None, None, grid))
+    assert {message.metadata.dst_node_id for message in messages} == {21, 22, 23}
+    assert "outside the federation's [0, 3)" in strategy._early_drops["node-24"]
+    assert strategy._early_drops["node-25"] == "claims client 'client_2', which connected node 23 already serves"
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
+    record = strategy.history[-1]
+    assert set(record.weights) == {"client_0", "client_2"}
+    assert record.dropped["client_1"] == "client 'client_0' took too long (the report names client 'client_0')"
+
+    # node 23 leaves: the impostor, node 25, still cannot take client_2 over; node 23 restarted as node 26 with its
+    # own key (`--auth-supernode-private-key`) gets it back, with its c_i
+    del configs[23]
+    configs[26] = {"partition-id": 2}
+    keys[26] = keys[23]
+    grid = KeyedGrid(respond, configs, keys)
+    messages = list(strategy.configure_train(2, None, None, grid))
+    assert {message.metadata.dst_node_id for message in messages} == {21, 22, 26}
+    assert "a node with another public key served first" in strategy._early_drops["node-25"]
+    sent = next(m for m in messages if m.metadata.dst_node_id == 26)
+    assert_states_equal(TrainInstruction.from_content(sent.content).scaffold_controls[1], marked)

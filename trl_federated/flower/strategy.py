@@ -23,6 +23,7 @@ from ..client import zero_control
 from ..config import FedGRPOConfig
 from ..rewards import combined_reward_range
 from ..runner import NotEnoughClientsError, with_federated_adapter
+from .identity import ClientRegistry
 from .records import TrainInstruction, content_to_update, read_client_identity, state_to_array_record
 
 logger = logging.getLogger(__name__)
@@ -45,10 +46,12 @@ class FederatedStrategy(CheckpointedServer, Strategy):
     ClientApp failed, timed out or replied with an invalid update is dropped from the round and logged; fewer than
     `min_clients_per_round` accepted updates stop the run with `NotEnoughClientsError`.
 
-    Which client a node serves is the server's call, made before any training message is sent: a node is asked
-    once (its SuperNode's `--node-config`), and a claim outside the federation's `num_clients`, or of a client or
-    index another connected node already serves, is refused; a reply then counts only for the client of the node
-    it comes from, whatever it says. Per-client state is keyed by that stable client id, never by Flower's node
+    Which client a node serves is the server's call, made before any training message is sent. With a
+    `registry` (`identity.ClientRegistry`) it follows from the node's authenticated public key alone, and every
+    node whose key is not registered is refused. Without one, a node is asked once (its SuperNode's
+    `--node-config`) and trusted on first use: a claim outside the federation's `num_clients`, or of a client or
+    index another connected node already serves, is refused. Either way a reply counts only for the client of the
+    node it comes from, whatever it says. Per-client state is keyed by that stable client id, never by Flower's node
     id, which changes when a SuperNode restarts. SCAFFOLD's client control variates c_i
     stay with the server, as in the runner: c_i is the sum of the client's accepted Δc_i, which the server
     receives anyway, so keeping it reveals nothing new, survives SuperNode restarts, and is checkpointed.
@@ -70,6 +73,8 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         node_wait_timeout: Seconds to wait each round for all `num_clients` SuperNodes to be connected; the round
             then goes on with those connected if they are at least `min_clients_per_round`.
         reply_timeout: Seconds to wait for the replies of a round (default: `client_timeout` + 300 s, else 3600 s).
+        registry: The federation's clients by SuperNode public key (and optionally sample count), for a deployment
+            across organisations; without it, nodes declare their client (see above).
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         callbacks: list | None = None,
         node_wait_timeout: float = 600.0,
         reply_timeout: float | None = None,
+        registry: ClientRegistry | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -103,7 +109,10 @@ class FederatedStrategy(CheckpointedServer, Strategy):
                 f"The Flower deployment sends whole float32 adapters; {unsupported} are only supported by the "
                 "in-process FederatedRunner so far."
             )
+        if registry is not None and len(registry) != args.num_clients:
+            raise ValueError(f"The registry holds {len(registry)} clients, `num_clients` is {args.num_clients}.")
         self.args = args
+        self.registry = registry
         self.model = with_federated_adapter(model, args.seed, peft_config)
         self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args, args.num_clients)
         self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
@@ -123,9 +132,11 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
         self.node_clients: dict[int, tuple[str, int]] = {}  # Flower node id → (client id, client index)
         self.client_indices: dict[str, int] = {}  # client id → client index, as first bound to a node
+        self.client_keys: dict[str, bytes] = {}  # client id → public key of the node first bound to it
         # Every reply enters the server through this gate (the runner's own): decoding, identity, values, bounds.
         self.gate = UpdateGate.from_config(
-            args, self.global_state, self.reward_range, control=isinstance(self.aggregator, ScaffoldAggregator)
+            args, self.global_state, self.reward_range, control=isinstance(self.aggregator, ScaffoldAggregator),
+            num_samples=None if registry is None else registry.num_samples(),
         )
         self._awaiting: set[int] = set()  # nodes sent a train message this round that have not replied
         self._early_drops: dict[str, str] = {}  # clients dropped before training (no answer to IDENTIFY)
@@ -258,10 +269,10 @@ class FederatedStrategy(CheckpointedServer, Strategy):
 
         def decode() -> ClientUpdate:
             update, claimed_index = content_to_update(reply.content)
-            if claimed_index != client_index:
+            if (update.client_id, claimed_index) != (client_id, client_index):
                 raise InvalidUpdateError(
-                    f"Update of client {client_id!r} rejected: it claims client index {claimed_index}, the node "
-                    f"serves index {client_index}."
+                    f"Update of client {client_id!r} rejected: it speaks for client {update.client_id!r} at index "
+                    f"{claimed_index}; its node serves {client_id!r} at index {client_index}."
                 )
             return update
 
@@ -292,22 +303,34 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         return node_ids
 
     def _identify(self, grid: Grid, node_ids: list[int]) -> list[int]:
-        """The connected nodes that serve a client of the federation, after asking the ones not yet known (a new
-        run, a restarted SuperNode) which client they serve. A node that does not answer, or whose claim is refused
-        (`_bind`), sits the round out without any training message."""
-        unknown = [node_id for node_id in node_ids if node_id not in self.node_clients]
+        """The connected nodes that serve a client of the federation: by their public key with a registry, else
+        after asking the ones not yet known (a new run, a restarted SuperNode) which client they serve. A node that
+        is not registered, does not answer, or whose claim is refused (`_bind`), is sent no training message."""
         refused: dict[int, str] = {}
-        if unknown:
+        unknown = [node_id for node_id in node_ids if node_id not in self.node_clients]
+        if self.registry is not None:
+            self.node_clients = {}
+            for node in grid.get_nodes():
+                if node.node_id not in node_ids:
+                    continue
+                registered = self.registry.client_of(node.public_key)
+                if registered is None:
+                    refused[node.node_id] = "its public key is not registered for this federation"
+                else:
+                    self.node_clients[node.node_id] = (registered.client_id, registered.index)
+        elif unknown:
+            keys = {node.node_id: bytes(node.public_key) for node in grid.get_nodes()}
             queries = [Message(RecordDict(), dst_node_id=node_id, message_type=IDENTIFY) for node_id in unknown]
             for reply in grid.send_and_receive(queries, timeout=self.reply_timeout):
+                node_id = getattr(getattr(reply, "metadata", None), "src_node_id", None)
                 try:
-                    node_id = reply.metadata.src_node_id
                     if node_id not in unknown or node_id in self.node_clients or node_id in refused:
                         continue  # not asked, or answered twice: the first answer stands
                     if reply.has_error():
                         refused[node_id] = f"did not identify its client ({bounded_text(reply.error.reason, 200)})"
                         continue
-                    refused_because = self._bind(node_id, *read_client_identity(reply.content), connected=node_ids)
+                    client_id, client_index = read_client_identity(reply.content)
+                    refused_because = self._bind(node_id, client_id, client_index, keys.get(node_id, b""), node_ids)
                 except Exception as error:  # a malformed answer costs that node the round, not the server its run
                     refused_because = f"sent an unreadable identity ({type(error).__name__}: {bounded_text(error, 200)})"
                 if refused_because:
@@ -319,10 +342,12 @@ class FederatedStrategy(CheckpointedServer, Strategy):
                 self._early_drops[self._node_label(node_id)] = reason
         return [node_id for node_id in node_ids if node_id in self.node_clients]
 
-    def _bind(self, node_id: int, client_id: str, client_index: int, connected: list[int]) -> str | None:
-        """Record that `node_id` serves (`client_id`, `client_index`), or return why it may not: an index outside
-        the federation, an id bound to another index (or an index to another id) earlier in the run, or a client
-        another connected node already serves (the first node keeps it: a newcomer cannot push it out)."""
+    def _bind(self, node_id: int, client_id: str, client_index: int, key: bytes, connected: list[int]) -> str | None:
+        """Record that `node_id` (holding public key `key`) serves (`client_id`, `client_index`), or return why it
+        may not (trust on first use, without a registry): an index outside the federation, an id bound to another
+        index (or an index to another id) earlier in the run, a client another connected node already serves (the
+        first node keeps it: a newcomer cannot push it out), or a client first served by a node with another public
+        key (a SuperNode restarted with its `--auth-supernode-private-key` keeps its key, and its client)."""
         if not 0 <= client_index < self.args.num_clients:
             return (f"claims client index {client_index}, outside the federation's [0, {self.args.num_clients}) "
                     "(set the SuperNode's partition-id)")
@@ -335,6 +360,9 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         for other, (other_id, _) in self.node_clients.items():
             if other != node_id and other in connected and other_id == client_id:
                 return f"claims client {client_id!r}, which connected node {other} already serves"
+        if self.client_keys.setdefault(client_id, key) != key:
+            return (f"claims client {client_id!r}, which a node with another public key served first in this run "
+                    "(start SuperNodes with --auth-supernode-private-key, or give the strategy a registry)")
         # A node that served the client before and is gone (a restarted SuperNode) hands it over.
         for other in [other for other, (other_id, _) in self.node_clients.items() if other_id == client_id]:
             del self.node_clients[other]
