@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -660,3 +661,46 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
     assert "a node with another public key served first" in strategy._early_drops["node-25"]
     sent = next(m for m in messages if m.metadata.dst_node_id == 26)
     assert_states_equal(TrainInstruction.from_content(sent.content).scaffold_controls[1], marked)
+
+
+@pytest.mark.parametrize("attack, reason", [
+    ("garbage npy", r"cannot be decoded: the magic string is not correct"),
+    ("header claims more", r"cannot be decoded: header declares shape \(4096, 4096\) of float32 \(67108864 bytes\), "
+                           r"but \d+ bytes follow"),
+    ("dtype torch cannot hold", r"cannot be decoded: dtype <U5 is not a plain numeric dtype"),
+    ("error report names no string", r"RuntimeError: out of memory \(the report names client \['site-0'\]\)"),
+])
+def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir, fast_args, task_identity, attack,
+                                                                 reason):
+    """Each of these raised out of `aggregate_train` and stopped the ServerApp, every round the client repeated it."""
+    args = fast_args(num_clients=2, num_rounds=2)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
+                                 reply_timeout=5)
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"site-{index}", index)}), reply_to=message)
+        state = moved(TrainInstruction.from_content(message.content).global_state, seed=index)
+        content = update_to_content(ClientUpdate(f"site-{index}", state, 8, 0.5), index)
+        if index == 1:
+            key = next(iter(state))
+            if attack == "garbage npy":
+                content["arrays"][key] = Array(dtype="float32", shape=tuple(state[key].shape), stype="numpy.ndarray",
+                                               data=b"\x00garbage" * 5)
+            elif attack == "header claims more":
+                data = npy_bytes(np.zeros((4096, 4096), np.float32))[:300]
+                content["arrays"][key] = Array(dtype="float32", shape=(4096, 4096), stype="numpy.ndarray", data=data)
+            elif attack == "dtype torch cannot hold":
+                content["arrays"][key] = Array(np.full(tuple(state[key].shape), "hello"))
+            else:
+                report = {"client-id": ["site-0"], "kind": "error", "reason": "RuntimeError: out of memory"}
+                return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+        return Message(content, reply_to=message)
+
+    grid = LocalGrid(respond, {11: {"partition-id": 0}, 12: {"partition-id": 1}})
+    for server_round in (1, 2):  # repeated every round: the run goes on
+        strategy.aggregate_train(server_round, grid.send_and_receive(strategy.configure_train(server_round, None, None, grid)))
+        record = strategy.history[-1]
+        assert set(record.weights) == {"site-0"} and set(record.dropped) == {"site-1"}
+        assert re.search(reason, record.dropped["site-1"]), record.dropped["site-1"]

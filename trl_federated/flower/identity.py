@@ -77,8 +77,10 @@ class ClientRegistry:
         clients = []
         for index, entry in enumerate(entries):
             key = entry["public-key"]
-            key_file = path.parent / key
-            if "\n" not in key and not key.startswith(("ecdsa-", "ssh-")) and key_file.is_file():
+            if not key.lstrip().startswith(("-----BEGIN", "ecdsa-", "ssh-")):  # a key file, not the key itself
+                key_file = path.parent / key
+                if not key_file.is_file():
+                    raise FileNotFoundError(f"{path}: the public key file {key_file} of {entry['client-id']!r} is missing.")
                 key = key_file.read_bytes()
             clients.append(RegisteredClient(str(entry["client-id"]), index, public_key_der(key), entry.get("num-samples")))
         return cls(clients)
