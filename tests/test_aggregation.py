@@ -362,3 +362,13 @@ def test_rpg_h_max_is_on_by_default(tmp_path):
     for round_idx, reward in enumerate([0.0, 2.0, 0.0, 2.0, 2.0, 0.0]):
         aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], reward), update("b", [0, 0, 0], 1.0)], round_idx)
         assert abs(aggregator.last_gains["a"]) < 10.0
+
+
+def test_check_finite_false_skips_only_the_value_pass():
+    """For callers that checked every value already (the runner and the Flower strategy, through their admission
+    gate): the structure is still checked, and a NaN that got through is still caught in the result."""
+    aggregator = FedAvgAggregator(ServerAdam(0.1))
+    with pytest.raises(ValueError, match=r"is torch.float32 \(4,\)"):
+        aggregator.aggregate(GLOBAL, faulty("shape"), 0, check_finite=False)
+    with pytest.raises(AggregationError, match=r"non-finite values in global adapter\['w'\]"):
+        aggregator.aggregate(GLOBAL, faulty("nan"), 0, check_finite=False)

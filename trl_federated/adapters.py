@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
+from .aggregation.base import is_finite
+
 if TYPE_CHECKING:
     from .aggregation import ClientUpdate
 
@@ -81,7 +83,7 @@ def validate_update(
                 reject(f"{name}[{key!r}] has shape {shape}, expected {tuple(reference.shape)}")
             if check_dtype and tensor.dtype != reference.dtype:
                 reject(f"{name}[{key!r}] has dtype {tensor.dtype}, expected {reference.dtype}")
-            if not torch.isfinite(tensor).all():
+            if not is_finite(tensor):
                 reject(f"{name}[{key!r}] holds NaN or Inf")
     if isinstance(update.num_samples, bool) or not isinstance(update.num_samples, int) or update.num_samples < 1:
         reject(f"num_samples must be a positive integer, got {reprlib.repr(update.num_samples)}")

@@ -52,15 +52,20 @@ def update_norm_unit(local_steps: int, learning_rate: float, global_state: Adapt
 
 
 def state_distance(state: AdapterState, reference: AdapterState) -> float:
-    """‖state − reference‖₂ over all entries, in float64."""
-    total = 0.0
-    for key, value in reference.items():
-        total += torch.sub(state[key].double(), value.double()).square().sum().item()
-    return math.sqrt(total)
+    """‖state − reference‖₂ over all entries (keys of `reference`)."""
+    return math.sqrt(sum(_norm(state[key].float() - value.float()) ** 2 for key, value in reference.items()))
 
 
 def state_norm(state: AdapterState) -> float:
-    return math.sqrt(sum(value.double().square().sum().item() for value in state.values()))
+    """‖state‖₂ over all entries."""
+    return math.sqrt(sum(_norm(value.float()) ** 2 for value in state.values()))
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    """The 2-norm of a float32 tensor, recomputed in float64 where float32 overflows (finite values around 1e20
+    and up, a poisoned update's): then it is its true, large value, never Inf."""
+    norm = torch.linalg.vector_norm(tensor).item()
+    return norm if math.isfinite(norm) else torch.linalg.vector_norm(tensor.double()).item()
 
 
 class UpdateGate:

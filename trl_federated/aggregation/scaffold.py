@@ -35,16 +35,17 @@ class ScaffoldAggregator(FedAvgAggregator):
             self.control = {key: torch.zeros_like(value, dtype=torch.float32) for key, value in global_state.items()}
         return self.control
 
-    def check_updates(self, global_state, updates: list[ClientUpdate]) -> None:
-        super().check_updates(global_state, updates)
+    def check_updates(self, global_state, updates: list[ClientUpdate], check_finite: bool = True) -> None:
+        super().check_updates(global_state, updates, check_finite)
         missing = [update.client_id for update in updates if update.control_delta is None]
         if missing:
             raise ValueError(f"SCAFFOLD updates need `control_delta`; missing for clients {missing}.")
         for update in updates:
-            check_state(update.control_delta, global_state, f"SCAFFOLD: client {update.client_id!r}'s control_delta")
+            name = f"SCAFFOLD: client {update.client_id!r}'s control_delta"
+            check_state(update.control_delta, global_state, name, check_finite)
 
-    def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int):
-        new_state = super().aggregate(global_state, updates, round_idx)
+    def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int, check_finite: bool = True):
+        new_state = super().aggregate(global_state, updates, round_idx, check_finite)
         control = self.server_control(global_state)
         keys = list(control)
         for update in updates:  # one fused in-place pass per client, promoting bfloat16 deltas on the fly
