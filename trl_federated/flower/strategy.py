@@ -291,15 +291,23 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         return self.client_controls[client_id]
 
     def _wait_for_nodes(self, grid: Grid, round_idx: int) -> list[int]:
-        """The connected SuperNodes, once all `num_clients` are there or `node_wait_timeout` has passed."""
+        """The connected SuperNodes, once all `num_clients` are there (with a registry: all registered ones, so that
+        other nodes cannot start a round early) or `node_wait_timeout` has passed."""
         deadline = time.monotonic() + self.node_wait_timeout
-        while len(node_ids := sorted(grid.get_node_ids())) < self.args.num_clients and time.monotonic() < deadline:
-            logger.info("Round %d: %d of %d SuperNodes connected; waiting.", round_idx, len(node_ids), self.args.num_clients)
+        while True:
+            node_ids = sorted(grid.get_node_ids())
+            if self.registry is None:
+                ready = len(node_ids)
+            else:
+                ready = sum(self.registry.client_of(node.public_key) is not None for node in grid.get_nodes())
+            if ready >= self.args.num_clients or time.monotonic() >= deadline:
+                break
+            logger.info("Round %d: %d of %d SuperNodes connected; waiting.", round_idx, ready, self.args.num_clients)
             time.sleep(2.0)
-        if len(node_ids) < self.args.min_clients_per_round:
+        if ready < self.args.min_clients_per_round:
             raise NotEnoughClientsError(
-                f"Round {round_idx}: only {len(node_ids)} SuperNodes connected after {self.node_wait_timeout:.0f} s, "
-                f"fewer than min_clients_per_round={self.args.min_clients_per_round}."
+                f"Round {round_idx}: only {ready} SuperNodes of the federation connected after "
+                f"{self.node_wait_timeout:.0f} s, fewer than min_clients_per_round={self.args.min_clients_per_round}."
             )
         return node_ids
 
