@@ -114,11 +114,12 @@ class UpdateGate:
         shaped like `global_state`."""
         bound = args.update_norm_bound
         unit = update_norm_unit(args.local_steps, args.learning_rate, global_state)
+        # Δc_i is a difference of mean Adam directions, whose coordinates are about 1 or less: its unit is √d.
+        control_unit = math.sqrt(sum(tensor.numel() for tensor in global_state.values()))
         return cls(
             reward_range=reward_range,
             max_update_norm=None if bound is None else bound * unit,
-            # Δc_i is a difference of mean Adam directions (units of η per step): the same bound, per unit of E·η.
-            max_control_norm=None if bound is None else bound * unit / (args.local_steps * args.learning_rate),
+            max_control_norm=None if bound is None else bound * control_unit,
             norm_action=args.update_norm_action,
             num_samples=num_samples,
             max_client_samples=args.max_client_samples,
