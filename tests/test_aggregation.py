@@ -1,12 +1,19 @@
 """Each equation of the paper's server step against numbers computed by hand."""
 
+import copy
 import math
 
 import pytest
 import torch
 
 from trl_federated import ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
-from trl_federated.aggregation import aggregator_from_config, pseudo_gradient
+from trl_federated.aggregation import (
+    AggregationError,
+    CoordinateMedian,
+    TrimmedMean,
+    aggregator_from_config,
+    pseudo_gradient,
+)
 from trl_federated.aggregation.blocks import BLOCK_BYTES, blocks
 
 
@@ -148,7 +155,7 @@ def test_rpg_h_max_bounds_the_weight_of_a_lying_client():
     # against these honest gains:
     bound = math.exp(2.0 / tau) / (math.exp(2.0 / tau) + 2 * math.exp(-2.0 / tau))
     assert aggregator.last_weights["liar"] <= bound
-    unbounded = rpg()
+    unbounded = rpg(h_max=None)
     unbounded.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in honest + [("liar", 0.3)]], 0)
     unbounded.aggregate(GLOBAL, [update(c, [0, 0, 0], r) for c, r in honest + [("liar", 1e6)]], 1)
     assert unbounded.last_weights["liar"] > 0.999
@@ -228,3 +235,140 @@ def test_pseudo_gradient_accumulates_bfloat16_client_states_in_float32():
     delta = pseudo_gradient(GLOBAL, states, [0.25, 0.75])
     assert delta["w"].dtype == torch.float32
     torch.testing.assert_close(delta["w"], 0.25 * states[0]["w"].float() + 0.75 * states[1]["w"].float() - GLOBAL["w"])
+
+
+# The aggregators check their own inputs and their result -----------------------------------------------------
+
+
+def scaffold_update(client_id, values, reward=0.0, num_samples=1):
+    result = update(client_id, values, reward, num_samples)
+    result.control_delta = {"w": torch.zeros(3)}
+    return result
+
+
+def faulty(fault):
+    updates = [scaffold_update("a", [1.0, 2.0, 3.0], 0.5, 4), scaffold_update("b", [0.0, 1.0, 0.0], 0.4, 2)]
+    bad = updates[1]
+    if fault == "nan":
+        bad.state["w"][0] = math.nan
+    elif fault == "extra key":
+        bad.state["v"] = torch.zeros(1)
+    elif fault == "missing key":
+        bad.state = {}
+    elif fault == "shape":
+        bad.state["w"] = torch.zeros(4)
+    elif fault == "integer dtype":
+        bad.state["w"] = torch.zeros(3, dtype=torch.int64)
+    elif fault == "duplicate id":
+        bad.client_id = "a"
+    elif fault == "not a ClientUpdate":
+        updates[1] = {"client_id": "b", "state": bad.state}
+    elif fault == "num_samples":
+        bad.num_samples = True
+    elif fault == "reward":
+        bad.reward = math.nan
+    elif fault == "control":
+        bad.control_delta["w"][1] = math.inf
+    return updates
+
+
+COMMON_FAULTS = {
+    "nan": r"client 'b'.s adapter\['w'\] holds NaN or Inf",
+    "extra key": r"client 'b'.s adapter must have the global adapter's keys \(missing \[\], unexpected \['v'\]\)",
+    "missing key": r"missing \['w'\]",
+    "shape": r"is torch.float32 \(4,\), expected floating point \(3,\)",
+    "integer dtype": r"is torch.int64 \(3,\)",
+    "duplicate id": "Client 'a' has two updates in one aggregation",
+    "not a ClientUpdate": "takes ClientUpdates with a string client_id",
+}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "rpg", "scaffold"])
+@pytest.mark.parametrize("fault", [*COMMON_FAULTS, "num_samples", "reward", "control"])
+def test_aggregators_validate_their_own_inputs(method, fault):
+    from trl_federated.aggregation import ScaffoldAggregator
+
+    aggregator = {"fedavg": lambda: FedAvgAggregator(ServerAdam(0.1)), "rpg": lambda: rpg(server_optimizer=ServerAdam(0.1)),
+                  "scaffold": lambda: ScaffoldAggregator(2, ServerAdam(0.1))}[method]()
+    aggregator.aggregate(GLOBAL, faulty(None), 0)
+    before = copy.deepcopy(aggregator.state_dict())
+    message = COMMON_FAULTS.get(fault) or {
+        ("fedavg", "num_samples"): "FedAvg: client 'b'.s num_samples must be a positive integer, got True",
+        ("scaffold", "num_samples"): "num_samples must be a positive integer",
+        ("rpg", "reward"): "RPG: client 'b'.s reward must be a finite number, got nan",
+        ("scaffold", "control"): r"SCAFFOLD: client 'b'.s control_delta\['w'\] holds NaN or Inf",
+    }.get((method, fault))
+    if message is None:  # a field this method does not use
+        aggregator.aggregate(GLOBAL, faulty(fault), 1)
+        return
+    with pytest.raises(ValueError, match=message):
+        aggregator.aggregate(GLOBAL, faulty(fault), 1)
+    after = aggregator.state_dict()  # a refused call leaves the server state as it was
+    assert after["server_optimizer"]["num_steps"] == before["server_optimizer"]["num_steps"] == 1
+    assert torch.equal(after["server_optimizer"]["v"]["w"], before["server_optimizer"]["v"]["w"])
+    if method == "rpg":
+        assert after["baselines"] == before["baselines"]
+
+
+def test_a_non_finite_result_is_refused():
+    """Values around 1e30 are finite, but Adam's Δ² is not: the round is refused instead of freezing the adapter."""
+    aggregator = rpg(server_optimizer=ServerAdam(learning_rate=0.1))
+    with pytest.raises(AggregationError, match=r"non-finite values in server optimizer\['v'\]\['w'\]"):
+        aggregator.aggregate(GLOBAL, [update("a", [1e30, 0.0, 0.0], 0.5)], 0)
+    sgd = FedAvgAggregator(ServerSGD(2.0))
+    with pytest.raises(AggregationError, match=r"non-finite values in global adapter\['w'\]"):
+        sgd.aggregate(GLOBAL, [update("a", [3e38, 0, 0]), update("b", [3e38, 0, 0])], 0)
+
+
+def test_trimmed_mean_and_median_by_hand():
+    theta = {"w": torch.zeros(2)}
+    values = [[1.0, -5.0], [2.0, 0.0], [3.0, 1.0], [100.0, 2.0], [4.0, 1e6]]
+    updates = [update(f"c{i}", v, num_samples=n) for i, (v, n) in enumerate(zip(values, [1, 1, 2, 1, 1]))]
+    weights = [0.1, 0.2, 0.3, 0.2, 0.2]
+    # β = 0.2 of 5 clients: one trimmed at each end, per coordinate; the rest weighted by their renormalised ω
+    delta = TrimmedMean(0.2).pseudo_gradient(theta, [u.state for u in updates], weights)
+    # coordinate 0 keeps 2, 3, 4 (weights .2, .3, .2); coordinate 1 keeps 0, 1, 2 (weights .2, .3, .2)
+    torch.testing.assert_close(delta["w"], torch.tensor([(0.2 * 2 + 0.3 * 3 + 0.2 * 4) / 0.7, (0.3 * 1 + 0.2 * 2) / 0.7]))
+    delta = CoordinateMedian().pseudo_gradient(theta, [u.state for u in updates[:4]], weights[:4])
+    torch.testing.assert_close(delta["w"], torch.tensor([2.5, 0.5]))  # even n: the mean of the two middle values
+    # β = 0 is the weighted mean
+    torch.testing.assert_close(TrimmedMean(0.0).pseudo_gradient(theta, [u.state for u in updates], weights)["w"],
+                               pseudo_gradient(theta, [u.state for u in updates], weights)["w"])
+
+
+@pytest.mark.parametrize("aggregation", ["rpg", "fedavg", "fedprox", "scaffold"])
+@pytest.mark.parametrize("robust", ["trimmed_mean", "median"])
+def test_robust_aggregation_is_selectable_for_every_method(tmp_path, aggregation, robust):
+    from trl_federated import FedGRPOConfig
+
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, aggregation=aggregation, server_optimizer="sgd",
+                         robust_aggregation=robust, robust_trim_fraction=0.25, num_clients=4)
+    aggregator = aggregator_from_config(args)
+    assert isinstance(aggregator.combiner, TrimmedMean if robust == "trimmed_mean" else CoordinateMedian)
+    # one client far off in every coordinate: both robust combinations ignore it
+    updates = [scaffold_update(f"c{i}", [1.0 + i, 1.0 + i, 1.0 + i], 0.5, 1) for i in range(3)]
+    updates.append(scaffold_update("poison", [1e6, -1e6, 1e6], 0.5, 1))
+    new = aggregator.aggregate(GLOBAL, updates, 0)
+    assert new["w"].abs().max() < 10
+
+
+def test_rpg_h_max_is_on_by_default(tmp_path):
+    from trl_federated import FedGRPOConfig
+
+    assert RPGAggregator().h_max == 10.0
+    assert aggregator_from_config(FedGRPOConfig(output_dir=str(tmp_path), bf16=False)).h_max == 10.0
+    # an honest client at the default ι, σ_max, with a reward jumping across the whole of [0, 2], stays within it
+    aggregator = rpg()
+    for round_idx, reward in enumerate([0.0, 2.0, 0.0, 2.0, 2.0, 0.0]):
+        aggregator.aggregate(GLOBAL, [update("a", [0, 0, 0], reward), update("b", [0, 0, 0], 1.0)], round_idx)
+        assert abs(aggregator.last_gains["a"]) < 10.0
+
+
+def test_check_finite_false_skips_only_the_value_pass():
+    """For callers that checked every value already (the runner and the Flower strategy, through their admission
+    gate): the structure is still checked, and a NaN that got through is still caught in the result."""
+    aggregator = FedAvgAggregator(ServerAdam(0.1))
+    with pytest.raises(ValueError, match=r"is torch.float32 \(4,\)"):
+        aggregator.aggregate(GLOBAL, faulty("shape"), 0, check_finite=False)
+    with pytest.raises(AggregationError, match=r"non-finite values in global adapter\['w'\]"):
+        aggregator.aggregate(GLOBAL, faulty("nan"), 0, check_finite=False)

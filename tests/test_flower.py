@@ -3,9 +3,12 @@
 separate processes on 127.0.0.1) whose final global adapter must equal the in-process runner's, bit for bit."""
 
 import copy
+import io
 import json
 import math
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -13,13 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("flwr")
 
 from datasets import Dataset  # noqa: E402
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402,E501
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -37,6 +41,8 @@ from trl_federated.flower import (  # noqa: E402
     state_to_array_record,
     update_to_content,
 )
+from trl_federated.flower.records import CLIENT, client_identity_record  # noqa: E402
+from trl_federated.flower.strategy import IDENTIFY  # noqa: E402
 from trl_federated.runner import NotEnoughClientsError  # noqa: E402
 
 APP_DIR = Path(__file__).parent / "flower_app"
@@ -162,6 +168,8 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
 
     def respond(message, context):
         index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:  # as `make_client_app` answers it
+            return Message(RecordDict({CLIENT: client_identity_record(f"site-{index}", index)}), reply_to=message)
         round_idx = TrainInstruction.from_content(message.content).round_idx
         client_id, state, num_samples, reward = client(index, round_idx)
         if index == 2:  # its ClientApp fails: an error reply, as `make_client_app` sends it
@@ -197,10 +205,15 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     assert checkpoint.round_idx == 1
     assert_states_equal(checkpoint.global_state, reference_state)
 
-    # A node that never replies is dropped as a timeout; too few updates stop the run, the checkpoint intact.
+    # A node that never identifies itself is sent nothing; one that stops replying is dropped as a timeout; too few
+    # updates stop the run, the checkpoint intact.
     silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: no reply within 5 s"):
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: did not identify its client"):
         strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
+    mute = LocalGrid(lambda message, context: respond(message, context) if message.metadata.message_type == IDENTIFY
+                     else None, {8: {"partition-id": 0}})
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* site-0: no reply within 5 s"):
+        strategy.aggregate_train(3, mute.send_and_receive(strategy.configure_train(3, None, None, mute)))
     assert list_checkpoints(args.output_dir)[-1].name == "checkpoint-1"
 
 
@@ -383,3 +396,311 @@ def test_wire_formats_of_the_in_process_runner_are_refused_by_name(tiny_model, f
 
     with pytest.raises(ValueError, match=next(iter(setting))):
         FederatedStrategy(tiny_model, fast_args(num_clients=2, **setting))
+
+
+# A hostile participant: every reply goes through one guarded path ---------------------------------------------
+
+
+def npy_bytes(values, **kwargs):
+    buffer = io.BytesIO()
+    np.save(buffer, values, **kwargs)
+    return buffer.getvalue()
+
+
+def fuzz_content(rng, content, global_state):
+    """A random fault in a valid reply's records (arrays, identity, metrics), or None for a valid reply; faults 7
+    and 8 may draw valid values (a sample count the server caps, R̄ = 1e9 without a declared reward range)."""
+    fault = rng.randrange(14)
+    key = rng.choice(list(global_state))
+    arrays = content["arrays"]
+    shape, dtype = tuple(global_state[key].shape), "float32"
+    if fault == 0:  # random bytes, with or without a valid magic string
+        data = rng.choice([b"", b"\x93NUMPY"]) + rng.randbytes(rng.randrange(0, 300))
+        arrays[key] = Array(dtype=dtype, shape=shape, stype="numpy.ndarray", data=data)
+    elif fault == 1:  # truncated, or a header that claims more than it carries
+        data = arrays[key].data if rng.random() < 0.5 else npy_bytes(np.zeros((4096, 4096), np.float32))
+        arrays[key] = Array(dtype=dtype, shape=shape, stype="numpy.ndarray", data=data[: rng.randrange(0, 400)])
+    elif fault == 2:  # oversized: another shape, with all its data
+        arrays[key] = Array(np.zeros((rng.randrange(1, 600), rng.randrange(1, 600)), np.float32))
+    elif fault == 3:  # dtypes: what torch cannot hold, and what the adapter is not
+        values = np.zeros(shape)
+        choices = [values.astype(t) for t in (np.float16, np.float64, np.int64, np.bool_, np.complex64, np.uint16,
+                                                "<U3", "datetime64[s]")]
+        arrays[key] = Array(rng.choice(choices))
+    elif fault == 4:  # pickled objects, Fortran order, a lying record header
+        data = rng.choice([npy_bytes(np.array([{"x": 1}] * 4, dtype=object), allow_pickle=True),
+                           npy_bytes(np.asfortranarray(np.zeros(shape + (2,), np.float32)))])
+        arrays[key] = Array(dtype=rng.choice(["float32", "object", "bfloat16"]), shape=rng.choice([shape, (1,)]),
+                            stype=rng.choice(["numpy.ndarray", "torch"]), data=data)
+    elif fault == 5:  # entries missing or extra
+        if rng.random() < 0.5:
+            del arrays[key]
+        else:
+            arrays[rng.choice(["extra", key + "x"])] = Array(np.zeros(3, np.float32))
+    elif fault == 6:  # whole records missing or of the wrong kind
+        name = rng.choice(["arrays", "metrics", "client"])
+        del content[name]
+        if rng.random() < 0.5:
+            content[name] = rng.choice([ConfigRecord({"x": 1}), MetricRecord({"x": 1.0}), ArrayRecord()])
+    elif fault == 7:  # wrong types in every identity field
+        content["client"] = ConfigRecord({
+            "client-id": rng.choice([5, 1.5, b"site-2", True, "", "x" * 10_000, "site-2"]),
+            "client-index": rng.choice([2, "2", 2.0, True, -1, 99, 2**64]),
+        })
+    elif fault == 8:  # and in every metric
+        metrics = content["metrics"]
+        name = rng.choice(["num-examples", "reward"])
+        metrics[name] = rng.choice([1.5, -1, 0, 2**62, 2**64, [], [1, 2], math.nan, math.inf, -math.inf, 1e308, 10**9])
+    elif fault == 9:  # speaking for another client
+        content["client"] = client_identity_record(*rng.choice([("site-0", 0), ("site-2", 0), ("site-0", 2)]))
+    elif fault == 10:  # a SCAFFOLD control variate nobody asked for, well-formed or not
+        content["control-delta"] = rng.choice([state_to_array_record(global_state), ArrayRecord()])
+    elif fault == 11:  # poison: finite, scaled or huge
+        arrays[key] = Array((global_state[key] * rng.choice([1e6, -1e30, 3e38])).numpy())
+    else:
+        return None
+    return fault
+
+
+def fuzz_error(rng):
+    report = rng.choice([
+        "not json", "", "[1, 2]", "null", '"text"', "{" * 100_000,
+        json.dumps({"client-id": rng.choice([5, None, ["site-0"], "site-0"]), "kind": "error", "reason": "boom"}),
+        json.dumps({"client-id": "site-2", "kind": rng.choice(["invalid_update", 5, None]), "reason": rng.choice([
+            "x" * 100_000, 5, None])}),
+    ])
+    return Error(code=rng.choice([0, 2, -1]), reason=report)
+
+
+def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args, task_identity):
+    """Garbage arrays, lying headers, wrong dtypes, wrong types in every metadata field, error reports of every
+    shape, impersonation, poison, duplicate, late and unasked replies: a client's bad reply is that client's
+    `invalid_update` (or error), the honest clients' updates are aggregated, the server state stays finite."""
+    args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
+                                 node_wait_timeout=0, reply_timeout=5)
+    rng = random.Random(0)
+    nodes = {11: 0, 12: 1, 13: 2}  # node 13 serves site-2, the hostile one
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"site-{index}", index)}), reply_to=message)
+        instruction = TrainInstruction.from_content(message.content)
+        update = ClientUpdate(f"site-{index}", moved(instruction.global_state, seed=index), 8, 0.5 + 0.1 * index)
+        return Message(update_to_content(update, index), reply_to=message)
+
+    grid = LocalGrid(respond, {node_id: {"partition-id": index} for node_id, index in nodes.items()})
+    faults = {}
+    for server_round in range(1, 101):
+        messages = list(strategy.configure_train(server_round, None, None, grid))
+        assert {message.metadata.dst_node_id for message in messages} == set(nodes)
+        replies = grid.send_and_receive(messages)
+        hostile = next(reply for reply in replies if reply.metadata.src_node_id == 13)
+        if rng.random() < 0.15:
+            replies.remove(hostile)
+            replies.append(Message(fuzz_error(rng), reply_to=next(m for m in messages if m.metadata.dst_node_id == 13)))
+            fault = "error"
+        else:
+            fault = fuzz_content(rng, hostile.content, strategy.global_state)
+        extra = rng.randrange(4)
+        if extra == 1:  # a reply delivered twice (only its node can send it: Flower authenticates the source)
+            replies.append(copy.deepcopy(rng.choice(replies)))
+        elif extra == 2:  # a late reply, to the previous round
+            late = respond(messages[1], grid.contexts[messages[1].metadata.dst_node_id])
+            late.metadata.group_id = str(server_round - 2)
+            replies.insert(0, late)
+        elif extra == 3:  # a reply from a node that was never asked
+            stranger = Message(RecordDict(), dst_node_id=99, message_type=MessageType.TRAIN, group_id=str(server_round - 1))
+            replies.append(Message(update_to_content(ClientUpdate("site-0", strategy.global_state, 8, 0.9), 0),
+                                   reply_to=stranger))
+        rng.shuffle(replies)
+
+        strategy.aggregate_train(server_round, replies)  # never raises
+        record = strategy.history[-1]
+        assert {"site-0", "site-1"} <= set(record.weights), (server_round, fault, record.dropped)
+        assert record.num_samples["site-0"] == 8
+        if fault in (7, 8) and "site-2" in record.weights:  # valid values, bounded by the server
+            assert record.num_samples["site-2"] <= args.max_client_samples and math.isfinite(record.rewards["site-2"])
+            assert abs(record.gains["site-2"]) <= args.rpg_h_max
+        elif fault is not None:
+            assert "site-2" in record.dropped and "site-2" not in record.weights, (server_round, fault)
+        else:
+            assert "site-2" in record.weights and not record.dropped
+        assert set(record.dropped) <= {"site-2"}
+        faults[fault] = faults.get(fault, 0) + 1
+        assert all(torch.isfinite(value).all() for value in strategy.global_state.values())
+    assert all(torch.isfinite(value).all() for value in strategy.aggregator.server_optimizer.v.values())
+    assert set(faults) == {*range(12), None, "error"}, faults
+    kinds = {(e["client_id"], e["kind"]) for e in events(args.output_dir, "client_dropped")}
+    assert kinds == {("site-2", "invalid_update"), ("site-2", "error")}
+
+
+# Identity: the server maps nodes to clients; a reply never speaks for another client ---------------------------
+
+
+class KeyedGrid(LocalGrid):
+    """A `LocalGrid` whose nodes hold SuperNode public keys (PEM, as the SuperLink reports them)."""
+
+    def __init__(self, respond, node_configs, keys):
+        super().__init__(respond, node_configs)
+        self.keys = keys
+
+    def get_nodes(self):
+        from flwr.proto.node_pb2 import NodeInfo
+
+        return [NodeInfo(node_id=node_id, public_key=self.keys.get(node_id, b"")) for node_id in self.contexts]
+
+
+def ec_key_pair():
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    public = ec.generate_private_key(ec.SECP384R1()).public_key()
+    pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    openssh = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return pem, openssh
+
+
+def scaffold_reply(message, client_id, index, num_samples=8, reward=0.5):
+    instruction = TrainInstruction.from_content(message.content)
+    control = {key: torch.zeros_like(value) for key, value in instruction.global_state.items()}
+    update = ClientUpdate(client_id, moved(instruction.global_state, seed=index), num_samples, reward,
+                          control_delta=control)
+    return Message(update_to_content(update, index), reply_to=message)
+
+
+def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_model_dir, fast_args, task_identity):
+    from trl_federated.flower.identity import ClientRegistry
+
+    (a_pem, a_ssh), (b_pem, b_ssh), (c_pem, c_ssh), (x_pem, _) = (ec_key_pair() for _ in range(4))
+    for name, key in (("a", a_ssh), ("b", b_ssh)):
+        (tmp_path / f"hospital-{name}.pub").write_bytes(key)
+    (tmp_path / "clients.json").write_text(json.dumps({"clients": [
+        {"client-id": "hospital-a", "public-key": "hospital-a.pub", "num-samples": 10},
+        {"client-id": "hospital-b", "public-key": "hospital-b.pub", "num-samples": 30},
+        {"client-id": "hospital-c", "public-key": c_pem.decode()},
+    ]}))
+    registry = ClientRegistry.from_file(tmp_path / "clients.json")
+    args = fast_args(num_clients=3, aggregation="scaffold")
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
+                                 reply_timeout=5, registry=registry)
+    marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
+    strategy.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
+
+    def respond(message, context):
+        assert message.metadata.message_type == MessageType.TRAIN, "a registry never asks a node who it is"
+        node_id = message.metadata.dst_node_id
+        if node_id == 11:  # hospital-a, honest, but claims 2**40 training rows
+            return scaffold_reply(message, "hospital-a", 0, num_samples=2**40)
+        if node_id == 12:  # hospital-b speaks for hospital-a
+            return scaffold_reply(message, "hospital-a", 0)
+        report = {"client-id": "hospital-a", "kind": "error", "reason": "RuntimeError: boom"}  # hospital-c blames a
+        return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+
+    # node 14 holds an unregistered key and claims hospital-b in its node config; node 15 holds no key at all
+    grid = KeyedGrid(respond, {node_id: {"partition-id": 1} for node_id in (11, 12, 13, 14, 15)},
+                     {11: a_pem, 12: b_pem, 13: c_pem, 14: x_pem})
+    messages = list(strategy.configure_train(1, None, None, grid))
+    assert {message.metadata.dst_node_id for message in messages} == {11, 12, 13}
+    sent_to_a = next(m for m in messages if m.metadata.dst_node_id == 11)
+    assert_states_equal(TrainInstruction.from_content(sent_to_a.content).scaffold_controls[1], marked)
+    for message in messages:
+        if message.metadata.dst_node_id != 11:
+            assert not any(value.eq(7.0).any() for value in
+                           TrainInstruction.from_content(message.content).scaffold_controls[1].values())
+
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
+    record = strategy.history[-1]
+    assert set(record.weights) == {"hospital-a"} and record.num_samples == {"hospital-a": 10}  # the registered count
+    assert "rejected: it speaks for client 'hospital-a' at index 0" in record.dropped["hospital-b"]
+    assert record.dropped["hospital-c"] == "RuntimeError: boom (the report names client 'hospital-a')"
+    assert record.dropped["node-14"] == record.dropped["node-15"] == "its public key is not registered for this federation"
+    kinds = {(e["client_id"], e["kind"]) for e in events(args.output_dir, "client_dropped")}
+    assert kinds == {("hospital-b", "invalid_update"), ("hospital-c", "error")}
+
+
+def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_model_dir, fast_args, task_identity):
+    args = fast_args(num_clients=3, aggregation="scaffold")
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
+                                 reply_timeout=5)
+    marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
+    strategy.client_controls["client_2"] = marked
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"client_{index}", index)}), reply_to=message)
+        if message.metadata.dst_node_id == 22:  # client_1 fails and blames client_0
+            report = {"client-id": "client_0", "kind": "timeout", "reason": "client 'client_0' took too long"}
+            return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+        return scaffold_reply(message, f"client_{index}", index)
+
+    # node 24 claims an index beyond num_clients; node 25 claims client_2, which node 23 already serves
+    configs = {21: {"partition-id": 0}, 22: {"partition-id": 1}, 23: {"partition-id": 2}, 24: {"partition-id": 5},
+               25: {"partition-id": 2}}
+    keys = {node_id: ec_key_pair()[0] for node_id in configs}
+    grid = KeyedGrid(respond, configs, keys)
+    messages = list(strategy.configure_train(1, None, None, grid))
+    assert {message.metadata.dst_node_id for message in messages} == {21, 22, 23}
+    assert "outside the federation's [0, 3)" in strategy._early_drops["node-24"]
+    assert strategy._early_drops["node-25"] == "claims client 'client_2', which connected node 23 already serves"
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
+    record = strategy.history[-1]
+    assert set(record.weights) == {"client_0", "client_2"}
+    assert record.dropped["client_1"] == "client 'client_0' took too long (the report names client 'client_0')"
+
+    # node 23 leaves: the impostor, node 25, still cannot take client_2 over; node 23 restarted as node 26 with its
+    # own key (`--auth-supernode-private-key`) gets it back, with its c_i
+    del configs[23]
+    configs[26] = {"partition-id": 2}
+    keys[26] = keys[23]
+    grid = KeyedGrid(respond, configs, keys)
+    messages = list(strategy.configure_train(2, None, None, grid))
+    assert {message.metadata.dst_node_id for message in messages} == {21, 22, 26}
+    assert "a node with another public key served first" in strategy._early_drops["node-25"]
+    sent = next(m for m in messages if m.metadata.dst_node_id == 26)
+    assert_states_equal(TrainInstruction.from_content(sent.content).scaffold_controls[1], marked)
+
+
+@pytest.mark.parametrize("attack, reason", [
+    ("garbage npy", r"cannot be decoded: the magic string is not correct"),
+    ("header claims more", r"cannot be decoded: header declares shape \(4096, 4096\) of float32 \(67108864 bytes\), "
+                           r"but \d+ bytes follow"),
+    ("dtype torch cannot hold", r"cannot be decoded: dtype <U5 is not a plain numeric dtype"),
+    ("error report names no string", r"RuntimeError: out of memory \(the report names client \['site-0'\]\)"),
+])
+def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir, fast_args, task_identity, attack,
+                                                                 reason):
+    """Each of these raised out of `aggregate_train` and stopped the ServerApp, every round the client repeated it."""
+    args = fast_args(num_clients=2, num_rounds=2)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
+                                 reply_timeout=5)
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"site-{index}", index)}), reply_to=message)
+        state = moved(TrainInstruction.from_content(message.content).global_state, seed=index)
+        content = update_to_content(ClientUpdate(f"site-{index}", state, 8, 0.5), index)
+        if index == 1:
+            key = next(iter(state))
+            if attack == "garbage npy":
+                content["arrays"][key] = Array(dtype="float32", shape=tuple(state[key].shape), stype="numpy.ndarray",
+                                               data=b"\x00garbage" * 5)
+            elif attack == "header claims more":
+                data = npy_bytes(np.zeros((4096, 4096), np.float32))[:300]
+                content["arrays"][key] = Array(dtype="float32", shape=(4096, 4096), stype="numpy.ndarray", data=data)
+            elif attack == "dtype torch cannot hold":
+                content["arrays"][key] = Array(np.full(tuple(state[key].shape), "hello"))
+            else:
+                report = {"client-id": ["site-0"], "kind": "error", "reason": "RuntimeError: out of memory"}
+                return Message(Error(code=2, reason=json.dumps(report)), reply_to=message)
+        return Message(content, reply_to=message)
+
+    grid = LocalGrid(respond, {11: {"partition-id": 0}, 12: {"partition-id": 1}})
+    for server_round in (1, 2):  # repeated every round: the run goes on
+        strategy.aggregate_train(server_round, grid.send_and_receive(strategy.configure_train(server_round, None, None, grid)))
+        record = strategy.history[-1]
+        assert set(record.weights) == {"site-0"} and set(record.dropped) == {"site-1"}
+        assert re.search(reason, record.dropped["site-1"]), record.dropped["site-1"]

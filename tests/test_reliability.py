@@ -26,6 +26,7 @@ from trl_federated.callbacks import MetricsLoggerCallback
 from trl_federated.checkpoint import (
     Checkpoint,
     CheckpointMismatchError,
+    CorruptCheckpointError,
     list_checkpoints,
     prepare_output_dir,
     read_checkpoint,
@@ -164,7 +165,7 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
     assert clients[0]["fingerprint"] != clients[1]["fingerprint"]
     # JSON and safetensors only, and the adapter is a standard PEFT adapter
     assert sorted(p.name for p in path.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "federation.json", "federation.safetensors"
+        "adapter_config.json", "adapter_model.safetensors", "federation.json", "federation.safetensors", "manifest.json"
     ]
     json.loads((path / "federation.json").read_text())
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), path)
@@ -180,9 +181,9 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
         assert_states_equal(resumed.client_controls[client_id], reference.client_controls[client_id])
 
 
-def checkpoint_of(round_idx, value):
+def checkpoint_of(round_idx, value, m=1.0):
     state = {"w": torch.full((2,), value)}
-    return Checkpoint(round_idx, state, {"m": {"w": torch.tensor([value, math.nan])}, "step": round_idx}, {}, [], {},
+    return Checkpoint(round_idx, state, {"m": {"w": torch.tensor([value, m])}, "step": round_idx}, {}, [], {},
                       {"note": "unit test"})
 
 
@@ -191,7 +192,7 @@ def test_checkpoint_write_is_atomic_and_rotates(tmp_path, monkeypatch):
     write_checkpoint(checkpoint_of(0, 0.5), tmp_path, lora)
     loaded = read_checkpoint(tmp_path / "checkpoint-0")
     assert loaded.aggregator["step"] == 0 and loaded.identity == {"note": "unit test"}
-    assert loaded.aggregator["m"]["w"][0] == 0.5 and math.isnan(loaded.aggregator["m"]["w"][1])
+    assert loaded.aggregator["m"]["w"].tolist() == [0.5, 1.0]
 
     # a crash while writing checkpoint-1 leaves no checkpoint-1 and checkpoint-0 as it was
     import trl_federated.checkpoint as checkpoint_module
@@ -217,7 +218,7 @@ def test_checkpoint_write_is_atomic_and_rotates(tmp_path, monkeypatch):
 
 def test_resume_arguments(tmp_path):
     args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, resume_from_checkpoint="true")
-    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint-<round> folder"):
         prepare_output_dir(args)
     args.resume_from_checkpoint = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
@@ -287,6 +288,150 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, ot
     )
     with pytest.raises(CheckpointMismatchError, match=message):
         runner.run()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"server_optimizer": "sgd"}, r"server optimizer differs \(checkpoint: ServerAdam, now: ServerSGD\)"),
+    ({"seed": 1}, r"training settings differ in seed \(checkpoint: 0, now: 1\)"),
+    ({"local_steps": 2, "reward_window": 1}, r"local_steps \(checkpoint: 1, now: 2\)"),
+    ({"rpg_tau_min": 1.0, "rpg_h_max": None}, r"rpg_tau_min \(checkpoint: 1.5, now: 1.0\), rpg_h_max"),
+    ({"learning_rate": 1e-3}, r"learning_rate \(checkpoint: 0.01, now: 0.001\).*resume_allow_changes"),
+])
+def test_resume_refuses_other_training_settings_by_name(tmp_path, tiny_model_dir, change, message):
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1).save_checkpoint(0)
+    with pytest.raises(CheckpointMismatchError, match=message):
+        make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", **change).run()
+
+
+def test_resume_from_sgd_to_adam_is_a_mismatch_not_a_key_error(tmp_path, tiny_model_dir):
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1, server_optimizer="sgd").save_checkpoint(0)
+    with pytest.raises(CheckpointMismatchError, match="server optimizer differs .*ServerSGD, now: ServerAdam"):
+        make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true").run()
+
+
+def test_resume_allow_changes_lets_named_training_settings_change(tmp_path, tiny_model_dir, caplog):
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1).save_checkpoint(0)
+    runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", learning_rate=1e-3,
+                         rpg_tau_min=1.0, resume_allow_changes="learning_rate, rpg_tau_min")
+    runner.run()
+    assert re.search(r"changed training settings \(resume_allow_changes\): .*learning_rate \(checkpoint: 0.01, now: "
+                     r"0.001\)", caplog.text) and "rpg_tau_min (checkpoint: 1.5, now: 1.0)" in caplog.text
+    with pytest.raises(ValueError, match=r"`resume_allow_changes` names \['server_optimizer'\]"):
+        make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", server_optimizer="sgd",
+                    resume_allow_changes="server_optimizer").run()
+
+
+def flip_byte(path, offset=-8):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def rewrite_consistently(checkpoint_dir, name, text):
+    """Replace a checkpoint file and its manifest entry to match: damage that checksums alone cannot see."""
+    import trl_federated.checkpoint as checkpoint_module
+
+    (checkpoint_dir / name).write_text(text)
+    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+    manifest["files"][name] = checkpoint_module._file_digest(checkpoint_dir / name)
+    (checkpoint_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def rewrite_state(checkpoint_dir, edit):
+    state = json.loads((checkpoint_dir / "federation.json").read_text())
+    edit(state)
+    rewrite_consistently(checkpoint_dir, "federation.json", json.dumps(state))
+
+
+@pytest.mark.parametrize("damage, fault", [
+    ("truncated adapter", r"adapter_model.safetensors does not match its manifest \(truncated or modified\)"),
+    ("flipped byte", r"adapter_model.safetensors does not match its manifest"),
+    ("edited json", r"federation.json does not match its manifest"),
+    ("no manifest", r"no readable manifest.json"),
+    ("missing file", r"federation.safetensors is missing"),
+    ("json garbage", r"unreadable \(JSONDecodeError"),
+    ("nan baseline", r"non-finite values in aggregator\['baselines'\]\['site-0'\]"),
+    ("round index", r"it holds round 0, but its folder names round 1"),
+    ("history", r"its history ends with round 0, not 1"),
+])
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_model_dir, caplog, damage, fault):
+    reference = make_runner(tiny_model_dir, tmp_path / "run", num_rounds=2)
+    reference.run()
+    newest = tmp_path / "run" / "checkpoint-1"
+    if damage == "truncated adapter":
+        (newest / "adapter_model.safetensors").write_bytes((newest / "adapter_model.safetensors").read_bytes()[:100])
+    elif damage == "flipped byte":
+        flip_byte(newest / "adapter_model.safetensors")
+    elif damage == "edited json":
+        (newest / "federation.json").write_text((newest / "federation.json").read_text().replace('"round_idx": 1', '"round_idx": 0', 1))
+    elif damage == "no manifest":
+        (newest / "manifest.json").unlink()
+    elif damage == "missing file":
+        (newest / "federation.safetensors").unlink()
+    elif damage == "json garbage":
+        rewrite_consistently(newest, "federation.json", "{not json")
+    elif damage == "nan baseline":
+        rewrite_state(newest, lambda state: state["aggregator"]["baselines"].update({"site-0": math.nan}))
+    elif damage == "round index":
+        rewrite_state(newest, lambda state: state.update(round_idx=0))
+    elif damage == "history":
+        rewrite_state(newest, lambda state: state["history"].pop())
+
+    # named with its path when asked for explicitly
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(newest)) + " is damaged: " + fault):
+        read_checkpoint(newest)
+    with pytest.raises(CorruptCheckpointError, match=fault):
+        make_runner(tiny_model_dir, tmp_path / "run", num_rounds=2, resume_from_checkpoint=str(newest)).run()
+    # "the latest": a warning naming it, and the previous intact checkpoint resumes, ending where the run ended
+    resumed = make_runner(tiny_model_dir, tmp_path / "run", num_rounds=2, resume_from_checkpoint="true")
+    history = resumed.run()
+    assert f"Checkpoint {newest} is damaged" in caplog.text and "newest intact checkpoint" in caplog.text
+    assert [record.round_idx for record in history] == [0, 1]
+    assert_states_equal(resumed.global_state, reference.global_state)
+    read_checkpoint(newest)  # rewritten by the resumed round
+
+
+def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    for round_idx in (0, 1):
+        write_checkpoint(checkpoint_of(round_idx, 0.5), tmp_path, lora)
+        flip_byte(tmp_path / f"checkpoint-{round_idx}" / "federation.safetensors")
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, resume_from_checkpoint="true")
+    with pytest.raises(CorruptCheckpointError, match=r"no checkpoint in it is intact: .*checkpoint-1 is damaged.*"
+                       r"checkpoint-0 is damaged"):
+        prepare_output_dir(args)
+    # a checkpoint holding NaN is refused as damaged, whatever its checksums say
+    write_checkpoint(checkpoint_of(2, 0.5, m=math.nan), tmp_path, lora)
+    with pytest.raises(CorruptCheckpointError, match=r"non-finite values in aggregator\['m'\]\['w'\]"):
+        read_checkpoint(tmp_path / "checkpoint-2")
+
+
+def test_round_adapter_is_published_inside_the_atomic_checkpoint_step(tmp_path, monkeypatch):
+    import trl_federated.checkpoint as checkpoint_module
+
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    real_replace = os.replace
+
+    def crash_on_checkpoint_rename(source, destination):
+        if Path(destination).name == "checkpoint-0":
+            raise OSError("power cut")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", crash_on_checkpoint_rename)
+    with pytest.raises(OSError, match="power cut"):
+        write_checkpoint(checkpoint_of(0, 0.5), tmp_path, lora, round_adapter=True)
+    monkeypatch.undo()
+    # the crash left the round adapter (a resume redoes the round and rewrites it) and a staging folder, no checkpoint
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".checkpoint-0.tmp", "round-0"]
+    assert list_checkpoints(tmp_path) == []
+    (tmp_path / ".round-3.tmp").mkdir()  # another crash's leftovers
+    prepare_output_dir(FedGRPOConfig(output_dir=str(tmp_path), bf16=False, overwrite_output_dir=True))
+    assert list(tmp_path.iterdir()) == []  # staging folders cleaned on start (and the old run's round-0 overwritten)
+
+    write_checkpoint(checkpoint_of(0, 0.5), tmp_path, lora, round_adapter=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-0", "round-0"]
+    assert torch.equal(load_file(tmp_path / "round-0" / "adapter_model.safetensors")["w"], torch.full((2,), 0.5))
+    assert (tmp_path / "round-0" / "adapter_config.json").is_file()
 
 
 # 3. Failing and slow clients -----------------------------------------------------------------------------

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+
+from .aggregation.base import is_finite
 
 if TYPE_CHECKING:
     from .aggregation import ClientUpdate
@@ -80,13 +83,13 @@ def validate_update(
                 reject(f"{name}[{key!r}] has shape {shape}, expected {tuple(reference.shape)}")
             if check_dtype and tensor.dtype != reference.dtype:
                 reject(f"{name}[{key!r}] has dtype {tensor.dtype}, expected {reference.dtype}")
-            if not torch.isfinite(tensor).all():
+            if not is_finite(tensor):
                 reject(f"{name}[{key!r}] holds NaN or Inf")
     if isinstance(update.num_samples, bool) or not isinstance(update.num_samples, int) or update.num_samples < 1:
-        reject(f"num_samples must be a positive integer, got {update.num_samples!r}")
+        reject(f"num_samples must be a positive integer, got {reprlib.repr(update.num_samples)}")
     reward = update.reward
     if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(reward):
-        reject(f"reward R̄ must be a finite number, got {reward!r}")
+        reject(f"reward R̄ must be a finite number, got {reprlib.repr(reward)}")
     if reward_range is not None:
         low, high = reward_range
         tolerance = 1e-6 * max(1.0, high - low)  # step rewards are float32 means

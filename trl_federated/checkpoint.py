@@ -13,10 +13,20 @@ in JSON, so loading one never unpickles anything:
     adapter_model.safetensors, adapter_config.json   the global adapter after round t (PEFT layout)
     federation.safetensors                          aggregator and client-control tensors
     federation.json                                 round, history, evaluations, the other aggregator state,
-                                                    and the identity of the run (base model, LoRA, clients)
+                                                    and the identity of the run (base model, LoRA, clients,
+                                                    aggregation, server optimizer, training settings)
+    manifest.json                                   the size and SHA-256 of each file above
 
 It is written into a hidden staging folder that `os.replace` renames into place, so a crash leaves either the
-whole checkpoint or none of it, and the previous checkpoints untouched.
+whole checkpoint or none of it, and the previous checkpoints untouched; the round's standalone adapter
+(`round-<t>/`, hard links to the same files) is published from the staging folder before that rename, so a
+checkpoint never exists without its round adapter. Stale staging folders of a crashed write are removed when a
+run starts (`prepare_output_dir`).
+
+Nothing read back is trusted: `read_checkpoint` verifies every file against the manifest, then the structure and
+values (finite tensors and numbers, a round index that matches the folder and the history), and raises
+`CorruptCheckpointError` naming the folder and the fault. Resuming from "the latest" checkpoint falls back, with a
+warning, to the newest intact one, and refuses when none is.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from peft import PeftConfig, PeftModel
 from safetensors.torch import load_file, save_file
 
 from .adapters import AdapterState
+from .aggregation.base import check_state, non_finite_entries
 from .callbacks import RoundRecord
 
 if TYPE_CHECKING:
@@ -51,6 +62,10 @@ ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # what `PeftConfig.save_pretrained` writes
 TENSORS_FILE = "federation.safetensors"
 STATE_FILE = "federation.json"
+MANIFEST_FILE = "manifest.json"
+CHECKPOINT_FILES = (ADAPTER_FILE, ADAPTER_CONFIG_FILE, TENSORS_FILE, STATE_FILE)
+# Staging folders of a write that a crash interrupted: `.checkpoint-<t>.tmp`, `.checkpoint-<t>.old`, `.round-<t>.tmp`.
+_STAGING_RE = re.compile(r"\.(checkpoint|round)-\d+\.(tmp|old)")
 _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 # What a run leaves in output_dir besides the files every run rewrites (final adapter, summary, plots).
 _RUN_FILES = ("metrics.jsonl", "result.json")
@@ -61,7 +76,16 @@ _IGNORED_LORA_KEYS = ("base_model_name_or_path", "revision", "inference_mode", "
 
 
 class CheckpointMismatchError(ValueError):
-    """The checkpoint was made by a run with another base model, LoRA configuration, client set or aggregator."""
+    """The checkpoint was made by a run with another base model, LoRA configuration, client set, aggregator, server
+    optimizer or training settings."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint folder whose files do not match its manifest, or whose contents are malformed or non-finite."""
+
+    def __init__(self, path: str | Path, fault: str):
+        super().__init__(f"Checkpoint {path} is damaged: {fault}.")
+        self.path, self.fault = Path(path), fault
 
 
 @dataclass
@@ -81,9 +105,14 @@ class Checkpoint:
 
 
 def write_checkpoint(
-    checkpoint: Checkpoint, output_dir: str | Path, adapter_config: PeftConfig, save_total_limit: int | None = None
+    checkpoint: Checkpoint,
+    output_dir: str | Path,
+    adapter_config: PeftConfig,
+    save_total_limit: int | None = None,
+    round_adapter: bool = False,
 ) -> Path:
-    """Write `output_dir/checkpoint-<round_idx>` atomically; then keep only the `save_total_limit` latest."""
+    """Write `output_dir/checkpoint-<round_idx>` atomically, with `round-<round_idx>/` first when `round_adapter`;
+    then keep only the `save_total_limit` latest checkpoints (round adapters stay)."""
     output_dir = Path(output_dir)
     final = output_dir / f"checkpoint-{checkpoint.round_idx}"
     staging = output_dir / f".{final.name}.tmp"
@@ -102,8 +131,12 @@ def write_checkpoint(
     adapter_config.save_pretrained(str(staging))
     save_file(tensors, staging / TENSORS_FILE, metadata={"format": "pt"})
     (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+    manifest = {"round_idx": checkpoint.round_idx, "files": {name: _file_digest(staging / name) for name in CHECKPOINT_FILES}}
+    (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     for path in staging.iterdir():
         _fsync(path)
+    if round_adapter:  # before the checkpoint exists: a crash between the two renames only repeats the round
+        export_adapter(staging, output_dir / f"round-{checkpoint.round_idx}")
     if final.exists():  # a round done again after resuming from an older checkpoint
         stale = output_dir / f".{final.name}.old"
         shutil.rmtree(stale, ignore_errors=True)
@@ -132,7 +165,8 @@ class CheckpointedServer:
     identity: dict[str, Any]
 
     def save_checkpoint(self, round_idx: int) -> Path:
-        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically."""
+        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically, with the round's
+        adapter `round-<round_idx>/` when `args.save_every_round`."""
         checkpoint = Checkpoint(
             round_idx=round_idx,
             global_state=self.global_state,
@@ -143,13 +177,20 @@ class CheckpointedServer:
             identity=self.identity,
         )
         adapter_config = self.model.peft_config[self.model.active_adapter]
-        return write_checkpoint(checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit)
+        return write_checkpoint(
+            checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit, self.args.save_every_round
+        )
 
     def restore_checkpoint(self, path: str | Path) -> Checkpoint:
-        """Load the server state of the checkpoint at `path`, after checking that this run made it (same base model,
-        LoRA configuration, clients, aggregator and wire format, else `CheckpointMismatchError`)."""
+        """Load the server state of the checkpoint at `path` (verified by `read_checkpoint`), after checking that
+        this run made it (same base model, LoRA configuration, clients, aggregator, server optimizer, wire format
+        and training settings, up to `args.resume_allow_changes`; else `CheckpointMismatchError`)."""
         checkpoint = read_checkpoint(path)
-        check_identity(checkpoint.identity, self.identity, path)
+        check_identity(checkpoint.identity, self.identity, path, allow_changes=allowed_changes(self.args))
+        try:
+            check_state(checkpoint.global_state, self.global_state, "the global adapter")
+        except ValueError as error:
+            raise CorruptCheckpointError(path, str(error).rstrip(".")) from error
         self.global_state = checkpoint.global_state
         self.aggregator.load_state_dict(checkpoint.aggregator)
         self.client_controls = checkpoint.client_controls
@@ -179,32 +220,123 @@ def export_adapter(checkpoint_dir: str | Path, destination: str | Path) -> Path:
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a checkpoint written by `write_checkpoint` (safetensors and JSON only)."""
+    """Load a checkpoint written by `write_checkpoint` (safetensors and JSON only), after verifying every file
+    against its manifest; then check its structure and values. `CorruptCheckpointError`, naming `path` and the
+    fault, for anything else."""
     path = Path(path)
-    state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    tensors = load_file(path / TENSORS_FILE)
-    return Checkpoint(
-        round_idx=state["round_idx"],
-        global_state=load_file(path / ADAPTER_FILE),
-        aggregator=_join_tensors(state["aggregator"], tensors),
-        client_controls=_join_tensors(state["client_controls"], tensors),
-        history=[RoundRecord(**record) for record in state["history"]],
-        evaluations={int(round_idx): results for round_idx, results in state["evaluations"].items()},
-        identity=state["identity"],
-    )
+    verify_files(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        tensors = load_file(path / TENSORS_FILE)
+        checkpoint = Checkpoint(
+            round_idx=state["round_idx"],
+            global_state=load_file(path / ADAPTER_FILE),
+            aggregator=_join_tensors(state["aggregator"], tensors),
+            client_controls=_join_tensors(state["client_controls"], tensors),
+            history=[RoundRecord(**record) for record in state["history"]],
+            evaluations={int(round_idx): results for round_idx, results in state["evaluations"].items()},
+            identity=state["identity"],
+        )
+    except Exception as error:  # JSONDecodeError, SafetensorError, KeyError, TypeError: all the same to a resume
+        raise CorruptCheckpointError(path, f"unreadable ({type(error).__name__}: {error})") from error
+    if fault := _checkpoint_fault(checkpoint, path):
+        raise CorruptCheckpointError(path, fault)
+    return checkpoint
+
+
+def verify_files(path: str | Path) -> None:
+    """`CorruptCheckpointError` unless every file of the checkpoint at `path` has the size and SHA-256 its manifest
+    records."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        missing = [name for name in CHECKPOINT_FILES if name not in files]
+    except Exception as error:
+        raise CorruptCheckpointError(path, f"no readable {MANIFEST_FILE} ({type(error).__name__}: {error})") from error
+    if missing:
+        raise CorruptCheckpointError(path, f"its manifest lists no {', '.join(missing)}")
+    for name in CHECKPOINT_FILES:
+        if not (path / name).is_file():
+            raise CorruptCheckpointError(path, f"{name} is missing")
+        if _file_digest(path / name) != files[name]:
+            raise CorruptCheckpointError(path, f"{name} does not match its manifest (truncated or modified)")
+
+
+def _checkpoint_fault(checkpoint: Checkpoint, path: Path) -> str | None:
+    """What makes a parsed checkpoint unusable: a round index that is no index, or disagrees with the folder's name or
+    with the history; a global adapter that is no dict of tensors; non-finite tensors or numbers in the adapter or
+    the aggregator state."""
+    round_idx = checkpoint.round_idx
+    if isinstance(round_idx, bool) or not isinstance(round_idx, int) or round_idx < 0:
+        return f"its round index {round_idx!r} is not a round"
+    if (match := _CHECKPOINT_RE.fullmatch(path.name)) and int(match.group(1)) != round_idx:
+        return f"it holds round {round_idx}, but its folder names round {match.group(1)}"
+    if checkpoint.history and checkpoint.history[-1].round_idx != round_idx:
+        return f"its history ends with round {checkpoint.history[-1].round_idx}, not {round_idx}"
+    if not checkpoint.global_state or not all(isinstance(value, torch.Tensor) for value in checkpoint.global_state.values()):
+        return "its global adapter holds no tensors"
+    if not isinstance(checkpoint.aggregator, dict) or not isinstance(checkpoint.identity, dict):
+        return "its aggregator state or run identity is not a mapping"
+    non_finite = non_finite_entries(checkpoint.global_state, "global adapter") + non_finite_entries(
+        checkpoint.aggregator, "aggregator"
+    ) + non_finite_entries(checkpoint.client_controls, "client controls")
+    if non_finite:
+        return f"non-finite values in {', '.join(non_finite[:3])}"
+    return None
+
+
+def _file_digest(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(2**20), b""):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """The complete checkpoints in `output_dir`, oldest round first."""
+    """The checkpoint folders in `output_dir`, oldest round first: complete when written (the write is atomic);
+    `read_checkpoint` finds out whether one was damaged since."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    found = [
-        path
-        for path in output_dir.iterdir()
-        if _CHECKPOINT_RE.fullmatch(path.name) and (path / STATE_FILE).is_file()
-    ]
+    found = [path for path in output_dir.iterdir() if _CHECKPOINT_RE.fullmatch(path.name) and path.is_dir()]
     return sorted(found, key=_round_of)
+
+
+def latest_intact_checkpoint(output_dir: str | Path) -> Path:
+    """The newest checkpoint in `output_dir` that `read_checkpoint` accepts; each newer, damaged one is reported with
+    a warning naming it and the fault. `CorruptCheckpointError` when none is intact, `FileNotFoundError` when there is
+    none at all."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        raise FileNotFoundError(
+            f"`resume_from_checkpoint` asks for the latest checkpoint, but {output_dir} holds no checkpoint-<round> "
+            "folder."
+        )
+    faults = []
+    for path in reversed(found):
+        try:
+            read_checkpoint(path)
+        except CorruptCheckpointError as error:
+            faults.append(str(error))
+            logger.warning("%s Falling back to the previous checkpoint.", error)
+            continue
+        if faults:
+            logger.warning("Resuming from %s, the newest intact checkpoint.", path)
+        return path
+    raise CorruptCheckpointError(output_dir, f"no checkpoint in it is intact: {' '.join(faults)}")
+
+
+def clean_staging(output_dir: str | Path) -> list[str]:
+    """Remove the staging folders a crashed checkpoint write left in `output_dir`; their names."""
+    output_dir = Path(output_dir)
+    stale = sorted(path.name for path in output_dir.iterdir() if _STAGING_RE.fullmatch(path.name)) if output_dir.is_dir() else []
+    for name in stale:
+        shutil.rmtree(output_dir / name, ignore_errors=True)
+    if stale:
+        logger.warning("Removed the staging folders of an interrupted checkpoint write: %s", ", ".join(stale))
+    return stale
 
 
 def _round_of(path: Path) -> int:
@@ -256,27 +388,26 @@ def _fsync(path: Path) -> None:
 def prepare_output_dir(args: FedGRPOConfig, is_main_process: bool = True) -> Path | None:
     """The checkpoint to resume from (`args.resume_from_checkpoint`), or None once `output_dir` holds no other run.
 
-    `resume_from_checkpoint` is a checkpoint folder, or "true" (or `True`) for the latest one in `output_dir`.
+    `resume_from_checkpoint` is a checkpoint folder, refused if damaged, or "true" (or `True`) for the latest intact
+    one in `output_dir` (`latest_intact_checkpoint`). The main process first removes the staging folders of an
+    interrupted checkpoint write.
     Without it, an `output_dir` that holds another run's metrics.jsonl, result.json, checkpoint-<t> or round-<t>
     is an error, since the new run would append to that run's log and mix with its checkpoints, unless
     `overwrite_output_dir` is set: then the main process deletes those first.
     """
     output_dir = Path(args.output_dir)
+    if is_main_process:
+        clean_staging(output_dir)
     value = args.resume_from_checkpoint
     if isinstance(value, str) and value.strip().lower() in ("true", "false", ""):
         value = value.strip().lower() == "true"
     if value is True:
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise FileNotFoundError(
-                f"`resume_from_checkpoint` asks for the latest checkpoint, but {output_dir} holds no complete "
-                "checkpoint-<round> folder."
-            )
-        return found[-1]
+        return latest_intact_checkpoint(output_dir)
     if value:
         path = Path(value)
         if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"{path} is not a checkpoint of a federated run: it has no {STATE_FILE}.")
+        read_checkpoint(path)  # a damaged checkpoint named explicitly is refused, never replaced by another
         return path
 
     previous = sorted(
@@ -307,14 +438,34 @@ def prepare_output_dir(args: FedGRPOConfig, is_main_process: bool = True) -> Pat
 # Identity of a run ---------------------------------------------------------------------------------------
 
 
-def run_identity(model: PeftModel, client_datasets: Mapping[str, Dataset], aggregator: Aggregator) -> dict[str, Any]:
+# Fields of `FedGRPOConfig` (GRPO's and the federation's) that change what a run computes from a checkpoint on: a
+# resumed run must keep them, unless `resume_allow_changes` names them. Absent fields (an older TRL) are skipped.
+RESULT_FIELDS = (
+    # the federation
+    "seed", "local_steps", "reward_window", "fedprox_mu", "scaffold_correction",
+    "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
+    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max",
+    "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
+    "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
+    # local training
+    "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "num_generations", "steps_per_generation", "num_iterations", "max_completion_length", "temperature", "top_p",
+    "top_k", "beta", "epsilon", "epsilon_high", "loss_type", "importance_sampling_level", "scale_rewards",
+    "reward_weights", "mask_truncated_completions",
+)
+
+
+def run_identity(
+    model: PeftModel, client_datasets: Mapping[str, Dataset], aggregator: Aggregator, args: FedGRPOConfig | None = None
+) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it: the base model (its configuration and a
-    fingerprint of its weights), the LoRA configuration, the clients (ids in order, rows, data fingerprint) and
-    the aggregator class."""
+    fingerprint of its weights), the LoRA configuration, the clients (ids in order, rows, data fingerprint), the
+    aggregator and server optimizer classes and, from `args`, the wire format and every `RESULT_FIELDS` setting."""
     base = model.get_base_model()
     model_config = _jsonable(base.config.to_dict())
     lora_config = _jsonable(model.peft_config[model.active_adapter].to_dict())
-    return {
+    identity = {
         "base_model": {
             "name_or_path": getattr(base.config, "_name_or_path", None),
             "config": {key: value for key, value in model_config.items() if key not in _IGNORED_MODEL_KEYS},
@@ -326,11 +477,33 @@ def run_identity(model: PeftModel, client_datasets: Mapping[str, Dataset], aggre
             for client_id, dataset in client_datasets.items()
         ],
         "aggregator": type(aggregator).__name__,
+        "server_optimizer": type(aggregator.server_optimizer).__name__,
     }
+    if args is not None:
+        identity["wire"] = {"lora_aggregation": args.lora_aggregation, "transfer_dtype": args.transfer_dtype}
+        identity["training"] = _jsonable({name: getattr(args, name) for name in RESULT_FIELDS if hasattr(args, name)})
+    return identity
 
 
-def check_identity(saved: dict[str, Any], current: dict[str, Any], path: str | Path) -> None:
-    """Raise `CheckpointMismatchError`, naming every difference, unless `saved` and `current` are the same run."""
+def allowed_changes(args: FedGRPOConfig) -> set[str]:
+    """The `RESULT_FIELDS` that `args.resume_allow_changes` (comma-separated) lets a resumed run change; a name that
+    is not one is a `ValueError`: the structure of a run (model, LoRA, clients, aggregation, server optimizer,
+    wire format) never changes."""
+    names = {name.strip() for name in (getattr(args, "resume_allow_changes", None) or "").split(",") if name.strip()}
+    unknown = sorted(names - set(RESULT_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"`resume_allow_changes` names {unknown}, which a resumed run cannot change; it may name only training "
+            f"settings: {', '.join(RESULT_FIELDS)}."
+        )
+    return names
+
+
+def check_identity(
+    saved: dict[str, Any], current: dict[str, Any], path: str | Path, allow_changes: set[str] = frozenset()
+) -> None:
+    """Raise `CheckpointMismatchError`, naming every difference, unless `saved` and `current` are the same run (up
+    to the training settings in `allow_changes`, whose changes are logged)."""
     problems = []
     saved_model, current_model = saved["base_model"], current["base_model"]
     names = f"checkpoint: {saved_model['name_or_path']!r}, now: {current_model['name_or_path']!r}"
@@ -356,15 +529,33 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any], path: str | P
         problems.append(f"the wire format differs in {differences}")
     if saved["aggregator"] != current["aggregator"]:
         problems.append(f"the aggregator differs (checkpoint: {saved['aggregator']}, now: {current['aggregator']})")
+    if saved.get("server_optimizer") != current.get("server_optimizer"):
+        problems.append(
+            f"the server optimizer differs (checkpoint: {saved.get('server_optimizer')}, now: "
+            f"{current.get('server_optimizer')})"
+        )
+    if "training" in current:
+        saved_training, current_training = saved.get("training", {}), current["training"]
+        changed = [key for key in current_training if saved_training.get(key, "(unrecorded)") != current_training[key]]
+        if refused := [key for key in changed if key not in allow_changes]:
+            problems.append(
+                f"training settings differ in {_differences(saved_training, current_training, keys=refused, limit=len(refused))}"
+                " (`resume_allow_changes` may allow them)"
+            )
+        if allowed := [key for key in changed if key in allow_changes]:
+            logger.warning("Resuming with changed training settings (resume_allow_changes): %s",
+                           _differences(saved_training, current_training, keys=allowed, limit=len(allowed)))
     if problems:
         raise CheckpointMismatchError(
             f"Cannot resume from {path}: it was made by another run: {'; '.join(problems)}. Resume with the same "
-            "base model, LoRA configuration, clients and aggregation, or start afresh in another output_dir."
+            "base model, LoRA configuration, clients, aggregation, server optimizer and training settings, or start "
+            "afresh in another output_dir."
         )
 
 
-def _differences(saved: dict[str, Any], current: dict[str, Any], limit: int = 5) -> str:
-    keys = [key for key in {**saved, **current} if saved.get(key) != current.get(key)]
+def _differences(saved: dict[str, Any], current: dict[str, Any], limit: int = 5, keys: list[str] | None = None) -> str:
+    if keys is None:
+        keys = [key for key in {**saved, **current} if saved.get(key) != current.get(key)]
     described = [f"{key} (checkpoint: {saved.get(key)!r}, now: {current.get(key)!r})" for key in keys[:limit]]
     return ", ".join(described) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 

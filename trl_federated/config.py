@@ -222,10 +222,15 @@ class FedGRPOConfig(GRPOConfig):
     )
     rpg_eps: float = field(default=1e-8, metadata={"help": "ε added to σ in the RPG denominator."})
     rpg_h_max: float | None = field(
-        default=None,
+        default=10.0,
         metadata={
-            "help": "Optional bound on |h| (the paper's Assumption 5): caps the weight a client can gain by "
-            "inflating its self-reported reward. None leaves h unbounded."
+            "help": "Bound on |h| (the paper's Assumption 5): h is clipped to [-h_max, h_max], which caps the weight a "
+            "client can gain by inflating its self-reported reward (at most exp(2 h_max / tau) times another's). "
+            "An honest |h| never exceeds max(1 / (1 - rpg_iota), (R_max - R_min) / rpg_sigma_max): below sigma_max, "
+            "sigma >= (1 - iota)|gap|, so |h| <= 1 / (1 - iota); at sigma_max, |h| <= |gap| / sigma_max. With the "
+            "paper's iota = 0.9 and sigma_max = 0.2 that is 10 for rewards spanning up to 2 (accuracy + format), so the "
+            "default 10 changes nothing an honest run learns; it only binds on a reward outside that span. None "
+            "leaves h unbounded."
         },
     )
 
@@ -304,6 +309,63 @@ class FedGRPOConfig(GRPOConfig):
         },
     )
 
+    # Robustness: what the server bounds in every client update (see `admission.UpdateGate`), how it combines them,
+    # and what a resumed run may change.
+    update_norm_bound: float | None = field(
+        default=10.0,
+        metadata={
+            "help": "Bound on each client's update norm ||theta_i - theta||, in units of U = local_steps x "
+            "learning_rate x sqrt(d), d the adapter's number of coordinates: the norm of E steps that each move every "
+            "coordinate by the learning rate. An Adam-family local optimizer (TRL's default) moves a coordinate by "
+            "about lr per step or less (at most (1 - beta1) / sqrt(1 - beta2), about 3.2, under extreme gradient "
+            "sparsity), so honest updates stay near or below 1 U (SCAFFOLD's decoupled correction adds at most ~2 U); "
+            "the default 10 leaves a wide margin. SCAFFOLD's ||delta c_i|| is bounded by the same number, in units of "
+            "sqrt(d). Set it explicitly for a non-Adam local optimizer. None: no bound."
+        },
+    )
+    update_norm_action: str = field(
+        default="reject",
+        metadata={
+            "help": "What happens to an update over `update_norm_bound`: 'reject' drops it from the round (an "
+            "invalid_update), 'clip' scales theta_i - theta back onto the bound.",
+            "choices": ["reject", "clip"],
+        },
+    )
+    robust_aggregation: str = field(
+        default="none",
+        metadata={
+            "help": "Coordinate-wise robust combination of the clients' adapters, for every method: 'none' (the "
+            "weighted mean sum_i w_i theta_i), 'trimmed_mean' (per coordinate, drop the `robust_trim_fraction` "
+            "largest and smallest client values, then the weighted mean of the rest with their weights renormalised) "
+            "or 'median' (the unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).",
+            "choices": ["none", "trimmed_mean", "median"],
+        },
+    )
+    robust_trim_fraction: float = field(
+        default=0.2,
+        metadata={
+            "help": "Fraction of clients trimmed at each end by robust_aggregation='trimmed_mean' (floor of the "
+            "fraction x the number of clients that reported, as Flower's FedTrimmedAvg), in [0, 0.5)."
+        },
+    )
+    max_client_samples: int | None = field(
+        default=1_000_000,
+        metadata={
+            "help": "Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), used "
+            "only where the server does not know the count itself (the runner always does; a Flower deployment "
+            "does for clients registered with `num-samples`). None: no cap."
+        },
+    )
+    resume_allow_changes: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated fields of the run's identity that a resumed run may change (e.g. "
+            "'learning_rate,rpg_tau_min'): "
+            "anything else that differs from the checkpoint's run is a CheckpointMismatchError. The model, LoRA, "
+            "clients, aggregation, server_optimizer and wire format can never change."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         # YAML hands "inf" over as a string.
@@ -319,6 +381,8 @@ class FedGRPOConfig(GRPOConfig):
         if self.server_learning_rate is None and self.server_optimizer in DEFAULT_SERVER_LEARNING_RATE:
             self.server_learning_rate = DEFAULT_SERVER_LEARNING_RATE[self.server_optimizer]
         for message in self._federation_errors():
+            raise ValueError(message)
+        for message in self._robustness_errors():
             raise ValueError(message)
 
     def federation_warnings(self, reward_range: tuple[float, float] | None = None) -> list[str]:
@@ -417,6 +481,22 @@ class FedGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if not 0 <= value < 1:
                 yield f"`{name}` must lie in [0, 1), got {value}."
+
+    def _robustness_errors(self):
+        """Yield one message per invalid field of the "Robustness" block."""
+        if self.update_norm_bound is not None and not self.update_norm_bound > 0:
+            yield f"`update_norm_bound` must be > 0 or None, got {self.update_norm_bound}."
+        if self.update_norm_action not in ("reject", "clip"):
+            yield f"`update_norm_action` must be 'reject' or 'clip', got {self.update_norm_action!r}."
+        if self.robust_aggregation not in ("none", "trimmed_mean", "median"):
+            yield f"`robust_aggregation` must be 'none', 'trimmed_mean' or 'median', got {self.robust_aggregation!r}."
+        if not 0 <= self.robust_trim_fraction < 0.5:
+            yield f"`robust_trim_fraction` must lie in [0, 0.5), got {self.robust_trim_fraction}."
+        if self.max_client_samples is not None and (
+            isinstance(self.max_client_samples, bool) or not isinstance(self.max_client_samples, int)
+            or self.max_client_samples < 1
+        ):
+            yield f"`max_client_samples` must be a positive integer or None, got {self.max_client_samples!r}."
 
 
 @dataclass

@@ -14,19 +14,12 @@ from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
 
-from .adapters import (
-    AdapterState,
-    get_adapter_state,
-    save_adapter,
-    set_adapter_state,
-    state_nbytes,
-    validate_update,
-)
+from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
+from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
 from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import (
     CheckpointedServer,
-    export_adapter,
     list_checkpoints,
     prepare_output_dir,
     run_identity,
@@ -75,8 +68,8 @@ class FederatedRunner(CheckpointedServer):
     only the client's adapter (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy
     per client, never by a model. The aggregator then produces the next global adapter.
 
-    Reliability: a client that raises, runs past `client_timeout` or reports an update that `validate_update`
-    rejects is dropped from its round (a `client_dropped` line in metrics.jsonl) and the round aggregates the
+    Reliability: a client that raises, runs past `client_timeout` or reports an update that the server's
+    `admission.UpdateGate` rejects (malformed, non-finite, out of range, over `update_norm_bound`) is dropped from its round (a `client_dropped` line in metrics.jsonl) and the round aggregates the
     others, if at least `min_clients_per_round` are left; the run stops with `NotEnoughClientsError` otherwise.
     After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
     `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
@@ -154,10 +147,15 @@ class FederatedRunner(CheckpointedServer):
         self.num_processes = PartialState().num_processes
         # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
         self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
+        # Every update enters the server through this gate; the runner knows each client's D_i itself.
+        self.gate = UpdateGate.from_config(
+            args, self.global_state, self.reward_range,
+            num_samples={client_id: len(dataset) for client_id, dataset in self.client_datasets.items()},
+            control=isinstance(self.aggregator, ScaffoldAggregator),
+        )
         self._check_clients()
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
-        self.identity = run_identity(self.model, self.client_datasets, self.aggregator)
-        self.identity["wire"] = {"lora_aggregation": args.lora_aggregation, "transfer_dtype": args.transfer_dtype}
+        self.identity = run_identity(self.model, self.client_datasets, self.aggregator, args)
 
     @staticmethod
     def _named_clients(client_datasets) -> dict[str, Dataset]:
@@ -278,6 +276,7 @@ class FederatedRunner(CheckpointedServer):
             start = time.perf_counter()
             self._fire("on_round_begin", round_idx=round_idx)
             broadcast_bytes = state_nbytes(self.wire.sent(self.global_state))
+            self.gate.open_round(self.global_state)
             updates, dropped = [], {}
             for client_index, client_id in enumerate(client_ids):
                 self.progress.start_client(round_idx, client_id)
@@ -308,9 +307,7 @@ class FederatedRunner(CheckpointedServer):
             self.history.append(record)
             self._fire("on_round_end", record=record)
             if self.is_main_process:
-                checkpoint = self.save_checkpoint(round_idx)
-                if args.save_every_round:
-                    export_adapter(checkpoint, output_dir / f"round-{round_idx}")
+                self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
         self.progress.close()
         self.progress = None
         if self.is_main_process:
@@ -328,7 +325,8 @@ class FederatedRunner(CheckpointedServer):
         args = self.args
         record = None
         if self.is_main_process:
-            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx)
+            # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
+            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx, check_finite=False)
             record = self._record(round_idx, updates, dropped, broadcast_bytes)
             is_last = round_idx == args.num_rounds - 1
             if is_last or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
@@ -346,12 +344,8 @@ class FederatedRunner(CheckpointedServer):
         """One client's validated update, or None after recording in `dropped` why the round goes without it."""
         update, fault, error = None, None, None
         try:
-            update = self.train_client(round_idx, client_index, client_id)
-            validate_update(update, self.global_state, self.reward_range)
-            # The server aggregates what the wire delivers, not the client's exact adapter.
-            payload = self.wire.encode(update.state, self.global_state)
-            update.state = self.wire.decode(payload, self.global_state)
-            update.wire_bytes = state_nbytes(payload)
+            trained = self.train_client(round_idx, client_index, client_id)
+            update = self.gate.admit(client_id, lambda: self._receive(trained))
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
             fault = describe_failure(error)
@@ -375,6 +369,14 @@ class FederatedRunner(CheckpointedServer):
         dropped[client_id] = reason
         self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
         return None
+
+    def _receive(self, update: ClientUpdate) -> ClientUpdate:
+        """The update as the server receives it: the server aggregates what the wire delivers (see
+        `transport.WireFormat`), not the client's exact adapter."""
+        payload = self.wire.encode(update.state, self.global_state)
+        update.state = self.wire.decode(payload, self.global_state)
+        update.wire_bytes = state_nbytes(payload)
+        return update
 
     # Checkpoints -------------------------------------------------------------------------------------------
 

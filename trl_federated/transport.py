@@ -44,7 +44,12 @@ class WireFormat:
         return {key: (value.float() - reference[key].float()).to(self.dtype) for key, value in self.sent(state).items()}
 
     def decode(self, payload: AdapterState, reference: AdapterState) -> AdapterState:
-        """The client's full adapter as the server sees it: `reference` where nothing was sent."""
+        """The client's full adapter as the server sees it: `reference` where nothing was sent. A payload without
+        exactly the entries that travel is a `ValueError`: a missing entry is never filled in from `reference`."""
+        expected = set(self.sent(reference))
+        if set(payload) != expected:
+            missing, extra = sorted(expected - set(payload)), sorted(set(payload) - expected)
+            raise ValueError(f"payload keys differ from the adapter's (missing {missing[:3]}, unexpected {extra[:3]})")
         if self.dtype == torch.float32:
             received = payload
         else:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .base import Aggregator, ClientUpdate, pseudo_gradient
+from .base import AggregationError, Aggregator, ClientUpdate, pseudo_gradient
 from .fedavg import FedAvgAggregator
+from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
 from .server_optim import ServerAdam, ServerOptimizer, ServerSGD
@@ -33,15 +34,18 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields); `num_clients`
     (default `args.num_clients`) is the size of the federation, which SCAFFOLD's server step needs."""
     server_optimizer = server_optimizer_from_config(args)
+    combiner = combiner_from_config(args)  # robust_aggregation: None for the weighted mean
     # `server_optimizer` may have been resolved from `aggregation` (FedGRPOConfig.__post_init__): say which it is.
     logger.info(
         "Aggregation %r with server optimizer %r (learning rate %g).",
         args.aggregation, args.server_optimizer, args.server_learning_rate,
     )
     if args.aggregation == "scaffold":
-        return ScaffoldAggregator(num_clients=num_clients or args.num_clients, server_optimizer=server_optimizer)
+        return ScaffoldAggregator(
+            num_clients=num_clients or args.num_clients, server_optimizer=server_optimizer, combiner=combiner
+        )
     if args.aggregation in ("fedavg", "fedprox"):  # FedProx differs on the clients only
-        return FedAvgAggregator(server_optimizer=server_optimizer)
+        return FedAvgAggregator(server_optimizer=server_optimizer, combiner=combiner)
     return RPGAggregator(
         lambda_base=args.rpg_lambda_base,
         iota=args.rpg_iota,
@@ -53,18 +57,22 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
         eps=args.rpg_eps,
         h_max=args.rpg_h_max,
         server_optimizer=server_optimizer,
+        combiner=combiner,
     )
 
 
 __all__ = [
+    "AggregationError",
     "Aggregator",
     "ClientUpdate",
+    "CoordinateMedian",
     "FedAvgAggregator",
     "RPGAggregator",
     "ScaffoldAggregator",
     "ServerAdam",
     "ServerOptimizer",
     "ServerSGD",
+    "TrimmedMean",
     "aggregator_from_config",
     "pseudo_gradient",
     "server_optimizer_from_config",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Aggregator, ClientUpdate
+from .base import Aggregator, ClientUpdate, check_number
 
 
 class FedAvgAggregator(Aggregator):
@@ -13,8 +13,8 @@ class FedAvgAggregator(Aggregator):
     """
 
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
+        for update in updates:
+            check_number(update.num_samples, f"FedAvg: client {update.client_id!r}'s num_samples", positive_int=True)
         sizes = [update.num_samples for update in updates]
-        if any(size <= 0 for size in sizes):
-            raise ValueError(f"FedAvg needs positive num_samples, got {dict(zip((u.client_id for u in updates), sizes))}.")
         total = sum(sizes)
         return [size / total for size in sizes]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Aggregator, ClientUpdate
+from .base import Aggregator, ClientUpdate, check_number
 from .server_optim import ServerAdam, ServerOptimizer
 
 
@@ -27,8 +27,10 @@ class RPGAggregator(Aggregator):
     - a client's first report sets φ^{[t-1]} to its own R̄ (so h = 0) and σ^{[t-1]} to σ_min;
     - t is the 0-based round index, so τ^{[0]} = τ_max;
     - the softmax runs over the clients that reported this round; a client that did not report keeps its φ, σ;
-    - `h_max` (optional) clips h to [−h_max, h_max], the bound of the paper's Assumption 5, so a client that
-      inflates its self-reported reward gains at most a factor exp(2 h_max / τ) in weight.
+    - `h_max` clips h to [−h_max, h_max], the bound of the paper's Assumption 5, so a client that inflates its
+      self-reported reward gains at most a factor exp(2 h_max / τ) in weight. The default 10 is never reached by an
+      honest client with the default ι, σ_max and rewards spanning at most 2: below σ_max, σ ≥ (1 − ι)|gap| gives
+      |h| ≤ 1 / (1 − ι) = 10; at σ_max, |h| ≤ |gap| / σ_max ≤ 2 / 0.2. None leaves h unbounded.
     """
 
     def __init__(
@@ -41,10 +43,11 @@ class RPGAggregator(Aggregator):
         tau_max: float = 2.5,
         lambda_anneal: float = 0.1,
         eps: float = 1e-8,
-        h_max: float | None = None,
+        h_max: float | None = 10.0,
         server_optimizer: ServerOptimizer | None = None,
+        combiner=None,
     ):
-        super().__init__(server_optimizer if server_optimizer is not None else ServerAdam())
+        super().__init__(server_optimizer if server_optimizer is not None else ServerAdam(), combiner)
         if not (0 < lambda_base <= 1 and 0 < iota <= 1):
             raise ValueError(f"`lambda_base` and `iota` must lie in (0, 1], got {lambda_base} and {iota}.")
         if not (0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max):
@@ -65,6 +68,8 @@ class RPGAggregator(Aggregator):
         return self.tau_min + (self.tau_max - self.tau_min) * math.exp(-self.lambda_anneal * round_idx)
 
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
+        for update in updates:
+            check_number(update.reward, f"RPG: client {update.client_id!r}'s reward")
         gains = []
         for update in updates:
             reward = float(update.reward)

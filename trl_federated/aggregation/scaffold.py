@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .base import ClientUpdate
+from .base import AggregationError, ClientUpdate, check_state, non_finite_entries
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
 
@@ -22,8 +22,8 @@ class ScaffoldAggregator(FedAvgAggregator):
     carries its Δc_i in `ClientUpdate.control_delta`.
     """
 
-    def __init__(self, num_clients: int, server_optimizer: ServerOptimizer | None = None):
-        super().__init__(server_optimizer)
+    def __init__(self, num_clients: int, server_optimizer: ServerOptimizer | None = None, combiner=None):
+        super().__init__(server_optimizer, combiner)
         if num_clients < 1:
             raise ValueError(f"`num_clients` must be >= 1, got {num_clients}.")
         self.num_clients = num_clients
@@ -35,16 +35,24 @@ class ScaffoldAggregator(FedAvgAggregator):
             self.control = {key: torch.zeros_like(value, dtype=torch.float32) for key, value in global_state.items()}
         return self.control
 
-    def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int):
+    def check_updates(self, global_state, updates: list[ClientUpdate], check_finite: bool = True) -> None:
+        super().check_updates(global_state, updates, check_finite)
         missing = [update.client_id for update in updates if update.control_delta is None]
         if missing:
             raise ValueError(f"SCAFFOLD updates need `control_delta`; missing for clients {missing}.")
-        new_state = super().aggregate(global_state, updates, round_idx)
+        for update in updates:
+            name = f"SCAFFOLD: client {update.client_id!r}'s control_delta"
+            check_state(update.control_delta, global_state, name, check_finite)
+
+    def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int, check_finite: bool = True):
+        new_state = super().aggregate(global_state, updates, round_idx, check_finite)
         control = self.server_control(global_state)
         keys = list(control)
         for update in updates:  # one fused in-place pass per client, promoting bfloat16 deltas on the fly
             deltas = [update.control_delta[key] for key in keys]
             torch._foreach_add_([control[key] for key in keys], deltas, alpha=1.0 / self.num_clients)
+        if non_finite := non_finite_entries(control, "server control"):
+            raise AggregationError(f"Round {round_idx}: SCAFFOLD's {non_finite[0]} is not finite; the round is refused.")
         return new_state
 
     def state_dict(self) -> dict[str, Any]:

@@ -43,6 +43,11 @@ class ServerOptimizer(ABC):
     def step_block(self, params: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The new values of the part `params` of the adapter, given its part of Δ; `params` is left untouched."""
 
+    def block_state(self, keys: list[str]) -> dict[str, Any]:
+        """The state of the part `keys` of the adapter, as the last `step_block` left it (nested dicts of tensors, as
+        `state_dict`), for the aggregator's checks."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -112,10 +117,16 @@ class ServerAdam(ServerOptimizer):
         new = torch._foreach_addcdiv([params[k].float() for k in keys], m, denominator, value=step_size)
         return {key: value.to(params[key].dtype) for key, value in zip(keys, new)}
 
+    def block_state(self, keys):
+        return {"m": {key: self.m[key] for key in keys}, "v": {key: self.v[key] for key in keys}}
+
     def state_dict(self):
         return {"m": dict(self.m), "v": dict(self.v), "num_steps": self.num_steps}
 
     def load_state_dict(self, state):
+        missing = sorted({"m", "v", "num_steps"} - set(state))
+        if missing:
+            raise ValueError(f"Server Adam state lacks {missing}: it was not saved by a server Adam.")
         # Copies: `step` updates m and v in place, and the source (a checkpoint, another server) must not move.
         self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
         self.v = {key: tensor.clone() for key, tensor in state["v"].items()}

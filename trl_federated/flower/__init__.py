@@ -7,12 +7,15 @@ across organisations".
 """
 
 from .apps import ClientSite, make_client_app, make_server_app, node_client_identity
+from .identity import ClientRegistry, RegisteredClient
 from .records import TrainInstruction, array_record_to_state, content_to_update, state_to_array_record, update_to_content
 from .strategy import FederatedStrategy
 
 __all__ = [
+    "ClientRegistry",
     "ClientSite",
     "FederatedStrategy",
+    "RegisteredClient",
     "TrainInstruction",
     "array_record_to_state",
     "content_to_update",

@@ -15,10 +15,17 @@ Client → server (the reply):
 
 Tensors go through NumPy's `.npy` format (Flower's `Array`), bit for bit; bfloat16, which NumPy lacks, travels as
 its int16 bit pattern under the dtype name "bfloat16".
+
+Whatever arrives is read as untrusted: an array is decoded only after its `.npy` header has been parsed and checked
+against the bytes that came (version, a plain numeric dtype, C order, exactly shape × itemsize bytes of data), so
+a malformed or oversized record costs no allocation beyond what was received and raises `ValueError` naming the
+entry; the metadata of a reply must have the documented types. `admission.UpdateGate` turns any such error into
+the client's `InvalidUpdateError`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from io import BytesIO
 
@@ -27,6 +34,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from ..adapters import AdapterState, InvalidUpdateError
+from ..admission import bounded_text
 from ..aggregation import ClientUpdate
 
 ARRAYS = "arrays"
@@ -47,8 +55,17 @@ def state_to_array_record(state: AdapterState) -> ArrayRecord:
 
 
 def array_record_to_state(record: ArrayRecord) -> AdapterState:
-    """The tensors of an `ArrayRecord` written by `state_to_array_record`, with their dtypes."""
-    return {key: _array_to_tensor(array) for key, array in record.items()}
+    """The tensors of an `ArrayRecord` written by `state_to_array_record`, with their dtypes; `ValueError`, naming
+    the entry, for anything else."""
+    if not isinstance(record, ArrayRecord):
+        raise ValueError(f"expected an ArrayRecord, got {type(record).__name__}")
+    state = {}
+    for key, array in record.items():
+        try:
+            state[key] = _array_to_tensor(array)
+        except Exception as error:  # numpy's and torch's own errors, whatever their type
+            raise ValueError(f"array {bounded_text(repr(key), 100)} cannot be decoded: {bounded_text(error, 200)}") from error
+    return state
 
 
 def _tensor_to_array(tensor: torch.Tensor) -> Array:
@@ -59,10 +76,39 @@ def _tensor_to_array(tensor: torch.Tensor) -> Array:
     return Array(dtype="bfloat16", shape=bits.shape, stype=bits.stype, data=bits.data)
 
 
+# What an array may hold: the numeric dtypes torch shares with NumPy (bfloat16 travels as int16).
+_NUMERIC_KINDS = "fiub"
+_NPY_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
 def _array_to_tensor(array: Array) -> torch.Tensor:
-    values = np.load(BytesIO(array.data), allow_pickle=False)  # a writable array: torch may share its memory
-    tensor = torch.from_numpy(values)
-    return tensor.view(torch.bfloat16) if array.dtype == "bfloat16" else tensor
+    """Decode one `.npy` array without trusting it: the header is parsed and checked first, then the data is copied
+    out of the received bytes (never a larger buffer than those)."""
+    if not isinstance(array, Array) or array.stype != "numpy.ndarray" or not isinstance(array.data, bytes):
+        raise ValueError("not a NumPy-serialised Flower Array")
+    stream = BytesIO(array.data)
+    version = np.lib.format.read_magic(stream)
+    if version not in _NPY_READERS:
+        raise ValueError(f".npy format version {version} is not accepted")
+    shape, fortran_order, dtype = _NPY_READERS[version](stream)
+    if dtype.hasobject or dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise ValueError(f"dtype {dtype} is not a plain numeric dtype")
+    if fortran_order:
+        raise ValueError("Fortran-ordered data is not accepted")
+    count = math.prod(shape)
+    expected, received = count * dtype.itemsize, len(array.data) - stream.tell()
+    if received != expected:
+        raise ValueError(f"header declares shape {shape} of {dtype} ({expected} bytes), but {received} bytes follow")
+    declared = tuple(array.shape) if isinstance(array.shape, (list, tuple)) else array.shape
+    if declared != tuple(shape):
+        raise ValueError(f"record declares shape {declared}, its data has shape {tuple(shape)}")
+    is_bfloat16 = array.dtype == "bfloat16"
+    if str(dtype) != ("int16" if is_bfloat16 else array.dtype):
+        raise ValueError(f"record declares dtype {bounded_text(repr(array.dtype), 40)}, its data holds {dtype}")
+    values = np.frombuffer(array.data, dtype=dtype, count=count, offset=stream.tell()).reshape(shape)
+    # A native-order, writable copy: torch may share its memory.
+    tensor = torch.from_numpy(values.astype(dtype.newbyteorder("="), copy=True))
+    return tensor.view(torch.bfloat16) if is_bfloat16 else tensor
 
 
 @dataclass
@@ -108,13 +154,25 @@ def client_identity_record(client_id: str, client_index: int) -> ConfigRecord:
     return ConfigRecord({"client-id": client_id, "client-index": client_index})
 
 
+MAX_CLIENT_ID_LENGTH = 256
+
+
 def read_client_identity(content: RecordDict) -> tuple[str, int]:
-    """(client id, client index) from a reply; `InvalidUpdateError` if it names none."""
+    """(client id, client index) a reply claims; `InvalidUpdateError` unless it names one: a non-empty `client-id`
+    string and an integer `client-index`. What it claims is checked against the server's own map of nodes to
+    clients (`FederatedStrategy`), never taken on trust."""
     record = content.config_records.get(CLIENT)
-    if record is None or not isinstance(record.get("client-id"), str) or not isinstance(record.get("client-index"), int):
+    client_id = None if record is None else record.get("client-id")
+    client_index = None if record is None else record.get("client-index")
+    if (
+        not isinstance(client_id, str)
+        or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH
+        or isinstance(client_index, bool)
+        or not isinstance(client_index, int)
+    ):
         raise InvalidUpdateError(f"The reply names no client: it needs a {CLIENT!r} ConfigRecord with 'client-id' "
-                                 "(str) and 'client-index' (int).")
-    return record["client-id"], record["client-index"]
+                                 f"(a str of 1 to {MAX_CLIENT_ID_LENGTH} characters) and 'client-index' (int).")
+    return client_id, client_index
 
 
 def update_to_content(update: ClientUpdate, client_index: int) -> RecordDict:
