@@ -62,3 +62,36 @@ def test_shared_prefix_benchmark_counts_tokens_and_compares_gradients():
     assert result["shared_model"] == (prompt - 1) + 4 * (completion + 1)
     assert result["standard_cpu_s"] > 0 and result["shared_cpu_s"] > 0
     assert result["gradient_relative_difference"] <= 1e-5
+
+
+def test_rollouts_benchmark_generates_equal_work_and_gives_each_row_its_clients_adapter(tiny_model_dir):
+    from trl_federated.models import load_model_and_tokenizer
+
+    rollouts_benchmark = load("rollouts")
+    model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir))
+    prompts = rollouts_benchmark.rollout_prompts(tokenizer, count=4, min_tokens=0, max_tokens=10**6)
+    rollouts = rollouts_benchmark.Rollouts(model, tokenizer, prompts, num_generations=2, max_new_tokens=3)
+
+    by_size = rollouts_benchmark.measure_batch_sizes(rollouts, [2, 4], repeats=2)
+    assert [call.completion_tokens for call in by_size[4]] == [4 * 3, 4 * 3]
+    calls = rollouts_benchmark.measure_mixed_vs_sequential(rollouts, num_clients=2, rows_per_client=2, repeats=2)
+    assert [call.completion_tokens for call in calls["mixed"] + calls["sequential"]] == [2 * 2 * 3] * 4
+    assert all(call.seconds > 0 for call in calls["mixed"] + calls["sequential"])
+
+    # The same prompt under both clients' adapters in one batch: each row gets its own client's logits.
+    inputs = rollouts.left_padded([prompts[0], prompts[0]])
+    with torch.no_grad():
+        mixed = rollouts.model(**inputs, adapter_names=["client_0", "client_1"]).logits
+        alone = []
+        for name in ("client_0", "client_1"):
+            rollouts.model.set_adapter(name)
+            alone.append(rollouts.model(**inputs).logits[0])
+    torch.testing.assert_close(mixed[0], alone[0])
+    torch.testing.assert_close(mixed[1], alone[1])
+    assert (alone[0] - alone[1]).abs().max() > 100 * (mixed[0] - alone[0]).abs().max()
+
+
+def test_rollouts_whole_step_gain_counts_only_the_generation_share():
+    rollouts_benchmark = load("rollouts")
+    assert rollouts_benchmark.whole_step_gain(2.0, generation_share=0.4) == pytest.approx(1 / 0.8)
+    assert rollouts_benchmark.whole_step_gain(1.0, generation_share=0.4) == pytest.approx(1.0)
