@@ -46,6 +46,8 @@ def test_every_federated_field_has_help():
         ({"dirichlet_alpha": 0.0}, "dirichlet_alpha"),
         ({"rpg_h_max": -1.0}, "rpg_h_max"),
         ({"eval_every": -2}, "eval_every"),
+        ({"beta": -0.1}, "beta"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
     ],
 )
 def test_out_of_range_values_name_the_field(tmp_path, overrides, field):

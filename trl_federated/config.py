@@ -473,6 +473,9 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`scaffold_correction` must be 'decoupled' or 'gradient', got {self.scaffold_correction!r}."
         if self.fedprox_mu < 0:
             yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
+        for name in ("beta", "max_grad_norm"):  # TRL's fields, with this config's help: 0 turns each off
+            if getattr(self, name) < 0:
+                yield f"`{name}` must be >= 0, got {getattr(self, name)}."
         if self.rpg_lambda_anneal < 0:
             yield f"`rpg_lambda_anneal` must be >= 0, got {self.rpg_lambda_anneal}."
         if self.rpg_h_max is not None and not self.rpg_h_max > 0:
