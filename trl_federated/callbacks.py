@@ -87,6 +87,82 @@ class RoundCallback(TrainerCallback):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
 
 
+def round_logs(record: RoundRecord) -> dict[str, float]:
+    """One round as a flat log entry named as TRL names its step logs: the means over the aggregated clients
+    (`reward`, R̄; `loss`), the round's totals and τ, each client's values under `<client_id>/`, and the evaluation
+    (if the round had one) under `eval_` (see `evaluation_logs`). Trainer's TensorBoard, W&B and Trackio
+    integrations show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ..."""
+    logs: dict[str, float] = {"round": record.round_idx, "num_clients": len(record.rewards)}
+    if record.rewards:
+        logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
+        losses = [metrics["train_loss"] for metrics in record.client_metrics.values() if "train_loss" in metrics]
+        if losses:
+            logs["loss"] = sum(losses) / len(losses)
+    if record.temperature is not None:
+        logs["temperature"] = record.temperature
+    logs["bytes_sent"] = sum(record.bytes_sent.values())
+    logs["bytes_received"] = sum(record.bytes_received.values())
+    logs["num_dropped"] = len(record.dropped)
+    per_client = {
+        "reward_window": record.rewards,
+        "rpg_gain": record.gains,
+        "weight": record.weights,
+        "bytes_sent": record.bytes_sent,
+    }
+    for name, values in per_client.items():
+        for client_id, value in values.items():
+            logs[f"{client_id}/{name}"] = value
+    for client_id, metrics in record.client_metrics.items():
+        for name in ("train_loss", "train_seconds"):
+            if name in metrics:
+                logs[f"{client_id}/{name.removeprefix('train_')}"] = metrics[name]
+    if record.evaluation is not None:
+        logs.update(evaluation_logs(record.evaluation))
+    return logs
+
+
+def evaluation_logs(results: dict[str, Any]) -> dict[str, float]:
+    """An evaluation result as `eval_`-prefixed log entries, as `Trainer.evaluate` names its metrics:
+    `eval_accuracy/<label>` (with `Total`), `eval_rewards/<reward>/mean` and `eval_runtime`."""
+    logs = {f"eval_accuracy/{label}": value for label, value in results["accuracy"].items()}
+    logs.update({f"eval_rewards/{name}/mean": value for name, value in results.get("rewards", {}).items()})
+    logs["eval_runtime"] = results["seconds"]
+    return logs
+
+
+class TrainerLogCallback(RoundCallback):
+    """Reports the federation through a trainer's own logging, so that `trainer.state` and the `report_to`
+    integrations of `trainer.args` see a federated run as they see a `Trainer` run.
+
+    TRL's step is the local optimisation step: after round t, `state.global_step` is (t + 1) · `local_steps`, the
+    number of steps every client has taken and the position in the federation's learning-rate schedule, so the
+    curves line up with a non-federated run of `num_rounds * local_steps` steps. Each round is one `log()` entry
+    (`round_logs`); the evaluation before training is one entry at step 0.
+    """
+
+    def __init__(self, trainer, local_steps: int):
+        self.trainer = trainer
+        self.local_steps = local_steps
+
+    def on_evaluate_round(self, args, round_idx, results, **kwargs):
+        if round_idx == -1:  # a round's own evaluation is part of its round entry
+            self.trainer.log(evaluation_logs(results))
+
+    def on_round_end(self, args, record, **kwargs):
+        self.trainer.state.global_step = (record.round_idx + 1) * self.local_steps
+        self.trainer.log(round_logs(record))
+
+    def on_resume(self, args, round_idx, history, evaluations, **kwargs):
+        # The integrations received these entries in the interrupted run: only the trainer's state is rebuilt.
+        state = self.trainer.state
+        state.log_history = []
+        if -1 in evaluations:
+            state.log_history.append({**evaluation_logs(evaluations[-1]), "step": 0})
+        for record in history:
+            state.log_history.append({**round_logs(record), "step": (record.round_idx + 1) * self.local_steps})
+        state.global_step = (round_idx + 1) * self.local_steps
+
+
 def fire_round_callbacks(callbacks: list, hook: str, args, **kwargs) -> None:
     """Call `hook` (e.g. "on_round_end") on every `RoundCallback` among `callbacks`."""
     for callback in callbacks:

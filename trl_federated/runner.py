@@ -74,6 +74,10 @@ class FederatedRunner(CheckpointedServer):
     After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
     `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
 
+    The runner reports to its callbacks and `output_dir/metrics.jsonl`, not to `args.report_to`: it has no
+    `TrainerState` of its own. The drop-in `FedGRPOTrainer.train()` adds a `callbacks.TrainerLogCallback`, which
+    logs every round through that trainer's state and `report_to` integrations.
+
     Args:
         model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
         reward_funcs: As for `GRPOTrainer`.

@@ -10,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
@@ -124,9 +125,13 @@ class FedGRPOTrainer(GRPOTrainer):
     def _train_federated(self) -> TrainOutput:
         """Federated mode: Dirichlet-partition `train_dataset` over `num_clients` clients and run every round.
 
-        The global adapter ends up in `output_dir` (PEFT layout) and in `self.model`; the returned `TrainOutput`
-        counts the local optimisation steps of all clients.
+        The global adapter ends up in `output_dir` (PEFT layout) and in `self.model`. This trainer's own state and
+        callbacks report the federation (`callbacks.TrainerLogCallback`): one `log_history` entry and one `on_log`
+        to the `report_to` integrations per round, with `state.global_step` = (t + 1) · `local_steps` after round
+        t. The clients' trainers report nothing themselves. The returned `TrainOutput` counts the local
+        optimisation steps of all clients, `num_clients` times `state.global_step` when no client dropped out.
         """
+        from .callbacks import TrainerLogCallback
         from .data import partition_clients
         from .runner import FederatedRunner
 
@@ -140,16 +145,23 @@ class FedGRPOTrainer(GRPOTrainer):
             client_datasets=partition_clients(self.train_dataset, self.args),
             processing_class=self.processing_class,
             eval_dataset=self.eval_dataset,
-            callbacks=arguments.get("callbacks"),
+            callbacks=[*(arguments.get("callbacks") or []), TrainerLogCallback(self, self.args.local_steps)],
             trainer_kwargs={
                 name: arguments[name]
                 for name in ("reward_processing_classes", "tools", "rollout_func", "environment_factory")
                 if arguments.get(name) is not None
             },
         )
+        # The runner shows its own progress by round and client; a second, step-counting bar would stay empty.
+        self.callback_handler.pop_callback(ProgressCallback)
+        self.state.max_steps = self.args.num_rounds * self.args.local_steps
+        self.state.epoch = None  # each client is at its own epoch of its own data: there is no one to log
+        # The integrations set up here (TensorBoard opens its writer) and flush and close in on_train_end.
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
         start = time.perf_counter()
         history = runner.run()
         self.model = self.model_wrapped = runner.model
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         updates = [metrics for record in history for metrics in record.client_metrics.values()]
         total_steps = sum(len(metrics["step_rewards"]) for metrics in updates)
         return TrainOutput(
