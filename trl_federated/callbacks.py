@@ -125,7 +125,9 @@ def evaluation_logs(results: dict[str, Any]) -> dict[str, float]:
     """An evaluation result as `eval_`-prefixed log entries, as `Trainer.evaluate` names its metrics:
     `eval_accuracy/<label>` (with `Total`), `eval_rewards/<reward>/mean` and `eval_runtime`."""
     logs = {f"eval_accuracy/{label}": value for label, value in results["accuracy"].items()}
-    logs.update({f"eval_rewards/{name}/mean": value for name, value in results.get("rewards", {}).items()})
+    logs.update(
+        {f"eval_rewards/{name}/mean": value for name, value in results.get("rewards", {}).items() if value is not None}
+    )
     logs["eval_runtime"] = results["seconds"]
     return logs
 

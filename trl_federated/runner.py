@@ -27,6 +27,7 @@ from .checkpoint import (
 from .client import describe_failure, local_training_args, release_free_memory, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
+from .evaluation import check_eval_reward_funcs, evaluate_accuracy
 from .reporting import RunProgress
 from .rewards import combined_reward_range
 from .transport import WireFormat, is_lora_a
@@ -87,9 +88,13 @@ class FederatedRunner(CheckpointedServer):
             omitted (`models.load_processing_class`).
         peft_config: LoRA configuration for a model that is not yet a `PeftModel` (default: `default_lora_config`).
         aggregator: Server strategy; built from `args` (`aggregation`, `server_optimizer`, `rpg_*`) when omitted.
-        eval_dataset: Held-out prompts scored by `eval_reward_func` before training and every `eval_every` rounds.
+        eval_dataset: Held-out prompts scored before training, every `eval_every` rounds and after the last round;
+            its columns other than `prompt` go to the reward functions (e.g. `answer`, or TRL's `solution`), and
+            accuracy is broken down by `args.partition_column` when it has that column.
         callbacks: `RoundCallback`s (they also receive the clients' trainer events) or plain `TrainerCallback`s.
-        eval_reward_func: Binary correctness reward used for evaluation accuracy (default: `accuracy_reward`).
+        eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
+            `reward_funcs` with `args.reward_weights`, as TRL's `reward`). Give a binary correctness reward
+            such as `accuracy_reward` to report accuracy when training also rewards format or length.
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
     """
@@ -105,7 +110,7 @@ class FederatedRunner(CheckpointedServer):
         aggregator: Aggregator | None = None,
         eval_dataset: Dataset | None = None,
         callbacks: list | None = None,
-        eval_reward_func: Callable | None = None,
+        eval_reward_funcs: Callable | Sequence[Callable] | None = None,
         trainer_kwargs: dict[str, Any] | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
@@ -130,7 +135,12 @@ class FederatedRunner(CheckpointedServer):
             aggregator if aggregator is not None else aggregator_from_config(args, len(self.client_datasets))
         )
         self.eval_dataset = eval_dataset
-        self.eval_reward_func = eval_reward_func
+        if eval_reward_funcs is None:
+            eval_reward_funcs, self.eval_reward_weights = reward_funcs, args.reward_weights
+        else:
+            self.eval_reward_weights = None
+        # A reward model among the training rewards fails now, not after the first round.
+        self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs) if eval_dataset is not None else None
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.global_state: AdapterState = get_adapter_state(model)
@@ -398,12 +408,10 @@ class FederatedRunner(CheckpointedServer):
         return RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
 
     def evaluate(self, round_idx: int) -> dict[str, Any] | None:
-        """Accuracy of the current global adapter on `eval_dataset` (None without one)."""
+        """Mean evaluation reward (the accuracy, for a binary reward) of the current global adapter on
+        `eval_dataset`, overall and per label (None without an `eval_dataset`)."""
         if self.eval_dataset is None:
             return None
-        from .evaluation import evaluate_accuracy
-        from .rewards import accuracy_reward
-
         set_adapter_state(self.model, self.global_state)
         results = evaluate_accuracy(
             self.model,
@@ -412,7 +420,8 @@ class FederatedRunner(CheckpointedServer):
             label_column=self.args.partition_column,
             batch_size=self.args.per_device_eval_batch_size,
             max_new_tokens=self.args.max_completion_length,
-            reward_func=self.eval_reward_func or accuracy_reward,
+            reward_funcs=self.eval_reward_funcs,
+            reward_weights=self.eval_reward_weights,
         )
         release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results

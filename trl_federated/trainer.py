@@ -30,12 +30,15 @@ class FedGRPOTrainer(GRPOTrainer):
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
     `train_dataset` across the clients and hands over to `FederatedRunner`; `train(resume_from_checkpoint=True)`
-    then continues the federation from its latest round checkpoint.
+    then continues the federation from its latest round checkpoint. There `eval_dataset` is scored with
+    `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a single-client `train()`
+    evaluates as `GRPOTrainer` does and ignores it.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, eval_reward_funcs=None, **kwargs):
         # Kept so that federated mode can hand the same arguments to every client's trainer.
         self._init_arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        self.eval_reward_funcs = eval_reward_funcs
         super().__init__(*args, **kwargs)
         fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
         if fedprox_mu:
@@ -145,6 +148,7 @@ class FedGRPOTrainer(GRPOTrainer):
             client_datasets=partition_clients(self.train_dataset, self.args),
             processing_class=self.processing_class,
             eval_dataset=self.eval_dataset,
+            eval_reward_funcs=self.eval_reward_funcs,
             callbacks=[*(arguments.get("callbacks") or []), TrainerLogCallback(self, self.args.local_steps)],
             trainer_kwargs={
                 name: arguments[name]
