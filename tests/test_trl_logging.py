@@ -33,13 +33,18 @@ def test_federated_rounds_reach_trainer_state_and_tensorboard(
     assert [entry["step"] for entry in rounds] == [2, 4]
     for entry in rounds:
         for client_id in ("client_0", "client_1"):
-            for name in ("reward_window", "rpg_gain", "weight", "bytes_sent", "loss"):
+            for name in ("reward_window", "rpg_gain", "weight", "bytes_sent", "loss", "completions/mean_length"):
                 assert f"{client_id}/{name}" in entry
-        assert {"reward", "loss", "temperature", "bytes_sent", "eval_accuracy/Total", "eval_accuracy/simple"} <= set(entry)
+        # TRL's step metrics keep their names, as means over the clients' local steps
+        assert {"reward", "loss", "completions/mean_length", "rewards/length_reward/mean", "grad_norm"} <= set(entry)
+        assert {"temperature", "bytes_sent", "eval_accuracy/Total", "eval_accuracy/simple"} <= set(entry)
+        assert "epoch" not in entry
 
     (event_dir,) = {path.parent for path in Path(logging_dir).rglob("events.out.tfevents.*")}
     events = EventAccumulator(str(event_dir)).Reload()
     scalars = events.Tags()["scalars"]
     assert [event.step for event in events.Scalars("train/client_0/weight")] == [2, 4]
     assert [event.step for event in events.Scalars("eval/accuracy/Total")] == [0, 2, 4]
-    assert {"train/reward", "train/loss", "train/temperature", "train/client_1/rpg_gain"} <= set(scalars)
+    assert {"train/reward", "train/loss", "train/completions/mean_length", "train/client_1/rpg_gain"} <= set(scalars)
+    # evaluation scores with the training reward by default
+    assert {"train/temperature", "eval/accuracy/simple", "eval/rewards/length_reward/mean"} <= set(scalars)

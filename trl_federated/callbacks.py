@@ -88,16 +88,29 @@ class RoundCallback(TrainerCallback):
 
 
 def round_logs(record: RoundRecord) -> dict[str, float]:
-    """One round as a flat log entry named as TRL names its step logs: the means over the aggregated clients
-    (`reward`, R̄; `loss`), the round's totals and τ, each client's values under `<client_id>/`, and the evaluation
-    (if the round had one) under `eval_` (see `evaluation_logs`). Trainer's TensorBoard, W&B and Trackio
-    integrations show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ..."""
+    """One round as a flat log entry named as TRL names its step logs.
+
+    Each client's values are under `<client_id>/`: R̄ (`reward_window`), h (`rpg_gain`), ω (`weight`),
+    `bytes_sent`, and its scalar metrics (`loss`, `seconds`, and the means over its local steps of TRL's step
+    metrics: `completions/mean_length`, `kl`, ...). Their means over the aggregated clients keep TRL's own names
+    (`reward` is the mean R̄), so the curves overlay a `GRPOTrainer` run's; then the round's totals, τ, and the
+    evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations show
+    them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
+    """
     logs: dict[str, float] = {"round": record.round_idx, "num_clients": len(record.rewards)}
     if record.rewards:
         logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
-        losses = [metrics["train_loss"] for metrics in record.client_metrics.values() if "train_loss" in metrics]
-        if losses:
-            logs["loss"] = sum(losses) / len(losses)
+    client_scalars = {
+        client_id: {
+            name.removeprefix("train_"): value
+            for name, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        for client_id, metrics in record.client_metrics.items()
+    }
+    for name in sorted({name for scalars in client_scalars.values() for name in scalars}):
+        values = [scalars[name] for scalars in client_scalars.values() if name in scalars]
+        logs[name] = sum(values) / len(values)
     if record.temperature is not None:
         logs["temperature"] = record.temperature
     logs["bytes_sent"] = sum(record.bytes_sent.values())
@@ -112,10 +125,9 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     for name, values in per_client.items():
         for client_id, value in values.items():
             logs[f"{client_id}/{name}"] = value
-    for client_id, metrics in record.client_metrics.items():
-        for name in ("train_loss", "train_seconds"):
-            if name in metrics:
-                logs[f"{client_id}/{name.removeprefix('train_')}"] = metrics[name]
+    for client_id, scalars in client_scalars.items():
+        for name, value in scalars.items():
+            logs[f"{client_id}/{name}"] = value
     if record.evaluation is not None:
         logs.update(evaluation_logs(record.evaluation))
     return logs

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import time
+from collections import defaultdict
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -107,6 +109,23 @@ class FedGRPOTrainer(GRPOTrainer):
             last_step = entry["step"]
         return rewards
 
+    def mean_step_metrics(self) -> dict[str, float]:
+        """The mean over the logged optimisation steps of every other metric TRL logs per step, under TRL's names
+        (`completions/mean_length`, `rewards/<name>/mean`, `kl`, `entropy`, `grad_norm`, ...). `reward` and `loss`
+        are left out: R̄ (`window_reward`) and the training loss report them. A step's missing or non-finite value
+        (TRL logs None for a reward that scored nothing) is skipped."""
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for entry in self.state.log_history:
+            if "loss" not in entry:  # evaluation and end-of-training entries
+                continue
+            for name, value in entry.items():
+                if name in ("loss", "reward", "step", "epoch") or not _is_finite_number(value):
+                    continue
+                sums[name] += value
+                counts[name] += 1
+        return {name: sums[name] / counts[name] for name in sums}
+
     def window_reward(self, window: int | None = None) -> float:
         """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
         rewards = self.step_rewards
@@ -165,6 +184,8 @@ class FedGRPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         history = runner.run()
         self.model = self.model_wrapped = runner.model
+        # Every process's state ends at the last step; the round entries are logged by the main process only.
+        self.state.global_step = self.state.max_steps
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         updates = [metrics for record in history for metrics in record.client_metrics.values()]
         total_steps = sum(len(metrics["step_rewards"]) for metrics in updates)
@@ -177,6 +198,10 @@ class FedGRPOTrainer(GRPOTrainer):
                 "final_mean_client_reward": sum(history[-1].rewards.values()) / len(history[-1].rewards),
             },
         )
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _from_step(schedule, first_step: int, step: int) -> float:
