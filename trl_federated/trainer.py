@@ -120,7 +120,8 @@ class FedGRPOTrainer(GRPOTrainer):
             if "loss" not in entry:  # evaluation and end-of-training entries
                 continue
             for name, value in entry.items():
-                if name in ("loss", "reward", "step", "epoch") or not _is_finite_number(value):
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if name in ("loss", "reward", "step", "epoch") or not number or not math.isfinite(value):
                     continue
                 sums[name] += value
                 counts[name] += 1
@@ -151,7 +152,8 @@ class FedGRPOTrainer(GRPOTrainer):
         callbacks report the federation (`callbacks.TrainerLogCallback`): one `log_history` entry and one `on_log`
         to the `report_to` integrations per round, with `state.global_step` = (t + 1) · `local_steps` after round
         t. The clients' trainers report nothing themselves. The returned `TrainOutput` counts the local
-        optimisation steps of all clients, `num_clients` times `state.global_step` when no client dropped out.
+        optimisation steps of all clients: `num_clients` times `state.global_step` when every client took every
+        step.
         """
         from .callbacks import TrainerLogCallback
         from .data import partition_clients
@@ -198,10 +200,6 @@ class FedGRPOTrainer(GRPOTrainer):
                 "final_mean_client_reward": sum(history[-1].rewards.values()) / len(history[-1].rewards),
             },
         )
-
-
-def _is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _from_step(schedule, first_step: int, step: int) -> float:
