@@ -7,8 +7,13 @@ from transformers import AutoModelForCausalLM
 
 from conftest import length_reward
 from test_cli import labelled_dataset
-from trl_federated import FedGRPOTrainer
+from trl_federated import FedGRPOTrainer, FederatedRunner
 from trl_federated.runner import default_lora_config
+
+
+def read_scalars(logging_dir: Path) -> EventAccumulator:
+    (event_dir,) = {path.parent for path in logging_dir.rglob("events.out.tfevents.*")}
+    return EventAccumulator(str(event_dir)).Reload()
 
 
 def test_federated_rounds_reach_trainer_state_and_tensorboard(
@@ -40,11 +45,24 @@ def test_federated_rounds_reach_trainer_state_and_tensorboard(
         assert {"temperature", "bytes_sent", "eval_accuracy/Total", "eval_accuracy/simple"} <= set(entry)
         assert "epoch" not in entry
 
-    (event_dir,) = {path.parent for path in Path(logging_dir).rglob("events.out.tfevents.*")}
-    events = EventAccumulator(str(event_dir)).Reload()
+    events = read_scalars(logging_dir)
     scalars = events.Tags()["scalars"]
     assert [event.step for event in events.Scalars("train/client_0/weight")] == [2, 4]
     assert [event.step for event in events.Scalars("eval/accuracy/Total")] == [0, 2, 4]
     assert {"train/reward", "train/loss", "train/completions/mean_length", "train/client_1/rpg_gain"} <= set(scalars)
     # evaluation scores with the training reward by default
     assert {"train/temperature", "eval/accuracy/simple", "eval/rewards/length_reward/mean"} <= set(scalars)
+
+
+def test_the_runner_alone_reports_to_report_to(tmp_path, monkeypatch, tiny_model_dir, tiny_tokenizer, fast_args):
+    logging_dir = tmp_path / "tensorboard"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logging_dir))
+    args = fast_args(num_rounds=2, local_steps=1, reward_window=1, report_to=["tensorboard"])
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, args,
+        [labelled_dataset(8), labelled_dataset(8)], processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    runner.run()
+    assert [entry["step"] for entry in runner.log_to.state.log_history] == [1, 2]
+    events = read_scalars(logging_dir)
+    assert [event.step for event in events.Scalars("train/client_1/weight")] == [1, 2]

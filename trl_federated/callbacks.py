@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from .adapters import state_nbytes
 
@@ -144,9 +146,28 @@ def evaluation_logs(results: dict[str, Any]) -> dict[str, float]:
     return logs
 
 
+class IntegrationLog:
+    """`Trainer`'s logging without a `Trainer`: a `TrainerState` and the `args.report_to` integrations, for a
+    federation that `FederatedRunner` runs by itself (the drop-in `FedGRPOTrainer` logs through its own)."""
+
+    def __init__(self, args, model, processing_class, is_main_process: bool):
+        self.args = args
+        self.state = TrainerState(is_local_process_zero=is_main_process, is_world_process_zero=is_main_process)
+        self.control = TrainerControl()
+        integrations = get_reporting_integration_callbacks(args.report_to)
+        self.callback_handler = CallbackHandler(
+            [DefaultFlowCallback, *integrations], model, processing_class, optimizer=None, lr_scheduler=None
+        )
+
+    def log(self, logs: dict[str, float]) -> None:
+        """As `Trainer.log`: the entry joins `state.log_history` with its step and goes to every integration."""
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+
 class TrainerLogCallback(RoundCallback):
-    """Reports the federation through a trainer's own logging, so that `trainer.state` and the `report_to`
-    integrations of `trainer.args` see a federated run as they see a `Trainer` run.
+    """Reports the federation through a trainer's logging (a `Trainer`, or an `IntegrationLog`), so that its
+    `state` and the `report_to` integrations of its `args` see a federated run as they see a `Trainer` run.
 
     TRL's step is the local optimisation step: after round t, `state.global_step` is (t + 1) · `local_steps`, the
     number of steps every client has taken and the position in the federation's learning-rate schedule, so the

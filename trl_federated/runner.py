@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
-from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
+from .callbacks import IntegrationLog, MetricsLoggerCallback, RoundRecord, TrainerLogCallback, fire_round_callbacks
 from .checkpoint import (
     CheckpointedServer,
     list_checkpoints,
@@ -75,9 +75,9 @@ class FederatedRunner(CheckpointedServer):
     After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
     `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
 
-    The runner reports to its callbacks and `output_dir/metrics.jsonl`, not to `args.report_to`: it has no
-    `TrainerState` of its own. The drop-in `FedGRPOTrainer.train()` adds a `callbacks.TrainerLogCallback`, which
-    logs every round through that trainer's state and `report_to` integrations.
+    Besides its callbacks and `output_dir/metrics.jsonl`, the runner reports every round to the `report_to`
+    integrations as a `Trainer` would (`callbacks.TrainerLogCallback`): through `log_to`'s state and callbacks,
+    else, when `args.report_to` names any, through an `IntegrationLog` of its own (`self.log_to`).
 
     Args:
         model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
@@ -97,6 +97,8 @@ class FederatedRunner(CheckpointedServer):
             such as `accuracy_reward` to report accuracy when training also rewards format or length.
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
+        log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
+            passes itself).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class FederatedRunner(CheckpointedServer):
         callbacks: list | None = None,
         eval_reward_funcs: Callable | Sequence[Callable] | None = None,
         trainer_kwargs: dict[str, Any] | None = None,
+        log_to=None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -143,6 +146,12 @@ class FederatedRunner(CheckpointedServer):
         self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs) if eval_dataset is not None else None
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
+        self.is_main_process = PartialState().is_main_process
+        if log_to is None and args.report_to:
+            log_to = IntegrationLog(args, model, processing_class, self.is_main_process)
+        self.log_to = log_to
+        if log_to is not None:
+            self.callbacks.append(TrainerLogCallback(log_to, args.local_steps))
         self.global_state: AdapterState = get_adapter_state(model)
         # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
         self.reference_state = self.global_state if args.beta != 0 else None
@@ -157,7 +166,6 @@ class FederatedRunner(CheckpointedServer):
         self.client_controls: dict[str, AdapterState] = {}
         self.evaluations: dict[int, dict[str, Any]] = {}
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
-        self.is_main_process = PartialState().is_main_process
         self.num_processes = PartialState().num_processes
         # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
         self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
@@ -266,7 +274,18 @@ class FederatedRunner(CheckpointedServer):
         # collection, scanning ~400k long-lived objects. Frozen, they are skipped and a collection costs microseconds.
         gc.freeze()
         try:
-            return self._run()
+            if self.log_to is None:
+                return self._run()
+            log_to = self.log_to
+            log_to.state.max_steps = self.args.num_rounds * self.args.local_steps
+            log_to.state.epoch = None  # each client is at its own epoch of its own data: there is none to log
+            # The integrations set up here (TensorBoard opens its writer) and flush and close in on_train_end.
+            log_to.control = log_to.callback_handler.on_train_begin(log_to.args, log_to.state, log_to.control)
+            history = self._run()
+            # Every process's state ends at the last step; the round entries are logged by the main process only.
+            log_to.state.global_step = log_to.state.max_steps
+            log_to.control = log_to.callback_handler.on_train_end(log_to.args, log_to.state, log_to.control)
+            return history
         finally:
             gc.unfreeze()
 

@@ -155,7 +155,6 @@ class FedGRPOTrainer(GRPOTrainer):
         optimisation steps of all clients: `num_clients` times `state.global_step` when every client took every
         step.
         """
-        from .callbacks import TrainerLogCallback
         from .data import partition_clients
         from .runner import FederatedRunner
 
@@ -170,25 +169,19 @@ class FedGRPOTrainer(GRPOTrainer):
             processing_class=self.processing_class,
             eval_dataset=self.eval_dataset,
             eval_reward_funcs=self.eval_reward_funcs,
-            callbacks=[*(arguments.get("callbacks") or []), TrainerLogCallback(self, self.args.local_steps)],
+            callbacks=arguments.get("callbacks"),
             trainer_kwargs={
                 name: arguments[name]
                 for name in ("reward_processing_classes", "tools", "rollout_func", "environment_factory")
                 if arguments.get(name) is not None
             },
+            log_to=self,
         )
         # The runner shows its own progress by round and client; a second, step-counting bar would stay empty.
         self.callback_handler.pop_callback(ProgressCallback)
-        self.state.max_steps = self.args.num_rounds * self.args.local_steps
-        self.state.epoch = None  # each client is at its own epoch of its own data: there is no one to log
-        # The integrations set up here (TensorBoard opens its writer) and flush and close in on_train_end.
-        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
         start = time.perf_counter()
         history = runner.run()
         self.model = self.model_wrapped = runner.model
-        # Every process's state ends at the last step; the round entries are logged by the main process only.
-        self.state.global_step = self.state.max_steps
-        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         updates = [metrics for record in history for metrics in record.client_metrics.values()]
         total_steps = sum(len(metrics["step_rewards"]) for metrics in updates)
         return TrainOutput(
