@@ -22,8 +22,11 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    # nbmake runs examples/notebooks; hypothesis drives the answer checker's property tests
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6"],
+    # nbmake runs examples/notebooks; hypothesis drives the answer checker's property tests; tensorboard reads back
+    # what a federated run reports through `report_to`
+    "test": [
+        "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6", "tensorboard>=2.16",
+    ],
     "deepspeed": ["deepspeed>=0.18.6"],
     "flower": ["flwr[simulation]>=1.41,<2"],
     "vlm": ["Pillow>=10", "num2words==0.5.14"],

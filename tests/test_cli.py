@@ -44,6 +44,32 @@ def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, 
     assert (tmp_path / "run" / "adapter_model.safetensors").exists()
 
 
+def test_drop_in_evaluates_a_trl_style_eval_set_with_the_training_reward(
+    tmp_path, tiny_model_dir, tiny_tokenizer, fast_args
+):
+    """A TRL-style eval set (`prompt`, `solution`, no label column) is scored by the training reward, which gets
+    the `solution` column, and reported as a Total only."""
+
+    def solution_reward(completions, solution, **kwargs):
+        return [len(completion) / 64 + float(gold) / 100 for completion, gold in zip(completions, solution)]
+
+    train = labelled_dataset().map(lambda row: {"solution": row["answer"]}).remove_columns("answer")
+    trl_eval = Dataset.from_dict({"prompt": [f"What is {i} + 1?" for i in range(3)], "solution": ["1", "2", "3"]})
+    args = fast_args(num_clients=2, dirichlet_alpha=float("inf"), num_rounds=1, local_steps=1, reward_window=1)
+    trainer = FedGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=solution_reward, args=args,
+        train_dataset=train, eval_dataset=trl_eval, processing_class=tiny_tokenizer, peft_config=default_lora_config(),
+    )
+    trainer.train()
+    evaluations = [line for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+                   if line["event"] == "evaluation"]
+    assert [line["round"] for line in evaluations] == [-1, 0]
+    for line in evaluations:
+        assert list(line["accuracy"]) == ["Total"] and line["count"] == {"Total": 3}
+        assert line["accuracy"]["Total"] > 0  # scored by solution_reward, not by a correctness reward
+        assert line["rewards"] == {"solution_reward": line["accuracy"]["Total"]}
+
+
 def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
     args = fast_args(num_clients=2, partition_column="category")
     trainer = FedGRPOTrainer(

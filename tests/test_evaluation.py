@@ -49,7 +49,8 @@ def recording_reward():
 def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
     model, tokenizer = model_and_tokenizer
     results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=6)
-    assert list(results) == ["accuracy", "count", "seconds"] and results["seconds"] > 0
+    assert list(results) == ["accuracy", "count", "rewards", "seconds"] and results["seconds"] > 0
+    assert results["rewards"] == {"accuracy_reward": 0.0}
     assert list(results["accuracy"]) == ["simple", "medium", "hard", "other", "Total"]
     assert results["count"] == {"simple": 3, "medium": 2, "hard": 1, "other": 1, "Total": 7}
     assert sum(count for label, count in results["count"].items() if label != "Total") == results["count"]["Total"]
@@ -60,8 +61,8 @@ def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
 def test_batching_does_not_change_greedy_results(model_and_tokenizer, eval_dataset):
     model, tokenizer = model_and_tokenizer
     one_by_one, batched = recording_reward(), recording_reward()
-    single = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=1, max_new_tokens=8, reward_func=one_by_one)
-    together = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=4, max_new_tokens=8, reward_func=batched)
+    single = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=1, max_new_tokens=8, reward_funcs=one_by_one)
+    together = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=4, max_new_tokens=8, reward_funcs=batched)
     assert len(set(one_by_one.completions)) == len(eval_dataset)  # one distinct completion per prompt
     assert batched.completions == one_by_one.completions
     assert (together["accuracy"], together["count"]) == (single["accuracy"], single["count"])
@@ -72,18 +73,18 @@ def test_batches_group_prompts_of_similar_length(model_and_tokenizer, eval_datas
     """Longest prompts first, and every row's reward lands on its own row whatever the batch it ran in."""
     model, tokenizer = model_and_tokenizer
     batched = recording_reward()
-    evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_func=batched)
+    evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_funcs=batched)
     per_row = [
-        evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_func=recording_reward())
+        evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_funcs=recording_reward())
         for i in range(len(eval_dataset))
     ]
     rows_longest_first = sorted(range(len(eval_dataset)), key=lambda i: -len(eval_dataset[i]["prompt"][0]["content"]))
     single = recording_reward()
     for i in rows_longest_first:
-        evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_func=single)
+        evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_funcs=single)
     assert batched.completions == single.completions
     # the label table is the mean of each row's own reward
-    results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_func=recording_reward())
+    results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_funcs=recording_reward())
     simple = [per_row[i]["accuracy"]["Total"] for i, label in enumerate(LABELS) if label == "simple"]
     assert results["accuracy"]["simple"] == pytest.approx(sum(simple) / len(simple))
 
@@ -93,11 +94,11 @@ def test_generation_stops_at_the_stop_string(model_and_tokenizer, eval_dataset):
     completion."""
     model, tokenizer = model_and_tokenizer
     full, stopped = recording_reward(), recording_reward()
-    evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=24, reward_func=full, stop_strings=())
+    evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=24, reward_funcs=full, stop_strings=())
     # a two-character string that some, not all, completions contain after their start
     candidates = {text[i : i + 2] for text in full.completions for i in range(2, len(text) - 2)}
     stop = next(c for c in sorted(candidates) if c.strip() == c and 0 < sum(c in t[2:] for t in full.completions) < 7)
-    evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=24, reward_func=stopped, stop_strings=(stop,))
+    evaluate_accuracy(model, tokenizer, eval_dataset, max_new_tokens=24, reward_funcs=stopped, stop_strings=(stop,))
     assert any(len(short) < len(long) for short, long in zip(stopped.completions, full.completions))
     for short, long in zip(stopped.completions, full.completions):
         assert long.startswith(short)
@@ -130,16 +131,46 @@ def test_plain_text_prompts(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     dataset = Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 ="], "answer": ["2", "4"], "difficulty": ["simple"] * 2})
     reward = recording_reward()
-    results = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=3, reward_func=reward)
+    results = evaluate_accuracy(model, tokenizer, dataset, max_new_tokens=3, reward_funcs=reward)
     assert results["count"] == {"simple": 2, "Total": 2} and len(reward.completions) == 2
 
 
-def test_missing_columns_are_named(model_and_tokenizer, eval_dataset):
+def test_a_missing_prompt_column_is_named(model_and_tokenizer, eval_dataset):
     model, tokenizer = model_and_tokenizer
-    with pytest.raises(ValueError, match="'category'"):
-        evaluate_accuracy(model, tokenizer, eval_dataset, label_column="category")
     with pytest.raises(ValueError, match="'prompt'"):
         evaluate_accuracy(model, tokenizer, eval_dataset.rename_column("prompt", "messages"))
+
+
+def test_per_label_accuracy_only_with_the_label_column(model_and_tokenizer, eval_dataset):
+    model, tokenizer = model_and_tokenizer
+    results = evaluate_accuracy(model, tokenizer, eval_dataset, label_column="category", max_new_tokens=2)
+    assert list(results["accuracy"]) == ["Total"] and results["count"] == {"Total": len(eval_dataset)}
+
+
+def test_trl_style_dataset_with_several_weighted_reward_functions(model_and_tokenizer):
+    """TRL's layout: `prompt` and `solution`, no label. Every non-prompt column reaches the reward functions; a
+    row's reward is their weighted sum, and each function's mean skips the rows it returned None for."""
+    model, tokenizer = model_and_tokenizer
+    dataset = Dataset.from_dict({"prompt": ["1 + 1 =", "2 + 2 =", "3 + 3 ="], "solution": ["2", "4", "6"]})
+
+    def solution_reward(completions, solution, **kwargs):
+        return [float(gold) for gold in solution]
+
+    def sometimes_reward(completions, solution, **kwargs):
+        return [None if gold == "2" else 1.0 for gold in solution]
+
+    results = evaluate_accuracy(
+        model, tokenizer, dataset, max_new_tokens=2, reward_funcs=[solution_reward, sometimes_reward],
+        reward_weights=[0.5, 2.0],
+    )
+    assert results["accuracy"] == {"Total": pytest.approx((0.5 * 2 + 0.5 * 4 + 2 + 0.5 * 6 + 2) / 3)}
+    assert results["rewards"] == {"solution_reward": pytest.approx(4.0), "sometimes_reward": 1.0}
+
+
+def test_reward_models_are_refused(model_and_tokenizer, eval_dataset):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match="eval_reward_funcs"):
+        evaluate_accuracy(model, tokenizer, eval_dataset, reward_funcs=["some/reward-model"])
 
 
 def test_accuracy_table():

@@ -678,8 +678,12 @@ def test_drop_in_trainer_resumes_the_federation(tmp_path, tiny_model_dir, tiny_t
                               peft_config=default_lora_config())
 
     trainer(1).train()
-    output = trainer(2).train(resume_from_checkpoint=True)
+    resumed = trainer(2)
+    output = resumed.train(resume_from_checkpoint=True)
     assert output.metrics["num_rounds"] == 2
+    # The trainer's state reads as the uninterrupted run's: the restored round, then the new one.
+    assert [(entry["round"], entry["step"]) for entry in resumed.state.log_history] == [(0, 1), (1, 2)]
+    assert resumed.state.global_step == 2
     assert [line["round_idx"] for line in events(tmp_path / "run", "round")] == [0, 1]
 
 

@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from .adapters import state_nbytes
 
@@ -85,6 +87,115 @@ class RoundCallback(TrainerCallback):
 
     def on_evaluate_round(self, args, round_idx: int, results: dict[str, Any], **kwargs):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
+
+
+def round_logs(record: RoundRecord) -> dict[str, float]:
+    """One round as a flat log entry named as TRL names its step logs.
+
+    Each client's values are under `<client_id>/`: R̄ (`reward_window`), h (`rpg_gain`), ω (`weight`),
+    `bytes_sent`, and its scalar metrics (`loss`, `seconds`, and the means over its local steps of TRL's step
+    metrics: `completions/mean_length`, `kl`, ...). Their means over the aggregated clients keep TRL's own names
+    (`reward` is the mean R̄), so the curves overlay a `GRPOTrainer` run's; then the round's totals, τ, and the
+    evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations show
+    them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
+    """
+    logs: dict[str, float] = {"round": record.round_idx, "num_clients": len(record.rewards)}
+    if record.rewards:
+        logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
+    client_scalars = {
+        client_id: {
+            name.removeprefix("train_"): value
+            for name, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        for client_id, metrics in record.client_metrics.items()
+    }
+    for name in sorted({name for scalars in client_scalars.values() for name in scalars}):
+        values = [scalars[name] for scalars in client_scalars.values() if name in scalars]
+        logs[name] = sum(values) / len(values)
+    if record.temperature is not None:
+        logs["temperature"] = record.temperature
+    logs["bytes_sent"] = sum(record.bytes_sent.values())
+    logs["bytes_received"] = sum(record.bytes_received.values())
+    logs["num_dropped"] = len(record.dropped)
+    per_client = {
+        "reward_window": record.rewards,
+        "rpg_gain": record.gains,
+        "weight": record.weights,
+        "bytes_sent": record.bytes_sent,
+    }
+    for name, values in per_client.items():
+        for client_id, value in values.items():
+            logs[f"{client_id}/{name}"] = value
+    for client_id, scalars in client_scalars.items():
+        for name, value in scalars.items():
+            logs[f"{client_id}/{name}"] = value
+    if record.evaluation is not None:
+        logs.update(evaluation_logs(record.evaluation))
+    return logs
+
+
+def evaluation_logs(results: dict[str, Any]) -> dict[str, float]:
+    """An evaluation result as `eval_`-prefixed log entries, as `Trainer.evaluate` names its metrics:
+    `eval_accuracy/<label>` (with `Total`), `eval_rewards/<reward>/mean` and `eval_runtime`."""
+    logs = {f"eval_accuracy/{label}": value for label, value in results["accuracy"].items()}
+    logs.update(
+        {f"eval_rewards/{name}/mean": value for name, value in results.get("rewards", {}).items() if value is not None}
+    )
+    logs["eval_runtime"] = results["seconds"]
+    return logs
+
+
+class IntegrationLog:
+    """`Trainer`'s logging without a `Trainer`: a `TrainerState` and the `args.report_to` integrations, for a
+    federation that `FederatedRunner` runs by itself (the drop-in `FedGRPOTrainer` logs through its own)."""
+
+    def __init__(self, args, model, processing_class, is_main_process: bool):
+        self.args = args
+        self.state = TrainerState(is_local_process_zero=is_main_process, is_world_process_zero=is_main_process)
+        self.control = TrainerControl()
+        integrations = get_reporting_integration_callbacks(args.report_to)
+        self.callback_handler = CallbackHandler(
+            [DefaultFlowCallback, *integrations], model, processing_class, optimizer=None, lr_scheduler=None
+        )
+
+    def log(self, logs: dict[str, float]) -> None:
+        """As `Trainer.log`: the entry joins `state.log_history` with its step and goes to every integration."""
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+
+class TrainerLogCallback(RoundCallback):
+    """Reports the federation through a trainer's logging (a `Trainer`, or an `IntegrationLog`), so that its
+    `state` and the `report_to` integrations of its `args` see a federated run as they see a `Trainer` run.
+
+    TRL's step is the local optimisation step: after round t, `state.global_step` is (t + 1) · `local_steps`, the
+    number of steps every client has taken and the position in the federation's learning-rate schedule, so the
+    curves line up with a non-federated run of `num_rounds * local_steps` steps. Each round is one `log()` entry
+    (`round_logs`); the evaluation before training is one entry at step 0.
+    """
+
+    def __init__(self, trainer, local_steps: int):
+        self.trainer = trainer
+        self.local_steps = local_steps
+
+    def on_evaluate_round(self, args, round_idx, results, **kwargs):
+        if round_idx == -1:  # a round's own evaluation is part of its round entry
+            self.trainer.log(evaluation_logs(results))
+
+    def on_round_end(self, args, record, **kwargs):
+        self.trainer.state.global_step = (record.round_idx + 1) * self.local_steps
+        self.trainer.log(round_logs(record))
+
+    def on_resume(self, args, round_idx, history, evaluations, **kwargs):
+        # The integrations received these entries in the interrupted run: only the trainer's state is rebuilt.
+        state = self.trainer.state
+        state.log_history = []
+        if -1 in evaluations:
+            state.log_history.append({**evaluation_logs(evaluations[-1]), "step": 0})
+        for record in history:
+            state.log_history.append({**round_logs(record), "step": (record.round_idx + 1) * self.local_steps})
+        state.global_step = (round_idx + 1) * self.local_steps
 
 
 def fire_round_callbacks(callbacks: list, hook: str, args, **kwargs) -> None:

@@ -77,6 +77,13 @@ class BenchmarkArguments:
         default_factory=lambda: ["accuracy"],
         metadata={"help": f"Reward functions, among {REWARD_FUNCTIONS}: 'accuracy' is the paper's binary reward."},
     )
+    eval_reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy"],
+        metadata={
+            "help": f"Reward functions that score the test split, among {REWARD_FUNCTIONS}, summed: the default "
+            "reports accuracy whatever `reward_funcs` trains on."
+        },
+    )
 
     def __post_init__(self):
         from .data.paper import check_max_pixels
@@ -123,13 +130,13 @@ def load_benchmark(data_args: BenchmarkArguments):
     return train, test
 
 
-def reward_functions(names: list[str]):
+def reward_functions(names: list[str], field_name: str = "reward_funcs"):
     from .rewards import accuracy_reward, format_reward
 
     available = {"accuracy": accuracy_reward, "format": format_reward}
     unknown = [name for name in names if name not in available]
     if unknown:
-        raise ValueError(f"Unknown `reward_funcs` {unknown}; choose among {REWARD_FUNCTIONS}.")
+        raise ValueError(f"Unknown `{field_name}` {unknown}; choose among {REWARD_FUNCTIONS}.")
     return [available[name] for name in names]
 
 
@@ -179,6 +186,7 @@ def run(argv: list[str]) -> int:
     prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
     rewards = reward_functions(data_args.reward_funcs)
+    eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     train, test = load_benchmark(data_args)
     clients = partition_clients(train, args)
     model, processing_class = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
@@ -193,7 +201,7 @@ def run(argv: list[str]) -> int:
     report = ReportCallback(args.output_dir, header=header)
     runner = FederatedRunner(
         model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
-        eval_dataset=test, callbacks=[report],
+        eval_dataset=test, eval_reward_funcs=eval_rewards, callbacks=[report],
     )
     runner.run()
     if runner.is_main_process:

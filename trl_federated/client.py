@@ -152,6 +152,7 @@ def train_local_round(
                 "step_rewards": trainer.step_rewards,
                 "train_loss": output.training_loss,
                 "train_seconds": time.perf_counter() - start,
+                **trainer.mean_step_metrics(),
             },
         )
         if scaffold is not None:

@@ -1,9 +1,10 @@
 """Held-out accuracy per label, and the paper's Table 1 layout to report it.
 
 Evaluation is greedy, so numbers are reproducible and comparable across rounds and runs; it is batched with
-left padding (generation appends on the right, so every prompt must end at the same position). The default
-scorer is the training reward, so what is reported is what is optimised. Vision-language models are evaluated
-through their processor, with each row's `image` (or `images`) placed in its prompt as TRL does in training.
+left padding (generation appends on the right, so every prompt must end at the same position). `FederatedRunner`
+scores with the training reward functions unless given `eval_reward_funcs`, so what is reported is what is
+optimised. Vision-language models are evaluated through their processor, with each row's `image` (or `images`)
+placed in its prompt as TRL does in training.
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ TOTAL = "Total"
 """The key of the all-rows entry in evaluation results and the last column of accuracy tables."""
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def check_eval_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[RewardFunc]:
+    """`reward_funcs` as a list of the reward functions evaluation can call; a reward model (TRL also accepts a
+    model or its id) raises, since evaluation scores with functions only."""
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    models = [func for func in funcs if isinstance(func, (str, torch.nn.Module)) or not callable(func)]
+    if models:
+        raise ValueError(
+            f"Evaluation scores with reward functions, not reward models ({models}): pass `eval_reward_funcs`."
+        )
+    return funcs
+
 
 ANSWER_STOP = ("</answer>",)
 """Where evaluation stops a completion by default: the closing tag of the paper's answer format."""
@@ -91,13 +105,14 @@ def evaluate_accuracy(
     model: PreTrainedModel | PeftModel,
     processing_class: PreTrainedTokenizerBase | ProcessorMixin,
     dataset: Dataset,
-    label_column: str = "difficulty",
+    label_column: str | None = "difficulty",
     batch_size: int = 16,
     max_new_tokens: int = 64,
-    reward_func: RewardFunc = accuracy_reward,
+    reward_funcs: RewardFunc | Sequence[RewardFunc] = accuracy_reward,
+    reward_weights: Sequence[float] | None = None,
     stop_strings: Sequence[str] = ANSWER_STOP,
 ) -> dict[str, Any]:
-    """Greedy-decode every prompt of `dataset` and report the mean reward per value of `label_column`.
+    """Greedy-decode every prompt of `dataset` and report the mean reward, overall and per value of `label_column`.
 
     Prompts are generated in batches of similar length (sorted by token count), so little compute goes into
     padding, and a row stops at the first of `stop_strings` (by default the closing answer tag: with the paper's
@@ -109,27 +124,34 @@ def evaluate_accuracy(
             duration and returned to training mode afterwards if it was in it.
         processing_class: its tokenizer, or its processor for a vision-language model; the tokenizer's
             `padding_side` is set to `"left"` for the duration and then restored.
-        dataset: rows with a `prompt` column (a conversation or a plain string) and `label_column`, and for a
-            vision-language model an `image` (or `images`) column. Its other columns (e.g. `answer`, `rg_entry`)
-            are passed to `reward_func` as keyword lists, as TRL does.
-        label_column: the column to break accuracy down by.
+        dataset: rows with a `prompt` column (a conversation or a plain string), and for a vision-language model
+            an `image` (or `images`) column. Its other columns (e.g. `answer`, `solution`, `rg_entry`) are passed to
+            the reward functions as keyword lists, as TRL does.
+        label_column: the column to break accuracy down by; without it in `dataset` (or None) only the Total is
+            reported.
         batch_size: prompts generated together. Greedy decoding with left padding gives the same completions
             for any batch size, up to floating-point ties.
         max_new_tokens: the generation budget per prompt; a completion cut off before closing its answer tag
             scores 0 with the default reward.
-        reward_func: a TRL-style reward function; with the binary `accuracy_reward` the mean reward is the
-            accuracy. A `None` reward (TRL's "not applicable") counts as 0.
+        reward_funcs: a TRL-style reward function or a list of them. A row's reward is their sum weighted by
+            `reward_weights` (default 1 each), as TRL's `reward`; a `None` reward (TRL's "not applicable") counts
+            as 0 there. With the one binary `accuracy_reward` the mean reward is the accuracy.
+        reward_weights: one weight per reward function, as `GRPOConfig.reward_weights`.
         stop_strings: texts that end a completion (kept in it); empty to always generate `max_new_tokens`. With
             the default, the first complete answer is the one scored, also where `accuracy_reward` on a longer
             completion would score a later one.
 
     Returns:
         `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows},
-        "seconds": wall time}`, labels in the order simple, medium, hard, then the others sorted.
+        "rewards": {function name: mean over the rows it scored}, "seconds": wall time}`, labels in the order
+        simple, medium, hard, then the others sorted.
     """
-    for column in ("prompt", label_column):
-        if column not in dataset.column_names:
-            raise ValueError(f"The evaluation dataset has no column {column!r} (columns: {dataset.column_names}).")
+    reward_funcs = check_eval_reward_funcs(reward_funcs)
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"{len(weights)} reward_weights for {len(reward_funcs)} reward functions.")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"The evaluation dataset has no column 'prompt' (columns: {dataset.column_names}).")
     if len(dataset) == 0:
         raise ValueError("The evaluation dataset is empty.")
     if batch_size < 1:
@@ -138,6 +160,9 @@ def evaluate_accuracy(
     started = time.perf_counter()
     reward_columns = [column for column in dataset.column_names if column != "prompt"]
     rewards: list[float] = [0.0] * len(dataset)
+    # Each function's mean skips the rows it returned None for, as TRL's `rewards/<name>/mean` does; TRL names a
+    # reward function by its `__name__`.
+    scored: dict[str, list[float]] = {func.__name__: [] for func in reward_funcs}
     was_training = model.training
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     padding_side = tokenizer.padding_side
@@ -160,28 +185,33 @@ def evaluate_accuracy(
             texts = tokenizer.batch_decode(output_ids[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
             columns = {column: batch[column] for column in reward_columns}
-            values = reward_func(prompts=batch["prompt"], completions=completions, **columns)
-            for index, value in zip(indices, values, strict=True):
-                rewards[index] = 0.0 if value is None else float(value)
+            for func, weight in zip(reward_funcs, weights):
+                values = func(prompts=batch["prompt"], completions=completions, **columns)
+                for index, value in zip(indices, values, strict=True):
+                    if value is not None:
+                        rewards[index] += weight * float(value)
+                        scored[func.__name__].append(float(value))
     finally:
         tokenizer.padding_side = padding_side
         if was_training:
             model.train()
 
     per_label: dict[str, list[float]] = defaultdict(list)
-    for label, reward in zip(dataset[label_column], rewards, strict=True):
-        per_label[str(label)].append(reward)
+    if label_column in dataset.column_names:
+        for label, reward in zip(dataset[label_column], rewards, strict=True):
+            per_label[str(label)].append(reward)
     labels = _ordered_labels(per_label)
     accuracy: dict[str, float | int] = {label: sum(per_label[label]) / len(per_label[label]) for label in labels}
     count: dict[str, float | int] = {label: len(per_label[label]) for label in labels}
     accuracy[TOTAL] = sum(rewards) / len(rewards)
     count[TOTAL] = len(rewards)
+    function_means = {name: sum(values) / len(values) if values else None for name, values in scored.items()}
     seconds = time.perf_counter() - started
     logger.info(
         "Accuracy by %s: %s (%d rows in %.1f s)",
         label_column, {label: round(value, 4) for label, value in accuracy.items()}, len(rewards), seconds,
     )
-    return {"accuracy": accuracy, "count": count, "seconds": seconds}
+    return {"accuracy": accuracy, "count": count, "rewards": function_means, "seconds": seconds}
 
 
 def _batches_by_length(prompts: list[Any], batch_size: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
-from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
+from .callbacks import IntegrationLog, MetricsLoggerCallback, RoundRecord, TrainerLogCallback, fire_round_callbacks
 from .checkpoint import (
     CheckpointedServer,
     list_checkpoints,
@@ -27,6 +27,7 @@ from .checkpoint import (
 from .client import describe_failure, local_training_args, release_free_memory, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
+from .evaluation import check_eval_reward_funcs, evaluate_accuracy
 from .reporting import RunProgress
 from .rewards import combined_reward_range
 from .transport import WireFormat, is_lora_a
@@ -74,6 +75,10 @@ class FederatedRunner(CheckpointedServer):
     After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
     `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
 
+    Besides its callbacks and `output_dir/metrics.jsonl`, the runner reports every round to the `report_to`
+    integrations as a `Trainer` would (`callbacks.TrainerLogCallback`): through `log_to`'s state and callbacks,
+    else, when `args.report_to` names any, through an `IntegrationLog` of its own (`self.log_to`).
+
     Args:
         model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
         reward_funcs: As for `GRPOTrainer`.
@@ -83,11 +88,17 @@ class FederatedRunner(CheckpointedServer):
             omitted (`models.load_processing_class`).
         peft_config: LoRA configuration for a model that is not yet a `PeftModel` (default: `default_lora_config`).
         aggregator: Server strategy; built from `args` (`aggregation`, `server_optimizer`, `rpg_*`) when omitted.
-        eval_dataset: Held-out prompts scored by `eval_reward_func` before training and every `eval_every` rounds.
+        eval_dataset: Held-out prompts scored before training, every `eval_every` rounds and after the last round;
+            its columns other than `prompt` go to the reward functions (e.g. `answer`, or TRL's `solution`), and
+            accuracy is broken down by `args.partition_column` when it has that column.
         callbacks: `RoundCallback`s (they also receive the clients' trainer events) or plain `TrainerCallback`s.
-        eval_reward_func: Binary correctness reward used for evaluation accuracy (default: `accuracy_reward`).
+        eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
+            `reward_funcs` with `args.reward_weights`, as TRL's `reward`). Give a binary correctness reward
+            such as `accuracy_reward` to report accuracy when training also rewards format or length.
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
+        log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
+            passes itself).
     """
 
     def __init__(
@@ -101,8 +112,9 @@ class FederatedRunner(CheckpointedServer):
         aggregator: Aggregator | None = None,
         eval_dataset: Dataset | None = None,
         callbacks: list | None = None,
-        eval_reward_func: Callable | None = None,
+        eval_reward_funcs: Callable | Sequence[Callable] | None = None,
         trainer_kwargs: dict[str, Any] | None = None,
+        log_to=None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -126,9 +138,20 @@ class FederatedRunner(CheckpointedServer):
             aggregator if aggregator is not None else aggregator_from_config(args, len(self.client_datasets))
         )
         self.eval_dataset = eval_dataset
-        self.eval_reward_func = eval_reward_func
+        if eval_reward_funcs is None:
+            eval_reward_funcs, self.eval_reward_weights = reward_funcs, args.reward_weights
+        else:
+            self.eval_reward_weights = None
+        # A reward model among the training rewards fails now, not after the first round.
+        self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs) if eval_dataset is not None else None
         self.trainer_kwargs = trainer_kwargs or {}
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
+        self.is_main_process = PartialState().is_main_process
+        if log_to is None and args.report_to:
+            log_to = IntegrationLog(args, model, processing_class, self.is_main_process)
+        self.log_to = log_to
+        if log_to is not None:
+            self.callbacks.append(TrainerLogCallback(log_to, args.local_steps))
         self.global_state: AdapterState = get_adapter_state(model)
         # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
         self.reference_state = self.global_state if args.beta != 0 else None
@@ -143,7 +166,6 @@ class FederatedRunner(CheckpointedServer):
         self.client_controls: dict[str, AdapterState] = {}
         self.evaluations: dict[int, dict[str, Any]] = {}
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
-        self.is_main_process = PartialState().is_main_process
         self.num_processes = PartialState().num_processes
         # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
         self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
@@ -252,7 +274,18 @@ class FederatedRunner(CheckpointedServer):
         # collection, scanning ~400k long-lived objects. Frozen, they are skipped and a collection costs microseconds.
         gc.freeze()
         try:
-            return self._run()
+            if self.log_to is None:
+                return self._run()
+            log_to = self.log_to
+            log_to.state.max_steps = self.args.num_rounds * self.args.local_steps
+            log_to.state.epoch = None  # each client is at its own epoch of its own data: there is none to log
+            # The integrations set up here (TensorBoard opens its writer) and flush and close in on_train_end.
+            log_to.control = log_to.callback_handler.on_train_begin(log_to.args, log_to.state, log_to.control)
+            history = self._run()
+            # Every process's state ends at the last step; the round entries are logged by the main process only.
+            log_to.state.global_step = log_to.state.max_steps
+            log_to.control = log_to.callback_handler.on_train_end(log_to.args, log_to.state, log_to.control)
+            return history
         finally:
             gc.unfreeze()
 
@@ -394,12 +427,10 @@ class FederatedRunner(CheckpointedServer):
         return RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
 
     def evaluate(self, round_idx: int) -> dict[str, Any] | None:
-        """Accuracy of the current global adapter on `eval_dataset` (None without one)."""
+        """Mean evaluation reward (the accuracy, for a binary reward) of the current global adapter on
+        `eval_dataset`, overall and per label (None without an `eval_dataset`)."""
         if self.eval_dataset is None:
             return None
-        from .evaluation import evaluate_accuracy
-        from .rewards import accuracy_reward
-
         set_adapter_state(self.model, self.global_state)
         results = evaluate_accuracy(
             self.model,
@@ -408,7 +439,8 @@ class FederatedRunner(CheckpointedServer):
             label_column=self.args.partition_column,
             batch_size=self.args.per_device_eval_batch_size,
             max_new_tokens=self.args.max_completion_length,
-            reward_func=self.eval_reward_func or accuracy_reward,
+            reward_funcs=self.eval_reward_funcs,
+            reward_weights=self.eval_reward_weights,
         )
         release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results

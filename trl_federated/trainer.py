@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import time
+from collections import defaultdict
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
@@ -29,12 +32,15 @@ class FedGRPOTrainer(GRPOTrainer):
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
     `train_dataset` across the clients and hands over to `FederatedRunner`; `train(resume_from_checkpoint=True)`
-    then continues the federation from its latest round checkpoint.
+    then continues the federation from its latest round checkpoint. There `eval_dataset` is scored with
+    `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a single-client `train()`
+    evaluates as `GRPOTrainer` does and ignores it.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, eval_reward_funcs=None, **kwargs):
         # Kept so that federated mode can hand the same arguments to every client's trainer.
         self._init_arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        self.eval_reward_funcs = eval_reward_funcs
         super().__init__(*args, **kwargs)
         fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
         if fedprox_mu:
@@ -103,6 +109,24 @@ class FedGRPOTrainer(GRPOTrainer):
             last_step = entry["step"]
         return rewards
 
+    def mean_step_metrics(self) -> dict[str, float]:
+        """The mean over the logged optimisation steps of every other metric TRL logs per step, under TRL's names
+        (`completions/mean_length`, `rewards/<name>/mean`, `kl`, `entropy`, `grad_norm`, ...). `reward` and `loss`
+        are left out: R̄ (`window_reward`) and the training loss report them. A step's missing or non-finite value
+        (TRL logs None for a reward that scored nothing) is skipped."""
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for entry in self.state.log_history:
+            if "loss" not in entry:  # evaluation and end-of-training entries
+                continue
+            for name, value in entry.items():
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if name in ("loss", "reward", "step", "epoch") or not number or not math.isfinite(value):
+                    continue
+                sums[name] += value
+                counts[name] += 1
+        return {name: sums[name] / counts[name] for name in sums}
+
     def window_reward(self, window: int | None = None) -> float:
         """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
         rewards = self.step_rewards
@@ -124,8 +148,12 @@ class FedGRPOTrainer(GRPOTrainer):
     def _train_federated(self) -> TrainOutput:
         """Federated mode: Dirichlet-partition `train_dataset` over `num_clients` clients and run every round.
 
-        The global adapter ends up in `output_dir` (PEFT layout) and in `self.model`; the returned `TrainOutput`
-        counts the local optimisation steps of all clients.
+        The global adapter ends up in `output_dir` (PEFT layout) and in `self.model`. This trainer's own state and
+        callbacks report the federation (`callbacks.TrainerLogCallback`): one `log_history` entry and one `on_log`
+        to the `report_to` integrations per round, with `state.global_step` = (t + 1) · `local_steps` after round
+        t. The clients' trainers report nothing themselves. The returned `TrainOutput` counts the local
+        optimisation steps of all clients: `num_clients` times `state.global_step` when every client took every
+        step.
         """
         from .data import partition_clients
         from .runner import FederatedRunner
@@ -140,13 +168,17 @@ class FedGRPOTrainer(GRPOTrainer):
             client_datasets=partition_clients(self.train_dataset, self.args),
             processing_class=self.processing_class,
             eval_dataset=self.eval_dataset,
+            eval_reward_funcs=self.eval_reward_funcs,
             callbacks=arguments.get("callbacks"),
             trainer_kwargs={
                 name: arguments[name]
                 for name in ("reward_processing_classes", "tools", "rollout_func", "environment_factory")
                 if arguments.get(name) is not None
             },
+            log_to=self,
         )
+        # The runner shows its own progress by round and client; a second, step-counting bar would stay empty.
+        self.callback_handler.pop_callback(ProgressCallback)
         start = time.perf_counter()
         history = runner.run()
         self.model = self.model_wrapped = runner.model

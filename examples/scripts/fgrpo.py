@@ -31,6 +31,8 @@ from trl_federated.reporting import ReportCallback
 def main(training_args, model_args, data_args):
     # Reward functions: the paper's binary accuracy on the `<answer>` tag, optionally a format reward
     reward_funcs = reward_functions(data_args.reward_funcs)
+    # The accuracy table scores accuracy alone, whichever rewards train (`eval_reward_funcs`)
+    eval_reward_funcs = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
 
     # Model and tokenizer, or processor for a vision-language model
     model, processing_class = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
@@ -45,6 +47,7 @@ def main(training_args, model_args, data_args):
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
+        eval_reward_funcs=eval_reward_funcs,
         processing_class=processing_class,
         peft_config=get_peft_config(model_args),
         callbacks=[ReportCallback(training_args.output_dir)],  # summary.md and plots, rewritten every round

@@ -58,8 +58,8 @@ class FederatedStrategy(CheckpointedServer, Strategy):
 
     After every round the strategy writes `output_dir/metrics.jsonl`, `round-<t>/` and the atomic
     `checkpoint-<t>/` exactly as the runner does, so `run()` with `args.resume_from_checkpoint` continues an
-    interrupted Flower run (with new node ids, even with new SuperNodes for the same clients). Evaluation of the
-    global adapter is left to the runner or `trl-federated eval` on the saved adapters.
+    interrupted Flower run (with new node ids, even with new SuperNodes for the same clients). The strategy does
+    not evaluate: score a saved `round-<t>/` adapter with `evaluation.evaluate_accuracy`.
 
     Args:
         model: The base model (wrapped here in `peft_config`'s LoRA, seeded with `args.seed`, so that the initial
