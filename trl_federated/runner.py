@@ -27,6 +27,7 @@ from .checkpoint import (
 from .client import describe_failure, local_training_args, release_free_memory, train_local_round, zero_control
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
+from .hub import federated_model_card, push_to_hub
 from .reporting import RunProgress
 from .rewards import combined_reward_range
 from .transport import WireFormat, is_lora_a
@@ -88,6 +89,7 @@ class FederatedRunner(CheckpointedServer):
         eval_reward_func: Binary correctness reward used for evaluation accuracy (default: `accuracy_reward`).
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
+        dataset_name: The Hub id of the clients' data, named in the model card (see `trl_federated.hub`).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class FederatedRunner(CheckpointedServer):
         callbacks: list | None = None,
         eval_reward_func: Callable | None = None,
         trainer_kwargs: dict[str, Any] | None = None,
+        dataset_name: str | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -128,6 +131,7 @@ class FederatedRunner(CheckpointedServer):
         self.eval_dataset = eval_dataset
         self.eval_reward_func = eval_reward_func
         self.trainer_kwargs = trainer_kwargs or {}
+        self.dataset_name = dataset_name
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.global_state: AdapterState = get_adapter_state(model)
         # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
@@ -312,8 +316,15 @@ class FederatedRunner(CheckpointedServer):
         self.progress = None
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
+            # Over PEFT's placeholder README.md, pushed or not: the folder describes its adapter (see `hub`).
+            card = federated_model_card(
+                self.model, args, len(self.client_datasets), self.evaluations, self.dataset_name
+            )
+            card.save(output_dir / "README.md")
         set_adapter_state(self.model, self.global_state)
         wait_for_everyone()
+        if args.push_to_hub and self.is_main_process:
+            push_to_hub(args)  # last: when the Hub fails, everything is already saved locally
         return self.history
 
     def _server_round(
