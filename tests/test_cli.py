@@ -10,13 +10,20 @@ import yaml
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from trl import ModelConfig
 
 from conftest import OPEN_R1_FIXTURE, length_reward
 from trl_federated import FedGRPOTrainer
 from trl_federated.adapters import get_adapter_state
-from trl import ModelConfig
-
-from trl_federated.cli import BenchmarkArguments, load_benchmark, load_model, lora_config, main, parse_run_args
+from trl_federated.cli import (
+    BenchmarkArguments,
+    load_benchmark,
+    load_model,
+    lora_config,
+    main,
+    parse_run_args,
+    reward_functions,
+)
 from trl_federated.runner import default_lora_config, with_federated_adapter
 
 
@@ -103,6 +110,11 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     assert f"{mib} sent ({adapter_bytes:,} bytes, its adapter), {mib} received ({adapter_bytes:,} bytes" in summary
     events = [json.loads(line)["event"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
+
+
+def test_cli_takes_a_reward_model_by_path(tiny_model_dir):
+    # kept as given: FederatedRunner loads it once for the whole run (tests/test_runner.py)
+    assert reward_functions(["accuracy", str(tiny_model_dir)])[1] == str(tiny_model_dir)
 
 
 def test_cli_rejects_unknown_reward(tmp_path, tiny_model_dir):

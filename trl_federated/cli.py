@@ -78,7 +78,10 @@ class BenchmarkArguments:
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
-        metadata={"help": f"Reward functions, among {REWARD_FUNCTIONS}: 'accuracy' is the paper's binary reward."},
+        metadata={
+            "help": f"Reward functions, among {REWARD_FUNCTIONS} ('accuracy' is the paper's binary reward), or reward "
+            "models by Hub id or local folder (`AutoModelForSequenceClassification`, loaded once per run)."
+        },
     )
 
     def __post_init__(self):
@@ -137,14 +140,19 @@ def hub_dataset_id(data_args: BenchmarkArguments) -> str | None:
     return None if name == "reasoning_gym" or Path(name).exists() else name
 
 
-def reward_functions(names: list[str]):
+def reward_functions(names: list[str]) -> list:
+    """The reward functions named among `REWARD_FUNCTIONS`; any other entry must be a reward model's Hub id
+    (`org/name`) or local folder, kept as such for `FederatedRunner` to load once (`client.load_reward_models`)."""
     from .rewards import accuracy_reward, format_reward
 
     available = {"accuracy": accuracy_reward, "format": format_reward}
-    unknown = [name for name in names if name not in available]
+    unknown = [name for name in names if name not in available and "/" not in name and not Path(name).is_dir()]
     if unknown:
-        raise ValueError(f"Unknown `reward_funcs` {unknown}; choose among {REWARD_FUNCTIONS}.")
-    return [available[name] for name in names]
+        raise ValueError(
+            f"Unknown `reward_funcs` {unknown}; choose among {REWARD_FUNCTIONS}, or give a reward model's Hub id "
+            "(`org/name`) or local folder."
+        )
+    return [available.get(name, name) for name in names]
 
 
 def config_class(argv: list[str]) -> type[FedGRPOConfig]:

@@ -24,7 +24,14 @@ from .checkpoint import (
     prepare_output_dir,
     run_identity,
 )
-from .client import describe_failure, local_training_args, release_free_memory, train_local_round, zero_control
+from .client import (
+    describe_failure,
+    load_reward_models,
+    local_training_args,
+    release_free_memory,
+    train_local_round,
+    zero_control,
+)
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
 from .hub import federated_model_card, push_to_hub
@@ -77,7 +84,8 @@ class FederatedRunner(CheckpointedServer):
 
     Args:
         model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
-        reward_funcs: As for `GRPOTrainer`.
+        reward_funcs: As for `GRPOTrainer`; a reward model given by id or path is loaded once, for every client
+            and round (`client.load_reward_models`).
         args: The run's `FedGRPOConfig`; its GRPO fields configure every client's local training.
         client_datasets: Each client's private training set, as a dict keyed by client id or a list.
         processing_class: Tokenizer, or processor for a vision-language model; loaded from the model's path when
@@ -124,7 +132,7 @@ class FederatedRunner(CheckpointedServer):
             processing_class = load_processing_class(model.config._name_or_path)
         self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
-        self.reward_funcs = reward_funcs
+        self.reward_funcs = reward_funcs = load_reward_models(reward_funcs, args)
         self.aggregator = (
             aggregator if aggregator is not None else aggregator_from_config(args, len(self.client_datasets))
         )
