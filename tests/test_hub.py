@@ -6,16 +6,16 @@ import yaml
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM
 
-from conftest import length_reward
+from conftest import FAST_GRPO, length_reward
 from test_cli import labelled_dataset
-from trl_federated import FedGRPOTrainer
+from trl_federated import FedDAPOConfig, FedGRPOTrainer
 from trl_federated.cli import main
 from trl_federated.hub import PUSHED_FILES, HubPushError, federated_model_card
 from trl_federated.models import DEFAULT_MODEL_HUB_ID
 from trl_federated.runner import default_lora_config, with_federated_adapter
 
 
-def test_model_card_names_fgrpo_the_federation_and_the_paper(tiny_model_dir, fast_args):
+def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_model_dir, fast_args):
     args = fast_args(
         num_clients=3, dirichlet_alpha=0.05, num_rounds=4, local_steps=5, reward_window=3,
         hub_model_id="me/fgrpo-tiny",
@@ -50,6 +50,8 @@ def test_model_card_names_fgrpo_the_federation_and_the_paper(tiny_model_dir, fas
     text = str(federated_model_card(model, args, 2, {}))
     assert "| Method | FedAvg: aggregation `fedavg`, server optimizer `sgd` (lr 1.0)" in text
     assert "### Accuracy" not in text
+    text = str(federated_model_card(model, FedDAPOConfig(**FAST_GRPO, output_dir=str(tmp_path)), 2, {}))
+    assert "| Method | FDAPO: aggregation `rpg`" in text and "| Local algorithm | `FedDAPOConfig` (loss `dapo`" in text
 
 
 def test_model_card_names_the_embedded_default_model_by_its_hub_id(tmp_path, tiny_model_dir, fast_args):

@@ -19,7 +19,7 @@ from typing import Any
 from huggingface_hub import HfApi, ModelCard
 from trl.trainer.utils import generate_model_card, get_config_model_id
 
-from .config import FedGRPOConfig
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 from .evaluation import format_accuracy_table
 from .models import base_model_hub_id
 
@@ -47,6 +47,8 @@ METHOD_NAMES = {
     ("scaffold", "sgd"): "SCAFFOLD",
 }
 
+LOCAL_ALGORITHMS = {FedDAPOConfig: "DAPO", FedGSPOConfig: "GSPO"}
+
 
 class HubPushError(RuntimeError):
     """The run finished and its outputs are saved in `output_dir`, but uploading them to the Hub failed."""
@@ -58,9 +60,11 @@ def hub_model_id(args: FedGRPOConfig) -> str:
 
 
 def method_name(args: FedGRPOConfig) -> str:
-    return METHOD_NAMES.get(
+    """FGRPO, FedAvg, ...; FDAPO and FGSPO with the DAPO and GSPO recipes, as `trl-federated compare` names them."""
+    name = METHOD_NAMES.get(
         (args.aggregation, args.server_optimizer), f"`{args.aggregation}` + server `{args.server_optimizer}`"
     )
+    return name.replace("GRPO", LOCAL_ALGORITHMS.get(type(args), "GRPO"))
 
 
 def federation_section(
