@@ -44,12 +44,12 @@ def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_mode
     assert "| LoRA | r=16, α=32, target modules down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj |" in text
     assert "fine-tuned version of a local model" in text  # the tiny model is no Hub model
     assert "| Before training | 0.00 | 25.00 | 12.50 |" in text and "| Round 4 | 50.00 | 75.00 | 62.50 |" in text
-    assert text.index("## Federated training") < text.index("### Framework versions")
+    assert text.index("\n### Federated training") < text.index("### Framework versions")
 
     args = fast_args(aggregation="fedavg")
     text = str(federated_model_card(model, args, 2, {}))
     assert "| Method | FedAvg: aggregation `fedavg`, server optimizer `sgd` (lr 1.0)" in text
-    assert "### Accuracy" not in text
+    assert "#### Accuracy" not in text
     text = str(federated_model_card(model, FedDAPOConfig(**FAST_GRPO, output_dir=str(tmp_path)), 2, {}))
     assert "| Method | FDAPO: aggregation `rpg`" in text and "| Local algorithm | `FedDAPOConfig` (loss `dapo`" in text
 
@@ -101,7 +101,7 @@ def test_drop_in_pushes_the_global_adapter_and_its_card(tmp_path, tiny_model_dir
     for name in PUSHED_FILES:
         assert (output_dir / name).is_file(), name
     card = (output_dir / "README.md").read_text()
-    assert "## Federated training" in card and "| Clients | 2, Dirichlet μ=inf over `difficulty` |" in card
+    assert "### Federated training" in card and "| Clients | 2, Dirichlet μ=inf over `difficulty` |" in card
 
 
 def test_cli_push_without_a_reachable_hub_fails_after_saving(tmp_path, tiny_model_dir, monkeypatch):

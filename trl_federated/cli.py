@@ -241,8 +241,9 @@ def load_model(model_args: ModelConfig, args: FedGRPOConfig):
     if quantization_config is not None:
         flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(f"`{flag}` (QLoRA) needs bitsandbytes, which is not installed: `pip install bitsandbytes`.")
-        model_kwargs["quantization_config"] = quantization_config  # transformers places it (TRL 1.16 passes no device_map)
+            raise ValueError(f"`{flag}` (QLoRA) needs bitsandbytes, which is not installed: `pip install bitsandbytes`")
+        # transformers places the quantized weights itself (TRL 1.16's scripts pass no device_map either)
+        model_kwargs["quantization_config"] = quantization_config
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     return load_model_and_tokenizer(
         model_args.model_name_or_path,

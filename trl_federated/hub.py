@@ -20,8 +20,8 @@ from huggingface_hub import HfApi, ModelCard
 from trl.trainer.utils import generate_model_card, get_config_model_id
 
 from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
-from .evaluation import format_accuracy_table
 from .models import base_model_hub_id
+from .reporting import format_evaluations
 
 TAG_NAMES = ["trl", "grpo", "trl-federated", "federated-learning", "fgrpo"]
 PAPER = {
@@ -46,7 +46,7 @@ METHOD_NAMES = {
     ("fedprox", "sgd"): "FedProx",
     ("scaffold", "sgd"): "SCAFFOLD",
 }
-
+# The recipes whose federated method is named after their local algorithm: FDAPO, FGSPO.
 LOCAL_ALGORITHMS = {FedDAPOConfig: "DAPO", FedGSPOConfig: "GSPO"}
 
 
@@ -73,7 +73,7 @@ def federation_section(
     peft_config: Any,
     evaluations: dict[int, dict[str, Any]],
 ) -> str:
-    """The card's Markdown section on the federation that trained the adapter."""
+    """The card's Markdown section on the federation that trained the adapter, under TRL's "Training procedure"."""
     lora = "see adapter_config.json"
     if peft_config is not None:
         targets = peft_config.target_modules
@@ -81,8 +81,8 @@ def federation_section(
             targets = ", ".join(sorted({name.split(".")[-1] for name in targets}))
         lora = f"r={peft_config.r}, α={peft_config.lora_alpha}, target modules {targets}"
     rows = [
-        ("Method", f"{method_name(args)}: aggregation `{args.aggregation}`, server optimizer "
-                   f"`{args.server_optimizer}` (lr {args.server_learning_rate}), LoRA aggregation `{args.lora_aggregation}`"),
+        ("Method", f"{method_name(args)}: aggregation `{args.aggregation}`, server optimizer `{args.server_optimizer}` "
+                   f"(lr {args.server_learning_rate}), LoRA aggregation `{args.lora_aggregation}`"),
         ("Local algorithm", f"`{type(args).__name__}` (loss `{args.loss_type}`, β={args.beta})"),
         ("Clients", f"{num_clients}, Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`"),
         ("Rounds", f"{args.num_rounds}, {args.local_steps} local steps per client and round"),
@@ -90,7 +90,7 @@ def federation_section(
         ("LoRA", lora),
     ]  # fmt: skip
     lines = [
-        "## Federated training",
+        "### Federated training",
         "",
         "This adapter is the global LoRA adapter of a federated run: every round each client trains the current "
         "global adapter on its own data with local GRPO steps, and the server aggregates the clients' adapters.",
@@ -100,8 +100,7 @@ def federation_section(
         *(f"| {name} | {value} |" for name, value in rows),
     ]
     if evaluations:
-        named = {("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())}
-        lines += ["", "### Accuracy (%)", "", format_accuracy_table(named)]
+        lines += ["", "#### Accuracy (%)", "", format_evaluations(evaluations)]
     return "\n".join(lines)
 
 
