@@ -56,7 +56,8 @@ def main(training_args, model_args, data_args):
 
 def make_parser(argv):
     # `--algorithm dapo|gspo` (or `algorithm:` in the YAML) picks FedDAPOConfig / FedGSPOConfig and their defaults
-    return TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
+    # No flag abbreviations: `--num_round` must be an error, not `--num_rounds`
+    return TrlParser((config_class(argv), ModelConfig, BenchmarkArguments), allow_abbrev=False)
 
 
 if __name__ == "__main__":
