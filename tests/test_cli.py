@@ -1,5 +1,6 @@
 """The main job end to end on the tiny model: the drop-in federated mode and the `trl-federated run` CLI."""
 
+import importlib.util
 import json
 import re
 
@@ -9,12 +10,21 @@ import yaml
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from trl import ModelConfig
 
 from conftest import OPEN_R1_FIXTURE, length_reward
 from trl_federated import FedGRPOTrainer
 from trl_federated.adapters import get_adapter_state
-from trl_federated.cli import BenchmarkArguments, load_benchmark, main
-from trl_federated.runner import default_lora_config
+from trl_federated.cli import (
+    BenchmarkArguments,
+    load_benchmark,
+    load_model,
+    lora_config,
+    main,
+    parse_run_args,
+    reward_functions,
+)
+from trl_federated.runner import default_lora_config, with_federated_adapter
 
 
 def labelled_dataset(n=24):
@@ -128,6 +138,11 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
 
 
+def test_cli_takes_a_reward_model_by_path(tiny_model_dir):
+    # kept as given: FederatedRunner loads it once for the whole run (tests/test_runner.py)
+    assert reward_functions(["accuracy", str(tiny_model_dir)])[1] == str(tiny_model_dir)
+
+
 def test_cli_rejects_unknown_reward(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="reward_funcs"):
         main(["run", "--output_dir", str(tmp_path), "--model_name_or_path", str(tiny_model_dir), "--bf16", "false",
@@ -151,3 +166,55 @@ def test_paper_benchmarks_read_their_source():
     for name, value in (("benchmark_source", str(OPEN_R1_FIXTURE)), ("max_pixels", 24 * 24)):
         with pytest.raises(ValueError, match=name):
             load_benchmark(BenchmarkArguments(dataset_name="reasoning_gym", **{name: value}))
+
+
+# `trl-federated run` flags that parse on a machine without a GPU.
+CPU_FLAGS = ["--output_dir", "unused", "--bf16", "false", "--use_cpu", "true"]
+
+
+def test_cli_refuses_flag_prefixes(tmp_path):
+    with pytest.raises(ValueError, match="--num_round"):  # argparse would take it for --num_rounds
+        main(["run", "--output_dir", str(tmp_path), "--model_name_or_path", str(tmp_path / "absent"), "--bf16",
+              "false", "--num_round", "3"])
+
+
+@pytest.mark.parametrize("attn_implementation, dtype", [("eager", torch.bfloat16), ("sdpa", torch.float32)])
+def test_cli_loads_the_model_as_model_config_asks(tiny_model_dir, attn_implementation, dtype):
+    args, model_args, _ = parse_run_args(
+        [*CPU_FLAGS, "--model_name_or_path", str(tiny_model_dir), "--attn_implementation", attn_implementation,
+         "--dtype", str(dtype).removeprefix("torch.")]
+    )
+    model, _ = load_model(model_args, args)
+    assert model.config._attn_implementation == attn_implementation
+    assert model.dtype == dtype
+
+
+def test_cli_lora_fields_shape_the_adapter(tiny_model_dir):
+    _, model_args, _ = parse_run_args(CPU_FLAGS)
+    default = lora_config(model_args)
+    for name in ("r", "lora_alpha", "lora_dropout", "target_modules", "task_type"):
+        assert getattr(default, name) == getattr(default_lora_config(), name), name
+
+    # Without --use_peft: the federation always trains LoRA, so the lora_* flags alone set it.
+    _, model_args, _ = parse_run_args([*CPU_FLAGS, "--lora_target_modules", "q_proj", "v_proj", "--lora_r", "4"])
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 0, lora_config(model_args))
+    adapted = {name.split(".")[-3] for name, _ in model.named_modules() if name.endswith("lora_A.default")}
+    assert adapted == {"q_proj", "v_proj"}
+    assert {tensor.shape[0] for name, tensor in get_adapter_state(model).items() if "lora_A" in name} == {4}
+
+    _, model_args, _ = parse_run_args([*CPU_FLAGS, "--use_peft", "false"])
+    with pytest.raises(ValueError, match="use_peft"):
+        lora_config(model_args)
+
+
+def test_cli_refuses_model_fields_it_cannot_honour(tiny_model_dir, fast_args):
+    args = fast_args()
+    if importlib.util.find_spec("bitsandbytes") is None:  # where it is installed, QLoRA loading is TRL's own path
+        with pytest.raises(ValueError, match="load_in_4bit"):
+            load_model(ModelConfig(model_name_or_path=str(tiny_model_dir), load_in_4bit=True), args)
+    with pytest.raises(ValueError, match="bnb_4bit_quant_type"):  # read only with load_in_4bit
+        load_model(ModelConfig(model_name_or_path=str(tiny_model_dir), bnb_4bit_quant_type="fp4"), args)
+    with pytest.raises(ValueError, match="model_revision"):  # the embedded default model has no revisions
+        load_model(ModelConfig(model_revision="v1.0"), args)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        load_model(ModelConfig(), fast_args(model_init_kwargs={"attn_implementation": "eager"}))

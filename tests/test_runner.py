@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from conftest import length_reward
 from trl_federated import FedAvgAggregator, FederatedRunner, RoundCallback, ServerSGD
@@ -156,3 +156,21 @@ def test_progress_bar_counts_local_steps_and_shows_the_client(tmp_path, tiny_mod
     final = [line for line in bar if "Federated rounds" in line][-1]
     assert "12/12" in final  # 2 rounds x 3 clients x 2 local steps
     assert "round 2/2, site-2, step 2/2, reward " in final and " s/step" in final
+
+
+def test_a_reward_model_given_by_id_is_loaded_once_per_run(tiny_model_dir, tiny_tokenizer, fast_args, monkeypatch):
+    loads = []
+    load = AutoModelForSequenceClassification.from_pretrained
+
+    def counted_load(name, *args, **kwargs):
+        loads.append(name)
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", counted_load)
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tiny_model_dir), fast_args(local_steps=1, reward_window=1),
+        client_datasets(num_clients=2), processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    history = runner.run()
+    assert len(history) == 2 and all(len(record.rewards) == 2 for record in history)
+    assert loads == [str(tiny_model_dir)]  # not once per client round (4)

@@ -6,6 +6,8 @@ Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import logging
 import sys
@@ -14,8 +16,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 
@@ -75,7 +78,10 @@ class BenchmarkArguments:
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
-        metadata={"help": f"Reward functions, among {REWARD_FUNCTIONS}: 'accuracy' is the paper's binary reward."},
+        metadata={
+            "help": f"Reward functions, among {REWARD_FUNCTIONS} ('accuracy' is the paper's binary reward), or reward "
+            "models by Hub id or local folder (`AutoModelForSequenceClassification`, loaded once per run)."
+        },
     )
     eval_reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy"],
@@ -130,14 +136,30 @@ def load_benchmark(data_args: BenchmarkArguments):
     return train, test
 
 
-def reward_functions(names: list[str], field_name: str = "reward_funcs"):
+def hub_dataset_id(data_args: BenchmarkArguments) -> str | None:
+    """The Hub id of the clients' data, for the model card; None for the generated benchmark or local data."""
+    from .data import GEOQA_DATASET, OPEN_R1_DATASET
+
+    sources = {"open_r1": OPEN_R1_DATASET, "geoqa": GEOQA_DATASET}
+    name = data_args.dataset_name
+    if name in sources:
+        name = data_args.benchmark_source or sources[name]
+    return None if name == "reasoning_gym" or Path(name).exists() else name
+
+
+def reward_functions(names: list[str], field_name: str = "reward_funcs") -> list:
+    """The reward functions named among `REWARD_FUNCTIONS`; any other entry must be a reward model's Hub id
+    (`org/name`) or local folder, kept as such for `FederatedRunner` to load once (`client.load_reward_models`)."""
     from .rewards import accuracy_reward, format_reward
 
     available = {"accuracy": accuracy_reward, "format": format_reward}
-    unknown = [name for name in names if name not in available]
+    unknown = [name for name in names if name not in available and "/" not in name and not Path(name).is_dir()]
     if unknown:
-        raise ValueError(f"Unknown `{field_name}` {unknown}; choose among {REWARD_FUNCTIONS}.")
-    return [available[name] for name in names]
+        raise ValueError(
+            f"Unknown `{field_name}` {unknown}; choose among {REWARD_FUNCTIONS}, or give a reward model's Hub id "
+            "(`org/name`) or local folder."
+        )
+    return [available.get(name, name) for name in names]
 
 
 def config_class(argv: list[str]) -> type[FedGRPOConfig]:
@@ -169,6 +191,77 @@ def write_result(path: Path, runner, wall_time: float) -> None:
     temporary.replace(path)
 
 
+def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
+    """The three argument groups of `trl-federated run` from `--config` and `--key value` flags.
+
+    Flags are never abbreviated (argparse's `allow_abbrev` is off): `--num_round` is an unknown flag, not
+    `--num_rounds`. A federation always trains a LoRA adapter, so `use_peft` is on and ModelConfig's LoRA fields
+    default to `default_lora_config()`'s values: `--lora_r 4` alone changes the adapter.
+    """
+    from .runner import default_lora_config
+
+    parser = TrlParser(
+        (config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run", allow_abbrev=False
+    )
+    lora = default_lora_config()
+    parser.set_defaults(
+        use_peft=True, lora_r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+        lora_target_modules=[lora.target_modules], lora_task_type=lora.task_type,
+    )  # fmt: skip
+    return parser.parse_args_and_config(argv)
+
+
+def changed_fields(model_args: ModelConfig, names: tuple[str, ...]) -> list[str]:
+    """The fields among `names` that differ from ModelConfig's defaults."""
+    defaults = {item.name: item.default for item in dataclasses.fields(ModelConfig)}
+    return [name for name in names if getattr(model_args, name) != defaults[name]]
+
+
+def lora_config(model_args: ModelConfig):
+    """The federation's LoRA configuration: TRL's `get_peft_config` over every `lora_*`, `use_rslora`, `use_dora`."""
+    if not model_args.use_peft:
+        raise ValueError(
+            "`use_peft=false`: a federation always trains and exchanges a LoRA adapter; full fine-tuning is not "
+            "supported. Drop `use_peft`, or set the adapter with the `lora_*` fields."
+        )
+    return get_peft_config(model_args)
+
+
+def load_model(model_args: ModelConfig, args: FedGRPOConfig):
+    """`(model, processing_class)` as the arguments ask, as TRL's `GRPOTrainer` would load a model named by id:
+    ModelConfig's `dtype`, `attn_implementation`, `model_revision` and 4/8-bit loading (QLoRA, TRL's
+    `get_quantization_config`), the config's `trust_remote_code` and `model_init_kwargs`. A field that cannot apply
+    is refused by name, never ignored."""
+    from .models import load_model_and_tokenizer
+
+    bnb_fields = changed_fields(model_args, ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"))
+    if bnb_fields and not model_args.load_in_4bit:
+        raise ValueError(f"{bnb_fields} are read only with `load_in_4bit`, which is off.")
+    model_kwargs = dict(args.model_init_kwargs or {})
+    named = {"dtype", "revision", "attn_implementation", "trust_remote_code", "quantization_config"} & set(model_kwargs)
+    if named:
+        raise ValueError(
+            f"Set {sorted(named)} with their own flags (`dtype`, `model_revision`, `attn_implementation`, "
+            "`trust_remote_code`, `load_in_4bit`/`load_in_8bit`), not in `model_init_kwargs`."
+        )
+    quantization_config = get_quantization_config(model_args)
+    if quantization_config is not None:
+        flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"`{flag}` (QLoRA) needs bitsandbytes, which is not installed: `pip install bitsandbytes`")
+        # transformers places the quantized weights itself (TRL 1.16's scripts pass no device_map either)
+        model_kwargs["quantization_config"] = quantization_config
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    return load_model_and_tokenizer(
+        model_args.model_name_or_path,
+        dtype=dtype,
+        revision=model_args.model_revision,
+        trust_remote_code=args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        **model_kwargs,
+    )
+
+
 def run(argv: list[str]) -> int:
     """Federate GRPO on the configured model and benchmark; write adapters, metrics, summary and plots."""
     from accelerate import PartialState
@@ -176,12 +269,12 @@ def run(argv: list[str]) -> int:
     from .checkpoint import prepare_output_dir
     from .data import partition_clients
     from .distributed import shut_down
-    from .models import load_model_and_tokenizer
+    from .hub import HubPushError
     from .reporting import ReportCallback
-    from .runner import FederatedRunner, default_lora_config
+    from .runner import FederatedRunner
 
-    parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run")
-    args, model_args, data_args = parser.parse_args_and_config(argv)
+    args, model_args, data_args = parse_run_args(argv)
+    peft_config = lora_config(model_args)
     # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
     prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
@@ -189,8 +282,7 @@ def run(argv: list[str]) -> int:
     eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     train, test = load_benchmark(data_args)
     clients = partition_clients(train, args)
-    model, processing_class = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
-    peft_config = get_peft_config(model_args) if model_args.use_peft else default_lora_config()
+    model, processing_class = load_model(model_args, args)
     header = (
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
         f"{args.num_clients} clients (Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`), "
@@ -201,15 +293,21 @@ def run(argv: list[str]) -> int:
     report = ReportCallback(args.output_dir, header=header)
     runner = FederatedRunner(
         model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
-        eval_dataset=test, eval_reward_funcs=eval_rewards, callbacks=[report],
+        eval_dataset=test, eval_reward_funcs=eval_rewards, callbacks=[report], dataset_name=hub_dataset_id(data_args),
     )
-    runner.run()
+    push_error = None
+    try:
+        runner.run()
+    except HubPushError as error:  # the run itself finished and is saved: it still gets its result.json
+        push_error = error
     if runner.is_main_process:
         write_result(Path(args.output_dir) / "result.json", runner, time.perf_counter() - start)
         summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
         print(summary)
         print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
     shut_down()
+    if push_error is not None:
+        raise push_error
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 from peft import PeftModel
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 
@@ -70,6 +70,25 @@ def local_training_args(
 def zero_control(server_control: AdapterState) -> AdapterState:
     """SCAFFOLD's c_i of a client before its first accepted update."""
     return {key: torch.zeros_like(value) for key, value in server_control.items()}
+
+
+def load_reward_models(reward_funcs, args: FedGRPOConfig) -> list:
+    """`reward_funcs` as a list, with every reward model given by Hub id or local path loaded now, as `GRPOTrainer`
+    loads one (`AutoModelForSequenceClassification`, `num_labels=1`, `model_init_kwargs`, `trust_remote_code`).
+
+    A trainer given an id loads the model itself, and every client round builds a fresh trainer: loaded once here,
+    one instance serves every client and round.
+    """
+    if reward_funcs is None:
+        return []
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    model_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+    return [
+        AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **model_kwargs)
+        if isinstance(func, str)
+        else func
+        for func in funcs
+    ]
 
 
 def train_local_round(

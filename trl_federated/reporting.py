@@ -46,6 +46,15 @@ def format_communication(history: list[RoundRecord]) -> str:
     )
 
 
+def format_evaluations(evaluations: dict[int, dict[str, Any]]) -> str:
+    """The accuracy table of a run's evaluations (round index -1: before training), rows named as the paper's
+    Table 1 names them."""
+    from .evaluation import format_accuracy_table
+
+    named = {("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())}
+    return format_accuracy_table(named)
+
+
 def write_summary(
     path: str | Path,
     history: list[RoundRecord],
@@ -54,12 +63,9 @@ def write_summary(
 ) -> Path:
     """`summary.md`: accuracy before/after (paper's Table 1 layout), the communication per client and round (Table 4),
     then the per-round table."""
-    from .evaluation import format_accuracy_table
-
     sections = ["# Federated run summary", header]
     if evaluations:
-        named = {("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())}
-        sections += ["## Accuracy (%)", format_accuracy_table(named)]
+        sections += ["## Accuracy (%)", format_evaluations(evaluations)]
         timed = [result["seconds"] for result in evaluations.values() if "seconds" in result]
         if timed:
             rows = next(iter(evaluations.values()))["count"]["Total"]

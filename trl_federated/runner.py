@@ -24,10 +24,18 @@ from .checkpoint import (
     prepare_output_dir,
     run_identity,
 )
-from .client import describe_failure, local_training_args, release_free_memory, train_local_round, zero_control
+from .client import (
+    describe_failure,
+    load_reward_models,
+    local_training_args,
+    release_free_memory,
+    train_local_round,
+    zero_control,
+)
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
 from .evaluation import check_eval_reward_funcs, evaluate_accuracy
+from .hub import federated_model_card, push_to_hub
 from .reporting import RunProgress
 from .rewards import combined_reward_range
 from .transport import WireFormat, is_lora_a
@@ -81,7 +89,8 @@ class FederatedRunner(CheckpointedServer):
 
     Args:
         model: A model id or local path, a `PreTrainedModel`, or a `PeftModel` whose active adapter is federated.
-        reward_funcs: As for `GRPOTrainer`.
+        reward_funcs: As for `GRPOTrainer`; a reward model given by id or path is loaded once, for every client
+            and round (`client.load_reward_models`).
         args: The run's `FedGRPOConfig`; its GRPO fields configure every client's local training.
         client_datasets: Each client's private training set, as a dict keyed by client id or a list.
         processing_class: Tokenizer, or processor for a vision-language model; loaded from the model's path when
@@ -99,6 +108,7 @@ class FederatedRunner(CheckpointedServer):
             `tools`, `rollout_func`, ...).
         log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
             passes itself).
+        dataset_name: The Hub id of the clients' data, named in the model card (see `trl_federated.hub`).
     """
 
     def __init__(
@@ -115,6 +125,7 @@ class FederatedRunner(CheckpointedServer):
         eval_reward_funcs: Callable | Sequence[Callable] | None = None,
         trainer_kwargs: dict[str, Any] | None = None,
         log_to=None,
+        dataset_name: str | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -133,7 +144,7 @@ class FederatedRunner(CheckpointedServer):
             processing_class = load_processing_class(model.config._name_or_path)
         self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
-        self.reward_funcs = reward_funcs
+        self.reward_funcs = reward_funcs = load_reward_models(reward_funcs, args)
         self.aggregator = (
             aggregator if aggregator is not None else aggregator_from_config(args, len(self.client_datasets))
         )
@@ -145,6 +156,7 @@ class FederatedRunner(CheckpointedServer):
         # A reward model among the training rewards fails now, not after the first round.
         self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs) if eval_dataset is not None else None
         self.trainer_kwargs = trainer_kwargs or {}
+        self.dataset_name = dataset_name
         self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
         self.is_main_process = PartialState().is_main_process
         if log_to is None and args.report_to:
@@ -345,8 +357,15 @@ class FederatedRunner(CheckpointedServer):
         self.progress = None
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
+            # Over PEFT's placeholder README.md, pushed or not: the folder describes its adapter (see `hub`).
+            card = federated_model_card(
+                self.model, args, len(self.client_datasets), self.evaluations, self.dataset_name
+            )
+            card.save(output_dir / "README.md")
         set_adapter_state(self.model, self.global_state)
         wait_for_everyone()
+        if args.push_to_hub and self.is_main_process:
+            push_to_hub(args)  # last: when the Hub fails, everything is already saved locally
         return self.history
 
     def _server_round(

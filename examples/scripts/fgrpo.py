@@ -23,8 +23,7 @@ import sys
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_federated import FedGRPOTrainer
-from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, reward_functions
-from trl_federated.models import load_model_and_tokenizer
+from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, load_model, reward_functions
 from trl_federated.reporting import ReportCallback
 
 
@@ -35,7 +34,7 @@ def main(training_args, model_args, data_args):
     eval_reward_funcs = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
 
     # Model and tokenizer, or processor for a vision-language model
-    model, processing_class = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
+    model, processing_class = load_model(model_args, training_args)
 
     # Dataset: train split for the clients, test split for the accuracy table before and after training
     train_dataset, eval_dataset = load_benchmark(data_args)
@@ -60,7 +59,8 @@ def main(training_args, model_args, data_args):
 
 def make_parser(argv):
     # `--algorithm dapo|gspo` (or `algorithm:` in the YAML) picks FedDAPOConfig / FedGSPOConfig and their defaults
-    return TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
+    # No flag abbreviations: `--num_round` must be an error, not `--num_rounds`
+    return TrlParser((config_class(argv), ModelConfig, BenchmarkArguments), allow_abbrev=False)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""The model card of a federated run, and its push to the Hugging Face Hub.
+
+The card is TRL's own (`trl.trainer.utils.generate_model_card`, as `GRPOTrainer.create_model_card` fills it from
+`_tag_names`, `_name` and `_paper`), naming FGRPO and citing its paper, plus a section on the federation: method,
+clients and their partition, rounds, local steps, reward window, LoRA, and the accuracy table when evaluation ran.
+
+`FederatedRunner` writes it to `output_dir/README.md` at the end of every run, pushed or not, as TRL writes its
+card at every checkpoint: the folder then describes itself. With `push_to_hub`, the final global adapter and the
+card (never checkpoints, round adapters, client folders or logs) are uploaded to `hub_model_id`, or to a repository
+named after `output_dir`, with `HfApi.create_repo` and `HfApi.upload_folder`, as `Trainer.push_to_hub` does.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, ModelCard
+from trl.trainer.utils import generate_model_card, get_config_model_id
+
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+from .models import base_model_hub_id
+from .reporting import format_evaluations
+
+TAG_NAMES = ["trl", "grpo", "trl-federated", "federated-learning", "fgrpo"]
+PAPER = {
+    "title": "FGRPO: Federated GRPO with Adaptive Aggregation on Non-IID Data",
+    "id": None,  # a preprint without an arXiv id yet: the card cites it but links no paper page
+    # docstyle-ignore
+    "citation": textwrap.dedent("""\
+        @misc{chen2026fgrpo,
+            title        = {{FGRPO: Federated GRPO with Adaptive Aggregation on Non-IID Data}},
+            author       = {Pengyu Chen and Shaowei Li and Kai Wang and Yunsheng Yuan and Kai Han and Jun Luo and Feng Li},
+            year         = 2026,
+            note         = {Preprint},
+        }"""),
+}
+# What the Hub repository receives: the final global adapter (PEFT layout) and its card.
+PUSHED_FILES = ["adapter_model.safetensors", "adapter_config.json", "README.md"]
+# (aggregation, server optimizer) -> the method's name, as the paper and `trl-federated compare` call them.
+METHOD_NAMES = {
+    ("rpg", "adam"): "FGRPO",
+    ("fedavg", "adam"): "FGRPO w/o RPG",
+    ("fedavg", "sgd"): "FedAvg",
+    ("fedprox", "sgd"): "FedProx",
+    ("scaffold", "sgd"): "SCAFFOLD",
+}
+# The recipes whose federated method is named after their local algorithm: FDAPO, FGSPO.
+LOCAL_ALGORITHMS = {FedDAPOConfig: "DAPO", FedGSPOConfig: "GSPO"}
+
+
+class HubPushError(RuntimeError):
+    """The run finished and its outputs are saved in `output_dir`, but uploading them to the Hub failed."""
+
+
+def hub_model_id(args: FedGRPOConfig) -> str:
+    """The repository the run is pushed to: `hub_model_id`, else `output_dir`'s name (as `Trainer.init_hf_repo`)."""
+    return args.hub_model_id or Path(args.output_dir).absolute().name
+
+
+def method_name(args: FedGRPOConfig) -> str:
+    """FGRPO, FedAvg, ...; FDAPO and FGSPO with the DAPO and GSPO recipes, as `trl-federated compare` names them."""
+    name = METHOD_NAMES.get(
+        (args.aggregation, args.server_optimizer), f"`{args.aggregation}` + server `{args.server_optimizer}`"
+    )
+    return name.replace("GRPO", LOCAL_ALGORITHMS.get(type(args), "GRPO"))
+
+
+def federation_section(
+    args: FedGRPOConfig,
+    num_clients: int,
+    peft_config: Any,
+    evaluations: dict[int, dict[str, Any]],
+) -> str:
+    """The card's Markdown section on the federation that trained the adapter, under TRL's "Training procedure"."""
+    lora = "see adapter_config.json"
+    if peft_config is not None:
+        targets = peft_config.target_modules
+        if not isinstance(targets, str):  # PEFT resolves "all-linear" to full module names: name their kinds
+            targets = ", ".join(sorted({name.split(".")[-1] for name in targets}))
+        lora = f"r={peft_config.r}, α={peft_config.lora_alpha}, target modules {targets}"
+    rows = [
+        ("Method", f"{method_name(args)}: aggregation `{args.aggregation}`, server optimizer `{args.server_optimizer}` "
+                   f"(lr {args.server_learning_rate}), LoRA aggregation `{args.lora_aggregation}`"),
+        ("Local algorithm", f"`{type(args).__name__}` (loss `{args.loss_type}`, β={args.beta})"),
+        ("Clients", f"{num_clients}, Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`"),
+        ("Rounds", f"{args.num_rounds}, {args.local_steps} local steps per client and round"),
+        ("Reward window W", str(args.reward_window)),
+        ("LoRA", lora),
+    ]  # fmt: skip
+    lines = [
+        "### Federated training",
+        "",
+        "This adapter is the global LoRA adapter of a federated run: every round each client trains the current "
+        "global adapter on its own data with local GRPO steps, and the server aggregates the clients' adapters.",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {name} | {value} |" for name, value in rows),
+    ]
+    if evaluations:
+        lines += ["", "#### Accuracy (%)", "", format_evaluations(evaluations)]
+    return "\n".join(lines)
+
+
+def federated_model_card(
+    model,
+    args: FedGRPOConfig,
+    num_clients: int,
+    evaluations: dict[int, dict[str, Any]],
+    dataset_name: str | None = None,
+) -> ModelCard:
+    """TRL's model card for the run's global adapter, tagged and cited as FGRPO, with the federation's section."""
+    base_model = base_model_hub_id(get_config_model_id(model.config))
+    repo_id = hub_model_id(args)
+    card = generate_model_card(
+        base_model=base_model,
+        model_name=repo_id.split("/")[-1],
+        hub_model_id=repo_id,
+        dataset_name=dataset_name,
+        tags=TAG_NAMES,
+        wandb_url=None,
+        trackio_url=None,
+        trainer_name="FGRPO",
+        trainer_citation=PAPER["citation"],
+        paper_title=PAPER["title"],
+        paper_id=PAPER["id"],
+    )
+    if base_model is None:  # TRL's template would link "huggingface.co/None"
+        card.text = card.text.replace("[None](https://huggingface.co/None)", "a local model", 1)
+    card.data.library_name = "peft"  # the repository holds an adapter: the Hub then offers to load it with PEFT
+    peft_config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
+    section = federation_section(args, num_clients, peft_config, evaluations)
+    card.text = card.text.replace("### Framework versions", f"{section}\n\n### Framework versions", 1)
+    return card
+
+
+def push_to_hub(args: FedGRPOConfig) -> str:
+    """Upload `output_dir`'s adapter and card to the Hub; returns the commit URL. Raises `HubPushError`, saying
+    that nothing local is lost, when the Hub refuses or cannot be reached."""
+    repo_id, folder = hub_model_id(args), Path(args.output_dir)
+    api = HfApi(token=args.hub_token)
+    try:
+        repo_id = api.create_repo(repo_id, private=args.hub_private_repo, exist_ok=True).repo_id
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            allow_patterns=PUSHED_FILES,
+            commit_message="End of federated training",
+            revision=args.hub_revision,
+        )
+    except Exception as error:
+        raise HubPushError(
+            f"Could not push {folder} to the Hub repository {repo_id!r} ({type(error).__name__}: {error}). The "
+            f"run is complete and its adapter and model card are saved in {folder}; push them later with "
+            f"`hf upload {repo_id} {folder} --include {' '.join(PUSHED_FILES)}`."
+        ) from error
+    return str(commit)
+
