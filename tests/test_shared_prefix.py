@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import use_adapter
 
@@ -191,3 +191,15 @@ def test_unsupported_inputs_and_models_are_named(tiny_model_dir):
     assert unsupported_reason(model, 1, False, {}) == "prompts of fewer than 2 tokens"
     model.config.layer_types = ["sliding_attention", "full_attention"]
     assert unsupported_reason(model, 8, False, {}) == "model without a full-attention key/value cache"
+
+
+def test_active_dropout_falls_back(tiny_model_dir):
+    """A prompt's K rows would share one dropout mask: exact only without dropout, or in eval mode."""
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.05),
+    )
+    model.train()
+    assert unsupported_reason(model, 8, False, {}).startswith("active dropout")
+    model.eval()
+    assert unsupported_reason(model, 8, False, {}) is None

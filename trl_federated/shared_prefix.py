@@ -68,6 +68,10 @@ def unsupported_reason(model, prompt_length: int, compute_aux_loss: bool, extra_
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and peft_config.is_prompt_learning:
         return "prompt-learning PEFT adapter (it prepends virtual tokens)"
+    # One prompt pass means one dropout mask for the prompt, shared by its K rows: the same expected gradient as K
+    # independent masks, but not the same computation.
+    if model.training and any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules()):
+        return "active dropout (the K rows of a prompt would share its dropout masks)"
     # Transformers drops `past_key_values` inside checkpointed layers in training mode (the replay would write the
     # cache twice), which would leave the completion pass without its prompt.
     if model.training and any(
