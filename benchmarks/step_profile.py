@@ -9,8 +9,8 @@ largest client for `--steps` local steps of round 0 with the runner's own client
 trainer's methods from here (nothing in the package changes). Per phase it prints CPU seconds (`process_time`, all
 threads), wall seconds and the peak resident memory reached during that phase: the kernel's high-water mark
 (VmHWM), reset at the start of every phase through /proc/self/clear_refs, so each peak is that phase's own. The
-first step includes one-time warm-up (allocator growth, lazy initialisation); the table reports the last step and
-the whole run's peak.
+first step includes one-time warm-up (allocator growth, lazy initialisation). Before the evaluation the freed heap
+is handed back to the system, as the runner does after every client round.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import ModelConfig, TrlParser, get_peft_config
 
     from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, reward_functions
-    from trl_federated.client import local_training_args
+    from trl_federated.client import local_training_args, release_free_memory
     from trl_federated.data import partition_clients
     from trl_federated.evaluation import evaluate_accuracy
     from trl_federated.models import load_model_and_tokenizer
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     train_cpu, train_wall = time.process_time() - start_cpu, time.perf_counter() - start_wall
     if options.eval_rows:
+        release_free_memory()  # as the runner does after every client round
         meter.step = "eval"
         with meter.phase(f"greedy evaluation ({options.eval_rows} rows)"):
             evaluate_accuracy(
