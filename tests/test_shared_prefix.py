@@ -12,7 +12,7 @@ from trl.trainer.utils import use_adapter
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FedGRPOConfig, FedGRPOTrainer
-from trl_federated.shared_prefix import unsupported_reason
+from trl_federated.shared_prefix import micro_batches_by_prompt, unsupported_reason
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
 TOLERANCE = 1e-5  # relative, float32
@@ -203,3 +203,51 @@ def test_active_dropout_falls_back(tiny_model_dir):
     assert unsupported_reason(model, 8, False, {}).startswith("active dropout")
     model.eval()
     assert unsupported_reason(model, 8, False, {}) is None
+
+
+def test_micro_batches_are_recut_by_prompt_with_their_rows_intact():
+    """Two micro-batches of a shuffled generation batch of 2 prompts x 4: re-cut, each holds one prompt, and every
+    per-row value still belongs to its row."""
+    prompts = torch.tensor([[0, 5, 6]] * 4 + [[7, 8, 9]] * 4)
+    shuffled = torch.tensor([0, 4, 5, 1, 2, 6, 7, 3])
+    generation = {
+        "prompt_ids": prompts[shuffled], "prompt_mask": (prompts[shuffled] > 0).long(),
+        "completion_ids": shuffled[:, None] * 10, "advantages": shuffled.float(), "rows": shuffled.tolist(),
+        "num_items_in_batch": torch.tensor(40), "old_per_token_logps": None,
+    }  # fmt: skip
+    per_row = ("prompt_ids", "prompt_mask", "completion_ids", "advantages", "rows")
+    micro_batches = [
+        {key: value[start : start + 4] if key in per_row else value for key, value in generation.items()}
+        for start in (0, 4)
+    ]
+    regrouped = micro_batches_by_prompt(micro_batches)
+    assert [batch["rows"] for batch in regrouped] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for batch in regrouped:
+        assert len({tuple(row) for row in batch["prompt_ids"].tolist()}) == 1
+        assert batch["completion_ids"][:, 0].tolist() == [row * 10 for row in batch["rows"]]
+        assert batch["advantages"].tolist() == [float(row) for row in batch["rows"]]
+        assert batch["num_items_in_batch"] == 40 and batch["old_per_token_logps"] is None
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo"])
+def test_training_in_micro_batches_grouped_by_prompt_matches_standard(tmp_path, tiny_model_dir, tiny_tokenizer, loss):
+    """Micro-batches of 4 rows and 2 accumulation steps: with shared_prefix each prompt is computed once per step
+    (its micro-batches are re-cut by prompt), and the logs and adapter are those of the standard computation."""
+    logs, adapters = [], []
+    for shared_prefix in (False, True):
+        trainer = make_trainer(
+            tmp_path / str(shared_prefix), AutoModelForCausalLM.from_pretrained(tiny_model_dir), tiny_tokenizer,
+            gradient_accumulation_steps=2, shared_prefix=shared_prefix, **LOSSES[loss],
+        )  # fmt: skip
+        trainer.train()
+        logs.append([
+            {key: entry[key] for key in ("loss", "reward", "entropy", "grad_norm")}
+            for entry in trainer.state.log_history if "grad_norm" in entry
+        ])  # fmt: skip
+        adapters.append([param.detach().clone() for param in trainer.model.parameters() if param.requires_grad])
+    stats = trainer.shared_prefix_stats
+    assert stats.rows == 2 * 8 and stats.prompt_rows == 2 * 2 and not stats.fallbacks  # 2 steps of 2 prompts x 4
+    assert len(logs[0]) == 2
+    for standard, shared in zip(*logs):
+        assert shared == pytest.approx(standard, rel=1e-4, abs=1e-6)
+    assert max(map(relative_difference, adapters[1], adapters[0])) <= 1e-4

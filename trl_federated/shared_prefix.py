@@ -144,3 +144,47 @@ def shared_prefix_logps_and_entropies(
             stats.rows += ids.size(0)
             stats.prompt_rows += distinct.size(0)
     return torch.cat(all_logps, dim=0), torch.cat(all_entropies, dim=0) if compute_entropy else None
+
+
+# Loss types whose micro-batch loss is a sum of per-row terms over a normaliser that does not depend on which rows
+# the micro-batch holds (its size, the generation batch's token count, or a constant): re-cutting the micro-batches
+# of one optimizer step then leaves that step's gradient unchanged. Not 'bnpo' (it divides by the micro-batch's tokens).
+REGROUPABLE_LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+
+
+def micro_batches_by_prompt(micro_batches: list[dict]) -> list[dict]:
+    """The rows of one generation batch's micro-batches, re-cut so that rows with the same prompt are adjacent.
+
+    TRL shuffles a generation batch before cutting it into micro-batches, so a micro-batch of K rows usually holds
+    several prompts, each computed once per micro-batch it appears in. Grouped, prompt groups fill the micro-batches
+    in order of first appearance (rows keep their shuffled order within a group), so with micro-batches of K rows
+    each prompt is computed once per generation batch and a micro-batch holds as few prompts as its size allows:
+    fewer tokens, and the same number in every micro-batch, so the memory peak is the typical one. Values that are
+    not per-row (None, 0-dim tensors such as `num_items_in_batch`) are the same in every micro-batch and kept.
+    """
+    per_row = [key for key, value in micro_batches[0].items() if _is_per_row(value)]
+    merged = {
+        key: (torch.cat([batch[key] for batch in micro_batches]) if isinstance(micro_batches[0][key], torch.Tensor)
+              else [row for batch in micro_batches for row in batch[key]])
+        for key in per_row
+    }  # fmt: skip
+    prompts = torch.cat([merged["prompt_ids"], merged["prompt_mask"]], dim=1)
+    groups = torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
+    first_row = {}
+    for row, group in enumerate(groups):
+        first_row.setdefault(group, row)
+    order = sorted(range(len(groups)), key=lambda row: (first_row[groups[row]], row))
+    size = len(order) // len(micro_batches)
+    regrouped = []
+    for start in range(0, len(order), size):
+        rows = order[start : start + size]
+        batch = dict(micro_batches[0])
+        for key in per_row:
+            value = merged[key]
+            batch[key] = value[torch.tensor(rows)] if isinstance(value, torch.Tensor) else [value[row] for row in rows]
+        regrouped.append(batch)
+    return regrouped
+
+
+def _is_per_row(value) -> bool:
+    return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.ndim > 0)

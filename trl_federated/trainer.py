@@ -18,7 +18,13 @@ from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
 from .distributed import from_main_process
-from .shared_prefix import SharedPrefixStats, shared_prefix_logps_and_entropies, unsupported_reason
+from .shared_prefix import (
+    REGROUPABLE_LOSS_TYPES,
+    SharedPrefixStats,
+    micro_batches_by_prompt,
+    shared_prefix_logps_and_entropies,
+    unsupported_reason,
+)
 
 
 class FedGRPOTrainer(GRPOTrainer):
@@ -46,6 +52,26 @@ class FedGRPOTrainer(GRPOTrainer):
         if fedprox_mu:
             self.add_callback(ProximalTerm(fedprox_mu))
         self.shared_prefix_stats = SharedPrefixStats()
+        # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
+        # one optimizer step, once, and the loss normalises each independently of which rows it holds.
+        self._groups_micro_batches_by_prompt = (
+            getattr(self.args, "shared_prefix", False)
+            and self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
+            and self.num_iterations == 1
+            and self.loss_type in REGROUPABLE_LOSS_TYPES
+        )
+
+    def _prepare_inputs(self, generation_batch):
+        """With `shared_prefix`, the micro-batches TRL cuts from a fresh generation batch are re-cut by prompt
+        (`shared_prefix.micro_batches_by_prompt`), where that leaves the optimizer step's gradient unchanged."""
+        if not (self._groups_micro_batches_by_prompt and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        fresh = self._buffered_inputs is None or self._step % self.args.steps_per_generation == 0
+        inputs = super()._prepare_inputs(generation_batch)
+        if fresh:
+            self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
