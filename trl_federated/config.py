@@ -304,8 +304,12 @@ class FedGRPOConfig(GRPOConfig):
             "help": "Compute each distinct prompt of a batch once, and its K completions on top of the prompt's "
             "keys and values, instead of the whole prompt + completion K times; for the loss and for the old and "
             "reference log-probabilities. Exact (the same loss and gradients up to float rounding) for any loss "
-            "type; calls it cannot split (images, gradient checkpointing in training, sliding-window or recurrent "
-            "layers, prompt-learning adapters) use the standard forward, and are counted and logged once."
+            "type; calls it cannot split (images, gradient checkpointing or active dropout in training, "
+            "sliding-window or recurrent layers, prompt-learning adapters) use the standard forward, and are counted "
+            "and logged once. With gradient accumulation over one generation batch (`steps_per_generation` = "
+            "`gradient_accumulation_steps`, `num_iterations` 1, loss 'grpo', 'dapo' or 'dr_grpo') the micro-batches "
+            "are also cut by prompt instead of at random, which leaves the step's gradient unchanged and computes "
+            "each prompt once per step."
         },
     )
 
