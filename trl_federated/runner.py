@@ -296,6 +296,9 @@ class FederatedRunner(CheckpointedServer):
             history = self._run()
             # Every process's state ends at the last step; the round entries are logged by the main process only.
             log_to.state.global_step = log_to.state.max_steps
+            # Integrations print an epoch when training ends (a notebook's progress bar calls int() on it): the rounds
+            # done stand in for it there; no round entry carries it.
+            log_to.state.epoch = float(len(history))
             log_to.control = log_to.callback_handler.on_train_end(log_to.args, log_to.state, log_to.control)
             return history
         finally:
