@@ -20,7 +20,7 @@ import torch
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
-from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_callback import PrinterCallback, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
@@ -148,6 +148,7 @@ def train_local_round(
             else:
                 set_adapter_state(model, reference_state, adapter_name=REFERENCE_ADAPTER)
         trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(ReleaseFreeMemory())
         if args.client_timeout is not None:
             trainer.add_callback(Deadline(started + args.client_timeout))
         scaffold = None
@@ -213,6 +214,14 @@ def _load_malloc_trim():
 
 
 _malloc_trim = _load_malloc_trim()
+
+
+class ReleaseFreeMemory(TrainerCallback):
+    """`release_free_memory()` after every local step: a step's generation and loss leave a heap fragmented around
+    what they freed, and the next step's peak would stand on it."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        release_free_memory()
 
 
 def release_free_memory() -> None:
