@@ -225,11 +225,12 @@ class ReleaseFreeMemory(TrainerCallback):
 
 
 def release_free_memory() -> None:
-    """Hand the heap memory that a client round freed back to the operating system (glibc only).
+    """Hand freed heap memory back to the operating system (glibc only); called after every local step, client round
+    and evaluation.
 
-    glibc keeps freed chunks below its mmap threshold in the process heap, so after one client's activations,
-    KV caches and optimizer state are freed, the resident size stays at that client's high-water mark; trimming
-    lets the next client, evaluation or the server step start from what is really in use."""
+    glibc keeps freed chunks below its mmap threshold in the process heap, so after a step's activations, a client's
+    KV caches and optimizer state or an evaluation's caches are freed, the resident size stays at their high-water
+    mark; trimming lets the next step, client, evaluation or server step start from what is really in use."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
