@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -22,6 +24,7 @@ from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
 from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
+from .run_config import NUM_PARTITIONS, FederationSizeError
 from .strategy import FederatedStrategy
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,17 @@ logger = logging.getLogger(__name__)
 # KL reference π_ref when beta != 0. A model `load_site` caches across messages keeps its reference; a model loaded
 # afresh per message is θ^{[0]} anyway.
 _initial_adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reference_adapter(model, beta: float) -> dict | None:
+    """π_ref's adapter for `model` when `beta` != 0 (θ^{[0]}, taken the first time the model is seen), else None.
+    A module-level function, so that a `ClientApp` pickles without the weak dictionary: the Simulation Engine's Ray
+    backend sends the `ClientApp` to its actors by value."""
+    if beta == 0:
+        return None
+    if model not in _initial_adapters:
+        _initial_adapters[model] = get_adapter_state(model)
+    return _initial_adapters[model]
 
 
 @dataclass
@@ -96,10 +110,10 @@ def make_client_app(
         client_id, client_index = identify(context)
         try:
             instruction = TrainInstruction.from_content(message.content)
+            check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
             site = load_site(context)
             model = with_federated_adapter(site.model, site.args.seed, site.peft_config)
-            if site.args.beta != 0 and model not in _initial_adapters:
-                _initial_adapters[model] = get_adapter_state(model)
+            reference_state = reference_adapter(model, site.args.beta)
             args = local_training_args(
                 site.args, instruction.round_idx, client_index, instruction.num_clients, client_id
             )
@@ -107,7 +121,7 @@ def make_client_app(
                 model, instruction.global_state, client_id, site.train_dataset, args, site.reward_funcs,
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
                 scaffold_controls=instruction.scaffold_controls,
-                reference_state=_initial_adapters.get(model),
+                reference_state=reference_state,
             )
         except Exception as error:  # reported to the server, which drops this client from the round
             kind, reason = describe_failure(error)
@@ -123,13 +137,51 @@ def make_client_app(
     return app
 
 
+def check_federation_size(federation_size, num_clients: int) -> None:
+    """Refuse a federation whose number of SuperNodes (`num-partitions`, where known) is not `num_clients`: the
+    clients would split the data into other shares than the server weighs, or some would have no client index."""
+    if federation_size is not None and int(federation_size) != num_clients:
+        raise FederationSizeError(
+            f"The federation has {int(federation_size)} SuperNodes (num-partitions; in simulation "
+            f"`--federation-config num-supernodes=...`), but the server runs num_clients={num_clients}: make them "
+            "agree, or leave `num-clients` unset so that it follows the federation."
+        )
+
+
+def simulated_federation_size(grid: Grid, timeout: float = 60.0) -> int | None:
+    """The number of SuperNodes of a Simulation Engine run (its `num-supernodes`), None for a deployment, whose
+    SuperNodes come and go. The Simulation Engine registers all its SuperNodes at once, just after it starts the
+    ServerApp: the count is read once it is non-zero and has held for half a second."""
+    if not isinstance(grid, InMemoryGrid):
+        return None
+    deadline, previous = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        count = len(grid.get_node_ids())
+        if count and count == previous:
+            return count
+        previous = count
+        time.sleep(0.5)
+    return None
+
+
 def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
     """A `ServerApp` that runs the federation `build_strategy(context)` describes (model, `FedGRPOConfig`, reward
-    functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`)."""
+    functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`).
+
+    Under the Simulation Engine the ServerApp's `context.node_config` carries `num-partitions`, the number of
+    simulated SuperNodes, as every simulated ClientApp's does, so that `build_strategy` can size the federation by
+    it (`run_config.federation_arguments`); a strategy whose `num_clients` differs is refused before any round
+    (`FederationSizeError`, naming both numbers).
+    """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        build_strategy(context).run(grid)
+        federation_size = simulated_federation_size(grid)
+        if federation_size is not None:
+            context.node_config[NUM_PARTITIONS] = federation_size
+        strategy = build_strategy(context)
+        check_federation_size(federation_size, strategy.args.num_clients)
+        strategy.run(grid)
 
     return app
