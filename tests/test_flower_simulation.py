@@ -16,9 +16,12 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from flwr.clientapp import ClientApp  # noqa: E402
+
 from trl_federated import FedGRPOConfig  # noqa: E402
 from trl_federated.cli import BenchmarkArguments, load_benchmark  # noqa: E402
 from trl_federated.data import partition_clients  # noqa: E402
+from trl_federated.flower import make_client_app  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 APP_DIR = ROOT / "examples" / "flower"
@@ -97,6 +100,12 @@ def tiny_run_config(model_dir, output_dir, **extra):
 def events(output_dir, name):
     lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
     return [line for line in lines if line["event"] == name]
+
+
+def test_a_client_app_reaches_the_ray_actors():
+    """The Simulation Engine's Ray backend sends the ClientApp to its actors by value (cloudpickle)."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    assert isinstance(cloudpickle.loads(cloudpickle.dumps(make_client_app(lambda context: None))), ClientApp)
 
 
 @pytest.mark.slow  # about a minute on 2 CPU cores: the SuperLink, Ray, and one round of every simulated client
