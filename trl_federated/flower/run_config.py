@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 from trl import ModelConfig
 
-from ..cli import BenchmarkArguments, config_class, parse_run_args
+from ..cli import BenchmarkArguments, parse_run_args
 from ..config import FedGRPOConfig
 
 # The run-config key of the YAML base, relative to the app folder or absolute; "" for none.
@@ -81,13 +81,13 @@ def _field_of(key: str, fields: Mapping[str, dataclasses.Field]) -> str:
 
 def _is_list_field(item: dataclasses.Field) -> bool:
     annotation = item.type
-    if isinstance(annotation, str):
-        return annotation.startswith("list[") or " list[" in annotation or "| list[" in annotation
+    if isinstance(annotation, str):  # a module with `from __future__ import annotations`
+        return any(part.strip().startswith("list[") for part in annotation.split("|"))
     origins = {typing.get_origin(annotation), *(typing.get_origin(arg) for arg in typing.get_args(annotation))}
     return list in origins
 
 
-def _flag_values(key: str, value, item: dataclasses.Field) -> list[str]:
+def _flag_values(value, item: dataclasses.Field) -> list[str]:
     if isinstance(value, bool):
         return ["true" if value else "false"]
     if isinstance(value, str) and _is_list_field(item):
@@ -137,7 +137,7 @@ def federation_arguments(
         if name in flags:
             raise ValueError(f"Run-config keys `{flags[name]}` and `{key}` both set `{name}`; keep one.")
         flags[name] = key
-        argv += [f"--{name}", *_flag_values(key, value, fields[name])]
+        argv += [f"--{name}", *_flag_values(value, fields[name])]
 
     if federation_size is not None:
         yaml_values = (yaml.safe_load(base.read_text(encoding="utf-8")) or {}) if base is not None else {}
