@@ -37,7 +37,7 @@ def test_the_example_lists_every_key_and_its_defaults_are_the_yaml():
             "model-name-or-path", "reward-funcs", "seed"} <= set(config)
     args, model_args, data_args = parse(config)
     assert (args.num_rounds, args.local_steps, args.learning_rate, args.server_optimizer) == (3, 2, 2e-4, "adam")
-    assert (model_args.lora_r, model_args.lora_dropout, data_args.benchmark_size) == (16, 0.05, 400)
+    assert (model_args.lora_r, model_args.lora_dropout, data_args.benchmark_size) == (16, 0.0, 400)
     assert args.output_dir == "outputs/flower-fgrpo"
 
 
