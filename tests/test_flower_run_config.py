@@ -1,12 +1,15 @@
 """A Flower run config as the arguments of `trl-federated run`: every field's key, the YAML base, refusals that name
 the key, and `num_clients` against the federation's size."""
 
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict  # noqa: E402
 
 from trl_federated.flower.run_config import (  # noqa: E402
     ALIASES,
@@ -17,6 +20,8 @@ from trl_federated.flower.run_config import (  # noqa: E402
 
 APP_DIR = Path(__file__).parents[1] / "examples" / "flower"
 APP_KEYS = ("resume", "clients-file")
+sys.path.insert(0, str(APP_DIR))
+from fgrpo_app.server_app import build_strategy  # noqa: E402
 
 
 def example_run_config(**overrides):
@@ -93,3 +98,13 @@ def test_a_yaml_num_clients_that_differs_from_the_federation_is_refused(tmp_path
     assert parse(run_config, federation_size=2)[0].num_clients == 2
     with pytest.raises(FederationSizeError, match=r"has 10 SuperNodes.*`num_clients` in federation.yaml asks for 2"):
         parse(run_config, federation_size=10)
+
+
+def test_a_taken_output_dir_is_refused_before_the_model_loads_with_run_config_advice(tmp_path, tiny_model_dir):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    run_config = example_run_config(**{"output-dir": str(tmp_path), "model-name-or-path": str(tiny_model_dir)})
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(FileExistsError, match=r'already holds another run \(metrics.jsonl\): set --run-config '
+                       r'"overwrite-output-dir=true" .* --run-config "output-dir=\.\.\."'):
+        build_strategy(context)
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
