@@ -13,6 +13,7 @@ from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
+from trl import GRPOTrainer
 
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
 from .admission import UpdateGate
@@ -38,6 +39,7 @@ from .evaluation import check_eval_reward_funcs, evaluate_accuracy
 from .hub import federated_model_card, push_to_hub
 from .reporting import RunProgress
 from .rewards import combined_reward_range
+from .trainer import federated
 from .transport import WireFormat, is_lora_a
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,8 @@ class FederatedRunner(CheckpointedServer):
     """Simulates N clients and the server of a federated GRPO run in one process.
 
     The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
-    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh `FedGRPOTrainer` for
+    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh `FedGRPOTrainer` (or
+    `federated(trainer_class)`) for
     `local_steps` steps on the client's data (seed `args.seed + round * num_clients + client_index`), and keeps
     only the client's adapter (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy
     per client, never by a model. The aggregator then produces the next global adapter.
@@ -106,6 +109,9 @@ class FederatedRunner(CheckpointedServer):
             such as `accuracy_reward` to report accuracy when training also rewards format or length.
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
+        trainer_class: The `GRPOTrainer` subclass every client trains with (TRL's experimental `GMPOTrainer`, or your
+            own), federated with `trainer.federated` (default: `GRPOTrainer`, i.e. `FedGRPOTrainer`). Give `args` of
+            its config class made federated (`config.federated_config`) when it has one.
         log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
             passes itself).
         dataset_name: The Hub id of the clients' data, named in the model card (see `trl_federated.hub`).
@@ -126,10 +132,12 @@ class FederatedRunner(CheckpointedServer):
         trainer_kwargs: dict[str, Any] | None = None,
         log_to=None,
         dataset_name: str | None = None,
+        trainer_class: type[GRPOTrainer] | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
         check_parameters_unsharded()
+        self.trainer_class = federated(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
 
@@ -264,6 +272,7 @@ class FederatedRunner(CheckpointedServer):
             trainer_kwargs=self.trainer_kwargs,
             scaffold_controls=scaffold_controls,
             reference_state=self.reference_state,
+            trainer_class=self.trainer_class,
         )
 
     def client_control(self, client_id: str) -> AdapterState:

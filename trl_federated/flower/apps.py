@@ -16,11 +16,13 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from trl import GRPOTrainer
 
 from ..adapters import get_adapter_state
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
+from ..trainer import federated
 from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
 from .strategy import FederatedStrategy
 
@@ -76,6 +78,7 @@ def node_client_identity(context: Context) -> tuple[str, int]:
 def make_client_app(
     load_site: Callable[[Context], ClientSite],
     identify: Callable[[Context], tuple[str, int]] = node_client_identity,
+    trainer_class: type[GRPOTrainer] | None = None,
 ) -> ClientApp:
     """A `ClientApp` that runs one local round of federated GRPO per train message.
 
@@ -88,7 +91,11 @@ def make_client_app(
 
     It also answers the server's identity query (which client a node serves) from `identify(context)`, without
     loading anything.
+
+    `trainer_class`: the `GRPOTrainer` subclass that trains each round (TRL's experimental `GMPOTrainer`, or your
+    own), federated with `trainer.federated` (default: `FedGRPOTrainer`); checked here, before any message.
     """
+    trainer_class = federated(trainer_class or GRPOTrainer)
     app = ClientApp()
 
     @app.train()
@@ -107,7 +114,7 @@ def make_client_app(
                 model, instruction.global_state, client_id, site.train_dataset, args, site.reward_funcs,
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
                 scaffold_controls=instruction.scaffold_controls,
-                reference_state=_initial_adapters.get(model),
+                reference_state=_initial_adapters.get(model), trainer_class=trainer_class,
             )
         except Exception as error:  # reported to the server, which drops this client from the round
             kind, reason = describe_failure(error)
