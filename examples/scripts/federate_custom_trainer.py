@@ -12,10 +12,9 @@ import sys
 from datasets import Dataset
 from trl import GRPOTrainer
 
-from trl_federated import FedGRPOConfig
+from trl_federated import FedGRPOConfig, federated
 from trl_federated.runner import default_lora_config
 from trl_federated.testing import build_tiny_model, build_tiny_tokenizer
-from trl_federated.trainer import federated
 
 
 class ClippedAdvantageTrainer(GRPOTrainer):
