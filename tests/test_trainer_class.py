@@ -224,3 +224,24 @@ def test_cli_run_federates_a_trainer_class_and_its_config_from_the_working_direc
     # one local step on each of the two clients, in the user's trainer, with the user's config field from the flag
     assert sys.modules["my_trainers"].CountingTrainer.counts == [100, 100]
     assert "FedCountingTrainer locally" in (output_dir / "summary.md").read_text()
+
+
+def test_micro_batches_are_regrouped_only_under_grpo_trainers_own_loss(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """Re-cutting micro-batches by prompt is exact for GRPOTrainer's loss normalisation, not for any custom loss."""
+
+    class OwnLoss(FedGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs)
+
+    args = federation_args(
+        tmp_path, num_clients=1, shared_prefix=True, steps_per_generation=2, gradient_accumulation_steps=2
+    )
+    regrouped = {}
+    for trainer_class in (FedGRPOTrainer, OwnLoss, federated(BonusTrainer)):
+        trainer = trainer_class(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
+            train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
+            **({"bonus": 0.0} if issubclass(trainer_class, BonusTrainer) else {}),
+        )  # fmt: skip
+        regrouped[trainer_class.__name__] = trainer._groups_micro_batches_by_prompt
+    assert regrouped == {"FedGRPOTrainer": True, "OwnLoss": False, "FedBonusTrainer": False}

@@ -63,13 +63,14 @@ class FederatedGRPOMixin:
             )
         self.shared_prefix_stats = SharedPrefixStats()
         # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
-        # one optimizer step, once, and GRPOTrainer's loss normalises each independently of which rows it holds.
+        # one optimizer step, once, and GRPOTrainer's own loss normalises each independently of which rows it holds;
+        # a custom loss or batching may not, so it keeps TRL's micro-batches.
         self._groups_micro_batches_by_prompt = (
             getattr(self.args, "shared_prefix", False)
             and self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
             and self.num_iterations == 1
             and self.loss_type in REGROUPABLE_LOSS_TYPES
-            and not any(_overrides(type(self), name) for name in ("_compute_loss", "compute_loss", "_prepare_inputs"))
+            and not any(_customises(type(self), name) for name in ("_compute_loss", "compute_loss", "_prepare_inputs"))
         )
 
     @property
@@ -311,10 +312,17 @@ _GRPO_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:] 
 
 
 def _overrides(trainer_class: type, name: str) -> bool:
-    """Whether a class between `FederatedGRPOMixin` and `GRPOTrainer` in `trainer_class`'s MRO defines `name`."""
+    """Whether a class between `FederatedGRPOMixin` and `GRPOTrainer` in `trainer_class`'s MRO defines `name`: an
+    override the mixin's own `name` would bypass."""
     mro = trainer_class.__mro__
     below = mro[mro.index(FederatedGRPOMixin) + 1 : mro.index(GRPOTrainer)]
     return any(name in vars(klass) for klass in below)
+
+
+def _customises(trainer_class: type, name: str) -> bool:
+    """Whether any class of `trainer_class`'s MRO before `GRPOTrainer`, other than the mixin, defines `name`."""
+    mro = trainer_class.__mro__
+    return any(name in vars(klass) for klass in mro[: mro.index(GRPOTrainer)] if klass is not FederatedGRPOMixin)
 
 
 def _base_name(trainer_class: type) -> str:
