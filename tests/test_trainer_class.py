@@ -124,7 +124,7 @@ def test_federated_makes_one_class_per_trainer_and_refuses_others():
     gmpo = federated(GMPOTrainer)
     assert gmpo is federated(GMPOTrainer) and federated(gmpo) is gmpo
     assert issubclass(gmpo, GMPOTrainer) and issubclass(gmpo, FederatedGRPOMixin) and gmpo.__name__ == "FedGMPOTrainer"
-    for wrong in (Trainer, SFTTrainer, GRPOConfig, "trl.GRPOTrainer", GRPOTrainer.__init__):
+    for wrong in (Trainer, SFTTrainer, GRPOConfig, "trl.GRPOTrainer", GRPOTrainer.__init__, [GRPOTrainer]):
         with pytest.raises(TypeError, match="GRPOTrainer` subclass"):
             federated(wrong)
 
@@ -173,8 +173,9 @@ def test_federated_config_keeps_the_algorithms_defaults_and_adds_the_federation(
     )
     assert (parsed.epsilon, parsed.num_rounds) == (0.3, 4)
     assert federated_config(FedGRPOConfig) is FedGRPOConfig
-    with pytest.raises(TypeError, match="GRPOConfig` subclass"):
-        federated_config(Trainer)
+    for wrong in (Trainer, GRPOConfig(output_dir="unused", bf16=False), {"epsilon": 0.4}):
+        with pytest.raises(TypeError, match="GRPOConfig` subclass"):
+            federated_config(wrong)
 
 
 def test_cli_names_a_trainer_class_that_cannot_be_used():

@@ -547,7 +547,6 @@ class FedGSPOConfig(FedGRPOConfig):
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; GSPO's recipe uses none."})
 
 
-@functools.cache
 def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
     """`config_class` (a `GRPOConfig` subclass, such as TRL's `GMPOConfig`) with the federation's fields: a dataclass
     that is both a `FedGRPOConfig` and a `config_class`, for the trainer `federated(...)` makes of the trainer that
@@ -564,6 +563,11 @@ def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
         raise TypeError(f"`federated_config` needs a `trl.GRPOConfig` subclass, got {config_class!r}.")
     if issubclass(config_class, FedGRPOConfig):
         return config_class
+    return _federated_config_class(config_class)
+
+
+@functools.cache
+def _federated_config_class(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
     # Dataclasses take each base's complete field table, inherited fields included, so whichever base comes last in
     # the MRO would reset the other's own defaults to GRPOConfig's: the algorithm's own fields are declared again.
     grpo_fields = GRPOConfig.__dataclass_fields__
@@ -575,7 +579,7 @@ def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
         "(see `federated_config`).",
         "__annotations__": {f.name: f.type for f in own},
         "__reduce__": _reduce_federated_config,
-        "trainer_config_class": config_class,
+        "algorithm_config_class": config_class,
     }
     for f in own:
         namespace[f.name] = field(
@@ -587,7 +591,7 @@ def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
 def _reduce_federated_config(config: FedGRPOConfig):
     # The class is made at run time, so pickle refers to it through the class it federates (Trainer saves its
     # arguments with torch.save in every checkpoint).
-    return _rebuild_federated_config, (type(config).trainer_config_class, config.__dict__)
+    return _rebuild_federated_config, (type(config).algorithm_config_class, config.__dict__)
 
 
 def _rebuild_federated_config(config_class: type[GRPOConfig], state: dict) -> FedGRPOConfig:

@@ -264,7 +264,6 @@ _RUNNER_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
-@functools.cache
 def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
     """`trainer_class`, a `trl.GRPOTrainer` subclass (TRL's experimental `GMPOTrainer`, or your own), with
     `FederatedGRPOMixin` mixed in: it keeps `trainer_class`'s constructor, loss and options, reports R̄ like
@@ -283,6 +282,11 @@ def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
         return trainer_class
     if trainer_class is GRPOTrainer:
         return FedGRPOTrainer
+    return _federated_class(trainer_class)
+
+
+@functools.cache
+def _federated_class(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
     return type(
         f"Fed{trainer_class.__name__}",
         (FederatedGRPOMixin, trainer_class),
