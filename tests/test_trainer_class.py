@@ -13,6 +13,7 @@ from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
 
 from conftest import FAST_GRPO
 from test_cli import labelled_dataset
+from test_flower import LocalGrid, assert_states_equal, client_data_dirs, loopback_app, prompt_datasets, task_identity  # noqa: F401
 from trl_federated import FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
 from trl_federated.adapters import get_adapter_state
 from trl_federated.cli import config_class, import_class, main
@@ -127,6 +128,36 @@ def test_federated_makes_one_class_per_trainer_and_refuses_others():
     for wrong in (Trainer, SFTTrainer, GRPOConfig, "trl.GRPOTrainer", GRPOTrainer.__init__, [GRPOTrainer]):
         with pytest.raises(TypeError, match="GRPOTrainer` subclass"):
             federated(wrong)
+
+
+def test_a_flower_client_app_trains_trainer_class_and_ends_where_the_runner_ends(
+    tmp_path, tiny_model_dir, tiny_tokenizer, client_data_dirs, task_identity, monkeypatch
+):
+    losses = []
+    gmpo_loss = GMPOTrainer._compute_loss
+
+    def counted_loss(self, model, inputs):
+        losses.append(type(self))
+        return gmpo_loss(self, model, inputs)
+
+    monkeypatch.setattr(GMPOTrainer, "_compute_loss", counted_loss)
+    run_config = {"model-dir": str(tiny_model_dir), "output-dir": str(tmp_path / "flower"), "aggregation": "rpg",
+                  "num-rounds": 1}  # fmt: skip
+    client_app = make_client_app(loopback_app.load_site, trainer_class=GMPOTrainer)
+    grid = LocalGrid(client_app, {11 + i: {"partition-id": i, "data-dir": path} for i, path in enumerate(client_data_dirs)},
+                     run_config)  # fmt: skip
+    strategy = loopback_app.build_strategy(grid.contexts[11])
+    strategy.run(grid)
+    assert losses == [federated(GMPOTrainer)] * 2 * 2  # clients x local steps
+
+    args = loopback_app.federation_args(str(tmp_path / "runner"), run_config)
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), loopback_app.length_reward, args,
+        dict(zip(["client_0", "client_1"], prompt_datasets())), processing_class=tiny_tokenizer,
+        trainer_class=GMPOTrainer,
+    )  # fmt: skip
+    runner.run()
+    assert_states_equal(strategy.global_state, runner.global_state)
 
 
 def test_runner_and_client_app_refuse_a_trainer_that_is_not_grpo(tiny_model, tiny_tokenizer, fast_args):
