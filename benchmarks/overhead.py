@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import inspect
 import logging
 import statistics
 import tempfile
@@ -234,7 +235,7 @@ def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
             module = importlib.import_module(module_name)
         except ImportError:  # trl_federated.client exists only once train_client moved there
             continue
-        if hasattr(module, "FedGRPOTrainer"):
+        if hasattr(module, "FedGRPOTrainer"):  # a runner before `trainer_class` imported the trainer by name
             targets.append((module, "FedGRPOTrainer", timed_trainer_class(module.FedGRPOTrainer, timer)))
         targets += [
             (module, name, timer.wrap(getattr(module, name), phase))
@@ -243,10 +244,15 @@ def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
         ]
     gc.collect()
     start = time.perf_counter()
+    runner_kwargs = {}
+    if "trainer_class" in inspect.signature(FederatedRunner).parameters:
+        from trl_federated import FedGRPOTrainer
+
+        runner_kwargs["trainer_class"] = timed_trainer_class(FedGRPOTrainer, timer)
     with patched(targets):
         with timer.phase("runner construction"):
             runner = FederatedRunner(
-                model, length_reward, config, setup.client_datasets, processing_class=setup.tokenizer
+                model, length_reward, config, setup.client_datasets, processing_class=setup.tokenizer, **runner_kwargs
             )
         methods = [
             (runner, name, timer.wrap(getattr(runner, name), phase))
