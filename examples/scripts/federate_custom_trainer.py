@@ -1,7 +1,7 @@
 # Federate your own GRPOTrainer subclass with `federated(...)`, logging every round to TensorBoard.
 """
-Runs offline in about 200 CPU seconds (measured: 196 s), on the tiny random Qwen2 of `trl_federated.testing` (swap in your model,
-tokenizer, data and reward): 3 clients with a non-IID split, 8 rounds of FGRPO, 3 local steps each.
+Runs offline in about 200 CPU seconds (196 measured) on the tiny random Qwen2 of `trl_federated.testing` (swap in
+your model, tokenizer, data and reward): 3 clients with a non-IID split, 8 rounds of FGRPO, 3 local steps each.
 
     python examples/scripts/federate_custom_trainer.py outputs/custom-trainer
     python examples/scripts/plot_tensorboard.py outputs/custom-trainer docs/round_metrics.png
