@@ -16,7 +16,6 @@ import os
 import time
 from typing import Any
 
-import torch
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
@@ -65,11 +64,6 @@ def local_training_args(
     local.disable_tqdm = True
     local.push_to_hub = False
     return local
-
-
-def zero_control(server_control: AdapterState) -> AdapterState:
-    """SCAFFOLD's c_i of a client before its first accepted update."""
-    return {key: torch.zeros_like(value) for key, value in server_control.items()}
 
 
 def load_reward_models(reward_funcs, args: FedGRPOConfig) -> list:
