@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,9 @@ class LocalGrid(Grid):
         return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for message in messages:  # as Flower's grids do when they push a message
+            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
         replies = (self.respond(message, self.contexts[message.metadata.dst_node_id]) for message in messages)
         return [reply for reply in replies if reply is not None]
 
@@ -156,9 +160,9 @@ def moved(state, seed, scale=0.01):
 def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_clients(
     tmp_path, tiny_model_dir, fast_args, task_identity
 ):
-    args = fast_args(num_clients=4, num_rounds=2)
+    args = fast_args(num_clients=4, num_rounds=2, node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
-                                 node_wait_timeout=0, reply_timeout=5)
+                                 reply_timeout=5)
     reference_state = copy.deepcopy(strategy.global_state)
     reference = aggregator_from_config(args, 4)
     rewards = {0: [0.2, 0.6], 1: [0.5, 0.4], 2: [0.0, 0.0], 3: [0.3, 0.9]}
@@ -193,7 +197,12 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
         assert_states_equal(strategy.global_state, reference_state)
         assert_states_equal(array_record_to_state(arrays), reference_state)
         assert strategy.aggregator.last_weights == reference.last_weights
-        assert metrics["clients-aggregated"] == len(accepted)
+        # The round's log entry, as Flower's `start` logs it: each client's R̄, h, ω and bytes, τ, the totals.
+        assert metrics["num_clients"] == len(accepted) and metrics["num_dropped"] == 4 - len(accepted)
+        assert metrics["temperature"] == strategy.history[-1].temperature
+        for index in accepted:
+            assert metrics[f"site-{index}/weight"] == reference.last_weights[f"site-{index}"]
+            assert metrics[f"site-{index}/reward_window"] == rewards[index][round_idx]
 
     assert strategy.aggregator.state_dict()["baselines"] == reference.state_dict()["baselines"]
     dropped = sorted((event["round"], event["client_id"], event["kind"])
@@ -208,11 +217,11 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     # A node that never identifies itself is sent nothing; one that stops replying is dropped as a timeout; too few
     # updates stop the run, the checkpoint intact.
     silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: did not identify its client"):
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 of 1 clients .* node-7: did not identify its client"):
         strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
     mute = LocalGrid(lambda message, context: respond(message, context) if message.metadata.message_type == IDENTIFY
                      else None, {8: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* site-0: no reply within 5 s"):
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 of 1 clients .* site-0: no reply after 0 s \(reply timeout 5 s\)"):
         strategy.aggregate_train(3, mute.send_and_receive(strategy.configure_train(3, None, None, mute)))
     assert list_checkpoints(args.output_dir)[-1].name == "checkpoint-1"
 
@@ -235,9 +244,10 @@ def client_data_dirs(tmp_path_factory):
     return paths
 
 
-def runner_result(model_dir, output_dir, aggregation, num_rounds=2):
+def runner_result(model_dir, output_dir, aggregation, num_rounds=2, **wire):
     """The in-process runner on the loopback app's settings: clients client_0, client_1 in this order."""
-    args = loopback_app.federation_args(str(output_dir), {"aggregation": aggregation, "num-rounds": num_rounds})
+    run_config = {"aggregation": aggregation, "num-rounds": num_rounds, **wire}
+    args = loopback_app.federation_args(str(output_dir), run_config)
     runner = FederatedRunner(
         AutoModelForCausalLM.from_pretrained(model_dir), loopback_app.length_reward, args,
         dict(zip(["client_0", "client_1"], prompt_datasets())), processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -246,9 +256,10 @@ def runner_result(model_dir, output_dir, aggregation, num_rounds=2):
     return runner
 
 
-def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11, 12), num_rounds=2, resume=False):
+def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11, 12), num_rounds=2, resume=False,
+                     **wire):
     run_config = {"model-dir": str(model_dir), "output-dir": str(output_dir), "aggregation": aggregation,
-                  "num-rounds": num_rounds}
+                  "num-rounds": num_rounds, **wire}
     grid = LocalGrid(loopback_app.client_app,
                      {node_id: {"partition-id": index, "data-dir": data_dirs[index]}
                       for index, node_id in enumerate(node_ids)}, run_config)
@@ -258,21 +269,34 @@ def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11
     return strategy
 
 
-@pytest.mark.parametrize("aggregation", ["rpg", "scaffold"])
+@pytest.mark.parametrize("aggregation, wire", [
+    ("rpg", {}),
+    ("scaffold", {}),
+    ("fedavg", {"lora-aggregation": "freeze_a"}),  # A never travels: each side keeps its seeded copy
+    ("rpg", {"transfer-dtype": "bfloat16"}),  # the clients send θ_i − θ in bfloat16
+])
 def test_flower_apps_in_one_process_end_where_the_runner_ends(
-    tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation
+    tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation, wire
 ):
-    strategy = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", aggregation)
-    runner = runner_result(tiny_model_dir, tmp_path / "runner", aggregation)
+    strategy = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", aggregation, **wire)
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", aggregation, **wire)
     assert_states_equal(strategy.global_state, runner.global_state)
-    assert [record.weights for record in strategy.history] == [record.weights for record in runner.history]
-    assert [record.rewards for record in strategy.history] == [record.rewards for record in runner.history]
-    if aggregation == "scaffold":
+    for field in ("weights", "rewards", "bytes_sent", "bytes_received"):  # the same traffic, counted the same way
+        assert [getattr(record, field) for record in strategy.history] == [getattr(r, field) for r in runner.history]
+    if aggregation == "scaffold":  # c and c_i travel down with the adapter, Δc_i up with the update
+        adapter = sum(value.numel() * value.element_size() for value in runner.global_state.values())
+        assert runner.history[0].bytes_received == {"client_0": 3 * adapter, "client_1": 3 * adapter}
+        assert runner.history[0].bytes_sent == {"client_0": 2 * adapter, "client_1": 2 * adapter}
         assert_states_equal(strategy.aggregator.control, runner.aggregator.control)
         for client_id in ("client_0", "client_1"):
             assert_states_equal(strategy.client_controls[client_id], runner.client_controls[client_id])
     final = load_file(tmp_path / "flower" / "adapter_model.safetensors")
     assert_states_equal({key: final[key] for key in runner.global_state}, runner.global_state)
+    # The Flower server writes what `trl-federated run` writes.
+    for name in ("summary.md", "rewards.png", "weights.png", "result.json", "README.md", "metrics.jsonl"):
+        assert (tmp_path / "flower" / name).is_file(), name
+    result = json.loads((tmp_path / "flower" / "result.json").read_text())
+    assert [r["weights"] for r in result["rounds"]] == [record.weights for record in runner.history]
 
 
 def test_a_restarted_server_app_resumes_from_its_checkpoint(tmp_path, tiny_model_dir, client_data_dirs, task_identity):
@@ -390,14 +414,6 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     assert (output_dir / "checkpoint-1").is_dir() and (output_dir / "round-0" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.parametrize("setting", [{"lora_aggregation": "freeze_a"}, {"transfer_dtype": "bfloat16"}])
-def test_wire_formats_of_the_in_process_runner_are_refused_by_name(tiny_model, fast_args, setting):
-    from trl_federated.flower.strategy import FederatedStrategy
-
-    with pytest.raises(ValueError, match=next(iter(setting))):
-        FederatedStrategy(tiny_model, fast_args(num_clients=2, **setting))
-
-
 # A hostile participant: every reply goes through one guarded path ---------------------------------------------
 
 
@@ -476,9 +492,9 @@ def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args,
     """Garbage arrays, lying headers, wrong dtypes, wrong types in every metadata field, error reports of every
     shape, impersonation, poison, duplicate, late and unasked replies: a client's bad reply is that client's
     `invalid_update` (or error), the honest clients' updates are aggregated, the server state stays finite."""
-    args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1)
+    args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1, node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
-                                 node_wait_timeout=0, reply_timeout=5)
+                                 reply_timeout=5)
     rng = random.Random(0)
     nodes = {11: 0, 12: 1, 13: 2}  # node 13 serves site-2, the hostile one
 
@@ -582,9 +598,8 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
         {"client-id": "hospital-c", "public-key": c_pem.decode()},
     ]}))
     registry = ClientRegistry.from_file(tmp_path / "clients.json")
-    args = fast_args(num_clients=3, aggregation="scaffold")
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
-                                 reply_timeout=5, registry=registry)
+    args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, registry=registry)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
 
@@ -621,9 +636,8 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
 
 
 def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_model_dir, fast_args, task_identity):
-    args = fast_args(num_clients=3, aggregation="scaffold")
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
-                                 reply_timeout=5)
+    args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.client_controls["client_2"] = marked
 
@@ -673,9 +687,8 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
 def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir, fast_args, task_identity, attack,
                                                                  reason):
     """Each of these raised out of `aggregate_train` and stopped the ServerApp, every round the client repeated it."""
-    args = fast_args(num_clients=2, num_rounds=2)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
-                                 reply_timeout=5)
+    args = fast_args(num_clients=2, num_rounds=2, node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5)
 
     def respond(message, context):
         index = context.node_config["partition-id"]

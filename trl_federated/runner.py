@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,15 +18,11 @@ from .callbacks import IntegrationLog, RoundRecord, TrainerLogCallback
 from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process
-from .evaluation import check_eval_reward_funcs
 from .reporting import RunProgress
-from .rewards import combined_reward_range
 from .server import FederatedServer, NotEnoughClientsError
-from .transport import WireFormat, is_lora_a
+from .transport import WireFormat, freeze_lora_a
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError", "default_lora_config", "with_federated_adapter"]
-
-logger = logging.getLogger(__name__)
 
 
 def default_lora_config() -> LoraConfig:
@@ -132,14 +127,9 @@ class FederatedRunner:
             processing_class = load_processing_class(model.config._name_or_path)
         self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
-        self.reward_funcs = reward_funcs = load_reward_models(reward_funcs, args)
+        self.reward_funcs = load_reward_models(reward_funcs, args)
         if aggregator is None:
             aggregator = aggregator_from_config(args, len(self.client_datasets))
-        eval_reward_weights = None
-        if eval_reward_funcs is None:
-            eval_reward_funcs, eval_reward_weights = reward_funcs, args.reward_weights
-        # A reward model among the training rewards fails now, not after the first round.
-        eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs) if eval_dataset is not None else None
         self.trainer_kwargs = trainer_kwargs or {}
         state = PartialState()
         self.is_main_process, self.num_processes = state.is_main_process, state.num_processes
@@ -150,20 +140,15 @@ class FederatedRunner:
         if log_to is not None:
             callbacks.append(TrainerLogCallback(log_to, args.local_steps))
         if args.lora_aggregation == "freeze_a":
-            # FFA-LoRA: A keeps its seeded initialisation, shared by every client; only B trains.
-            for name, param in model.named_parameters():
-                if is_lora_a(name):
-                    param.requires_grad_(False)
+            freeze_lora_a(model)
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
-        # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
-        self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
         self._check_clients()
         # The runner knows each client's D_i itself: the server counts them, not the clients.
         self.server = FederatedServer(
-            model, args, aggregator, client_datasets=self.client_datasets, reward_range=self.reward_range,
-            callbacks=callbacks, processing_class=processing_class, eval_dataset=eval_dataset,
-            eval_reward_funcs=eval_reward_funcs, eval_reward_weights=eval_reward_weights, dataset_name=dataset_name,
-            report_header=report_header, is_main_process=self.is_main_process, num_processes=self.num_processes,
+            model, args, aggregator, self.reward_funcs, client_datasets=self.client_datasets, callbacks=callbacks,
+            processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
+            dataset_name=dataset_name, report_header=report_header, is_main_process=self.is_main_process,
+            num_processes=self.num_processes,
         )
         # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
         self.reference_state = self.server.global_state if args.beta != 0 else None
@@ -202,6 +187,11 @@ class FederatedRunner:
     @property
     def eval_dataset(self) -> Dataset | None:
         return self.server.eval_dataset
+
+    @property
+    def reward_range(self) -> tuple[float, float] | None:
+        """The interval R̄ must lie in, from the reward functions' declared ranges (None: not known)."""
+        return self.server.reward_range
 
     @property
     def callbacks(self) -> list:
@@ -251,8 +241,6 @@ class FederatedRunner:
                 "for every client's trainer in every round. Use `vllm_mode='server'`: one `trl vllm-serve` engine "
                 "serves all clients and rounds, and TRL pushes each client's merged weights to it without reloading."
             )
-        for message in args.federation_warnings(self.reward_range):
-            logger.warning(message)
         # TRL's sampler draws generation_batch_size / num_generations distinct prompts per generation batch and
         # skips an incomplete batch, so a smaller client would never take a step.
         needed = args.generation_batch_size // args.num_generations

@@ -41,8 +41,10 @@ from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import CheckpointedServer, list_checkpoints, prepare_output_dir, run_identity
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
+from .evaluation import check_eval_reward_funcs, evaluate_accuracy
 from .hub import federated_model_card, push_to_hub
 from .reporting import ReportCallback
+from .rewards import combined_reward_range
 from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,14 @@ class FederatedServer(CheckpointedServer):
         client_datasets: The clients' data where the server holds it (the in-process runner): a checkpoint then
             pins them, and their sizes replace the clients' reported D_i. Empty for a server that holds none.
         num_samples: D_i the server knows without the data (a Flower `ClientRegistry`); it replaces the report.
-        reward_range: The interval R̄ must lie in (`rewards.combined_reward_range`), None when unknown.
+        reward_funcs: The clients' reward functions (loaded; None when unknown): their declared ranges bound R̄
+            (`rewards.combined_reward_range`), and they score `eval_dataset` unless `eval_reward_funcs` is given.
         callbacks: `RoundCallback`s (after the `metrics.jsonl` logger, which always comes first).
-        processing_class, eval_dataset, eval_reward_funcs, eval_reward_weights: The evaluation of the global
-            adapter before training, every `eval_every` rounds and after the last (none without `eval_dataset`).
+        processing_class, eval_dataset: The evaluation of the global adapter before training, every `eval_every`
+            rounds and after the last (none without `eval_dataset`); the tokenizer or processor is loaded from
+            the model's path when not given.
+        eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
+            `reward_funcs` with `args.reward_weights`, as TRL's `reward`).
         dataset_name: The Hub id of the clients' data, for the model card.
         report_header: With a header (may be empty), the server also writes `summary.md` and the plots after every
             round (`reporting.ReportCallback`) and `result.json` when the run ends; None: neither.
@@ -95,14 +101,13 @@ class FederatedServer(CheckpointedServer):
         model: PeftModel,
         args: FedGRPOConfig,
         aggregator: Aggregator,
+        reward_funcs=None,
         client_datasets: Mapping[str, Dataset] | None = None,
         num_samples: Mapping[str, int] | None = None,
-        reward_range: tuple[float, float] | None = None,
         callbacks: list | None = None,
         processing_class=None,
         eval_dataset: Dataset | None = None,
-        eval_reward_funcs: Sequence[Callable] | None = None,
-        eval_reward_weights: Sequence[float] | None = None,
+        eval_reward_funcs: Callable | Sequence[Callable] | None = None,
         dataset_name: str | None = None,
         report_header: str | None = None,
         is_main_process: bool = True,
@@ -118,10 +123,22 @@ class FederatedServer(CheckpointedServer):
         if report_header is not None:
             self.callbacks.append(ReportCallback(args.output_dir, header=report_header))
         self.writes_result = report_header is not None
-        self.processing_class = processing_class
+        # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
+        self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
+        for message in args.federation_warnings(self.reward_range):
+            logger.warning(message)
         self.eval_dataset = eval_dataset
-        self.eval_reward_funcs = eval_reward_funcs
-        self.eval_reward_weights = eval_reward_weights
+        self.eval_reward_funcs = self.eval_reward_weights = None
+        if eval_dataset is not None:
+            if eval_reward_funcs is None:
+                eval_reward_funcs, self.eval_reward_weights = reward_funcs, args.reward_weights
+            # A reward model among the training rewards fails now, not after the first round.
+            self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs)
+            if processing_class is None:
+                from .models import load_processing_class
+
+                processing_class = load_processing_class(model.config._name_or_path)
+        self.processing_class = processing_class
         self.dataset_name = dataset_name
         self.num_clients = len(client_datasets) or args.num_clients
         self.is_main_process, self.num_processes = is_main_process, num_processes
@@ -133,7 +150,7 @@ class FederatedServer(CheckpointedServer):
         known_samples = {client_id: len(dataset) for client_id, dataset in client_datasets.items()}
         # Every update enters the server through this gate: decoding, identity, values, sample count, norms.
         self.gate = UpdateGate.from_config(
-            args, self.global_state, reward_range, num_samples=known_samples or num_samples,
+            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples,
             control=isinstance(aggregator, ScaffoldAggregator),
         )
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
@@ -255,6 +272,13 @@ class FederatedServer(CheckpointedServer):
         self._round.dropped[client_id] = reason
         self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
 
+    def refuse(self, name: str, reason: str) -> None:
+        """A participant that is no client of the federation (a Flower node that did not say which client it
+        serves, or whose key is not registered) is sent nothing this round: it is named in the round's record and
+        the log, but it has no `client_dropped` line, since it is no client."""
+        logger.warning("Round %d: %s is sent no training message: %s.", self._round.round_idx, name, reason)
+        self._round.dropped[name] = reason
+
     def end_round(self) -> RoundRecord:
         """Aggregate the accepted updates into the next global adapter, record, evaluate when due, fire the
         callbacks and checkpoint; `NotEnoughClientsError`, the last checkpoint intact, with fewer than
@@ -303,7 +327,6 @@ class FederatedServer(CheckpointedServer):
         if self.eval_dataset is None:
             return None
         from .client import release_free_memory
-        from .evaluation import evaluate_accuracy
 
         set_adapter_state(self.model, self.global_state)
         results = evaluate_accuracy(
