@@ -27,6 +27,7 @@ from datasets import Dataset  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402,E501
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from peft import get_peft_model_state_dict  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -308,6 +309,102 @@ def test_a_restarted_server_app_resumes_from_its_checkpoint(tmp_path, tiny_model
     assert [record.round_idx for record in resumed.history] == [0, 1]
     assert_states_equal(resumed.global_state, runner.global_state)
     assert [event["checkpoint_round"] for event in events(tmp_path / "flower", "resumed")] == [0]
+
+
+def test_a_node_that_dies_mid_round_is_one_drop_of_its_own_client(tiny_model_dir, fast_args, task_identity):
+    """The SuperLink answers for a SuperNode that stopped sending heartbeats, from its own node id: the reply still
+    belongs to the client the message was sent to, and that client is dropped once, with Flower's reason and the
+    elapsed time."""
+    from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    args = fast_args(num_clients=2, num_rounds=1, node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5)
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"client_{index}", index)}), reply_to=message)
+        if index == 1:  # the SuperLink's own error reply, 54 s after the message was sent
+            reply = create_message_error_unavailable_res_message(message.metadata, "node_unavail")
+            assert reply.metadata.src_node_id == SUPERLINK_NODE_ID
+            reply.metadata.created_at = message.metadata.created_at + 54.0
+            return reply
+        state = moved(TrainInstruction.from_content(message.content).global_state, seed=index)
+        return Message(update_to_content(ClientUpdate(f"client_{index}", state, 8, 0.5), index), reply_to=message)
+
+    grid = LocalGrid(respond, {21: {"partition-id": 0}, 22: {"partition-id": 1}})
+    strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
+    drops = events(args.output_dir, "client_dropped")
+    assert [(drop["client_id"], drop["kind"]) for drop in drops] == [("client_1", "error")]
+    assert drops[0]["reason"].startswith(f"Flower error {ErrorCode.NODE_UNAVAILABLE} after 54 s: Error: Node Unavailable")
+    assert set(strategy.history[0].weights) == {"client_0"} and set(strategy.history[0].dropped) == {"client_1"}
+
+
+def test_the_client_app_trains_for_a_stock_flower_fedavg(tiny_model_dir, client_data_dirs, task_identity):
+    """Flower's own `FedAvg` drives the ClientApp: its train message carries only "arrays" and "server-round"; the
+    replies are what FedAvg averages (one ArrayRecord, one MetricRecord weighted by "num-examples")."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from trl_federated.runner import with_federated_adapter
+
+    run_config = {"model-dir": str(tiny_model_dir), "aggregation": "fedavg", "num-rounds": 1}
+    replies = []
+
+    def respond(message, context):
+        assert set(message.content.config_records["config"]) == {"server-round"}
+        reply = loopback_app.client_app(message, context)
+        replies.append(reply)
+        return reply
+
+    grid = LocalGrid(respond, {31 + index: {"partition-id": index, "data-dir": data_dir}
+                               for index, data_dir in enumerate(client_data_dirs)}, run_config)
+    initial = get_peft_model_state_dict(with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 0))
+    result = FedAvg(fraction_evaluate=0.0).start(grid, state_to_array_record(initial), num_rounds=1)
+
+    assert len(replies) == 2 and not any(reply.has_error() for reply in replies)
+    updates = [content_to_update(reply.content)[0] for reply in replies]
+    assert sorted(update.client_id for update in updates) == ["client_0", "client_1"]
+    total = sum(update.num_samples for update in updates)
+    averaged = array_record_to_state(result.arrays)
+    assert set(averaged) == set(initial)
+    for key in initial:
+        expected = sum(update.state[key] * (update.num_samples / total) for update in updates)
+        torch.testing.assert_close(averaged[key], expected)
+        assert not torch.equal(averaged[key], initial[key]) or "lora_B" not in key
+    assert all(update.metrics["step_rewards"] and math.isfinite(update.reward) for update in updates)
+
+
+def test_the_strategy_runs_inside_a_server_app_of_ones_own(tmp_path, tiny_model_dir, client_data_dirs, task_identity):
+    """`FederatedStrategy.start(grid, initial_arrays, ...)` as a user's ServerApp calls it: the federation starts
+    from `initial_arrays`, the run's outputs are written, the `Result` holds the final adapter and the rounds."""
+    run_config = {"model-dir": str(tiny_model_dir), "output-dir": str(tmp_path / "own"), "aggregation": "rpg",
+                  "num-rounds": 1}
+    grid = LocalGrid(loopback_app.client_app,
+                     {41 + index: {"partition-id": index, "data-dir": data_dir}
+                      for index, data_dir in enumerate(client_data_dirs)}, run_config)
+    strategy = loopback_app.build_strategy(grid.contexts[41])
+    start = moved(strategy.global_state, seed=7)
+    with pytest.raises(ValueError, match=r"num_rounds=3, but this run has 1 rounds left"):
+        strategy.start(grid, state_to_array_record(start), num_rounds=3)
+
+    sent = []
+    original = grid.send_and_receive
+
+    def recording(messages, *, timeout=None):
+        messages = list(messages)
+        sent.extend(messages)
+        return original(messages, timeout=timeout)
+
+    grid.send_and_receive = recording
+    strategy.args.overwrite_output_dir = True  # the refused start above prepared output_dir already
+    result = strategy.start(grid, state_to_array_record(start), num_rounds=1, train_config=ConfigRecord({"note": 1}))
+    train = [message for message in sent if message.metadata.message_type == MessageType.TRAIN]
+    assert len(train) == 2 and all(message.content["config"]["note"] == 1 for message in train)
+    assert_states_equal(TrainInstruction.from_content(train[0].content).global_state, start)
+    assert_states_equal(array_record_to_state(result.arrays), strategy.global_state)
+    assert result.train_metrics_clientapp[1]["num_clients"] == 2
+    assert (tmp_path / "own" / "result.json").is_file() and (tmp_path / "own" / "summary.md").is_file()
 
 
 # The real thing: a SuperLink and two SuperNodes as processes on 127.0.0.1 -----------------------------------
