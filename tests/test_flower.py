@@ -163,7 +163,7 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
 ):
     args = fast_args(num_clients=4, num_rounds=2, node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
-                                 reply_timeout=5)
+                                 reply_timeout=5, report_header=None)
     reference_state = copy.deepcopy(strategy.global_state)
     reference = aggregator_from_config(args, 4)
     rewards = {0: [0.2, 0.6], 1: [0.5, 0.4], 2: [0.0, 0.0], 3: [0.3, 0.9]}
@@ -319,7 +319,7 @@ def test_a_node_that_dies_mid_round_is_one_drop_of_its_own_client(tiny_model_dir
     from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 
     args = fast_args(num_clients=2, num_rounds=1, node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
 
     def respond(message, context):
         index = context.node_config["partition-id"]
@@ -453,52 +453,75 @@ def wait_for_port(port, process, timeout=60):
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-@pytest.mark.slow  # 60-90 s on 2 CPU cores: every round starts a fresh ClientApp process per SuperNode
-def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):
-    """`flwr run` of tests/flower_app on a real SuperLink and two SuperNodes (insecure, 127.0.0.1), 2 rounds of
-    FGRPO on the tiny model; the final global adapter equals FederatedRunner's for the same seeds and data."""
-    bin_dir = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr and the processes they start
-    flwr_home = tmp_path / "flwr-home"
-    flwr_home.mkdir()
-    link_port = free_port()
-    (flwr_home / "config.toml").write_text(
-        f'[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n', encoding="utf-8"
-    )
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        # The ClientApps import this checkout's trl_federated, and compute with one thread, as this process does.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-    processes = Processes(env, tmp_path)
-    output_dir = tmp_path / "flower"
-    started = time.perf_counter()
-    try:
-        superlink = processes.start(
-            "superlink", str(bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+class Loopback:
+    """A SuperLink and one SuperNode per client dataset as processes on 127.0.0.1 (insecure), and `flwr run` of
+    tests/flower_app on them; `stop()` ends them all."""
+
+    def __init__(self, tmp_path, data_dirs):
+        self.bin_dir = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr and what they start
+        self.tmp_path = tmp_path
+        flwr_home = tmp_path / "flwr-home"
+        flwr_home.mkdir()
+        link_port = free_port()
+        (flwr_home / "config.toml").write_text(
+            f'[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n', encoding="utf-8"
+        )
+        self.env = {
+            **os.environ,
+            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            # The ClientApps import this checkout's trl_federated, and compute with one thread, as this process does.
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        self.processes = Processes(self.env, tmp_path)
+        superlink = self.processes.start(
+            "superlink", str(self.bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
             "--database", str(tmp_path / "state.db"), "--port", str(link_port),
         )
         wait_for_port(link_port, superlink)
-        for index, data_dir in enumerate(client_data_dirs):
-            processes.start(
-                f"supernode-{index}", str(bin_dir / "flower-supernode"), "--insecure",
+        self.supernodes = [
+            self.processes.start(
+                f"supernode-{index}", str(self.bin_dir / "flower-supernode"), "--insecure",
                 "--superlink", f"127.0.0.1:{link_port}", "--port", str(free_port()),
                 "--node-config", f"partition-id={index} data-dir='{data_dir}'",
             )
-        run = subprocess.run(
-            [str(bin_dir / "flwr"), "run", str(APP_DIR), "loopback", "--stream", "--run-config",
-             f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2"],
-            env=env, capture_output=True, text=True, timeout=400,
+            for index, data_dir in enumerate(data_dirs)
+        ]
+
+    def flwr_run(self, run_config: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(self.bin_dir / "flwr"), "run", str(APP_DIR), "loopback", "--stream", "--run-config", run_config],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in self.tmp_path.glob("*.log"))
+
+    def stop(self):
+        self.processes.stop()
+
+
+@pytest.mark.slow  # 60-90 s on 2 CPU cores: every round starts a fresh ClientApp process per SuperNode
+def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):
+    """`flwr run` of tests/flower_app on a real SuperLink and two SuperNodes (insecure, 127.0.0.1), 2 rounds of
+    FGRPO on the tiny model; the final global adapter equals FederatedRunner's for the same seeds and data, and
+    the stream and each SuperNode's log show the rounds."""
+    output_dir = tmp_path / "flower"
+    started = time.perf_counter()
+    loopback = Loopback(tmp_path, client_data_dirs)
+    try:
+        run = loopback.flwr_run(f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2")
+        stream, _ = run.communicate(timeout=400)
     finally:
-        processes.stop()
+        loopback.stop()
     wall_time = time.perf_counter() - started
-    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
-    assert (output_dir / "adapter_model.safetensors").exists(), f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
+    assert (output_dir / "adapter_model.safetensors").exists(), f"{stream[-3000:]}\n{loopback.logs()}"
     print(f"loopback Flower run: {wall_time:.1f} s from SuperLink start to stop")
 
     runner = runner_result(tiny_model_dir, tmp_path / "runner", "rpg")
@@ -509,6 +532,44 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     assert [line["weights"] for line in rounds] == [record.weights for record in runner.history]
     assert [line["client_id"] for line in events(output_dir, "client")] == ["client_0", "client_1"] * 2
     assert (output_dir / "checkpoint-1").is_dir() and (output_dir / "round-0" / "adapter_model.safetensors").exists()
+    for name in ("summary.md", "result.json", "rewards.png", "weights.png"):
+        assert (output_dir / name).is_file(), name
+    # The stream shows the package's INFO lines: the strategy, and each round's R̄, h, ω, τ and traffic.
+    assert "FederatedStrategy: RPGAggregator, 2 clients" in stream, stream[-3000:]
+    for round_idx, record in enumerate(runner.history):
+        assert f"Round {round_idx + 1}/2: 2 clients aggregated, 0 dropped, τ = {record.temperature:.3f}" in stream
+        for client_id, reward in record.rewards.items():
+            assert (f"{client_id}: R̄ = {reward:.4f}, h = {record.gains[client_id]:+.4f}, "
+                    f"ω = {record.weights[client_id]:.4f}, sent {record.bytes_sent[client_id]:,} B") in stream
+    # Each SuperNode's log shows its own local rounds.
+    for index in (0, 1):
+        log = loopback.log(f"supernode-{index}")
+        for round_idx in (0, 1):
+            assert f"Round {round_idx}, client 'client_{index}': 2 local steps on 6 rows, R̄ = " in log, log[-3000:]
+
+
+@pytest.mark.slow  # ~2 min: the SuperLink declares a silent SuperNode unavailable after 2 heartbeat intervals (60 s)
+def test_loopback_supernode_killed_mid_round_is_one_drop_line(tmp_path, tiny_model_dir, client_data_dirs):
+    """A SuperNode SIGKILLed while its ClientApp trains: the SuperLink answers for it, and metrics.jsonl records one
+    `client_dropped` line naming its client, Flower's reason and the elapsed time; the round aggregates the other."""
+    output_dir = tmp_path / "flower"
+    loopback = Loopback(tmp_path, client_data_dirs)
+    try:
+        run = loopback.flwr_run(f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=1")
+        deadline = time.monotonic() + 180
+        while "Receiving: train message" not in loopback.log("supernode-1"):
+            assert run.poll() is None and time.monotonic() < deadline, loopback.logs()
+            time.sleep(0.2)
+        os.killpg(loopback.supernodes[1].pid, signal.SIGKILL)
+        stream, _ = run.communicate(timeout=400)
+    finally:
+        loopback.stop()
+    assert (output_dir / "adapter_model.safetensors").exists(), f"{stream[-3000:]}\n{loopback.logs()}"
+    drops = events(output_dir, "client_dropped")
+    assert [(drop["round"], drop["client_id"], drop["kind"]) for drop in drops] == [(0, "client_1", "error")], drops
+    assert re.fullmatch(r"Flower error 5 after \d+ s: Error: Node Unavailable .*", drops[0]["reason"]), drops[0]
+    assert [line["weights"] for line in events(output_dir, "round")] == [{"client_0": 1.0}]
+    assert "client 'client_1' dropped (error): Flower error 5 after" in stream
 
 
 # A hostile participant: every reply goes through one guarded path ---------------------------------------------
@@ -591,7 +652,7 @@ def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args,
     `invalid_update` (or error), the honest clients' updates are aggregated, the server state stays finite."""
     args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1, node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
-                                 reply_timeout=5)
+                                 reply_timeout=5, report_header=None)
     rng = random.Random(0)
     nodes = {11: 0, 12: 1, 13: 2}  # node 13 serves site-2, the hostile one
 
@@ -696,7 +757,8 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
     ]}))
     registry = ClientRegistry.from_file(tmp_path / "clients.json")
     args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, registry=registry)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, registry=registry,
+                                 report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
 
@@ -734,7 +796,7 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
 
 def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_model_dir, fast_args, task_identity):
     args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.client_controls["client_2"] = marked
 
@@ -785,7 +847,7 @@ def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir,
                                                                  reason):
     """Each of these raised out of `aggregate_train` and stopped the ServerApp, every round the client repeated it."""
     args = fast_args(num_clients=2, num_rounds=2, node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
 
     def respond(message, context):
         index = context.node_config["partition-id"]

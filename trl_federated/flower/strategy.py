@@ -77,7 +77,7 @@ class FederatedStrategy(Strategy):
     card), and logs every round (each client's R̄, h, ω and traffic, τ, the drops, the evaluation) where
     `flwr run --stream` shows it. `run()`, or `start()` inside a ServerApp of one's own, with
     `args.resume_from_checkpoint` continues an interrupted run (with new node ids, even new SuperNodes for the same
-    clients). The message contract, both ways, is in `flower/CONTRACT.md`.
+    clients). The message contract, both ways, is the docstring of `flower.records`.
 
     Args:
         model: The base model (wrapped here in `peft_config`'s LoRA, seeded with `args.seed`, so that the initial
