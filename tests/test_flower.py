@@ -385,8 +385,12 @@ def test_the_strategy_runs_inside_a_server_app_of_ones_own(tmp_path, tiny_model_
                       for index, data_dir in enumerate(client_data_dirs)}, run_config)
     strategy = loopback_app.build_strategy(grid.contexts[41])
     start = moved(strategy.global_state, seed=7)
-    with pytest.raises(ValueError, match=r"num_rounds=3, but this run has 1 rounds left"):
+    with pytest.raises(ValueError, match=r"num_rounds=3, but the federation's FedGRPOConfig.num_rounds is 1"):
         strategy.start(grid, state_to_array_record(start), num_rounds=3)
+    strategy.args.beta = 0.04  # the ClientApps' KL reference is their own seeded adapter, not `start`
+    with pytest.raises(ValueError, match=r"`initial_arrays` differ from the seeded adapter, but beta != 0"):
+        strategy.start(grid, state_to_array_record(start))
+    strategy.args.beta = 0.0
 
     sent = []
     original = grid.send_and_receive
@@ -397,7 +401,6 @@ def test_the_strategy_runs_inside_a_server_app_of_ones_own(tmp_path, tiny_model_
         return original(messages, timeout=timeout)
 
     grid.send_and_receive = recording
-    strategy.args.overwrite_output_dir = True  # the refused start above prepared output_dir already
     result = strategy.start(grid, state_to_array_record(start), num_rounds=1, train_config=ConfigRecord({"note": 1}))
     train = [message for message in sent if message.metadata.message_type == MessageType.TRAIN]
     assert len(train) == 2 and all(message.content["config"]["note"] == 1 for message in train)
@@ -405,6 +408,32 @@ def test_the_strategy_runs_inside_a_server_app_of_ones_own(tmp_path, tiny_model_
     assert_states_equal(array_record_to_state(result.arrays), strategy.global_state)
     assert result.train_metrics_clientapp[1]["num_clients"] == 2
     assert (tmp_path / "own" / "result.json").is_file() and (tmp_path / "own" / "summary.md").is_file()
+
+
+def test_package_info_logs_reach_flowers_console_in_an_app_process(monkeypatch):
+    """In a ServerApp or ClientApp process nothing configures Python logging: the package's INFO lines (a round's
+    summary, the wait for SuperNodes) went nowhere; `show_package_logs` hands them to Flower's console handler,
+    whose output Flower streams. An application that configured logging keeps its own."""
+    import logging
+
+    from flwr.common.logger import console_handler
+
+    from trl_federated.flower.stream import show_package_logs
+
+    package, root = logging.getLogger("trl_federated"), logging.getLogger()
+    console = io.StringIO()
+    monkeypatch.setattr(console_handler, "stream", console)
+    monkeypatch.setattr(package, "handlers", [])
+    monkeypatch.setattr(package, "level", logging.NOTSET)
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # an application's own configuration
+    show_package_logs()
+    assert package.handlers == []
+    monkeypatch.setattr(root, "handlers", [])  # an app process: nothing configured
+    show_package_logs()
+    show_package_logs()  # once only
+    logging.getLogger("trl_federated.server").info("Round 1/2: 2 clients aggregated")
+    logging.getLogger("other").info("not shown")
+    assert console.getvalue().count("Round 1/2: 2 clients aggregated") == 1 and "not shown" not in console.getvalue()
 
 
 # The real thing: a SuperLink and two SuperNodes as processes on 127.0.0.1 -----------------------------------

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 from datasets import Dataset
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -188,27 +189,27 @@ class FederatedStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's `Strategy.start`, for a ServerApp of one's own (see `examples/flower/custom_server_app.py`).
+        """Flower's `Strategy.start`, for a ServerApp of one's own (see `examples/flower/fgrpo_app/own_server_app.py`).
 
         `initial_arrays`, when given, is the global adapter the federation starts from (the model's own adapter
-        otherwise; it must have its keys and shapes); a resumed run starts from its checkpoint instead. `num_rounds`
-        is `args.num_rounds` less the rounds a checkpoint already holds (any other number is refused: the
-        learning-rate schedule and the last evaluation follow `args.num_rounds`). `timeout` is the reply timeout of
+        otherwise; it must have its keys and shapes); a resumed run starts from its checkpoint instead. `num_rounds`,
+        when given, must be `args.num_rounds`, the federation's length (the learning-rate schedule and the last
+        evaluation follow it); a resumed run does the rounds its checkpoint lacks. `timeout` is the reply timeout of
         a round (default: the strategy's `reply_timeout`); `train_config` entries travel in every train message's
         config record. The run's outputs are written at the end; the `Result` holds the final global adapter and each
         round's metrics (`callbacks.round_logs`).
         """
         show_package_logs()
+        if num_rounds is not None and num_rounds != self.args.num_rounds:
+            raise ValueError(
+                f"num_rounds={num_rounds}, but the federation's FedGRPOConfig.num_rounds is {self.args.num_rounds}: set "
+                "num_rounds there (the learning-rate schedule and the last evaluation follow it; a resumed run does "
+                "the rounds its checkpoint lacks), and leave num_rounds out or equal to it."
+            )
         if initial_arrays is not None:
             self._set_initial_adapter(initial_arrays)
         self.first_round = self.server.start_run()
         remaining = self.args.num_rounds - self.first_round
-        if num_rounds is not None and num_rounds != remaining:
-            raise ValueError(
-                f"num_rounds={num_rounds}, but this run has {remaining} rounds left of `num_rounds` "
-                f"({self.args.num_rounds}): set FedGRPOConfig.num_rounds, which the learning-rate schedule and the last "
-                "evaluation follow, and leave num_rounds out."
-            )
         result = Result(arrays=state_to_array_record(self.global_state))
         if remaining > 0:
             result = super().start(
@@ -225,6 +226,12 @@ class FederatedStrategy(Strategy):
         state = array_record_to_state(initial_arrays)
         check_state(state, self.server.global_state, "`initial_arrays`")
         server = self.server
+        if self.args.beta != 0 and any(not torch.equal(state[key], value) for key, value in server.global_state.items()):
+            raise ValueError(
+                "`initial_arrays` differ from the seeded adapter, but beta != 0: each ClientApp's KL reference π_ref "
+                "is its own seeded adapter θ^{[0]}, so the federation must start from it (leave initial_arrays out), "
+                "or set beta: 0."
+            )
         server.global_state = {key: value.to(server.global_state[key].dtype) for key, value in state.items()}
         server.gate.open_round(server.global_state)
 
