@@ -85,9 +85,8 @@ def make_client_app(
     config; under Flower's deployment runtime every message starts a fresh ClientApp process), trains with
     `client.train_local_round`, the runner's own code, from the received global adapter with the seed of
     (round, client index), and replies with the adapter in the server's wire format, R̄, the sample count and the
-    training metrics. A local
-    round that fails replies with an error naming the client, the kind of failure ("timeout" past
-    `client_timeout`, else "error") and the reason, which the server logs as a dropped client.
+    training metrics. A local round that fails replies with an error naming the client, the kind of failure
+    ("timeout" past `client_timeout`, else "error") and the reason, which the server logs as a dropped client.
 
     It also answers the server's identity query (which client a node serves) from `identify(context)`, without
     loading anything. The messages both ways are documented in `flower.records`; a stock Flower strategy's train
