@@ -44,13 +44,13 @@ TIMED_FUNCTIONS = {
     "validate_update": "update validation",
     "save_adapter": "adapter writes (round-<t>, final)",
 }
-TIMED_RUNNER_METHODS = {
-    "_release": "trainer release",
+# Methods of the runner's server (`trl_federated.server.FederatedServer`), wrapped by name when present.
+TIMED_SERVER_METHODS = {
     "_fire": "round callbacks",
     "evaluate": "evaluation",
     "save_checkpoint": "checkpoint writes",
 }
-RUNNER_MODULES = ("trl_federated.runner", "trl_federated.client")
+RUNNER_MODULES = ("trl_federated.runner", "trl_federated.client", "trl_federated.server")
 GC_PHASE = "gc.collect() (Trainer.train, accelerate, runner)"
 
 
@@ -255,9 +255,9 @@ def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
                 model, length_reward, config, setup.client_datasets, processing_class=setup.tokenizer, **runner_kwargs
             )
         methods = [
-            (runner, name, timer.wrap(getattr(runner, name), phase))
-            for name, phase in TIMED_RUNNER_METHODS.items()
-            if hasattr(runner, name)
+            (runner.server, name, timer.wrap(getattr(runner.server, name), phase))
+            for name, phase in TIMED_SERVER_METHODS.items()
+            if hasattr(runner.server, name)
         ]
         methods.append((runner.aggregator, "aggregate", timer.wrap(runner.aggregator.aggregate, "aggregation")))
         with patched(methods), timer.phase("runner loop (rest)"):

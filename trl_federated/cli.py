@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import json
 import logging
 import sys
 import time
@@ -242,21 +241,6 @@ def trainer_class(data_args: BenchmarkArguments):
     return federated(import_class(data_args.trainer_class, GRPOTrainer, "trainer_class"))
 
 
-def write_result(path: Path, runner, wall_time: float) -> None:
-    """`result.json`, written last and atomically: its presence marks a finished run (the harness relies on it)."""
-    result = {
-        "wall_time": wall_time,
-        "evaluations": {str(idx): value for idx, value in sorted(runner.evaluations.items())},
-        "rounds": [
-            {key: getattr(record, key) for key in ("round_idx", "rewards", "gains", "weights", "temperature", "bytes_sent")}
-            for record in runner.history
-        ],
-    }
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    temporary.replace(path)
-
-
 def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
     """The three argument groups of `trl-federated run` from `--config` and `--key value` flags.
 
@@ -336,7 +320,6 @@ def run(argv: list[str]) -> int:
     from .data import partition_clients
     from .distributed import shut_down
     from .hub import HubPushError
-    from .reporting import ReportCallback
     from .runner import FederatedRunner
 
     args, model_args, data_args = parse_run_args(argv)
@@ -357,10 +340,10 @@ def run(argv: list[str]) -> int:
         f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
         f"{len(train)} train / {len(test)} test items."
     )
-    report = ReportCallback(args.output_dir, header=header)
+    # The runner's server writes summary.md and the plots after every round, and result.json at the end.
     runner = FederatedRunner(
         model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
-        eval_dataset=test, eval_reward_funcs=eval_rewards, callbacks=[report], dataset_name=hub_dataset_id(data_args),
+        eval_dataset=test, eval_reward_funcs=eval_rewards, dataset_name=hub_dataset_id(data_args), report_header=header,
         trainer_class=federated_trainer,
     )
     push_error = None
@@ -369,8 +352,7 @@ def run(argv: list[str]) -> int:
     except HubPushError as error:  # the run itself finished and is saved: it still gets its result.json
         push_error = error
     if runner.is_main_process:
-        write_result(Path(args.output_dir) / "result.json", runner, time.perf_counter() - start)
-        summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
+        summary = (Path(args.output_dir) / "summary.md").read_text(encoding="utf-8")
         print(summary)
         print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
     shut_down()

@@ -1,9 +1,9 @@
 """One client's local round (Algorithm 1, lines 4-18), shared by `FederatedRunner` and the Flower `ClientApp`.
 
 Whatever the transport, a client round is the same: load the global adapter into the client's `PeftModel`, train
-a fresh `FedGRPOTrainer` (or `federated(trainer_class)`) for `local_steps` steps on the client's data with the seed of (round, client), and
-report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the in-process runner
-ends.
+a fresh `FedGRPOTrainer` (or `federated(trainer_class)`) for `local_steps` steps on the client's data with the seed
+of (round, client), and report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the
+in-process runner ends.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 import time
 from typing import Any
 
-import torch
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
@@ -66,11 +65,6 @@ def local_training_args(
     local.disable_tqdm = True
     local.push_to_hub = False
     return local
-
-
-def zero_control(server_control: AdapterState) -> AdapterState:
-    """SCAFFOLD's c_i of a client before its first accepted update."""
-    return {key: torch.zeros_like(value) for key, value in server_control.items()}
 
 
 def load_reward_models(reward_funcs, args: FedGRPOConfig) -> list:

@@ -183,6 +183,14 @@ class FedGRPOConfig(GRPOConfig):
             "the late update is dropped. None: no limit."
         },
     )
+    node_wait_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Flower deployment only: seconds the server waits, each round, for the SuperNodes of all "
+            "`num_clients` clients to be connected (logged while it waits); the round then goes on with those "
+            "connected, if they are at least `min_clients_per_round`. 0: never wait."
+        },
+    )
 
     # Aggregation
     aggregation: str = field(
@@ -446,6 +454,8 @@ class FedGRPOConfig(GRPOConfig):
             )
         if self.client_timeout is not None and not self.client_timeout > 0:
             yield f"`client_timeout` must be > 0 seconds or None, got {self.client_timeout}."
+        if not self.node_wait_timeout >= 0:
+            yield f"`node_wait_timeout` must be >= 0 seconds, got {self.node_wait_timeout}."
         if self.federation_round is not None and (
             not isinstance(self.federation_round, int) or self.federation_round < 0
         ):
