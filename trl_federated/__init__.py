@@ -2,9 +2,9 @@
 
 from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
 from .callbacks import RoundCallback, RoundRecord
-from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
 from .runner import FederatedRunner
-from .trainer import FedGRPOTrainer
+from .trainer import FederatedGRPOMixin, FedGRPOTrainer, federated
 
 __version__ = "0.1.0"
 
@@ -16,10 +16,13 @@ __all__ = [
     "FedGRPOConfig",
     "FedGSPOConfig",
     "FedGRPOTrainer",
+    "FederatedGRPOMixin",
     "FederatedRunner",
     "RPGAggregator",
     "RoundCallback",
     "RoundRecord",
     "ServerAdam",
     "ServerSGD",
+    "federated",
+    "federated_config",
 ]

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
-from peft import get_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput
@@ -27,39 +27,71 @@ from .shared_prefix import (
 )
 
 
-class FedGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` with the client side of FGRPO (Algorithm 1, lines 4-18).
+class FederatedGRPOMixin:
+    """The client side of FGRPO (Algorithm 1, lines 4-18) for any `trl.GRPOTrainer` subclass; put it first among the
+    bases (`class FedMyTrainer(FederatedGRPOMixin, MyTrainer)`), or let `federated(MyTrainer)` do so.
 
-    It has the constructor of `GRPOTrainer` and, with a `GRPOConfig` or a `FedGRPOConfig` with `num_clients=1`,
-    trains exactly like it. On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the
-    B prompts x K completions the step trained on, summed over reward functions with their weights, as TRL logs
+    The trainer keeps its constructor and, with its own config or a `FedGRPOConfig` with `num_clients=1`, trains
+    exactly like the class it extends. On top it records the mean reward R̄^{[t,e]} of every optimisation step (over
+    the B prompts x K completions the step trained on, summed over reward functions with their weights, as TRL logs
     `reward`) in `step_rewards`, and `window_reward()` gives the client's report R̄^{[t]}: the mean of the last
     `reward_window` (W) steps.
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
-    `train_dataset` across the clients and hands over to `FederatedRunner`; `train(resume_from_checkpoint=True)`
-    then continues the federation from its latest round checkpoint. There `eval_dataset` is scored with
-    `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a single-client `train()`
-    evaluates as `GRPOTrainer` does and ignores it.
+    `train_dataset` across the clients and hands over to `FederatedRunner`, whose clients train this same class;
+    `train(resume_from_checkpoint=True)` then continues the federation from its latest round checkpoint. There
+    `eval_dataset` is scored with `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a
+    single-client `train()` evaluates as `GRPOTrainer` does and ignores it. A federation exchanges a LoRA adapter and
+    builds a fresh optimizer for every client round, so federated mode refuses a model without a PEFT adapter (pass
+    `peft_config`) and `optimizers`, by name, when the trainer is built.
     """
 
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
-        # Kept so that federated mode can hand the same arguments to every client's trainer.
-        self._init_arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
+        self._init_arguments = _named_arguments(super().__init__, args, kwargs)
         self.eval_reward_funcs = eval_reward_funcs
         super().__init__(*args, **kwargs)
+        if self._federates:
+            self._check_federated_arguments()
         fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
         if fedprox_mu:
             self.add_callback(ProximalTerm(fedprox_mu))
+        if getattr(self.args, "shared_prefix", False) and _overrides(type(self), "_get_per_token_logps_and_entropies"):
+            raise ValueError(
+                f"`shared_prefix` replaces `_get_per_token_logps_and_entropies`, which {_base_name(type(self))} "
+                "overrides: set `shared_prefix=False` to keep that override."
+            )
         self.shared_prefix_stats = SharedPrefixStats()
         # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
-        # one optimizer step, once, and the loss normalises each independently of which rows it holds.
+        # one optimizer step, once, and GRPOTrainer's own loss normalises each independently of which rows it holds;
+        # a custom loss or batching may not, so it keeps TRL's micro-batches.
         self._groups_micro_batches_by_prompt = (
             getattr(self.args, "shared_prefix", False)
             and self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
             and self.num_iterations == 1
             and self.loss_type in REGROUPABLE_LOSS_TYPES
+            and not any(_customises(type(self), name) for name in ("_compute_loss", "compute_loss", "_prepare_inputs"))
         )
+
+    @property
+    def _federates(self) -> bool:
+        return isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1
+
+    def _check_federated_arguments(self) -> None:
+        """Refuse, by name, the arguments a federation cannot honour."""
+        if not isinstance(self.model, PeftModel):
+            raise ValueError(
+                f"`num_clients={self.args.num_clients}` federates a LoRA adapter, but the model has none: pass "
+                "`peft_config` (e.g. `trl_federated.runner.default_lora_config()`) or a `PeftModel`. Full fine-tuning "
+                "is not federated."
+            )
+        optimizers = self._init_arguments.get("optimizers", (None, None))
+        if any(item is not None for item in optimizers):
+            raise ValueError(
+                f"`optimizers` cannot be federated (`num_clients={self.args.num_clients}`): every client round builds "
+                "a fresh optimizer and scheduler for its own trainer. Choose them with `optim`, `optim_args`, "
+                "`learning_rate` and `lr_scheduler_type` instead."
+            )
 
     def _prepare_inputs(self, generation_batch):
         """With `shared_prefix`, the micro-batches TRL cuts from a fresh generation batch are re-cut by prompt
@@ -165,7 +197,7 @@ class FedGRPOTrainer(GRPOTrainer):
         return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        if isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1:
+        if self._federates:
             if resume_from_checkpoint is not None:  # a federated checkpoint: the runner restores it
                 self.args.resume_from_checkpoint = resume_from_checkpoint
             return self._train_federated()
@@ -196,11 +228,8 @@ class FedGRPOTrainer(GRPOTrainer):
             eval_dataset=self.eval_dataset,
             eval_reward_funcs=self.eval_reward_funcs,
             callbacks=arguments.get("callbacks"),
-            trainer_kwargs={
-                name: arguments[name]
-                for name in ("reward_processing_classes", "tools", "rollout_func", "environment_factory")
-                if arguments.get(name) is not None
-            },
+            trainer_kwargs={name: value for name, value in arguments.items() if name not in _RUNNER_ARGUMENTS},
+            trainer_class=type(self),
             log_to=self,
         )
         # The runner shows its own progress by round and client; a second, step-counting bar would stay empty.
@@ -219,6 +248,92 @@ class FedGRPOTrainer(GRPOTrainer):
                 "final_mean_client_reward": sum(history[-1].rewards.values()) / len(history[-1].rewards),
             },
         )
+
+
+class FedGRPOTrainer(FederatedGRPOMixin, GRPOTrainer):
+    """`trl.GRPOTrainer` with the client side of FGRPO: a drop-in replacement that trains exactly like it with a
+    `GRPOConfig` or a single-client `FedGRPOConfig`, and runs the federation with `num_clients > 1` (see
+    `FederatedGRPOMixin`). `federated(MyGRPOTrainer)` gives the same for any `GRPOTrainer` subclass."""
+
+
+# `GRPOTrainer` arguments that `FederatedRunner` takes itself (the model and its adapter, loaded once; the clients' data
+# and configuration); every other argument given to a federated trainer reaches each client's trainer unchanged.
+_RUNNER_ARGUMENTS = frozenset(
+    {"model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class", "callbacks", "optimizers",
+     "quantization_config", "peft_config"}
+)  # fmt: skip
+
+
+def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
+    """`trainer_class`, a `trl.GRPOTrainer` subclass (TRL's experimental `GMPOTrainer`, or your own), with
+    `FederatedGRPOMixin` mixed in: it keeps `trainer_class`'s constructor, loss and options, reports R̄ like
+    `FedGRPOTrainer`, and federates when its config is a `FedGRPOConfig` with `num_clients > 1` (for a trainer with
+    its own config class, use `config.federated_config(ThatConfig)`).
+
+    The class is made once per `trainer_class`; `federated(GRPOTrainer)` is `FedGRPOTrainer`, and a class that
+    already has the mixin is returned as it is.
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, GRPOTrainer)):
+        raise TypeError(
+            f"Only a `trl.GRPOTrainer` subclass can be federated, got {trainer_class!r}: the federation reads R̄ from "
+            "GRPOTrainer's logs and builds one such trainer per client round."
+        )
+    if issubclass(trainer_class, FederatedGRPOMixin):
+        return trainer_class
+    if trainer_class is GRPOTrainer:
+        return FedGRPOTrainer
+    return _federated_class(trainer_class)
+
+
+@functools.cache
+def _federated_class(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
+    return type(
+        f"Fed{trainer_class.__name__}",
+        (FederatedGRPOMixin, trainer_class),
+        {"__module__": trainer_class.__module__, "__doc__": f"`{_base_name(trainer_class)}` with "
+         "`FederatedGRPOMixin` (see `federated`)."},
+    )  # fmt: skip
+
+
+def _named_arguments(init, args: tuple, kwargs: dict) -> dict:
+    """The arguments given to `init` (a bound `__init__`), by parameter name. Those a `**kwargs` collects are
+    flattened in, and those a `*args` collects are named after `GRPOTrainer.__init__`'s parameters, in order: a
+    subclass's catch-all parameters forward GRPOTrainer's arguments (TRL's experimental trainers do)."""
+    signature = inspect.signature(init)
+    named = {}
+    for name, value in signature.bind(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update(zip(_GRPO_PARAMETERS, value))
+        else:
+            named[name] = value
+    return named
+
+
+_GRPO_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # after `self`
+
+
+def _overrides(trainer_class: type, name: str) -> bool:
+    """Whether a class between `FederatedGRPOMixin` and `GRPOTrainer` in `trainer_class`'s MRO defines `name`: an
+    override the mixin's own `name` would bypass."""
+    mro = trainer_class.__mro__
+    below = mro[mro.index(FederatedGRPOMixin) + 1 : mro.index(GRPOTrainer)]
+    return any(name in vars(klass) for klass in below)
+
+
+def _customises(trainer_class: type, name: str) -> bool:
+    """Whether any class of `trainer_class`'s MRO before `GRPOTrainer`, other than the mixin, defines `name`."""
+    mro = trainer_class.__mro__
+    return any(name in vars(klass) for klass in mro[: mro.index(GRPOTrainer)] if klass is not FederatedGRPOMixin)
+
+
+def _base_name(trainer_class: type) -> str:
+    """The name of the trainer class a federated class extends (its first base that is not the mixin)."""
+    base = next((klass for klass in trainer_class.__mro__ if klass is not FederatedGRPOMixin
+                 and not issubclass(klass, FederatedGRPOMixin)), trainer_class)  # fmt: skip
+    return f"{base.__module__}.{base.__qualname__}"
 
 
 def _from_step(schedule, first_step: int, step: int) -> float:

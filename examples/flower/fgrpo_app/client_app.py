@@ -31,6 +31,12 @@ def site_dataset(node_config, args: FedGRPOConfig, data_args: BenchmarkArguments
 
 def load_site(context: Context) -> ClientSite:
     args, model_args, data_args = read_config(context)
+    if data_args.trainer_class is not None:
+        # The trainer class is fixed when the ClientApp is made, before any config is read.
+        raise ValueError(
+            f"`trainer_class` ({data_args.trainer_class!r}) is not read by this app: pass the class to "
+            "`make_client_app(load_site, trainer_class=...)` in client_app.py."
+        )
     # A local scratch folder: the server, not the client, saves the federation's adapters and logs.
     args.output_dir = str(context.node_config.get("work-dir", Path(tempfile.gettempdir()) / "fgrpo-client"))
     model, tokenizer = load_model(model_args, args)
