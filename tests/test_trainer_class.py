@@ -21,6 +21,7 @@ from trl_federated.config import federated_config
 from trl_federated.flower import make_client_app
 from trl_federated.rewards import completion_text
 from trl_federated.runner import default_lora_config
+from trl_federated.local_trainer import LocalGRPOMixin, local_trainer
 from trl_federated.trainer import FederatedGRPOMixin, federated
 
 
@@ -148,7 +149,7 @@ def test_a_flower_client_app_trains_trainer_class_and_ends_where_the_runner_ends
                      run_config)  # fmt: skip
     strategy = loopback_app.build_strategy(grid.contexts[11])
     strategy.run(grid)
-    assert losses == [federated(GMPOTrainer)] * 2 * 2  # clients x local steps
+    assert losses == [local_trainer(GMPOTrainer)] * 2 * 2  # clients x local steps
 
     args = loopback_app.federation_args(str(tmp_path / "runner"), run_config)
     runner = FederatedRunner(

@@ -3,6 +3,7 @@
 from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
 from .callbacks import RoundCallback, RoundRecord
 from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
+from .local_trainer import LocalGRPOMixin, local_trainer
 from .runner import FederatedRunner
 from .trainer import FederatedGRPOMixin, FedGRPOTrainer, federated
 
@@ -18,6 +19,7 @@ __all__ = [
     "FedGRPOTrainer",
     "FederatedGRPOMixin",
     "FederatedRunner",
+    "LocalGRPOMixin",
     "RPGAggregator",
     "RoundCallback",
     "RoundRecord",
@@ -25,4 +27,5 @@ __all__ = [
     "ServerSGD",
     "federated",
     "federated_config",
+    "local_trainer",
 ]

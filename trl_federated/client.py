@@ -1,7 +1,7 @@
 """One client's local round (Algorithm 1, lines 4-18), shared by `FederatedRunner` and the Flower `ClientApp`.
 
 Whatever the transport, a client round is the same: load the global adapter into the client's `PeftModel`, train
-a fresh `FedGRPOTrainer` (or `federated(trainer_class)`) for `local_steps` steps on the client's data with the seed
+a fresh `local_trainer(trainer_class)` (`GRPOTrainer` by default) for `local_steps` steps on the client's data with the seed
 of (round, client), and report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the
 in-process runner ends.
 """
@@ -26,7 +26,7 @@ from trl import GRPOTrainer
 from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
 from .aggregation import ClientUpdate
 from .config import FedGRPOConfig
-from .trainer import Deadline, FederatedGRPOMixin, ScaffoldCorrection, federated
+from .local_trainer import Deadline, LocalGRPOMixin, ScaffoldCorrection, local_trainer
 
 
 class ClientTimeoutError(TimeoutError):
@@ -115,7 +115,7 @@ def train_local_round(
             round. TRL's trainer copies the adapter it is built with (θ^{[t]}) into its `ref` adapter; this state
             overwrites that copy. None: π_ref is the base model (adapters disabled), which equals θ^{[0]} for a
             freshly initialised LoRA.
-        trainer_class: The `GRPOTrainer` subclass that trains the round, federated with `trainer.federated`
+        trainer_class: The `GRPOTrainer` subclass that trains the round, with `local_trainer.LocalGRPOMixin`
             (default: `FedGRPOTrainer`).
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
@@ -130,7 +130,7 @@ def train_local_round(
     set_adapter_state(model, global_state)
     trainer = None
     try:
-        trainer = federated(trainer_class or GRPOTrainer)(
+        trainer = local_trainer(trainer_class or GRPOTrainer)(
             model=model,
             reward_funcs=reward_funcs,
             args=args,
@@ -184,7 +184,7 @@ def train_local_round(
 REFERENCE_ADAPTER = "ref"
 
 
-def release_trainer(model: PeftModel, trainer: FederatedGRPOMixin | None, drop_reference: bool = True) -> None:
+def release_trainer(model: PeftModel, trainer: LocalGRPOMixin | None, drop_reference: bool = True) -> None:
     """Drop everything a finished (or failed) client trainer holds (optimizer state and, with `drop_reference`,
     the `ref` adapter TRL added for its KL term) so that memory stays flat in the number of clients. A `ref`
     adapter of the user's own (a run with beta = 0) is left alone."""

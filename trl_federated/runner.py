@@ -19,9 +19,9 @@ from .callbacks import IntegrationLog, RoundRecord, TrainerLogCallback
 from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process
+from .local_trainer import local_trainer
 from .reporting import RunProgress
 from .server import FederatedServer, NotEnoughClientsError
-from .trainer import federated
 from .transport import WireFormat, freeze_lora_a
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError", "default_lora_config", "with_federated_adapter"]
@@ -52,8 +52,8 @@ class FederatedRunner:
     """Simulates N clients and the server of a federated GRPO run in one process.
 
     The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
-    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh `FedGRPOTrainer` (or
-    `federated(trainer_class)`) for `local_steps` steps on the client's data (seed
+    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh
+    `local_trainer(trainer_class)` for `local_steps` steps on the client's data (seed
     `args.seed + round * num_clients + client_index`), and keeps only the client's adapter
     (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy per client, never by a model. The server side of every round (admission, aggregation, records, evaluation,
     checkpoints, reports) is `self.server`, the `server.FederatedServer` the Flower strategy drives too; the
@@ -89,7 +89,7 @@ class FederatedRunner:
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
         trainer_class: The `GRPOTrainer` subclass every client trains with (TRL's experimental `GMPOTrainer`, or your
-            own), federated with `trainer.federated` (default: `GRPOTrainer`, i.e. `FedGRPOTrainer`). Give `args` of
+            own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`). Give `args` of
             its config class made federated (`config.federated_config`) when it has one.
         log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
             passes itself).
@@ -119,7 +119,7 @@ class FederatedRunner:
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
         check_parameters_unsharded()
-        self.trainer_class = federated(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
+        self.trainer_class = local_trainer(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
 

@@ -39,6 +39,7 @@ from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator
 from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
 from .checkpoint import CheckpointedServer, list_checkpoints, prepare_output_dir, run_identity
+from .client import release_free_memory
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
 from .evaluation import check_eval_reward_funcs, evaluate_accuracy
@@ -326,8 +327,6 @@ class FederatedServer(CheckpointedServer):
         `eval_dataset`, overall and per `args.partition_column` label (None without an `eval_dataset`)."""
         if self.eval_dataset is None:
             return None
-        from .client import release_free_memory
-
         set_adapter_state(self.model, self.global_state)
         results = evaluate_accuracy(
             self.model,

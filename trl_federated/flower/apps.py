@@ -24,7 +24,7 @@ from ..adapters import AdapterState, get_adapter_state
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
-from ..trainer import federated
+from ..local_trainer import local_trainer
 from ..transport import WireFormat, freeze_lora_a
 from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
 from .run_config import NUM_PARTITIONS, FederationSizeError
@@ -107,9 +107,9 @@ def make_client_app(
     (steps, rows, R̄, loss, seconds).
 
     `trainer_class`: the `GRPOTrainer` subclass that trains each round (TRL's experimental `GMPOTrainer`, or your
-    own), federated with `trainer.federated` (default: `FedGRPOTrainer`); checked here, before any message.
+    own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`); checked here, before any message.
     """
-    trainer_class = federated(trainer_class or GRPOTrainer)
+    trainer_class = local_trainer(trainer_class or GRPOTrainer)
     app = ClientApp()
 
     @app.train()
