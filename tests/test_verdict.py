@@ -111,12 +111,13 @@ def test_the_reference_method_is_required(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 4 cells of a few seconds each, but a subprocess each: minutes on a loaded machine
 def test_a_killed_grid_resumes_to_the_same_report(tmp_path, tiny_model_dir):
     """The whole path on the tiny model: 2 methods x 2 seeds, killed once mid-cell, then rerun to completion."""
     config = tmp_path / "base.yaml"
     config.write_text(yaml.safe_dump({
         "model_name_or_path": str(tiny_model_dir), "benchmark_size": 48, "max_eval_samples": 8,
-        "num_clients": 2, "dirichlet_alpha": 1.0, "num_rounds": 3, "local_steps": 1, "reward_window": 1,
+        "num_clients": 2, "dirichlet_alpha": 1.0, "num_rounds": 2, "local_steps": 1, "reward_window": 1,
         "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8,
         "per_device_eval_batch_size": 8, "use_cpu": True, "bf16": False, "gradient_checkpointing": False,
         "report_to": "none", "reward_funcs": ["accuracy", "format"],
@@ -139,8 +140,8 @@ def test_a_killed_grid_resumes_to_the_same_report(tmp_path, tiny_model_dir):
     resumed = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
     assert "fgrpo N=2,mu=1.0 seed 0: resuming" in resumed.stdout and "complete" in resumed.stdout
     result = json.loads((first / "result.json").read_text())
-    assert [record["round_idx"] for record in result["rounds"]] == [0, 1, 2]
-    assert set(result["evaluations"]) == {"-1", "2"}  # the base evaluation survived the kill
+    assert [record["round_idx"] for record in result["rounds"]] == [0, 1]
+    assert set(result["evaluations"]) == {"-1", "1"}  # the base evaluation survived the kill
     summary = json.loads((grid / "verdict.json").read_text())
     assert summary["status"] == "complete" and len(summary["paired"]) == 1
 
