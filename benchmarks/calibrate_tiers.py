@@ -65,26 +65,6 @@ def candidate_items(tasks, items: int, seed: int):
     return concatenate_datasets(parts)
 
 
-TARGETS = {"simple": 0.50, "medium": 0.25, "hard": 0.10}
-"""Base-model greedy accuracy aimed at per tier: every tier gives GRPO groups mixed rewards from the first step."""
-
-
-def propose_tiers(rates: dict[str, float]) -> dict[str, dict[str, str]]:
-    """Per task, the candidates for simple, medium and hard (in CANDIDATES' easy-to-hard order, each tier no easier
-    than the one before) whose measured rates are closest to TARGETS in squared error."""
-    import itertools
-
-    proposal = {}
-    for task, levels in CANDIDATES.items():
-        labels = list(levels)
-        best = min(
-            itertools.combinations_with_replacement(range(len(labels)), 3),
-            key=lambda picks: sum((rates[f"{task}/{labels[i]}"] - target) ** 2 for i, target in zip(picks, TARGETS.values())),
-        )
-        proposal[task] = {tier: labels[i] for tier, i in zip(TARGETS, best)}
-    return proposal
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=24, help="Questions per candidate (or per task and tier).")
@@ -106,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.output).write_text(json.dumps(report, indent=2), encoding="utf-8")
     for group, accuracy in by_group["accuracy"].items():
         print(f"{group:28s} {100 * accuracy:6.1f}%  (n={by_group['count'][group]})")
-    if not args.default:
-        print("Closest to", TARGETS, ":", json.dumps(propose_tiers(by_group["accuracy"]), indent=1))
     return 0
 
 

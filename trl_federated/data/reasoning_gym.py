@@ -62,7 +62,9 @@ simple 53% (chain_sum 62.5, gcd 29.2, letter_counting 41.7, products 79.2), medi
 hard 9% (12.5, 16.7, 4.2, 4.2), aiming at 50 / 25 / 10%: every tier starts above zero, so a client holding
 mostly hard items still sees some rewarded completions, and no tier is near saturation. Two-digit sums (12.5%)
 are harder for this model than mixed chains of two or three one- and two-digit terms (16.7%), and a letter count
-over 3-4 words (4.2%) is as hard as over 5-6.
+over 3-4 words (4.2%) is as hard as over 5-6. Per task, the measured settings closest to each tier's target were
+chosen by hand, looking at the tier's mean: gcd's hard tier keeps `max_value` 100 (16.7%) rather than 200 (4.2%),
+which holds the hard tier at 9% instead of 6%.
 """
 
 _NUM_EXAMPLES_PER_LEVEL = 8  # distinct worked examples per (task, difficulty), never asked as questions
