@@ -36,8 +36,8 @@ TaskLevels = Mapping[str, Mapping[str, Mapping[str, Any]]]
 DEFAULT_TASKS: TaskLevels = {
     "chain_sum": {
         "simple": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-        "medium": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2},
-        "hard": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+        "medium": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+        "hard": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2},
     },
     "products": {
         "simple": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
@@ -50,16 +50,21 @@ DEFAULT_TASKS: TaskLevels = {
         "hard": {"min_value": 1, "max_value": 100},
     },
     "letter_counting": {
-        "simple": {"min_words": 2, "max_words": 3},
-        "medium": {"min_words": 3, "max_words": 4},
-        "hard": {"min_words": 5, "max_words": 6},
+        "simple": {"min_words": 1, "max_words": 2},
+        "medium": {"min_words": 2, "max_words": 3},
+        "hard": {"min_words": 3, "max_words": 4},
     },
 }
-"""Four task families, three tiers each, chosen by measuring SmolLM2-135M-Instruct.
+"""Four task families, three tiers each, calibrated on SmolLM2-135M-Instruct (`benchmarks/calibrate_tiers.py`).
 
-Greedy accuracy of the embedded model (64 new tokens) on the 384 default train rows: simple 42%, medium 16%,
-hard 9%, total 22% (chain_sum 23%, gcd 22%, letter_counting 13%, products 32%): every tier starts above zero,
-so GRPO groups see mixed rewards from the first step, and no task is near saturation.
+Greedy accuracy of the embedded model (64 new tokens), 24 questions per (task, setting) outside the benchmark:
+simple 53% (chain_sum 62.5, gcd 29.2, letter_counting 41.7, products 79.2), medium 20% (16.7, 20.8, 20.8, 20.8),
+hard 9% (12.5, 16.7, 4.2, 4.2), aiming at 50 / 25 / 10%: every tier starts above zero, so a client holding
+mostly hard items still sees some rewarded completions, and no tier is near saturation. Two-digit sums (12.5%)
+are harder for this model than mixed chains of two or three one- and two-digit terms (16.7%), and a letter count
+over 3-4 words (4.2%) is as hard as over 5-6. Per task, the measured settings closest to each tier's target were
+chosen by hand, looking at the tier's mean: gcd's hard tier keeps `max_value` 100 (16.7%) rather than 200 (4.2%),
+which holds the hard tier at 9% instead of 6%.
 """
 
 _NUM_EXAMPLES_PER_LEVEL = 8  # distinct worked examples per (task, difficulty), never asked as questions
