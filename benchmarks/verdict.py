@@ -107,6 +107,18 @@ def cell_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
+def with_shared_base(results: dict[Cell, dict]) -> dict[Cell, dict]:
+    """The finished cells, each with the base model's evaluation (round -1): the grid evaluates it in its first cell
+    only (the same model and test split in every cell), so a cell without one takes that cell's. Cells are left
+    out until a base evaluation exists."""
+    base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), None)
+    if base is None:
+        return {}
+    for result in results.values():
+        result["evaluations"].setdefault("-1", base)
+    return results
+
+
 def reward_curve(result: dict) -> list[float]:
     """Mean client R̄ per round."""
     return [statistics.fmean(record["rewards"].values()) for record in result["rounds"]]
@@ -288,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/verdict.py " + " ".join(argv)
 
     def finished() -> dict[Cell, dict]:
-        return {cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()}
+        results = {cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()}
+        return with_shared_base(results)
 
     def report() -> str:
         results = finished()
@@ -298,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         return write_report(results, costs, len(cells), root, command.strip())
 
     if not args.report_only:
-        for cell in cells:
-            run_timed_cell(cell, args.config, root, extra)
+        for index, cell in enumerate(cells):
+            # Every cell starts from the same base model and is tested on the same split (`benchmark_seed`), so the
+            # base model is evaluated once, in the first cell, and the others skip that evaluation.
+            shared_base = [] if index == 0 else ["--eval_initial", "false"]
+            run_timed_cell(cell, args.config, root, [*extra, *shared_base])
             report()
     print(report())
     return 0

@@ -105,6 +105,16 @@ def test_a_finished_cell_is_skipped_and_keeps_its_cost(tmp_path, capsys):
     assert verdict.cell_cost(cell.directory(tmp_path)) == {"cpu_seconds": 123.0, "wall_seconds": 100.0}
 
 
+def test_cells_share_the_base_evaluation_of_the_first(tmp_path):
+    with_base = _result((0.2, 0.1), (0.3, 0.2), [0.1, 0.2, 0.3])
+    without = _result((0.9, 0.9), (0.25, 0.1), [0.1, 0.2, 0.3])
+    del without["evaluations"]["-1"]  # a cell run with `--eval_initial false`
+    fgrpo, fedavg = Cell("fgrpo", 0, 3, "0.05"), Cell("fedavg", 0, 3, "0.05")
+    assert verdict.with_shared_base({fedavg: without}) == {}  # no gain without a base evaluation
+    shared = verdict.with_shared_base({fgrpo: with_base, fedavg: without})
+    assert verdict.cell_metrics(shared[fedavg])["total_gain"] == pytest.approx(5.0)  # 25 − 20, not 25 − 90
+
+
 def test_the_reference_method_is_required(tmp_path):
     with pytest.raises(SystemExit):
         verdict.main(["--output_dir", str(tmp_path), "--methods", "fedavg", "--report_only"])
@@ -142,6 +152,8 @@ def test_a_killed_grid_resumes_to_the_same_report(tmp_path, tiny_model_dir):
     result = json.loads((first / "result.json").read_text())
     assert [record["round_idx"] for record in result["rounds"]] == [0, 1]
     assert set(result["evaluations"]) == {"-1", "1"}  # the base evaluation survived the kill
+    later = json.loads((grid / "N2-mu1.0" / "fedavg" / "seed1" / "result.json").read_text())
+    assert set(later["evaluations"]) == {"1"}  # evaluated once, in the first cell
     summary = json.loads((grid / "verdict.json").read_text())
     assert summary["status"] == "complete" and len(summary["paired"]) == 1
 

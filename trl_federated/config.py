@@ -153,6 +153,14 @@ class FedGRPOConfig(GRPOConfig):
             "training and after the last round)."
         },
     )
+    eval_initial: bool = field(
+        default=True,
+        metadata={
+            "help": "Evaluate the initial adapter before round 0 (round -1 of `evaluations`: the base model for a "
+            "fresh LoRA), the baseline of every accuracy gain. Turn it off when that evaluation is already known: a "
+            "grid of runs over the same model and test split (`benchmarks/verdict.py`) evaluates it once."
+        },
+    )
     save_every_round: bool = field(
         default=True,
         metadata={"help": "Save the global adapter of every round under output_dir/round-<t> (PEFT layout)."},

@@ -166,13 +166,14 @@ class FederatedServer(CheckpointedServer):
     # The run ------------------------------------------------------------------------------------------------
 
     def start_run(self) -> int:
-        """Prepare `output_dir` and return the first round to run: 0 after evaluating the initial adapter, or the
+        """Prepare `output_dir` and return the first round to run: 0 after evaluating the initial adapter (unless
+        `args.eval_initial` is off), or the
         round after the checkpoint `args.resume_from_checkpoint` names, restored."""
         self.started = time.perf_counter()
         resume_from = prepare_output_dir(self.args, self.is_main_process)
         wait_for_everyone()  # the main process may just have cleared output_dir
         if resume_from is None:
-            if self.is_main_process:
+            if self.is_main_process and self.args.eval_initial:
                 self.evaluate(round_idx=-1)
             return 0
         first_round = self.load_checkpoint(resume_from) + 1
