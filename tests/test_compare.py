@@ -4,6 +4,7 @@ import csv
 import json
 import os
 
+import pytest
 import yaml
 
 from trl_federated.compare import main
@@ -69,3 +70,16 @@ def test_an_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     compare.run_cell(cell, "base.yaml", tmp_path, [])  # killed after round 0: resume
     assert commands[0][-2:] == ["--overwrite_output_dir", "true"]
     assert commands[1][-2:] == ["--resume_from_checkpoint", "true"]
+
+
+def test_one_server_learning_rate_for_adam_and_sgd_methods_is_refused(tmp_path, capsys):
+    config = tmp_path / "base.yaml"
+    config.write_text("aggregation: rpg\nserver_learning_rate: 1.0e-3\n")
+    with pytest.raises(SystemExit):
+        main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo", "fedavg"])
+    assert "server_learning_rate" in capsys.readouterr().err and not (tmp_path / "grid").exists()
+    config.write_text("aggregation: rpg\n")
+    with pytest.raises(SystemExit):  # the same rate given as a flag
+        main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo", "fedavg",
+              "--server_learning_rate=0.5"])
+    assert "server_learning_rate" in capsys.readouterr().err

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 # Each method is a set of config overrides on the shared base config (and, for DAPO/GSPO, a config class).
 METHODS: dict[str, dict[str, str]] = {
     "fgrpo": {"aggregation": "rpg", "server_optimizer": "adam"},
@@ -171,6 +173,14 @@ def write_tables(results: dict[Cell, dict], root: Path) -> str:
     return report
 
 
+def _sets_server_learning_rate(config: str, extra: list[str]) -> bool:
+    with open(config, encoding="utf-8") as stream:
+        values = yaml.safe_load(stream) or {}
+    return values.get("server_learning_rate") is not None or any(
+        token.split("=")[0] == "--server_learning_rate" for token in extra
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     # No abbreviations: `--method` must not pass for `--methods`, nor, forwarded to each cell, `--num_round` for
     # `--num_rounds`.
@@ -184,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num_clients", nargs="+", type=int, default=[None], help="e.g. 3 5 10")
     parser.add_argument("--dirichlet_alpha", nargs="+", default=[None], help="e.g. 0.05 1 inf")
     args, extra = parser.parse_known_args(argv)
+    optimizers = sorted({METHODS[method]["server_optimizer"] for method in args.methods})
+    if len(optimizers) > 1 and _sets_server_learning_rate(args.config, extra):
+        parser.error(
+            f"the methods use different server optimizers ({', '.join(optimizers)}), but `server_learning_rate` is "
+            f"set (in {args.config} or a flag): one rate cannot suit both (Adam's default is 1e-3, SGD's 1.0, plain "
+            "averaging). Remove it so each method gets its optimizer's default, or compare one optimizer at a time."
+        )
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     cells = [
