@@ -7,7 +7,9 @@ changes): model load, evaluation, trainer construction, generation + scoring, lo
 server round; what runs outside them (setup, optimizer steps, checkpoints) is "outside phases". Each phase's peak
 is the kernel's high-water mark (VmHWM), reset through /proc/self/clear_refs at every phase boundary, so it is the
 phase's own and exact however brief (the step profile's `PhaseMeter` method, over the whole run). A phase nested in
-another (evaluation inside the server round) counts for the inner one only. The table goes to stderr at the end.
+another (evaluation inside the server round) counts for the inner one only. The table goes to stderr at the end
+(also after Ctrl-C, for the phases run so far). The resets also reset the process's maximum that `getrusage` and
+`/usr/bin/time` report: under this script the table's largest peak is the run's, not theirs.
 """
 
 from __future__ import annotations
