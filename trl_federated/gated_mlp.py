@@ -8,9 +8,13 @@ training forward keeps alive (about 54% for SmolLM2-135M with LoRA on every proj
 keeps g and u only and recomputes the other two in the backward:
 
 - silu(g) * u is a `SiluMul` autograd function that saves (g, u); its backward applies the same ATen kernels as
-  autograd's `MulBackward0` and `SiluBackward0` to the same operands, so the gradients are bit for bit the same;
+  autograd's `MulBackward0` and `SiluBackward0` to the same operands;
 - the tensors `down_proj` saves that are views of h are packed (`torch.autograd.graph.saved_tensors_hooks`) as
   "recompute silu(g) * u", and unpacked by recomputing it with the forward's kernels: the same values.
+
+So the gradients are those of autograd's graph. They can differ from it in the last bits only where the BLAS gives
+different roundings for operands at different memory addresses (the recomputed h is a new buffer), as it does
+between two runs of the same graph.
 
 Memory: two intermediate-size tensors fewer per token and layer; CPU: two elementwise passes more in the backward,
 small next to the projections.
@@ -88,8 +92,8 @@ def _is_silu_gated_mlp(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def recomputed_gated_mlp(model: nn.Module) -> Iterator[None]:
     """While active, the SiLU-gated MLPs of `model` (LlamaMLP and its copies) keep only gate_proj(x) and up_proj(x)
-    for the backward (see the module docstring); gradients are unchanged. The backward may run after the context has
-    closed. Nothing changes under gradient checkpointing, which keeps no MLP activation anyway."""
+    for the backward (see the module docstring); the gradients are autograd's. The backward may run after the
+    context has closed. Nothing changes under gradient checkpointing, which keeps no MLP activation anyway."""
     modules = list(model.modules())
     if any(isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing for module in modules):
         yield
