@@ -39,11 +39,11 @@ def resident_mib() -> float:
 
 def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, float, torch.Tensor]:
     """CPU seconds and resident-memory rise (MiB) of one step's forward + backward, and its adapter gradient."""
-    import trl_federated.trainer
+    import trl_federated.local_trainer
     from trl_federated.client import release_free_memory
     from trl_federated.gated_mlp import recomputed_gated_mlp
 
-    trl_federated.trainer.recomputed_gated_mlp = recomputed_gated_mlp if recompute else (lambda model: contextlib.nullcontext())
+    trl_federated.local_trainer.recomputed_gated_mlp = recomputed_gated_mlp if recompute else (lambda model: contextlib.nullcontext())
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     trainer.model.zero_grad(set_to_none=True)
     release_free_memory()
@@ -54,7 +54,7 @@ def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, fl
         trainer.compute_loss(trainer.model, inputs).backward()
     seconds = time.process_time() - start
     rise = read_peak_rss_mib() - start_mib
-    trl_federated.trainer.recomputed_gated_mlp = recomputed_gated_mlp
+    trl_federated.local_trainer.recomputed_gated_mlp = recomputed_gated_mlp
     return seconds, rise, torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
 
 

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import inspect
 import logging
 import statistics
 import tempfile
@@ -43,13 +44,13 @@ TIMED_FUNCTIONS = {
     "validate_update": "update validation",
     "save_adapter": "adapter writes (round-<t>, final)",
 }
-TIMED_RUNNER_METHODS = {
-    "_release": "trainer release",
+# Methods of the runner's server (`trl_federated.server.FederatedServer`), wrapped by name when present.
+TIMED_SERVER_METHODS = {
     "_fire": "round callbacks",
     "evaluate": "evaluation",
     "save_checkpoint": "checkpoint writes",
 }
-RUNNER_MODULES = ("trl_federated.runner", "trl_federated.client")
+RUNNER_MODULES = ("trl_federated.runner", "trl_federated.client", "trl_federated.server")
 GC_PHASE = "gc.collect() (Trainer.train, accelerate, runner)"
 
 
@@ -234,7 +235,7 @@ def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
             module = importlib.import_module(module_name)
         except ImportError:  # trl_federated.client exists only once train_client moved there
             continue
-        if hasattr(module, "FedGRPOTrainer"):
+        if hasattr(module, "FedGRPOTrainer"):  # a runner before `trainer_class` imported the trainer by name
             targets.append((module, "FedGRPOTrainer", timed_trainer_class(module.FedGRPOTrainer, timer)))
         targets += [
             (module, name, timer.wrap(getattr(module, name), phase))
@@ -243,15 +244,20 @@ def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
         ]
     gc.collect()
     start = time.perf_counter()
+    runner_kwargs = {}
+    if "trainer_class" in inspect.signature(FederatedRunner).parameters:
+        from trl_federated import FedGRPOTrainer
+
+        runner_kwargs["trainer_class"] = timed_trainer_class(FedGRPOTrainer, timer)
     with patched(targets):
         with timer.phase("runner construction"):
             runner = FederatedRunner(
-                model, length_reward, config, setup.client_datasets, processing_class=setup.tokenizer
+                model, length_reward, config, setup.client_datasets, processing_class=setup.tokenizer, **runner_kwargs
             )
         methods = [
-            (runner, name, timer.wrap(getattr(runner, name), phase))
-            for name, phase in TIMED_RUNNER_METHODS.items()
-            if hasattr(runner, name)
+            (runner.server, name, timer.wrap(getattr(runner.server, name), phase))
+            for name, phase in TIMED_SERVER_METHODS.items()
+            if hasattr(runner.server, name)
         ]
         methods.append((runner.aggregator, "aggregate", timer.wrap(runner.aggregator.aggregate, "aggregation")))
         with patched(methods), timer.phase("runner loop (rest)"):

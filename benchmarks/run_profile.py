@@ -78,18 +78,17 @@ def main(argv: list[str] | None = None) -> NestedPhaseMeter:
     from trl import GRPOTrainer
 
     import trl_federated.models
-    import trl_federated.runner
+    import trl_federated.server
     from trl_federated.cli import main as cli_main
-    from trl_federated.trainer import FedGRPOTrainer
 
     meter = NestedPhaseMeter()
     meter.wrap(trl_federated.models, "load_model_and_tokenizer", "model load")  # imported at call time by the CLI
-    meter.wrap(trl_federated.runner, "evaluate_accuracy", "evaluation")
-    meter.wrap(FedGRPOTrainer, "__init__", "trainer construction")
+    meter.wrap(trl_federated.server, "evaluate_accuracy", "evaluation")
+    meter.wrap(GRPOTrainer, "__init__", "trainer construction")
     meter.wrap(GRPOTrainer, "_generate_and_score_completions", "generation + scoring")
-    meter.wrap(FedGRPOTrainer, "compute_loss", "loss forward")
+    meter.wrap(GRPOTrainer, "compute_loss", "loss forward")
     meter.wrap(accelerate.Accelerator, "backward", "backward")
-    meter.wrap(trl_federated.runner.FederatedRunner, "_server_round", "server round")
+    meter.wrap(trl_federated.server.FederatedServer, "end_round", "server round")
     reset_peak_rss()
     start = time.process_time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` also prints the phases run so far

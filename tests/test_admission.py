@@ -169,7 +169,7 @@ def test_fuzz_every_field_of_an_in_process_update(tmp_path, tiny_model_dir, tiny
             honest = ClientUpdate("site-0", {key: value + 1e-3 for key, value in reference.items()}, 4, 0.5)
             faulty = mutate(rng, honest, reference)
             try:
-                admitted = runner.gate.admit("site-0", lambda: runner._receive(faulty))
+                admitted = runner.server.admit("site-0", lambda: runner._send(faulty))
             except InvalidUpdateError as error:
                 assert "client 'site-0' rejected: " in str(error) and len(str(error)) < 1500, (case, str(error))
                 outcomes["rejected"] += 1

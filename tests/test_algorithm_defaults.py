@@ -206,7 +206,12 @@ def test_loss_is_the_papers_per_sequence_normalised_grpo():
 
 
 def test_reward_is_read_from_trls_logs_not_its_internals():
-    assert "_generate_and_score_completions" not in FedGRPOTrainer.__dict__
+    from trl_federated import FederatedGRPOMixin
+
+    # the mixin holds everything FedGRPOTrainer adds to GRPOTrainer
+    assert FedGRPOTrainer.__mro__[1] is FederatedGRPOMixin
+    for cls in (FedGRPOTrainer, FederatedGRPOMixin):
+        assert "_generate_and_score_completions" not in cls.__dict__
 
 
 def test_clients_log_every_step_whatever_the_users_logging_steps(tiny_model_dir, tiny_tokenizer, fast_args):

@@ -99,7 +99,7 @@ def test_rollouts_whole_step_gain_counts_only_the_generation_share():
 
 def test_run_profile_gives_every_phase_of_a_cli_run_its_own_peak(tmp_path, tiny_model_dir):
     import accelerate
-    from trl_federated.trainer import FedGRPOTrainer
+    from trl import GRPOTrainer
 
     backward = accelerate.Accelerator.backward
     meter = load("run_profile").main([
@@ -116,14 +116,14 @@ def test_run_profile_gives_every_phase_of_a_cli_run_its_own_peak(tmp_path, tiny_
     assert calls["trainer construction"] == calls["generation + scoring"] == 2  # a trainer and a step per client
     assert calls["loss forward"] == calls["backward"] == 4  # 2 micro-batches per step
     assert all(row[1] > 0 for row in meter.table.values())
-    assert accelerate.Accelerator.backward is backward and "measured" not in FedGRPOTrainer.__init__.__qualname__
+    assert accelerate.Accelerator.backward is backward and "measured" not in GRPOTrainer.__init__.__qualname__
 
 
 def test_gated_mlp_benchmark_gives_equal_gradients_and_restores_the_trainer():
-    import trl_federated.trainer
+    import trl_federated.local_trainer
     from trl_federated.gated_mlp import recomputed_gated_mlp
 
     result = load("gated_mlp").measure(model="tiny", repeats=1)
     assert result["gradients_equal"]
     assert result["autograd_cpu_s"] > 0 and result["recomputed_cpu_s"] > 0
-    assert trl_federated.trainer.recomputed_gated_mlp is recomputed_gated_mlp
+    assert trl_federated.local_trainer.recomputed_gated_mlp is recomputed_gated_mlp

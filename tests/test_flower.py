@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from datasets import Dataset  # noqa: E402
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402,E501
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from peft import get_peft_model_state_dict  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -127,6 +129,9 @@ class LocalGrid(Grid):
         return list(self.contexts)
 
     def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for message in messages:  # as Flower's grids do when they push a message
+            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
         replies = (self.respond(message, self.contexts[message.metadata.dst_node_id]) for message in messages)
         return [reply for reply in replies if reply is not None]
 
@@ -156,9 +161,9 @@ def moved(state, seed, scale=0.01):
 def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_clients(
     tmp_path, tiny_model_dir, fast_args, task_identity
 ):
-    args = fast_args(num_clients=4, num_rounds=2)
+    args = fast_args(num_clients=4, num_rounds=2, node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
-                                 node_wait_timeout=0, reply_timeout=5)
+                                 reply_timeout=5, report_header=None)
     reference_state = copy.deepcopy(strategy.global_state)
     reference = aggregator_from_config(args, 4)
     rewards = {0: [0.2, 0.6], 1: [0.5, 0.4], 2: [0.0, 0.0], 3: [0.3, 0.9]}
@@ -193,7 +198,12 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
         assert_states_equal(strategy.global_state, reference_state)
         assert_states_equal(array_record_to_state(arrays), reference_state)
         assert strategy.aggregator.last_weights == reference.last_weights
-        assert metrics["clients-aggregated"] == len(accepted)
+        # The round's log entry, as Flower's `start` logs it: each client's R̄, h, ω and bytes, τ, the totals.
+        assert metrics["num_clients"] == len(accepted) and metrics["num_dropped"] == 4 - len(accepted)
+        assert metrics["temperature"] == strategy.history[-1].temperature
+        for index in accepted:
+            assert metrics[f"site-{index}/weight"] == reference.last_weights[f"site-{index}"]
+            assert metrics[f"site-{index}/reward_window"] == rewards[index][round_idx]
 
     assert strategy.aggregator.state_dict()["baselines"] == reference.state_dict()["baselines"]
     dropped = sorted((event["round"], event["client_id"], event["kind"])
@@ -208,11 +218,11 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     # A node that never identifies itself is sent nothing; one that stops replying is dropped as a timeout; too few
     # updates stop the run, the checkpoint intact.
     silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* node-7: did not identify its client"):
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 of 1 clients .* node-7: did not identify its client"):
         strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
     mute = LocalGrid(lambda message, context: respond(message, context) if message.metadata.message_type == IDENTIFY
                      else None, {8: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 clients .* site-0: no reply within 5 s"):
+    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 of 1 clients .* site-0: no reply after 0 s \(reply timeout 5 s\)"):
         strategy.aggregate_train(3, mute.send_and_receive(strategy.configure_train(3, None, None, mute)))
     assert list_checkpoints(args.output_dir)[-1].name == "checkpoint-1"
 
@@ -235,9 +245,10 @@ def client_data_dirs(tmp_path_factory):
     return paths
 
 
-def runner_result(model_dir, output_dir, aggregation, num_rounds=2):
+def runner_result(model_dir, output_dir, aggregation, num_rounds=2, **wire):
     """The in-process runner on the loopback app's settings: clients client_0, client_1 in this order."""
-    args = loopback_app.federation_args(str(output_dir), {"aggregation": aggregation, "num-rounds": num_rounds})
+    run_config = {"aggregation": aggregation, "num-rounds": num_rounds, **wire}
+    args = loopback_app.federation_args(str(output_dir), run_config)
     runner = FederatedRunner(
         AutoModelForCausalLM.from_pretrained(model_dir), loopback_app.length_reward, args,
         dict(zip(["client_0", "client_1"], prompt_datasets())), processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -246,9 +257,10 @@ def runner_result(model_dir, output_dir, aggregation, num_rounds=2):
     return runner
 
 
-def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11, 12), num_rounds=2, resume=False):
+def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11, 12), num_rounds=2, resume=False,
+                     **wire):
     run_config = {"model-dir": str(model_dir), "output-dir": str(output_dir), "aggregation": aggregation,
-                  "num-rounds": num_rounds}
+                  "num-rounds": num_rounds, **wire}
     grid = LocalGrid(loopback_app.client_app,
                      {node_id: {"partition-id": index, "data-dir": data_dirs[index]}
                       for index, node_id in enumerate(node_ids)}, run_config)
@@ -258,21 +270,34 @@ def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11
     return strategy
 
 
-@pytest.mark.parametrize("aggregation", ["rpg", "scaffold"])
+@pytest.mark.parametrize("aggregation, wire", [
+    ("rpg", {}),
+    ("scaffold", {}),
+    ("fedavg", {"lora-aggregation": "freeze_a"}),  # A never travels: each side keeps its seeded copy
+    ("rpg", {"transfer-dtype": "bfloat16"}),  # the clients send θ_i − θ in bfloat16
+])
 def test_flower_apps_in_one_process_end_where_the_runner_ends(
-    tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation
+    tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation, wire
 ):
-    strategy = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", aggregation)
-    runner = runner_result(tiny_model_dir, tmp_path / "runner", aggregation)
+    strategy = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", aggregation, **wire)
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", aggregation, **wire)
     assert_states_equal(strategy.global_state, runner.global_state)
-    assert [record.weights for record in strategy.history] == [record.weights for record in runner.history]
-    assert [record.rewards for record in strategy.history] == [record.rewards for record in runner.history]
-    if aggregation == "scaffold":
+    for field in ("weights", "rewards", "bytes_sent", "bytes_received"):  # the same traffic, counted the same way
+        assert [getattr(record, field) for record in strategy.history] == [getattr(r, field) for r in runner.history]
+    if aggregation == "scaffold":  # c and c_i travel down with the adapter, Δc_i up with the update
+        adapter = sum(value.numel() * value.element_size() for value in runner.global_state.values())
+        assert runner.history[0].bytes_received == {"client_0": 3 * adapter, "client_1": 3 * adapter}
+        assert runner.history[0].bytes_sent == {"client_0": 2 * adapter, "client_1": 2 * adapter}
         assert_states_equal(strategy.aggregator.control, runner.aggregator.control)
         for client_id in ("client_0", "client_1"):
             assert_states_equal(strategy.client_controls[client_id], runner.client_controls[client_id])
     final = load_file(tmp_path / "flower" / "adapter_model.safetensors")
     assert_states_equal({key: final[key] for key in runner.global_state}, runner.global_state)
+    # The Flower server writes what `trl-federated run` writes.
+    for name in ("summary.md", "rewards.png", "weights.png", "result.json", "README.md", "metrics.jsonl"):
+        assert (tmp_path / "flower" / name).is_file(), name
+    result = json.loads((tmp_path / "flower" / "result.json").read_text())
+    assert [r["weights"] for r in result["rounds"]] == [record.weights for record in runner.history]
 
 
 def test_a_restarted_server_app_resumes_from_its_checkpoint(tmp_path, tiny_model_dir, client_data_dirs, task_identity):
@@ -284,6 +309,131 @@ def test_a_restarted_server_app_resumes_from_its_checkpoint(tmp_path, tiny_model
     assert [record.round_idx for record in resumed.history] == [0, 1]
     assert_states_equal(resumed.global_state, runner.global_state)
     assert [event["checkpoint_round"] for event in events(tmp_path / "flower", "resumed")] == [0]
+
+
+def test_a_node_that_dies_mid_round_is_one_drop_of_its_own_client(tiny_model_dir, fast_args, task_identity):
+    """The SuperLink answers for a SuperNode that stopped sending heartbeats, from its own node id: the reply still
+    belongs to the client the message was sent to, and that client is dropped once, with Flower's reason and the
+    elapsed time."""
+    from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    args = fast_args(num_clients=2, num_rounds=1, node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(f"client_{index}", index)}), reply_to=message)
+        if index == 1:  # the SuperLink's own error reply, 54 s after the message was sent
+            reply = create_message_error_unavailable_res_message(message.metadata, "node_unavail")
+            assert reply.metadata.src_node_id == SUPERLINK_NODE_ID
+            reply.metadata.created_at = message.metadata.created_at + 54.0
+            return reply
+        state = moved(TrainInstruction.from_content(message.content).global_state, seed=index)
+        return Message(update_to_content(ClientUpdate(f"client_{index}", state, 8, 0.5), index), reply_to=message)
+
+    grid = LocalGrid(respond, {21: {"partition-id": 0}, 22: {"partition-id": 1}})
+    strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
+    drops = events(args.output_dir, "client_dropped")
+    assert [(drop["client_id"], drop["kind"]) for drop in drops] == [("client_1", "error")]
+    assert drops[0]["reason"].startswith(f"Flower error {ErrorCode.NODE_UNAVAILABLE} after 54 s: Error: Node Unavailable")
+    assert set(strategy.history[0].weights) == {"client_0"} and set(strategy.history[0].dropped) == {"client_1"}
+
+
+def test_the_client_app_trains_for_a_stock_flower_fedavg(tiny_model_dir, client_data_dirs, task_identity):
+    """Flower's own `FedAvg` drives the ClientApp: its train message carries only "arrays" and "server-round"; the
+    replies are what FedAvg averages (one ArrayRecord, one MetricRecord weighted by "num-examples")."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from trl_federated.runner import with_federated_adapter
+
+    run_config = {"model-dir": str(tiny_model_dir), "aggregation": "fedavg", "num-rounds": 1}
+    replies = []
+
+    def respond(message, context):
+        assert set(message.content.config_records["config"]) == {"server-round"}
+        reply = loopback_app.client_app(message, context)
+        replies.append(reply)
+        return reply
+
+    grid = LocalGrid(respond, {31 + index: {"partition-id": index, "data-dir": data_dir}
+                               for index, data_dir in enumerate(client_data_dirs)}, run_config)
+    initial = get_peft_model_state_dict(with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 0))
+    result = FedAvg(fraction_evaluate=0.0).start(grid, state_to_array_record(initial), num_rounds=1)
+
+    assert len(replies) == 2 and not any(reply.has_error() for reply in replies)
+    updates = [content_to_update(reply.content)[0] for reply in replies]
+    assert sorted(update.client_id for update in updates) == ["client_0", "client_1"]
+    total = sum(update.num_samples for update in updates)
+    averaged = array_record_to_state(result.arrays)
+    assert set(averaged) == set(initial)
+    for key in initial:
+        expected = sum(update.state[key] * (update.num_samples / total) for update in updates)
+        torch.testing.assert_close(averaged[key], expected)
+        assert not torch.equal(averaged[key], initial[key]) or "lora_B" not in key
+    assert all(update.metrics["step_rewards"] and math.isfinite(update.reward) for update in updates)
+
+
+def test_the_strategy_runs_inside_a_server_app_of_ones_own(tmp_path, tiny_model_dir, client_data_dirs, task_identity):
+    """`FederatedStrategy.start(grid, initial_arrays, ...)` as a user's ServerApp calls it: the federation starts
+    from `initial_arrays`, the run's outputs are written, the `Result` holds the final adapter and the rounds."""
+    run_config = {"model-dir": str(tiny_model_dir), "output-dir": str(tmp_path / "own"), "aggregation": "rpg",
+                  "num-rounds": 1}
+    grid = LocalGrid(loopback_app.client_app,
+                     {41 + index: {"partition-id": index, "data-dir": data_dir}
+                      for index, data_dir in enumerate(client_data_dirs)}, run_config)
+    strategy = loopback_app.build_strategy(grid.contexts[41])
+    start = moved(strategy.global_state, seed=7)
+    with pytest.raises(ValueError, match=r"num_rounds=3, but the federation's FedGRPOConfig.num_rounds is 1"):
+        strategy.start(grid, state_to_array_record(start), num_rounds=3)
+    strategy.args.beta = 0.04  # the ClientApps' KL reference is their own seeded adapter, not `start`
+    with pytest.raises(ValueError, match=r"`initial_arrays` differ from the seeded adapter, but beta != 0"):
+        strategy.start(grid, state_to_array_record(start))
+    strategy.args.beta = 0.0
+
+    sent = []
+    original = grid.send_and_receive
+
+    def recording(messages, *, timeout=None):
+        messages = list(messages)
+        sent.extend(messages)
+        return original(messages, timeout=timeout)
+
+    grid.send_and_receive = recording
+    result = strategy.start(grid, state_to_array_record(start), num_rounds=1, train_config=ConfigRecord({"note": 1}))
+    train = [message for message in sent if message.metadata.message_type == MessageType.TRAIN]
+    assert len(train) == 2 and all(message.content["config"]["note"] == 1 for message in train)
+    assert_states_equal(TrainInstruction.from_content(train[0].content).global_state, start)
+    assert_states_equal(array_record_to_state(result.arrays), strategy.global_state)
+    assert result.train_metrics_clientapp[1]["num_clients"] == 2
+    assert (tmp_path / "own" / "result.json").is_file() and (tmp_path / "own" / "summary.md").is_file()
+
+
+def test_package_info_logs_reach_flowers_console_in_an_app_process(monkeypatch):
+    """In a ServerApp or ClientApp process nothing configures Python logging: the package's INFO lines (a round's
+    summary, the wait for SuperNodes) went nowhere; `show_package_logs` hands them to Flower's console handler,
+    whose output Flower streams. An application that configured logging keeps its own."""
+    import logging
+
+    from flwr.common.logger import console_handler
+
+    from trl_federated.flower.stream import show_package_logs
+
+    package, root = logging.getLogger("trl_federated"), logging.getLogger()
+    console = io.StringIO()
+    monkeypatch.setattr(console_handler, "stream", console)
+    monkeypatch.setattr(package, "handlers", [])
+    monkeypatch.setattr(package, "level", logging.NOTSET)
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # an application's own configuration
+    show_package_logs()
+    assert package.handlers == []
+    monkeypatch.setattr(root, "handlers", [])  # an app process: nothing configured
+    show_package_logs()
+    show_package_logs()  # once only
+    logging.getLogger("trl_federated.server").info("Round 1/2: 2 clients aggregated")
+    logging.getLogger("other").info("not shown")
+    assert console.getvalue().count("Round 1/2: 2 clients aggregated") == 1 and "not shown" not in console.getvalue()
 
 
 # The real thing: a SuperLink and two SuperNodes as processes on 127.0.0.1 -----------------------------------
@@ -332,52 +482,75 @@ def wait_for_port(port, process, timeout=60):
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-@pytest.mark.slow  # 60-90 s on 2 CPU cores: every round starts a fresh ClientApp process per SuperNode
-def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):
-    """`flwr run` of tests/flower_app on a real SuperLink and two SuperNodes (insecure, 127.0.0.1), 2 rounds of
-    FGRPO on the tiny model; the final global adapter equals FederatedRunner's for the same seeds and data."""
-    bin_dir = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr and the processes they start
-    flwr_home = tmp_path / "flwr-home"
-    flwr_home.mkdir()
-    link_port = free_port()
-    (flwr_home / "config.toml").write_text(
-        f'[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n', encoding="utf-8"
-    )
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        # The ClientApps import this checkout's trl_federated, and compute with one thread, as this process does.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-    processes = Processes(env, tmp_path)
-    output_dir = tmp_path / "flower"
-    started = time.perf_counter()
-    try:
-        superlink = processes.start(
-            "superlink", str(bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+class Loopback:
+    """A SuperLink and one SuperNode per client dataset as processes on 127.0.0.1 (insecure), and `flwr run` of
+    tests/flower_app on them; `stop()` ends them all."""
+
+    def __init__(self, tmp_path, data_dirs):
+        self.bin_dir = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr and what they start
+        self.tmp_path = tmp_path
+        flwr_home = tmp_path / "flwr-home"
+        flwr_home.mkdir()
+        link_port = free_port()
+        (flwr_home / "config.toml").write_text(
+            f'[superlink.loopback]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n', encoding="utf-8"
+        )
+        self.env = {
+            **os.environ,
+            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            # The ClientApps import this checkout's trl_federated, and compute with one thread, as this process does.
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        self.processes = Processes(self.env, tmp_path)
+        superlink = self.processes.start(
+            "superlink", str(self.bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
             "--database", str(tmp_path / "state.db"), "--port", str(link_port),
         )
         wait_for_port(link_port, superlink)
-        for index, data_dir in enumerate(client_data_dirs):
-            processes.start(
-                f"supernode-{index}", str(bin_dir / "flower-supernode"), "--insecure",
+        self.supernodes = [
+            self.processes.start(
+                f"supernode-{index}", str(self.bin_dir / "flower-supernode"), "--insecure",
                 "--superlink", f"127.0.0.1:{link_port}", "--port", str(free_port()),
                 "--node-config", f"partition-id={index} data-dir='{data_dir}'",
             )
-        run = subprocess.run(
-            [str(bin_dir / "flwr"), "run", str(APP_DIR), "loopback", "--stream", "--run-config",
-             f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2"],
-            env=env, capture_output=True, text=True, timeout=400,
+            for index, data_dir in enumerate(data_dirs)
+        ]
+
+    def flwr_run(self, run_config: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(self.bin_dir / "flwr"), "run", str(APP_DIR), "loopback", "--stream", "--run-config", run_config],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in self.tmp_path.glob("*.log"))
+
+    def stop(self):
+        self.processes.stop()
+
+
+@pytest.mark.slow  # 60-90 s on 2 CPU cores: every round starts a fresh ClientApp process per SuperNode
+def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):
+    """`flwr run` of tests/flower_app on a real SuperLink and two SuperNodes (insecure, 127.0.0.1), 2 rounds of
+    FGRPO on the tiny model; the final global adapter equals FederatedRunner's for the same seeds and data, and
+    the stream and each SuperNode's log show the rounds."""
+    output_dir = tmp_path / "flower"
+    started = time.perf_counter()
+    loopback = Loopback(tmp_path, client_data_dirs)
+    try:
+        run = loopback.flwr_run(f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2")
+        stream, _ = run.communicate(timeout=400)
     finally:
-        processes.stop()
+        loopback.stop()
     wall_time = time.perf_counter() - started
-    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
-    assert (output_dir / "adapter_model.safetensors").exists(), f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
+    assert (output_dir / "adapter_model.safetensors").exists(), f"{stream[-3000:]}\n{loopback.logs()}"
     print(f"loopback Flower run: {wall_time:.1f} s from SuperLink start to stop")
 
     runner = runner_result(tiny_model_dir, tmp_path / "runner", "rpg")
@@ -388,14 +561,44 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     assert [line["weights"] for line in rounds] == [record.weights for record in runner.history]
     assert [line["client_id"] for line in events(output_dir, "client")] == ["client_0", "client_1"] * 2
     assert (output_dir / "checkpoint-1").is_dir() and (output_dir / "round-0" / "adapter_model.safetensors").exists()
+    for name in ("summary.md", "result.json", "rewards.png", "weights.png"):
+        assert (output_dir / name).is_file(), name
+    # The stream shows the package's INFO lines: the strategy, and each round's R̄, h, ω, τ and traffic.
+    assert "FederatedStrategy: RPGAggregator, 2 clients" in stream, stream[-3000:]
+    for round_idx, record in enumerate(runner.history):
+        assert f"Round {round_idx + 1}/2: 2 clients aggregated, 0 dropped, τ = {record.temperature:.3f}" in stream
+        for client_id, reward in record.rewards.items():
+            assert (f"{client_id}: R̄ = {reward:.4f}, h = {record.gains[client_id]:+.4f}, "
+                    f"ω = {record.weights[client_id]:.4f}, sent {record.bytes_sent[client_id]:,} B") in stream
+    # Each SuperNode's log shows its own local rounds.
+    for index in (0, 1):
+        log = loopback.log(f"supernode-{index}")
+        for round_idx in (0, 1):
+            assert f"Round {round_idx}, client 'client_{index}': 2 local steps on 6 rows, R̄ = " in log, log[-3000:]
 
 
-@pytest.mark.parametrize("setting", [{"lora_aggregation": "freeze_a"}, {"transfer_dtype": "bfloat16"}])
-def test_wire_formats_of_the_in_process_runner_are_refused_by_name(tiny_model, fast_args, setting):
-    from trl_federated.flower.strategy import FederatedStrategy
-
-    with pytest.raises(ValueError, match=next(iter(setting))):
-        FederatedStrategy(tiny_model, fast_args(num_clients=2, **setting))
+@pytest.mark.slow  # ~2 min: the SuperLink declares a silent SuperNode unavailable after 2 heartbeat intervals (60 s)
+def test_loopback_supernode_killed_mid_round_is_one_drop_line(tmp_path, tiny_model_dir, client_data_dirs):
+    """A SuperNode SIGKILLed while its ClientApp trains: the SuperLink answers for it, and metrics.jsonl records one
+    `client_dropped` line naming its client, Flower's reason and the elapsed time; the round aggregates the other."""
+    output_dir = tmp_path / "flower"
+    loopback = Loopback(tmp_path, client_data_dirs)
+    try:
+        run = loopback.flwr_run(f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=1")
+        deadline = time.monotonic() + 180
+        while "Receiving: train message" not in loopback.log("supernode-1"):
+            assert run.poll() is None and time.monotonic() < deadline, loopback.logs()
+            time.sleep(0.2)
+        os.killpg(loopback.supernodes[1].pid, signal.SIGKILL)
+        stream, _ = run.communicate(timeout=400)
+    finally:
+        loopback.stop()
+    assert (output_dir / "adapter_model.safetensors").exists(), f"{stream[-3000:]}\n{loopback.logs()}"
+    drops = events(output_dir, "client_dropped")
+    assert [(drop["round"], drop["client_id"], drop["kind"]) for drop in drops] == [(0, "client_1", "error")], drops
+    assert re.fullmatch(r"Flower error 5 after \d+ s: Error: Node Unavailable .*", drops[0]["reason"]), drops[0]
+    assert [line["weights"] for line in events(output_dir, "round")] == [{"client_0": 1.0}]
+    assert "client 'client_1' dropped (error): Flower error 5 after" in stream
 
 
 # A hostile participant: every reply goes through one guarded path ---------------------------------------------
@@ -476,9 +679,9 @@ def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args,
     """Garbage arrays, lying headers, wrong dtypes, wrong types in every metadata field, error reports of every
     shape, impersonation, poison, duplicate, late and unasked replies: a client's bad reply is that client's
     `invalid_update` (or error), the honest clients' updates are aggregated, the server state stays finite."""
-    args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1)
+    args = fast_args(num_clients=3, num_rounds=1000, save_every_round=False, save_total_limit=1, node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args,
-                                 node_wait_timeout=0, reply_timeout=5)
+                                 reply_timeout=5, report_header=None)
     rng = random.Random(0)
     nodes = {11: 0, 12: 1, 13: 2}  # node 13 serves site-2, the hostile one
 
@@ -582,9 +785,9 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
         {"client-id": "hospital-c", "public-key": c_pem.decode()},
     ]}))
     registry = ClientRegistry.from_file(tmp_path / "clients.json")
-    args = fast_args(num_clients=3, aggregation="scaffold")
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
-                                 reply_timeout=5, registry=registry)
+    args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, registry=registry,
+                                 report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
 
@@ -621,9 +824,8 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
 
 
 def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_model_dir, fast_args, task_identity):
-    args = fast_args(num_clients=3, aggregation="scaffold")
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
-                                 reply_timeout=5)
+    args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.client_controls["client_2"] = marked
 
@@ -673,9 +875,8 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
 def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir, fast_args, task_identity, attack,
                                                                  reason):
     """Each of these raised out of `aggregate_train` and stopped the ServerApp, every round the client repeated it."""
-    args = fast_args(num_clients=2, num_rounds=2)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, node_wait_timeout=0,
-                                 reply_timeout=5)
+    args = fast_args(num_clients=2, num_rounds=2, node_wait_timeout=0)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
 
     def respond(message, context):
         index = context.node_config["partition-id"]

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
@@ -66,3 +67,38 @@ def test_the_runner_alone_reports_to_report_to(tmp_path, monkeypatch, tiny_model
     assert [entry["step"] for entry in runner.log_to.state.log_history] == [1, 2]
     events = read_scalars(logging_dir)
     assert [event.step for event in events.Scalars("train/client_1/weight")] == [1, 2]
+
+
+def test_round_metrics_plot_reads_what_the_rounds_logged(tmp_path, monkeypatch, tiny_model_dir, tiny_tokenizer, fast_args):
+    """examples/scripts/plot_tensorboard.py reads R̄, h, ω per client and τ back from the event files, per round."""
+    import importlib.util
+
+    from trl_federated.rewards import completion_text
+
+    def text_length_reward(completions, **kwargs):
+        return [len(completion_text(completion)) / 64 for completion in completions]
+
+    spec = importlib.util.spec_from_file_location(
+        "plot_tensorboard", Path(__file__).parents[1] / "examples" / "scripts" / "plot_tensorboard.py"
+    )
+    plot_tensorboard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_tensorboard)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "run" / "runs" / "one"))
+    args = fast_args(num_rounds=3, local_steps=1, reward_window=1, report_to=["tensorboard"], aggregation="rpg")
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), text_length_reward, args,
+        [labelled_dataset(8), labelled_dataset(8)], processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    history = runner.run()
+    assert len({record.weights["client_0"] for record in history}) > 1  # the curves are not flat
+
+    values, temperature, steps = plot_tensorboard.read_rounds(plot_tensorboard.newest_event_dir(tmp_path / "run"))
+    assert steps == [1, 2, 3]
+    for name, attribute in (("reward_window", "rewards"), ("rpg_gain", "gains"), ("weight", "weights")):
+        for client_id in ("client_0", "client_1"):
+            expected = [getattr(record, attribute)[client_id] for record in history]
+            assert values[name][client_id] == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32
+    assert temperature == pytest.approx([record.temperature for record in history], rel=1e-6)
+    output = tmp_path / "rounds.png"
+    plot_tensorboard.plot(values, temperature, steps, output, "test")
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,9 +2,10 @@
 
 from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
 from .callbacks import RoundCallback, RoundRecord
-from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
+from .local_trainer import LocalGRPOMixin, local_trainer
 from .runner import FederatedRunner
-from .trainer import FedGRPOTrainer
+from .trainer import FederatedGRPOMixin, FedGRPOTrainer, federated
 
 __version__ = "0.1.0"
 
@@ -16,10 +17,15 @@ __all__ = [
     "FedGRPOConfig",
     "FedGSPOConfig",
     "FedGRPOTrainer",
+    "FederatedGRPOMixin",
     "FederatedRunner",
+    "LocalGRPOMixin",
     "RPGAggregator",
     "RoundCallback",
     "RoundRecord",
     "ServerAdam",
     "ServerSGD",
+    "federated",
+    "federated_config",
+    "local_trainer",
 ]

@@ -37,7 +37,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -385,7 +385,13 @@ def _fsync(path: Path) -> None:
 # Where a run starts --------------------------------------------------------------------------------------
 
 
-def prepare_output_dir(args: FedGRPOConfig, is_main_process: bool = True) -> Path | None:
+def _field_setting(name: str, value: str) -> str:
+    return f"`{name}={value}`"
+
+
+def prepare_output_dir(
+    args: FedGRPOConfig, is_main_process: bool = True, setting: Callable[[str, str], str] | None = None
+) -> Path | None:
     """The checkpoint to resume from (`args.resume_from_checkpoint`), or None once `output_dir` holds no other run.
 
     `resume_from_checkpoint` is a checkpoint folder, refused if damaged, or "true" (or `True`) for the latest intact
@@ -393,8 +399,10 @@ def prepare_output_dir(args: FedGRPOConfig, is_main_process: bool = True) -> Pat
     interrupted checkpoint write.
     Without it, an `output_dir` that holds another run's metrics.jsonl, result.json, checkpoint-<t> or round-<t>
     is an error, since the new run would append to that run's log and mix with its checkpoints, unless
-    `overwrite_output_dir` is set: then the main process deletes those first.
+    `overwrite_output_dir` is set: then the main process deletes those first. `setting(field, value)` spells how to
+    set a field in that error's advice (default: `field=value`, as YAML and `trl-federated run` take it).
     """
+    setting = setting or _field_setting
     output_dir = Path(args.output_dir)
     if is_main_process:
         clean_staging(output_dir)
@@ -418,11 +426,11 @@ def prepare_output_dir(args: FedGRPOConfig, is_main_process: bool = True) -> Pat
     if not previous:
         return None
     if not args.overwrite_output_dir:
-        resume = "resume it with `resume_from_checkpoint=true`, " if list_checkpoints(output_dir) else ""
+        resume = f"resume it with {setting('resume_from_checkpoint', 'true')}, " if list_checkpoints(output_dir) else ""
         raise FileExistsError(
             f"output_dir {output_dir} already holds another run ({', '.join(previous[:6])}"
-            f"{', ...' if len(previous) > 6 else ''}): {resume}set `overwrite_output_dir=true` to delete that run's "
-            "files and start afresh, or choose another output_dir."
+            f"{', ...' if len(previous) > 6 else ''}): {resume}set {setting('overwrite_output_dir', 'true')} to "
+            f"delete that run's files and start afresh, or choose another folder with {setting('output_dir', '...')}."
         )
     if is_main_process:
         logger.warning("overwrite_output_dir: deleting the earlier run's %s in %s", ", ".join(previous), output_dir)

@@ -7,8 +7,8 @@ Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
-import json
 import logging
 import sys
 import time
@@ -20,7 +20,7 @@ import torch
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
 
 logger = logging.getLogger("trl_federated")
 
@@ -74,6 +74,23 @@ class BenchmarkArguments:
             "help": "Local RL algorithm: 'grpo' (FedGRPOConfig), 'dapo' (FedDAPOConfig) or 'gspo' (FedGSPOConfig); "
             "it picks the recipe defaults, which explicit keys still override.",
             "choices": list(CONFIG_CLASSES),
+        },
+    )
+    trainer_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "The GRPOTrainer subclass every client trains with, as an import path: 'package.module:Class' or "
+            "'package.module.Class' (e.g. 'trl.experimental.gmpo:GMPOTrainer', or your own trainer's module, "
+            "importable from the working directory). None: TRL's GRPOTrainer."
+        },
+    )
+    trainer_config_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "That trainer's own GRPOConfig subclass, as an import path (e.g. "
+            "'trl.experimental.gmpo:GMPOConfig'): the run's config is then that class with the federation's fields "
+            "(`federated_config`), with its defaults and fields, which `--key value` flags set like any other. It "
+            "replaces `algorithm`'s recipe, so it needs algorithm 'grpo'. None: the config `algorithm` names."
         },
     )
     reward_funcs: list[str] = field(
@@ -162,33 +179,66 @@ def reward_functions(names: list[str], field_name: str = "reward_funcs") -> list
     return [available.get(name, name) for name in names]
 
 
-def config_class(argv: list[str]) -> type[FedGRPOConfig]:
-    """The config dataclass named by `--algorithm` (or `algorithm:` in the `--config` YAML), read before parsing
-    because the recipe decides the defaults of the other fields."""
-    algorithm = "grpo"
+def import_class(path: str, base: type, field_name: str) -> type:
+    """The class `path` names, 'package.module:Class' or 'package.module.Class', which must subclass `base`; any
+    failure is a ValueError naming `field_name` and the path."""
+    module_name, _, class_name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(f"`{field_name}` must be 'package.module:Class' or 'package.module.Class', got {path!r}.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"`{field_name}` {path!r}: cannot import module {module_name!r} ({error}).") from error
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"`{field_name}` {path!r}: module {module_name!r} has no attribute {class_name!r}.")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"`{field_name}` {path!r} is {cls!r}, not a subclass of `{base.__module__}.{base.__name__}`.")
+    return cls
+
+
+def _setting(argv: list[str], name: str, default):
+    """`--name value` from `argv`, else `name:` from the `--config` YAML, else `default`; read before parsing, for the
+    settings that decide which config class parses the rest."""
+    value = default
     if "--config" in argv[:-1]:
         with open(argv[argv.index("--config") + 1], encoding="utf-8") as stream:
-            algorithm = (yaml.safe_load(stream) or {}).get("algorithm", algorithm)
-    if "--algorithm" in argv[:-1]:
-        algorithm = argv[argv.index("--algorithm") + 1]
+            value = (yaml.safe_load(stream) or {}).get(name, value)
+    if f"--{name}" in argv[:-1]:
+        value = argv[argv.index(f"--{name}") + 1]
+    return value
+
+
+def config_class(argv: list[str]) -> type[FedGRPOConfig]:
+    """The config dataclass named by `--algorithm` (or `algorithm:` in the `--config` YAML), or by
+    `--trainer_config_class` made federated (`config.federated_config`); read before parsing because the recipe
+    decides the defaults of the other fields."""
+    algorithm = _setting(argv, "algorithm", "grpo")
     if algorithm not in CONFIG_CLASSES:
         raise ValueError(f"`algorithm` must be one of {list(CONFIG_CLASSES)}, got {algorithm!r}.")
-    return CONFIG_CLASSES[algorithm]
+    trainer_config = _setting(argv, "trainer_config_class", None)
+    if trainer_config is None:
+        return CONFIG_CLASSES[algorithm]
+    if algorithm != "grpo":
+        raise ValueError(
+            f"`trainer_config_class` ({trainer_config!r}) brings its own recipe defaults, which would replace "
+            f"`algorithm` {algorithm!r}'s: set the recipe's fields with flags, and leave `algorithm` at 'grpo'."
+        )
+    from trl import GRPOConfig
+
+    return federated_config(import_class(trainer_config, GRPOConfig, "trainer_config_class"))
 
 
-def write_result(path: Path, runner, wall_time: float) -> None:
-    """`result.json`, written last and atomically: its presence marks a finished run (the harness relies on it)."""
-    result = {
-        "wall_time": wall_time,
-        "evaluations": {str(idx): value for idx, value in sorted(runner.evaluations.items())},
-        "rounds": [
-            {key: getattr(record, key) for key in ("round_idx", "rewards", "gains", "weights", "temperature", "bytes_sent")}
-            for record in runner.history
-        ],
-    }
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    temporary.replace(path)
+def trainer_class(data_args: BenchmarkArguments):
+    """The federated trainer class `data_args.trainer_class` names (`trainer.federated`); `FedGRPOTrainer` by
+    default."""
+    from trl import GRPOTrainer
+
+    from .trainer import federated
+
+    if data_args.trainer_class is None:
+        return federated(GRPOTrainer)
+    return federated(import_class(data_args.trainer_class, GRPOTrainer, "trainer_class"))
 
 
 def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
@@ -270,11 +320,11 @@ def run(argv: list[str]) -> int:
     from .data import partition_clients
     from .distributed import shut_down
     from .hub import HubPushError
-    from .reporting import ReportCallback
     from .runner import FederatedRunner
 
     args, model_args, data_args = parse_run_args(argv)
     peft_config = lora_config(model_args)
+    federated_trainer = trainer_class(data_args)  # an unimportable or wrong class fails before any loading
     # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
     prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
@@ -287,13 +337,14 @@ def run(argv: list[str]) -> int:
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
         f"{args.num_clients} clients (Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
-        f"{data_args.algorithm.upper()} locally, aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
+        f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
         f"{len(train)} train / {len(test)} test items."
     )
-    report = ReportCallback(args.output_dir, header=header)
+    # The runner's server writes summary.md and the plots after every round, and result.json at the end.
     runner = FederatedRunner(
         model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
-        eval_dataset=test, eval_reward_funcs=eval_rewards, callbacks=[report], dataset_name=hub_dataset_id(data_args),
+        eval_dataset=test, eval_reward_funcs=eval_rewards, dataset_name=hub_dataset_id(data_args), report_header=header,
+        trainer_class=federated_trainer,
     )
     push_error = None
     try:
@@ -301,8 +352,7 @@ def run(argv: list[str]) -> int:
     except HubPushError as error:  # the run itself finished and is saved: it still gets its result.json
         push_error = error
     if runner.is_main_process:
-        write_result(Path(args.output_dir) / "result.json", runner, time.perf_counter() - start)
-        summary = (report.output_dir / "summary.md").read_text(encoding="utf-8")
+        summary = (Path(args.output_dir) / "summary.md").read_text(encoding="utf-8")
         print(summary)
         print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
     shut_down()

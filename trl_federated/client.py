@@ -1,9 +1,9 @@
 """One client's local round (Algorithm 1, lines 4-18), shared by `FederatedRunner` and the Flower `ClientApp`.
 
 Whatever the transport, a client round is the same: load the global adapter into the client's `PeftModel`, train
-a fresh `FedGRPOTrainer` for `local_steps` steps on the client's data with the seed of (round, client), and
-report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the in-process runner
-ends.
+a fresh `local_trainer(trainer_class)` (`GRPOTrainer` by default) for `local_steps` steps on the client's data with the seed
+of (round, client), and report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the
+in-process runner ends.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import os
 import time
 from typing import Any
 
-import torch
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 from transformers.trainer_callback import PrinterCallback, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy
+from trl import GRPOTrainer
 
 from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
 from .aggregation import ClientUpdate
 from .config import FedGRPOConfig
-from .trainer import Deadline, FedGRPOTrainer, ScaffoldCorrection
+from .local_trainer import Deadline, LocalGRPOMixin, ScaffoldCorrection, local_trainer
 
 
 class ClientTimeoutError(TimeoutError):
@@ -67,11 +67,6 @@ def local_training_args(
     return local
 
 
-def zero_control(server_control: AdapterState) -> AdapterState:
-    """SCAFFOLD's c_i of a client before its first accepted update."""
-    return {key: torch.zeros_like(value) for key, value in server_control.items()}
-
-
 def load_reward_models(reward_funcs, args: FedGRPOConfig) -> list:
     """`reward_funcs` as a list, with every reward model given by Hub id or local path loaded now, as `GRPOTrainer`
     loads one (`AutoModelForSequenceClassification`, `num_labels=1`, `model_init_kwargs`, `trust_remote_code`).
@@ -103,6 +98,7 @@ def train_local_round(
     trainer_kwargs: dict[str, Any] | None = None,
     scaffold_controls: tuple[AdapterState, AdapterState] | None = None,
     reference_state: AdapterState | None = None,
+    trainer_class: type[GRPOTrainer] | None = None,
 ) -> ClientUpdate:
     """Run one client's local round from `global_state` and return its update.
 
@@ -119,6 +115,8 @@ def train_local_round(
             round. TRL's trainer copies the adapter it is built with (θ^{[t]}) into its `ref` adapter; this state
             overwrites that copy. None: π_ref is the base model (adapters disabled), which equals θ^{[0]} for a
             freshly initialised LoRA.
+        trainer_class: The `GRPOTrainer` subclass that trains the round, with `local_trainer.LocalGRPOMixin`
+            (default: `FedGRPOTrainer`).
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
@@ -132,7 +130,7 @@ def train_local_round(
     set_adapter_state(model, global_state)
     trainer = None
     try:
-        trainer = FedGRPOTrainer(
+        trainer = local_trainer(trainer_class or GRPOTrainer)(
             model=model,
             reward_funcs=reward_funcs,
             args=args,
@@ -186,7 +184,7 @@ def train_local_round(
 REFERENCE_ADAPTER = "ref"
 
 
-def release_trainer(model: PeftModel, trainer: FedGRPOTrainer | None, drop_reference: bool = True) -> None:
+def release_trainer(model: PeftModel, trainer: LocalGRPOMixin | None, drop_reference: bool = True) -> None:
     """Drop everything a finished (or failed) client trainer holds (optimizer state and, with `drop_reference`,
     the `ref` adapter TRL added for its KL term) so that memory stays flat in the number of clients. A `ref`
     adapter of the user's own (a run with beta = 0) is left alone."""

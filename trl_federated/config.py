@@ -10,6 +10,7 @@ the paper's Algorithm 1 where TRL's differ (`loss_type`, `lr_scheduler_type`); w
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -180,6 +181,14 @@ class FedGRPOConfig(GRPOConfig):
             "help": "Wall-clock seconds a client's local round may take, from building its trainer to its last "
             "step. Training stops at the first step boundary past it (a step in progress is not interrupted) and "
             "the late update is dropped. None: no limit."
+        },
+    )
+    node_wait_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Flower deployment only: seconds the server waits, each round, for the SuperNodes of all "
+            "`num_clients` clients to be connected (logged while it waits); the round then goes on with those "
+            "connected, if they are at least `min_clients_per_round`. 0: never wait."
         },
     )
 
@@ -445,6 +454,8 @@ class FedGRPOConfig(GRPOConfig):
             )
         if self.client_timeout is not None and not self.client_timeout > 0:
             yield f"`client_timeout` must be > 0 seconds or None, got {self.client_timeout}."
+        if not self.node_wait_timeout >= 0:
+            yield f"`node_wait_timeout` must be >= 0 seconds, got {self.node_wait_timeout}."
         if self.federation_round is not None and (
             not isinstance(self.federation_round, int) or self.federation_round < 0
         ):
@@ -544,3 +555,57 @@ class FedGSPOConfig(FedGRPOConfig):
         default=4, metadata={"help": "Optimisation steps per generation batch: >1 makes updates off-policy."}
     )
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; GSPO's recipe uses none."})
+
+
+def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
+    """`config_class` (a `GRPOConfig` subclass, such as TRL's `GMPOConfig`) with the federation's fields: a dataclass
+    that is both a `FedGRPOConfig` and a `config_class`, for the trainer `federated(...)` makes of the trainer that
+    `config_class` configures.
+
+    Its defaults are `config_class`'s for every field `config_class` (or a class between it and `GRPOConfig`)
+    declares itself, the algorithm's recipe, as `FedDAPOConfig` overrides `FedGRPOConfig`; `FedGRPOConfig`'s for
+    every other field, the federation's and Algorithm 1's (`loss_type`, `lr_scheduler_type`, `beta`). Both
+    `__post_init__` validations run. The class is made once per `config_class` and parses like any TRL config
+    (`TrlParser`, YAML); its instances pickle as long as `config_class` does. A `FedGRPOConfig` subclass is
+    returned as it is.
+    """
+    if not (isinstance(config_class, type) and issubclass(config_class, GRPOConfig)):
+        raise TypeError(f"`federated_config` needs a `trl.GRPOConfig` subclass, got {config_class!r}.")
+    if issubclass(config_class, FedGRPOConfig):
+        return config_class
+    return _federated_config_class(config_class)
+
+
+@functools.cache
+def _federated_config_class(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
+    # Dataclasses take each base's complete field table, inherited fields included, so whichever base comes last in
+    # the MRO would reset the other's own defaults to GRPOConfig's: the algorithm's own fields are declared again.
+    grpo_fields = GRPOConfig.__dataclass_fields__
+    own = [f for name, f in config_class.__dataclass_fields__.items() if grpo_fields.get(name) is not f]
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": f"Fed{config_class.__name__}",
+        "__doc__": f"`{config_class.__module__}.{config_class.__qualname__}` with the fields of `FedGRPOConfig` "
+        "(see `federated_config`).",
+        "__annotations__": {f.name: f.type for f in own},
+        "__reduce__": _reduce_federated_config,
+        "algorithm_config_class": config_class,
+    }
+    for f in own:
+        namespace[f.name] = field(
+            default=f.default, default_factory=f.default_factory, init=f.init, repr=f.repr, metadata=f.metadata
+        )
+    return dataclass(type(f"Fed{config_class.__name__}", (FedGRPOConfig, config_class), namespace))
+
+
+def _reduce_federated_config(config: FedGRPOConfig):
+    # The class is made at run time, so pickle refers to it through the class it federates (Trainer saves its
+    # arguments with torch.save in every checkpoint).
+    return _rebuild_federated_config, (type(config).algorithm_config_class, config.__dict__)
+
+
+def _rebuild_federated_config(config_class: type[GRPOConfig], state: dict) -> FedGRPOConfig:
+    cls = federated_config(config_class)
+    config = cls.__new__(cls)
+    config.__dict__.update(state)
+    return config

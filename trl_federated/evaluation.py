@@ -1,9 +1,11 @@
 """Held-out accuracy per label, and the paper's Table 1 layout to report it.
 
 Evaluation is greedy, so numbers are reproducible and comparable across rounds and runs; it is batched with
-left padding (generation appends on the right, so every prompt must end at the same position). `FederatedRunner`
-scores with the training reward functions unless given `eval_reward_funcs`, so what is reported is what is
-optimised. Vision-language models are evaluated through their processor, with each row's `image` (or `images`)
+left padding (generation appends on the right, so every prompt must end at the same position). `evaluate_accuracy`
+scores with `accuracy_reward` unless given `reward_funcs`; the federation's server (`FederatedRunner`,
+`FederatedStrategy`) passes the training reward functions, weighted as in training, unless given
+`eval_reward_funcs`, so what is reported is what is optimised; `trl-federated run` passes `eval_reward_funcs`
+(default: accuracy). Vision-language models are evaluated through their processor, with each row's `image` (or `images`)
 placed in its prompt as TRL does in training.
 """
 

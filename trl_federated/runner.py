@@ -3,48 +3,28 @@
 from __future__ import annotations
 
 import gc
-import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from accelerate import PartialState
 from datasets import Dataset
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
+from trl import GRPOTrainer
 
-from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
+from .adapters import AdapterState
 from .admission import UpdateGate
-from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
-from .callbacks import IntegrationLog, MetricsLoggerCallback, RoundRecord, TrainerLogCallback, fire_round_callbacks
-from .checkpoint import (
-    CheckpointedServer,
-    list_checkpoints,
-    prepare_output_dir,
-    run_identity,
-)
-from .client import (
-    describe_failure,
-    load_reward_models,
-    local_training_args,
-    release_free_memory,
-    train_local_round,
-    zero_control,
-)
+from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
+from .callbacks import IntegrationLog, RoundRecord, TrainerLogCallback
+from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
-from .distributed import check_parameters_unsharded, from_main_process, wait_for_everyone
-from .evaluation import check_eval_reward_funcs, evaluate_accuracy
-from .hub import federated_model_card, push_to_hub
+from .distributed import check_parameters_unsharded, from_main_process
+from .local_trainer import local_trainer
 from .reporting import RunProgress
-from .rewards import combined_reward_range
-from .transport import WireFormat, is_lora_a
+from .server import FederatedServer, NotEnoughClientsError
+from .transport import WireFormat, freeze_lora_a
 
-logger = logging.getLogger(__name__)
-
-
-class NotEnoughClientsError(RuntimeError):
-    """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
+__all__ = ["FederatedRunner", "NotEnoughClientsError", "default_lora_config", "with_federated_adapter"]
 
 
 def default_lora_config() -> LoraConfig:
@@ -68,14 +48,16 @@ def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_c
     return get_peft_model(model, peft_config or default_lora_config())
 
 
-class FederatedRunner(CheckpointedServer):
+class FederatedRunner:
     """Simulates N clients and the server of a federated GRPO run in one process.
 
     The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
-    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh `FedGRPOTrainer` for
-    `local_steps` steps on the client's data (seed `args.seed + round * num_clients + client_index`), and keeps
-    only the client's adapter (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy
-    per client, never by a model. The aggregator then produces the next global adapter.
+    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh
+    `local_trainer(trainer_class)` for `local_steps` steps on the client's data (seed
+    `args.seed + round * num_clients + client_index`), and keeps only the client's adapter
+    (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy per client, never by a model. The server side of every round (admission, aggregation, records, evaluation,
+    checkpoints, reports) is `self.server`, the `server.FederatedServer` the Flower strategy drives too; the
+    runner trains the clients and delivers their updates to it.
 
     Reliability: a client that raises, runs past `client_timeout` or reports an update that the server's
     `admission.UpdateGate` rejects (malformed, non-finite, out of range, over `update_norm_bound`) is dropped from its round (a `client_dropped` line in metrics.jsonl) and the round aggregates the
@@ -106,9 +88,14 @@ class FederatedRunner(CheckpointedServer):
             such as `accuracy_reward` to report accuracy when training also rewards format or length.
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
+        trainer_class: The `GRPOTrainer` subclass every client trains with (TRL's experimental `GMPOTrainer`, or your
+            own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`). Give `args` of
+            its config class made federated (`config.federated_config`) when it has one.
         log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
             passes itself).
         dataset_name: The Hub id of the clients' data, named in the model card (see `trl_federated.hub`).
+        report_header: With a header (may be empty), `summary.md` and plots are rewritten after every round and
+            `result.json` is written at the end (`trl-federated run` passes its run description); None: neither.
     """
 
     def __init__(
@@ -126,10 +113,13 @@ class FederatedRunner(CheckpointedServer):
         trainer_kwargs: dict[str, Any] | None = None,
         log_to=None,
         dataset_name: str | None = None,
+        report_header: str | None = None,
+        trainer_class: type[GRPOTrainer] | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
         check_parameters_unsharded()
+        self.trainer_class = local_trainer(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
 
@@ -144,52 +134,92 @@ class FederatedRunner(CheckpointedServer):
             processing_class = load_processing_class(model.config._name_or_path)
         self.model = model = with_federated_adapter(model, args.seed, peft_config)
         self.processing_class = processing_class
-        self.reward_funcs = reward_funcs = load_reward_models(reward_funcs, args)
-        self.aggregator = (
-            aggregator if aggregator is not None else aggregator_from_config(args, len(self.client_datasets))
-        )
-        self.eval_dataset = eval_dataset
-        if eval_reward_funcs is None:
-            eval_reward_funcs, self.eval_reward_weights = reward_funcs, args.reward_weights
-        else:
-            self.eval_reward_weights = None
-        # A reward model among the training rewards fails now, not after the first round.
-        self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs) if eval_dataset is not None else None
+        self.reward_funcs = load_reward_models(reward_funcs, args)
+        if aggregator is None:
+            aggregator = aggregator_from_config(args, len(self.client_datasets))
         self.trainer_kwargs = trainer_kwargs or {}
-        self.dataset_name = dataset_name
-        self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
-        self.is_main_process = PartialState().is_main_process
+        state = PartialState()
+        self.is_main_process, self.num_processes = state.is_main_process, state.num_processes
         if log_to is None and args.report_to:
             log_to = IntegrationLog(args, model, processing_class, self.is_main_process)
         self.log_to = log_to
+        callbacks = list(callbacks or [])
         if log_to is not None:
-            self.callbacks.append(TrainerLogCallback(log_to, args.local_steps))
-        self.global_state: AdapterState = get_adapter_state(model)
-        # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
-        self.reference_state = self.global_state if args.beta != 0 else None
-        self.wire = WireFormat.from_config(args, self.global_state)
+            callbacks.append(TrainerLogCallback(log_to, args.local_steps))
         if args.lora_aggregation == "freeze_a":
-            # FFA-LoRA: A keeps its seeded initialisation, shared by every client; only B trains.
-            for name, param in model.named_parameters():
-                if is_lora_a(name):
-                    param.requires_grad_(False)
-        self.history: list[RoundRecord] = []
-        # Client-side state that persists across rounds (SCAFFOLD's c_i), keyed by client id.
-        self.client_controls: dict[str, AdapterState] = {}
-        self.evaluations: dict[int, dict[str, Any]] = {}
+            freeze_lora_a(model)
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
-        self.num_processes = PartialState().num_processes
-        # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
-        self.reward_range = combined_reward_range(reward_funcs, args.reward_weights)
-        # Every update enters the server through this gate; the runner knows each client's D_i itself.
-        self.gate = UpdateGate.from_config(
-            args, self.global_state, self.reward_range,
-            num_samples={client_id: len(dataset) for client_id, dataset in self.client_datasets.items()},
-            control=isinstance(self.aggregator, ScaffoldAggregator),
-        )
         self._check_clients()
-        # What a checkpoint must match to be resumed, taken before any training can touch the model.
-        self.identity = run_identity(self.model, self.client_datasets, self.aggregator, args)
+        # The runner knows each client's D_i itself: the server counts them, not the clients.
+        self.server = FederatedServer(
+            model, args, aggregator, self.reward_funcs, client_datasets=self.client_datasets, callbacks=callbacks,
+            processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
+            dataset_name=dataset_name, report_header=report_header, is_main_process=self.is_main_process,
+            num_processes=self.num_processes,
+        )
+        # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
+        self.reference_state = self.server.global_state if args.beta != 0 else None
+
+    # The server's state, as the runner has always exposed it -----------------------------------------------
+
+    @property
+    def global_state(self) -> AdapterState:
+        return self.server.global_state
+
+    @property
+    def aggregator(self) -> Aggregator:
+        return self.server.aggregator
+
+    @property
+    def gate(self) -> UpdateGate:
+        return self.server.gate
+
+    @property
+    def wire(self) -> WireFormat:
+        return self.server.wire
+
+    @property
+    def history(self) -> list[RoundRecord]:
+        return self.server.history
+
+    @property
+    def evaluations(self) -> dict[int, dict[str, Any]]:
+        return self.server.evaluations
+
+    @property
+    def client_controls(self) -> dict[str, AdapterState]:
+        """SCAFFOLD's c_i, by client id."""
+        return self.server.client_controls
+
+    @property
+    def eval_dataset(self) -> Dataset | None:
+        return self.server.eval_dataset
+
+    @property
+    def reward_range(self) -> tuple[float, float] | None:
+        """The interval R̄ must lie in, from the reward functions' declared ranges (None: not known)."""
+        return self.server.reward_range
+
+    @property
+    def callbacks(self) -> list:
+        """The run's callbacks: the server fires their round hooks, every client's trainer their trainer hooks."""
+        return self.server.callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: list) -> None:
+        self.server.callbacks = callbacks
+
+    def evaluate(self, round_idx: int) -> dict[str, Any] | None:
+        """Evaluate the current global adapter (`server.FederatedServer.evaluate`)."""
+        return self.server.evaluate(round_idx)
+
+    def save_checkpoint(self, round_idx: int):
+        """Write `output_dir/checkpoint-<round_idx>` (`checkpoint.CheckpointedServer.save_checkpoint`)."""
+        return self.server.save_checkpoint(round_idx)
+
+    def load_checkpoint(self, path) -> int:
+        """Restore a checkpoint of this run; returns its round (`server.FederatedServer.load_checkpoint`)."""
+        return self.server.load_checkpoint(path)
 
     @staticmethod
     def _named_clients(client_datasets) -> dict[str, Dataset]:
@@ -218,8 +248,6 @@ class FederatedRunner(CheckpointedServer):
                 "for every client's trainer in every round. Use `vllm_mode='server'`: one `trl vllm-serve` engine "
                 "serves all clients and rounds, and TRL pushes each client's merged weights to it without reloading."
             )
-        for message in args.federation_warnings(self.reward_range):
-            logger.warning(message)
         # TRL's sampler draws generation_batch_size / num_generations distinct prompts per generation batch and
         # skips an incomplete batch, so a smaller client would never take a step.
         needed = args.generation_batch_size // args.num_generations
@@ -230,12 +258,6 @@ class FederatedRunner(CheckpointedServer):
                 f"{args.generation_batch_size} / num_generations {args.num_generations}): {small} rows. Give these "
                 "clients more data, or lower per_device_train_batch_size or steps_per_generation."
             )
-
-    # Callbacks ---------------------------------------------------------------------------------------------
-
-    def _fire(self, hook: str, **kwargs) -> None:
-        if self.is_main_process:
-            fire_round_callbacks(self.callbacks, hook, self.args, **kwargs)
 
     # One client --------------------------------------------------------------------------------------------
 
@@ -249,9 +271,7 @@ class FederatedRunner(CheckpointedServer):
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        scaffold_controls = None
-        if isinstance(self.aggregator, ScaffoldAggregator):
-            scaffold_controls = (self.aggregator.server_control(self.global_state), self.client_control(client_id))
+        _, scaffold_controls = self.server.broadcast(client_id)
         return train_local_round(
             self.model,
             self.global_state,
@@ -264,13 +284,8 @@ class FederatedRunner(CheckpointedServer):
             trainer_kwargs=self.trainer_kwargs,
             scaffold_controls=scaffold_controls,
             reference_state=self.reference_state,
+            trainer_class=self.trainer_class,
         )
-
-    def client_control(self, client_id: str) -> AdapterState:
-        """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
-        if client_id not in self.client_controls:
-            return zero_control(self.aggregator.server_control(self.global_state))
-        return self.client_controls[client_id]
 
     # Rounds ------------------------------------------------------------------------------------------------
 
@@ -305,102 +320,32 @@ class FederatedRunner(CheckpointedServer):
             gc.unfreeze()
 
     def _run(self) -> list[RoundRecord]:
-        args = self.args
-        output_dir = Path(args.output_dir)
-        resume_from = prepare_output_dir(args, self.is_main_process)
-        wait_for_everyone()  # the main process may just have cleared output_dir
-        if resume_from is None:
-            first_round = 0
-            if self.is_main_process:
-                self.evaluate(round_idx=-1)
-        else:
-            first_round = self.load_checkpoint(resume_from) + 1
-            logger.info("Resumed from %s: continuing with round %d.", resume_from, first_round)
+        args, server = self.args, self.server
+        first_round = server.start_run()
         client_ids = list(self.client_datasets)
         self.progress = RunProgress(
             args.num_rounds, client_ids, args.local_steps, first_round, disable=not self.is_main_process
         )
         for round_idx in range(first_round, args.num_rounds):
-            start = time.perf_counter()
-            self._fire("on_round_begin", round_idx=round_idx)
-            broadcast_bytes = state_nbytes(self.wire.sent(self.global_state))
-            self.gate.open_round(self.global_state)
-            updates, dropped = [], {}
+            server.begin_round(round_idx)
             for client_index, client_id in enumerate(client_ids):
                 self.progress.start_client(round_idx, client_id)
-                update = self._collect(round_idx, client_index, client_id, dropped)
+                update = self._collect(round_idx, client_index, client_id)
                 self.progress.end_client()
-                if update is None:
-                    continue
-                if update.control_delta is not None:
-                    # c_i ← c_i⁺ = c_i + Δc_i, kept only with an accepted update: the server's c then stays the
-                    # mean of the clients' c_i.
-                    control = self.client_control(client_id)
-                    self.client_controls[client_id] = {
-                        key: control[key] + delta for key, delta in update.control_delta.items()
-                    }
-                updates.append(update)
-                self._fire("on_client_end", round_idx=round_idx, update=update)
-            if len(updates) < args.min_clients_per_round:
-                reasons = "; ".join(f"{client_id}: {reason}" for client_id, reason in dropped.items())
-                last = list_checkpoints(output_dir)
-                raise NotEnoughClientsError(
-                    f"Round {round_idx}: only {len(updates)} of {len(client_ids)} clients reported a valid update, "
-                    f"fewer than min_clients_per_round={args.min_clients_per_round}. Dropped: {reasons}. "
-                    f"The run stops; {f'the last checkpoint, {last[-1]}, is intact' if last else 'no round finished'}."
-                )
-
-            record = self._server_round(round_idx, updates, dropped, broadcast_bytes)
-            record.wall_time = time.perf_counter() - start
-            self.history.append(record)
-            self._fire("on_round_end", record=record)
-            if self.is_main_process:
-                self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
+                if update is not None:
+                    server.accept(update)
+            server.end_round()
         self.progress.close()
         self.progress = None
-        if self.is_main_process:
-            save_adapter(self.model, self.global_state, output_dir)
-            # Over PEFT's placeholder README.md, pushed or not: the folder describes its adapter (see `hub`).
-            card = federated_model_card(
-                self.model, args, len(self.client_datasets), self.evaluations, self.dataset_name
-            )
-            card.save(output_dir / "README.md")
-        set_adapter_state(self.model, self.global_state)
-        wait_for_everyone()
-        if args.push_to_hub and self.is_main_process:
-            push_to_hub(args)  # last: when the Hub fails, everything is already saved locally
+        server.finish_run()
         return self.history
 
-    def _server_round(
-        self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
-    ) -> RoundRecord:
-        """Aggregate and evaluate, on the main process only; every other process then
-        receives the new global adapter, the aggregator's state (SCAFFOLD's c steers their next local steps) and
-        the round's record, so all processes leave the round identical."""
-        args = self.args
-        record = None
-        if self.is_main_process:
-            # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
-            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx, check_finite=False)
-            record = self._record(round_idx, updates, dropped, broadcast_bytes)
-            is_last = round_idx == args.num_rounds - 1
-            if is_last or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
-                record.evaluation = self.evaluate(round_idx)
-        if self.num_processes > 1:
-            self.global_state, aggregator_state, record = from_main_process(
-                (self.global_state, self.aggregator.state_dict(), record)
-            )
-            self.aggregator.load_state_dict(aggregator_state)
-        return record
-
-    def _collect(
-        self, round_idx: int, client_index: int, client_id: str, dropped: dict[str, str]
-    ) -> ClientUpdate | None:
-        """One client's validated update, or None after recording in `dropped` why the round goes without it."""
+    def _collect(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate | None:
+        """One client's admitted update, or None after the server dropped it from the round with the reason."""
         update, fault, error = None, None, None
         try:
             trained = self.train_client(round_idx, client_index, client_id)
-            update = self.gate.admit(client_id, lambda: self._receive(trained))
+            update = self.server.admit(client_id, lambda: self._send(trained))
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
             fault = describe_failure(error)
@@ -415,56 +360,11 @@ class FederatedRunner(CheckpointedServer):
             fault = main_fault
         if fault is None:
             return update
-        kind, reason = fault
-        # The traceback only helps with an unexpected error.
-        logger.warning(
-            "Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
-            exc_info=error if kind == "error" else None,
-        )
-        dropped[client_id] = reason
-        self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
+        self.server.drop(client_id, *fault, error=error)
         return None
 
-    def _receive(self, update: ClientUpdate) -> ClientUpdate:
-        """The update as the server receives it: the server aggregates what the wire delivers (see
-        `transport.WireFormat`), not the client's exact adapter."""
-        payload = self.wire.encode(update.state, self.global_state)
-        update.state = self.wire.decode(payload, self.global_state)
-        update.wire_bytes = state_nbytes(payload)
+    def _send(self, update: ClientUpdate) -> ClientUpdate:
+        """The update as it leaves the client: its adapter encoded for the wire (`transport.WireFormat`), so that
+        the server aggregates what the wire delivers, not the client's exact adapter."""
+        update.state = self.wire.encode(update.state, self.global_state)
         return update
-
-    # Checkpoints -------------------------------------------------------------------------------------------
-
-    def load_checkpoint(self, path: str | Path) -> int:
-        """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,
-        LoRA configuration, clients and aggregator, else `CheckpointMismatchError`); returns its round."""
-        checkpoint = self.restore_checkpoint(path)
-        set_adapter_state(self.model, self.global_state)
-        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
-        return checkpoint.round_idx
-
-    def _record(
-        self, round_idx: int, updates: list[ClientUpdate], dropped: dict[str, str], broadcast_bytes: int
-    ) -> RoundRecord:
-        return RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
-
-    def evaluate(self, round_idx: int) -> dict[str, Any] | None:
-        """Mean evaluation reward (the accuracy, for a binary reward) of the current global adapter on
-        `eval_dataset`, overall and per label (None without an `eval_dataset`)."""
-        if self.eval_dataset is None:
-            return None
-        set_adapter_state(self.model, self.global_state)
-        results = evaluate_accuracy(
-            self.model,
-            self.processing_class,
-            self.eval_dataset,
-            label_column=self.args.partition_column,
-            batch_size=self.args.per_device_eval_batch_size,
-            max_new_tokens=self.args.max_completion_length,
-            reward_funcs=self.eval_reward_funcs,
-            reward_weights=self.eval_reward_weights,
-        )
-        release_free_memory()  # evaluation's KV caches, before the next client or the server step
-        self.evaluations[round_idx] = results
-        self._fire("on_evaluate_round", round_idx=round_idx, results=results)
-        return results

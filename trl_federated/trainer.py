@@ -1,174 +1,75 @@
-"""`FedGRPOTrainer`: a drop-in `GRPOTrainer` that also plays one client of a federation."""
+"""`FedGRPOTrainer`: a drop-in `GRPOTrainer` that also runs a whole federation, and `federated(...)` for any
+`GRPOTrainer` subclass.
+
+The top of the package's layers: federated `train()` drives `FederatedRunner`, whose clients train with
+`local_trainer.LocalGRPOMixin`; nothing below imports this module.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
 import time
-from collections import defaultdict
 
-import torch
-from torch.optim.lr_scheduler import LambdaLR
-from peft import get_peft_model_state_dict
-from transformers import TrainerCallback
+from peft import PeftModel
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
-from .distributed import from_main_process
-from .gated_mlp import recomputed_gated_mlp
-from .shared_prefix import (
-    REGROUPABLE_LOSS_TYPES,
-    SharedPrefixStats,
-    micro_batches_by_prompt,
-    shared_prefix_logps_and_entropies,
-    unsupported_reason,
-)
+from .data import partition_clients
+from .local_trainer import LocalGRPOMixin, base_name, require_grpo_trainer
+from .runner import FederatedRunner
 
 
-class FedGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` with the client side of FGRPO (Algorithm 1, lines 4-18).
+class FederatedGRPOMixin(LocalGRPOMixin):
+    """FGRPO for any `trl.GRPOTrainer` subclass; put it first among the bases
+    (`class FedMyTrainer(FederatedGRPOMixin, MyTrainer)`), or let `federated(MyTrainer)` do so.
 
-    It has the constructor of `GRPOTrainer` and, with a `GRPOConfig` or a `FedGRPOConfig` with `num_clients=1`,
-    trains exactly like it. On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the
-    B prompts x K completions the step trained on, summed over reward functions with their weights, as TRL logs
-    `reward`) in `step_rewards`, and `window_reward()` gives the client's report R̄^{[t]}: the mean of the last
-    `reward_window` (W) steps.
+    The trainer keeps its constructor and, with its own config or a `FedGRPOConfig` with `num_clients=1`, trains
+    exactly like the class it extends, with what `LocalGRPOMixin` adds for a client: R̄ in `step_rewards` and
+    `window_reward()`, FedProx's proximal term and the shared-prefix loss when configured.
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
-    `train_dataset` across the clients and hands over to `FederatedRunner`; `train(resume_from_checkpoint=True)`
-    then continues the federation from its latest round checkpoint. There `eval_dataset` is scored with
-    `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a single-client `train()`
-    evaluates as `GRPOTrainer` does and ignores it.
+    `train_dataset` across the clients and hands over to `FederatedRunner`, whose clients train this same class;
+    `train(resume_from_checkpoint=True)` then continues the federation from its latest round checkpoint. There
+    `eval_dataset` is scored with `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a
+    single-client `train()` evaluates as `GRPOTrainer` does and ignores it. A federation exchanges a LoRA adapter and
+    builds a fresh optimizer for every client round, so federated mode refuses a model without a PEFT adapter (pass
+    `peft_config`) and `optimizers`, by name, when the trainer is built.
     """
 
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
-        # Kept so that federated mode can hand the same arguments to every client's trainer.
-        self._init_arguments = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
+        # (Named after the constructor of the class the mixins extend: `LocalGRPOMixin.__init__` takes anything.)
+        self._init_arguments = _named_arguments(super(LocalGRPOMixin, self).__init__, args, kwargs)
         self.eval_reward_funcs = eval_reward_funcs
         super().__init__(*args, **kwargs)
-        fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
-        if fedprox_mu:
-            self.add_callback(ProximalTerm(fedprox_mu))
-        self.shared_prefix_stats = SharedPrefixStats()
-        # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
-        # one optimizer step, once, and the loss normalises each independently of which rows it holds.
-        self._groups_micro_batches_by_prompt = (
-            getattr(self.args, "shared_prefix", False)
-            and self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
-            and self.num_iterations == 1
-            and self.loss_type in REGROUPABLE_LOSS_TYPES
-        )
-
-    def _prepare_inputs(self, generation_batch):
-        """With `shared_prefix`, the micro-batches TRL cuts from a fresh generation batch are re-cut by prompt
-        (`shared_prefix.micro_batches_by_prompt`), where that leaves the optimizer step's gradient unchanged."""
-        if not (self._groups_micro_batches_by_prompt and self.model.training):
-            return super()._prepare_inputs(generation_batch)
-        fresh = self._buffered_inputs is None or self._step % self.args.steps_per_generation == 0
-        inputs = super()._prepare_inputs(generation_batch)
-        if fresh:
-            self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return inputs
-
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **extra_inputs,
-    ):  # fmt: skip
-        """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
-        (`shared_prefix.py`). Either way SiLU-gated MLPs keep half their activations for the backward, with the same
-        gradients (`gated_mlp.py`)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        with recomputed_gated_mlp(unwrapped):
-            if getattr(self.args, "shared_prefix", False):
-                prompt_length = input_ids.size(1) - logits_to_keep
-                reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
-                if reason is None:
-                    logps, entropies = shared_prefix_logps_and_entropies(
-                        model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                        autocast=self.accelerator.autocast, stats=self.shared_prefix_stats,
-                    )  # fmt: skip
-                    return logps, entropies, None
-                self.shared_prefix_stats.record_fallback(reason)
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **extra_inputs,
-            )  # fmt: skip
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
-        the whole federation, `num_rounds * local_steps` steps with its warmup, and starts at this round's first
-        step t·E, so that a fresh trainer per round continues the schedule rather than restarting it."""
-        round_idx = getattr(self.args, "federation_round", None)
-        if round_idx is None or self.lr_scheduler is not None:
-            return super().create_scheduler(num_training_steps, optimizer)
-        federation_schedule = super().create_scheduler(self.args.num_rounds * self.args.local_steps, optimizer)
-        if not isinstance(federation_schedule, LambdaLR):
-            raise ValueError(
-                f"`lr_scheduler_type={self.args.lr_scheduler_type!r}` cannot continue across rounds (it is not a "
-                "function of the step); use 'constant' or a step-based schedule such as 'linear' or 'cosine'."
-            )
-        first_step = round_idx * self.args.local_steps
-        self.lr_scheduler = LambdaLR(
-            federation_schedule.optimizer,
-            [functools.partial(_from_step, schedule, first_step) for schedule in federation_schedule.lr_lambdas],
-        )
-        return self.lr_scheduler
+        if self._federates:
+            self._check_federated_arguments()
 
     @property
-    def step_rewards(self) -> list[float]:
-        """R̄^{[t,e]} for every optimisation step e taken so far, read from TRL's training logs (`log_history`).
+    def _federates(self) -> bool:
+        return isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1
 
-        TRL logs `reward`, the mean reward of the generation batches since the last log (over the B prompts x K
-        completions, summed over reward functions with their weights, gathered over processes). A step with no
-        generation of its own (it reuses a batch: `num_iterations > 1`, or `steps_per_generation` above
-        `gradient_accumulation_steps`) is credited with the last batch's reward: it trained on those completions.
-        Federated clients log every step; with `logging_steps > 1` each step gets the mean of its logging interval.
-        """
-        rewards, current, last_step = [], float("nan"), 0
-        for entry in self.state.log_history:
-            if "loss" not in entry:  # evaluation and end-of-training entries
-                continue
-            if "reward" in entry:
-                current = float("nan") if entry["reward"] is None else entry["reward"]
-            rewards.extend([current] * (entry["step"] - last_step))
-            last_step = entry["step"]
-        return rewards
-
-    def mean_step_metrics(self) -> dict[str, float]:
-        """The mean over the logged optimisation steps of every other metric TRL logs per step, under TRL's names
-        (`completions/mean_length`, `rewards/<name>/mean`, `kl`, `entropy`, `grad_norm`, ...). `reward` and `loss`
-        are left out: R̄ (`window_reward`) and the training loss report them. A step's missing or non-finite value
-        (TRL logs None for a reward that scored nothing) is skipped."""
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
-        for entry in self.state.log_history:
-            if "loss" not in entry:  # evaluation and end-of-training entries
-                continue
-            for name, value in entry.items():
-                number = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if name in ("loss", "reward", "step", "epoch") or not number or not math.isfinite(value):
-                    continue
-                sums[name] += value
-                counts[name] += 1
-        return {name: sums[name] / counts[name] for name in sums}
-
-    def window_reward(self, window: int | None = None) -> float:
-        """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
-        rewards = self.step_rewards
-        if not rewards:
-            raise RuntimeError(
-                "No logged optimisation step: call train() before window_reward(), with a `logging_strategy` that "
-                "logs steps (R̄ is read from TRL's training logs)."
+    def _check_federated_arguments(self) -> None:
+        """Refuse, by name, the arguments a federation cannot honour."""
+        if not isinstance(self.model, PeftModel):
+            raise ValueError(
+                f"`num_clients={self.args.num_clients}` federates a LoRA adapter, but the model has none: pass "
+                "`peft_config` (e.g. `trl_federated.runner.default_lora_config()`) or a `PeftModel`. Full fine-tuning "
+                "is not federated."
             )
-        window = window or getattr(self.args, "reward_window", None) or len(rewards)
-        return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
+        optimizers = self._init_arguments.get("optimizers", (None, None))
+        if any(item is not None for item in optimizers):
+            raise ValueError(
+                f"`optimizers` cannot be federated (`num_clients={self.args.num_clients}`): every client round builds "
+                "a fresh optimizer and scheduler for its own trainer. Choose them with `optim`, `optim_args`, "
+                "`learning_rate` and `lr_scheduler_type` instead."
+            )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        if isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1:
+        if self._federates:
             if resume_from_checkpoint is not None:  # a federated checkpoint: the runner restores it
                 self.args.resume_from_checkpoint = resume_from_checkpoint
             return self._train_federated()
@@ -184,9 +85,6 @@ class FedGRPOTrainer(GRPOTrainer):
         optimisation steps of all clients: `num_clients` times `state.global_step` when every client took every
         step.
         """
-        from .data import partition_clients
-        from .runner import FederatedRunner
-
         if self.train_dataset is None:
             raise ValueError("Federated training needs a `train_dataset` to partition across clients.")
         arguments = self._init_arguments
@@ -199,11 +97,8 @@ class FedGRPOTrainer(GRPOTrainer):
             eval_dataset=self.eval_dataset,
             eval_reward_funcs=self.eval_reward_funcs,
             callbacks=arguments.get("callbacks"),
-            trainer_kwargs={
-                name: arguments[name]
-                for name in ("reward_processing_classes", "tools", "rollout_func", "environment_factory")
-                if arguments.get(name) is not None
-            },
+            trainer_kwargs={name: value for name, value in arguments.items() if name not in _RUNNER_ARGUMENTS},
+            trainer_class=type(self),
             log_to=self,
         )
         # The runner shows its own progress by round and client; a second, step-counting bar would stay empty.
@@ -223,117 +118,64 @@ class FedGRPOTrainer(GRPOTrainer):
             },
         )
 
+class FedGRPOTrainer(FederatedGRPOMixin, GRPOTrainer):
+    """`trl.GRPOTrainer` with the client side of FGRPO: a drop-in replacement that trains exactly like it with a
+    `GRPOConfig` or a single-client `FedGRPOConfig`, and runs the federation with `num_clients > 1` (see
+    `FederatedGRPOMixin`). `federated(MyGRPOTrainer)` gives the same for any `GRPOTrainer` subclass."""
 
-def _from_step(schedule, first_step: int, step: int) -> float:
-    """`schedule` (a LambdaLR factor) read `first_step` steps later; a module function, so the scheduler pickles."""
-    return schedule(first_step + step)
+
+# `GRPOTrainer` arguments that `FederatedRunner` takes itself (the model and its adapter, loaded once; the clients' data
+# and configuration); every other argument given to a federated trainer reaches each client's trainer unchanged.
+_RUNNER_ARGUMENTS = frozenset(
+    {"model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class", "callbacks", "optimizers",
+     "quantization_config", "peft_config"}
+)  # fmt: skip
 
 
-class ProximalTerm(TrainerCallback):
-    """FedProx (Li et al., MLSys 2020) on the trainable (adapter) parameters.
+def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
+    """`trainer_class`, a `trl.GRPOTrainer` subclass (TRL's experimental `GMPOTrainer`, or your own), with
+    `FederatedGRPOMixin` mixed in: it keeps `trainer_class`'s constructor, loss and options, reports R̄ like
+    `FedGRPOTrainer`, and federates when its config is a `FedGRPOConfig` with `num_clients > 1` (for a trainer with
+    its own config class, use `config.federated_config(ThatConfig)`).
 
-    The local objective gains μ/2 ||θ − θ^{[t]}||², where θ^{[t]} is the adapter the client started the round
-    from. Its gradient μ (θ − θ^{[t]}) is added to the GRPO gradient right before every optimizer step: exact
-    whatever the gradient accumulation, and, like the penalty itself, not subject to gradient clipping.
+    The class is made once per `trainer_class`; `federated(GRPOTrainer)` is `FedGRPOTrainer`, and a class that
+    already has the mixin is returned as it is.
     """
-
-    def __init__(self, mu: float):
-        self.mu = mu
-        self.params: list[torch.Tensor] = []
-        self.anchor: list[torch.Tensor] = []
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.params = [param for param in model.parameters() if param.requires_grad]
-        self.anchor = [param.detach().clone() for param in self.params]
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        with torch.no_grad():
-            torch._foreach_add_(
-                [param.grad for param in self.params], torch._foreach_sub(self.params, self.anchor), alpha=self.mu
-            )
+    require_grpo_trainer(trainer_class)
+    if issubclass(trainer_class, FederatedGRPOMixin):
+        return trainer_class
+    if trainer_class is GRPOTrainer:
+        return FedGRPOTrainer
+    return _federated_class(trainer_class)
 
 
-class ScaffoldCorrection(TrainerCallback):
-    """The client side of SCAFFOLD (Karimireddy et al., ICML 2020) on the adapter, with a local Adam(W).
-
-    SCAFFOLD corrects every local step by (c − c_i) and afterwards re-estimates the client's control variate with
-    option II: c_i⁺ = c_i − c + (θ^{[t]} − θ_i) / (K η). SCAFFOLD was written for SGD; with Adam the two natural
-    placements of the correction are:
-
-    - `"decoupled"` (default): after each optimizer step, θ ← θ − η_k (c − c_i), outside Adam's normalisation,
-      as AdamW decouples weight decay. Then (θ^{[t]} − θ_i) / Σ_k η_k is the mean Adam direction plus the
-      correction, so option II measures c_i in the units the correction is applied in, and c_i⁺ is exactly the
-      client's mean Adam direction.
-    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD. Adam rescales it per
-      coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered for
-      comparison.
-
-    K η is taken as Σ_k η_k, the learning rates the scheduler actually used. Keys are those of
-    `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
-    """
-
-    def __init__(
-        self,
-        server_control: dict[str, torch.Tensor],
-        client_control: dict[str, torch.Tensor],
-        mode: str = "decoupled",
-    ):
-        if mode not in ("decoupled", "gradient"):
-            raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
-        self.mode = mode
-        self.keys = list(server_control)
-        self.correction = [server_control[key] - client_control[key] for key in self.keys]  # c − c_i
-        self.server_control = [server_control[key] for key in self.keys]
-        self.control_delta: dict[str, torch.Tensor] | None = None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        adapter = get_peft_model_state_dict(model)  # views that share storage with the adapter parameters
-        missing = [key for key in self.keys if key not in adapter]
-        if missing:
-            raise KeyError(f"Control variates have keys the adapter lacks: {missing[:5]}")
-        self.views = [adapter[key] for key in self.keys]
-        parameters = {param.data_ptr(): param for param in model.parameters()}
-        self.params = [parameters[view.data_ptr()] for view in self.views]
-        self.anchor = [view.detach().clone() for view in self.views]
-        self.correction = [c.to(view.device, view.dtype) for c, view in zip(self.correction, self.views)]
-        self.learning_rate_sum = 0.0
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.mode == "gradient":
-            for param in self.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            torch._foreach_add_([param.grad for param in self.params], self.correction)
-
-    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
-        learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
-        self.learning_rate_sum += learning_rate
-        if self.mode == "decoupled":
-            with torch.no_grad():
-                torch._foreach_add_(self.params, self.correction, alpha=-learning_rate)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.learning_rate_sum <= 0:
-            raise RuntimeError("SCAFFOLD needs at least one local step with a positive learning rate.")
-        with torch.no_grad():
-            moved = torch._foreach_sub(self.anchor, [view.detach() for view in self.views])  # θ^{[t]} − θ_i
-            torch._foreach_div_(moved, self.learning_rate_sum)
-            delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
-        self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}
+@functools.cache
+def _federated_class(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
+    return type(
+        f"Fed{trainer_class.__name__}",
+        (FederatedGRPOMixin, trainer_class),
+        {"__module__": trainer_class.__module__, "__doc__": f"`{base_name(trainer_class)}` with "
+         "`FederatedGRPOMixin` (see `federated`)."},
+    )  # fmt: skip
 
 
-class Deadline(TrainerCallback):
-    """Ends local training at the first optimisation step that finishes past `deadline` (a `time.perf_counter()`
-    value). A step in progress, its generation included, is never interrupted: stopping between steps leaves the
-    model, the optimizer and TRL's buffers consistent, which killing a thread mid-step would not."""
+def _named_arguments(init, args: tuple, kwargs: dict) -> dict:
+    """The arguments given to `init` (a bound `__init__`), by parameter name. Those a `**kwargs` collects are
+    flattened in, and those a `*args` collects are named after `GRPOTrainer.__init__`'s parameters, in order: a
+    subclass's catch-all parameters forward GRPOTrainer's arguments (TRL's experimental trainers do)."""
+    signature = inspect.signature(init)
+    named = {}
+    for name, value in signature.bind(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            named.update(zip(_GRPO_PARAMETERS, value))
+        else:
+            named[name] = value
+    return named
 
-    def __init__(self, deadline: float):
-        self.deadline = deadline
 
-    def on_step_end(self, args, state, control, **kwargs):
-        # The main process's clock decides: processes that stopped at different steps would deadlock.
-        if from_main_process(time.perf_counter() >= self.deadline):
-            control.should_training_stop = True
+_GRPO_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # after `self`
+
+

@@ -30,8 +30,16 @@ class WireFormat:
 
     @classmethod
     def from_config(cls, args, global_state: AdapterState) -> WireFormat:
-        frozen = frozenset(key for key in global_state if is_lora_a(key)) if args.lora_aggregation == "freeze_a" else frozenset()
-        return cls(dtype=DTYPES[args.transfer_dtype], frozen_keys=frozen)
+        return cls.of(args.lora_aggregation, args.transfer_dtype, global_state)
+
+    @classmethod
+    def of(cls, lora_aggregation: str, transfer_dtype: str, global_state: AdapterState) -> WireFormat:
+        """The wire format of `FedGRPOConfig.lora_aggregation` and `transfer_dtype` for an adapter shaped like
+        `global_state`; `ValueError` for a dtype it does not know."""
+        if transfer_dtype not in DTYPES:
+            raise ValueError(f"transfer_dtype must be one of {list(DTYPES)}, got {transfer_dtype!r}.")
+        frozen = frozenset(key for key in global_state if is_lora_a(key)) if lora_aggregation == "freeze_a" else frozenset()
+        return cls(dtype=DTYPES[transfer_dtype], frozen_keys=frozen)
 
     def sent(self, state: AdapterState) -> AdapterState:
         """The entries of `state` that travel (the server → client broadcast sends these in float32)."""
@@ -60,3 +68,11 @@ class WireFormat:
 def is_lora_a(key: str) -> bool:
     """Whether a PEFT state-dict key is a LoRA A factor (`...lora_A.weight`, `...lora_embedding_A`)."""
     return ".lora_A." in key or "lora_embedding_A" in key
+
+
+def freeze_lora_a(model) -> None:
+    """FFA-LoRA (`lora_aggregation="freeze_a"`): the A factors keep their seeded initialisation, the same on the
+    server and every client; only B trains, and only B travels."""
+    for name, param in model.named_parameters():
+        if is_lora_a(name):
+            param.requires_grad_(False)

@@ -1,6 +1,7 @@
 # Federated GRPO, shaped like TRL's `trl/scripts/grpo.py`: the same parser, model and dataset loading and trainer
-# call, with `FedGRPOTrainer` as the drop-in trainer. With `num_clients > 1` the trainer partitions the training
-# split over the clients (Dirichlet over `partition_column`) and runs every round; with 1 it is plain GRPO.
+# call, with `FedGRPOTrainer` (or the `--trainer_class` given, federated) as the drop-in trainer. With `num_clients > 1`
+# the trainer partitions the training split over the clients (Dirichlet over `partition_column`) and runs every round;
+# with 1 it is plain GRPO.
 
 """
 The paper's setting (Qwen2.5-VL-3B-Instruct, 5 clients, μ = 0.05, FGRPO) on one GPU:
@@ -22,8 +23,7 @@ import sys
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from trl_federated import FedGRPOTrainer
-from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, load_model, reward_functions
+from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, load_model, reward_functions, trainer_class
 from trl_federated.reporting import ReportCallback
 
 
@@ -39,8 +39,8 @@ def main(training_args, model_args, data_args):
     # Dataset: train split for the clients, test split for the accuracy table before and after training
     train_dataset, eval_dataset = load_benchmark(data_args)
 
-    # Initialise the federated GRPO trainer
-    trainer = FedGRPOTrainer(
+    # Initialise the federated GRPO trainer: FedGRPOTrainer, or `--trainer_class` federated (`trainer.federated`)
+    trainer = trainer_class(data_args)(
         model=model,
         reward_funcs=reward_funcs,
         args=training_args,

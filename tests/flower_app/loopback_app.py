@@ -15,7 +15,7 @@ from trl_federated.flower import ClientSite, FederatedStrategy, make_client_app,
 SETTINGS = dict(
     bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", per_device_train_batch_size=4,
     num_generations=4, max_completion_length=12, learning_rate=1e-2, logging_steps=1,
-    local_steps=2, reward_window=2, seed=0, num_clients=2,
+    local_steps=2, reward_window=2, seed=0, num_clients=2, node_wait_timeout=120,
 )
 
 
@@ -27,7 +27,8 @@ def length_reward(completions, **kwargs):
 def federation_args(output_dir: str, run_config) -> FedGRPOConfig:
     return FedGRPOConfig(
         output_dir=output_dir, aggregation=run_config["aggregation"], num_rounds=int(run_config["num-rounds"]),
-        **SETTINGS,
+        lora_aggregation=run_config.get("lora-aggregation", "separate"),
+        transfer_dtype=run_config.get("transfer-dtype", "float32"), **SETTINGS,
     )
 
 
@@ -48,7 +49,6 @@ def build_strategy(context: Context) -> FederatedStrategy:
         AutoModelForCausalLM.from_pretrained(context.run_config["model-dir"]),
         federation_args(context.run_config["output-dir"], context.run_config),
         reward_funcs=length_reward,
-        node_wait_timeout=120,
     )
 
 

@@ -18,7 +18,7 @@ class ScaffoldAggregator(FedAvgAggregator):
         c^{[t+1]} = c^{[t]} + (1 / N) Σ_{i reported} Δc_i
 
     with N the number of clients in the federation (SCAFFOLD's |S|/N scaling under partial participation). The
-    clients' own control variates c_i stay with the clients (see `trainer.ScaffoldCorrection`); each update
+    clients' own control variates c_i stay with the clients (see `local_trainer.ScaffoldCorrection`); each update
     carries its Δc_i in `ClientUpdate.control_delta`.
     """
 

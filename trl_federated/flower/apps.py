@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,15 +15,21 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from trl import GRPOTrainer
 
-from ..adapters import get_adapter_state
+from ..adapters import AdapterState, get_adapter_state
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
+from ..local_trainer import local_trainer
+from ..transport import WireFormat, freeze_lora_a
 from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
+from .run_config import NUM_PARTITIONS, FederationSizeError
 from .strategy import FederatedStrategy
+from .stream import show_package_logs
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +37,13 @@ logger = logging.getLogger(__name__)
 # KL reference π_ref when beta != 0. A model `load_site` caches across messages keeps its reference; a model loaded
 # afresh per message is θ^{[0]} anyway.
 _initial_adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reference_adapter(model) -> AdapterState | None:
+    """π_ref's adapter for `model` (θ^{[0]}, recorded by `_prepare_site_model` when beta != 0), else None. A
+    module-level function, so that a `ClientApp` pickles without the weak dictionary: the Simulation Engine's Ray
+    backend sends the `ClientApp` to its actors by value."""
+    return _initial_adapters.get(model)
 
 
 @dataclass
@@ -76,39 +90,53 @@ def node_client_identity(context: Context) -> tuple[str, int]:
 def make_client_app(
     load_site: Callable[[Context], ClientSite],
     identify: Callable[[Context], tuple[str, int]] = node_client_identity,
+    trainer_class: type[GRPOTrainer] | None = None,
 ) -> ClientApp:
     """A `ClientApp` that runs one local round of federated GRPO per train message.
 
     For each train message it calls `load_site(context)` (model, tokenizer, rewards, the site's own data and
     config; under Flower's deployment runtime every message starts a fresh ClientApp process), trains with
     `client.train_local_round`, the runner's own code, from the received global adapter with the seed of
-    (round, client index), and replies with the adapter, R̄, the sample count and the training metrics. A local
-    round that fails replies with an error naming the client, the kind of failure ("timeout" past
-    `client_timeout`, else "error") and the reason, which the server logs as a dropped client.
+    (round, client index), and replies with the adapter in the server's wire format, R̄, the sample count and the
+    training metrics. A local round that fails replies with an error naming the client, the kind of failure
+    ("timeout" past `client_timeout`, else "error") and the reason, which the server logs as a dropped client.
 
     It also answers the server's identity query (which client a node serves) from `identify(context)`, without
-    loading anything.
+    loading anything. The messages both ways are documented in `flower.records`; a stock Flower strategy's train
+    message (`FedAvg`: "arrays" and "server-round") is taken too. Each local round is logged on the SuperNode
+    (steps, rows, R̄, loss, seconds).
+
+    `trainer_class`: the `GRPOTrainer` subclass that trains each round (TRL's experimental `GMPOTrainer`, or your
+    own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`); checked here, before any message.
     """
+    trainer_class = local_trainer(trainer_class or GRPOTrainer)
     app = ClientApp()
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
+        show_package_logs()
         client_id, client_index = identify(context)
         try:
             instruction = TrainInstruction.from_content(message.content)
+            check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
             site = load_site(context)
-            model = with_federated_adapter(site.model, site.args.seed, site.peft_config)
-            if site.args.beta != 0 and model not in _initial_adapters:
-                _initial_adapters[model] = get_adapter_state(model)
+            model, global_state, wire = _prepare_site_model(site, instruction)
             args = local_training_args(
-                site.args, instruction.round_idx, client_index, instruction.num_clients, client_id
+                site.args, instruction.round_idx, client_index, instruction.num_clients or site.args.num_clients,
+                client_id,
             )
             update = train_local_round(
-                model, instruction.global_state, client_id, site.train_dataset, args, site.reward_funcs,
+                model, global_state, client_id, site.train_dataset, args, site.reward_funcs,
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
                 scaffold_controls=instruction.scaffold_controls,
-                reference_state=_initial_adapters.get(model),
+                reference_state=reference_adapter(model), trainer_class=trainer_class,
             )
+            logger.info(
+                "Round %d, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
+                instruction.round_idx, client_id, len(update.metrics["step_rewards"]), update.num_samples,
+                update.reward, update.metrics["train_loss"], update.metrics["train_seconds"],
+            )
+            update.state = wire.encode(update.state, global_state)  # what the server's wire format expects
         except Exception as error:  # reported to the server, which drops this client from the round
             kind, reason = describe_failure(error)
             logger.exception("Client %r failed its local round (%s)", client_id, kind)
@@ -123,13 +151,71 @@ def make_client_app(
     return app
 
 
+def check_federation_size(federation_size, num_clients: int | None) -> None:
+    """Refuse a federation whose number of SuperNodes (`num-partitions`, where known) is not `num_clients`: the
+    clients would split the data into other shares than the server weighs, or some would have no client index."""
+    if federation_size is not None and num_clients is not None and int(federation_size) != num_clients:
+        raise FederationSizeError(
+            f"The federation has {int(federation_size)} SuperNodes (num-partitions; in simulation "
+            f"`--federation-config num-supernodes=...`), but the server runs num_clients={num_clients}: make them "
+            "agree, or leave `num-clients` unset so that it follows the federation."
+        )
+
+
+def simulated_federation_size(grid: Grid, timeout: float = 60.0) -> int | None:
+    """The number of SuperNodes of a Simulation Engine run (its `num-supernodes`), None for a deployment, whose
+    SuperNodes come and go. The Simulation Engine registers all its SuperNodes at once, just after it starts the
+    ServerApp: the count is read once it is non-zero and has held for half a second."""
+    if not isinstance(grid, InMemoryGrid):
+        return None
+    deadline, previous = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        count = len(grid.get_node_ids())
+        if count and count == previous:
+            return count
+        previous = count
+        time.sleep(0.5)
+    return None
+
+
+def _prepare_site_model(site: ClientSite, instruction: TrainInstruction) -> tuple[PeftModel, AdapterState, WireFormat]:
+    """The site's `PeftModel` (wrapped in the federation's adapter, LoRA A frozen under freeze_a), the full global
+    adapter of the instruction (the frozen A, which does not travel, is the site's own: seeded like the server's),
+    and the wire format the reply is encoded in."""
+    if instruction.lora_aggregation != site.args.lora_aggregation:
+        raise ValueError(
+            f"The server federates with lora_aggregation={instruction.lora_aggregation!r}, this site is configured "
+            f"with {site.args.lora_aggregation!r}: give the site the server's configuration."
+        )
+    model = with_federated_adapter(site.model, site.args.seed, site.peft_config)
+    if site.args.lora_aggregation == "freeze_a":
+        freeze_lora_a(model)
+    own = get_adapter_state(model)
+    if site.args.beta != 0 and model not in _initial_adapters:
+        _initial_adapters[model] = own
+    wire = WireFormat.of(instruction.lora_aggregation, instruction.transfer_dtype, own)
+    global_state = {key: own[key] for key in wire.frozen_keys} | instruction.global_state
+    return model, global_state, wire
+
+
 def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
     """A `ServerApp` that runs the federation `build_strategy(context)` describes (model, `FedGRPOConfig`, reward
-    functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`)."""
+    functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`).
+
+    Under the Simulation Engine the ServerApp's `context.node_config` carries `num-partitions`, the number of
+    simulated SuperNodes, as every simulated ClientApp's does, so that `build_strategy` can size the federation by
+    it (`run_config.federation_arguments`); a strategy whose `num_clients` differs is refused before any round
+    (`FederationSizeError`, naming both numbers).
+    """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        build_strategy(context).run(grid)
+        federation_size = simulated_federation_size(grid)
+        if federation_size is not None:
+            context.node_config[NUM_PARTITIONS] = federation_size
+        strategy = build_strategy(context)
+        check_federation_size(federation_size, strategy.args.num_clients)
+        strategy.run(grid)
 
     return app

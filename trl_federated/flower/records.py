@@ -1,17 +1,35 @@
-"""What travels between the Flower `ServerApp` and `ClientApp`s, as Flower records.
+"""The message contract between the Flower `ServerApp` (`FederatedStrategy`) and the `ClientApp`s
+(`make_client_app`), as Flower records, and the conversions both sides use.
 
-Server → client (a train message):
-    "arrays"          ArrayRecord   the global adapter θ^{[t]}, keyed as `get_peft_model_state_dict` keys it
-    "config"          ConfigRecord  "round-idx" (0-based t) and "num-clients" (N), from which the client takes its
-                                    seed, as the runner does
+Server → client, a "train" message (`TrainInstruction`):
+    "arrays"          ArrayRecord   the global adapter θ^{[t]}, keyed as `get_peft_model_state_dict` keys it; under
+                                    `lora_aggregation="freeze_a"` without the LoRA A factors, which never change
+                                    (the client keeps its own, seeded like the server's)
+    "config"          ConfigRecord  "round-idx" (0-based t), "server-round" (t + 1, Flower's convention),
+                                    "num-clients" (N), from which the client takes its seed as the runner does;
+                                    "lora-aggregation" and "transfer-dtype", the wire format of the reply; and any
+                                    entry of the `train_config` given to `FederatedStrategy.start`
     "server-control"  ArrayRecord   SCAFFOLD only: c
-    "client-control"  ArrayRecord   SCAFFOLD only: this client's c_i (the server keeps it, see `FederatedStrategy`)
+    "client-control"  ArrayRecord   SCAFFOLD only: this client's c_i (the server keeps every c_i)
 
-Client → server (the reply):
-    "arrays"          ArrayRecord   the client's adapter θ_i^{[t]}
+Client → server, the reply:
+    "arrays"          ArrayRecord   the client's update as the wire format encodes it (`transport.WireFormat`):
+                                    θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16; without A under freeze_a
     "metrics"         MetricRecord  "num-examples" (D_i), "reward" (R̄_i^{[t]}) and the update's other metrics
-    "client"          ConfigRecord  "client-id" and "client-index", the stable identity of the data owner
+                                    ("step_rewards", "train_loss", "train_seconds", TRL's per-step means)
+    "client"          ConfigRecord  "client-id" and "client-index", the data owner the reply claims to speak for
+                                    (checked against the server's own map of nodes to clients, never trusted)
     "control-delta"   ArrayRecord   SCAFFOLD only: Δc_i
+or an error reply: `Error.reason` is JSON {"client-id", "kind" ("error" or "timeout"), "reason"} when the local
+round failed; any other error (a crashed ClientApp, a node the SuperLink reports unavailable) is Flower's own.
+
+Server → client, a "query.identify" message (empty): the reply's "client" ConfigRecord names the client the node
+serves (its `--node-config` `partition-id`, `client-id`). A strategy with a `ClientRegistry` never sends it.
+
+Interoperability: the ClientApp also takes a stock Flower strategy's train message (`FedAvg`: "arrays" and a
+"config" with only "server-round"): it then reads N from its own `FedGRPOConfig` and replies in float32 with one
+ArrayRecord and one MetricRecord weighted by "num-examples", as `FedAvg` expects (SCAFFOLD aside, which needs this
+strategy). `FederatedStrategy` needs the reply records above from its ClientApps.
 
 Tensors go through NumPy's `.npy` format (Flower's `Array`), bit for bit; bfloat16, which NumPy lacks, travels as
 its int16 bit pattern under the dtype name "bfloat16".
@@ -115,18 +133,25 @@ def _array_to_tensor(array: Array) -> torch.Tensor:
 class TrainInstruction:
     """What the server asks of a client in one round (the content of a train message)."""
 
-    global_state: AdapterState
+    global_state: AdapterState  # the entries the wire format sends (all but LoRA A under freeze_a)
     round_idx: int
-    num_clients: int
+    num_clients: int | None = None  # None: a stock strategy's message, which does not say
     scaffold_controls: tuple[AdapterState, AdapterState] | None = None  # (c, c_i)
+    lora_aggregation: str = "separate"
+    transfer_dtype: str = "float32"
 
-    def to_content(self) -> RecordDict:
-        content = RecordDict(
-            {
-                ARRAYS: state_to_array_record(self.global_state),
-                CONFIG: ConfigRecord({"round-idx": self.round_idx, "num-clients": self.num_clients}),
-            }
-        )
+    def to_content(self, config: dict | None = None) -> RecordDict:
+        """The message content, with `config`'s entries (a strategy's `train_config`) in its config record."""
+        entries = {
+            **(config or {}),
+            "round-idx": self.round_idx,
+            "server-round": self.round_idx + 1,
+            "lora-aggregation": self.lora_aggregation,
+            "transfer-dtype": self.transfer_dtype,
+        }
+        if self.num_clients is not None:
+            entries["num-clients"] = self.num_clients
+        content = RecordDict({ARRAYS: state_to_array_record(self.global_state), CONFIG: ConfigRecord(entries)})
         if self.scaffold_controls is not None:
             server_control, client_control = self.scaffold_controls
             content[SERVER_CONTROL] = state_to_array_record(server_control)
@@ -135,7 +160,19 @@ class TrainInstruction:
 
     @classmethod
     def from_content(cls, content: RecordDict) -> TrainInstruction:
-        config = content[CONFIG]
+        """The instruction of a train message: this strategy's, or a stock Flower strategy's ("arrays" and a
+        "config" with Flower's 1-based "server-round"); `ValueError`, naming the record or key, for anything else."""
+        if ARRAYS not in content.array_records:
+            raise ValueError(f"The train message has no {ARRAYS!r} ArrayRecord (the global adapter); it has "
+                             f"{sorted(content.array_records)}.")
+        config = content.config_records.get(CONFIG, ConfigRecord())
+        if "round-idx" in config:
+            round_idx = int(config["round-idx"])
+        elif "server-round" in config:
+            round_idx = int(config["server-round"]) - 1
+        else:
+            raise ValueError(f"The train message's {CONFIG!r} ConfigRecord names no round: it needs 'round-idx' "
+                             "(0-based) or Flower's 'server-round' (1-based).")
         scaffold_controls = None
         if SERVER_CONTROL in content:
             scaffold_controls = (
@@ -144,9 +181,11 @@ class TrainInstruction:
             )
         return cls(
             global_state=array_record_to_state(content[ARRAYS]),
-            round_idx=int(config["round-idx"]),
-            num_clients=int(config["num-clients"]),
+            round_idx=round_idx,
+            num_clients=int(config["num-clients"]) if "num-clients" in config else None,
             scaffold_controls=scaffold_controls,
+            lora_aggregation=str(config.get("lora-aggregation", "separate")),
+            transfer_dtype=str(config.get("transfer-dtype", "float32")),
         )
 
 

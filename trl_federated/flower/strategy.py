@@ -1,30 +1,31 @@
-"""`FederatedStrategy`: the server of `FederatedRunner` as a Flower strategy, over the same aggregators."""
+"""`FederatedStrategy`: the server of a federated run as a Flower strategy, over the runner's own server core."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-from collections.abc import Iterable
-from pathlib import Path
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+import torch
+from datasets import Dataset
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel
 
-from ..adapters import AdapterState, InvalidUpdateError, get_adapter_state, save_adapter, state_nbytes
-from ..admission import UpdateGate, bounded_text
-from ..aggregation import Aggregator, ClientUpdate, ScaffoldAggregator, aggregator_from_config
-from ..callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
-from ..checkpoint import CheckpointedServer, prepare_output_dir, run_identity
-from ..client import zero_control
+from ..adapters import InvalidUpdateError
+from ..admission import bounded_text
+from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
+from ..callbacks import RoundRecord, round_logs
 from ..config import FedGRPOConfig
-from ..rewards import combined_reward_range
-from ..runner import NotEnoughClientsError, with_federated_adapter
+from ..runner import with_federated_adapter
+from ..server import FederatedServer, NotEnoughClientsError
 from .identity import ClientRegistry
-from .records import TrainInstruction, content_to_update, read_client_identity, state_to_array_record
+from .records import TrainInstruction, array_record_to_state, content_to_update, read_client_identity, state_to_array_record
+from .stream import show_package_logs
 
 logger = logging.getLogger(__name__)
 
@@ -34,47 +35,68 @@ IDENTIFY = f"{MessageType.QUERY}.identify"
 REPLY_SLACK = 300.0
 # Seconds to wait for replies without a `client_timeout` (Flower's own default for `Strategy.start`).
 DEFAULT_REPLY_TIMEOUT = 3600.0
+# Seconds between two "waiting for SuperNodes" log lines.
+WAIT_LOG_INTERVAL = 10.0
 
 
-class FederatedStrategy(CheckpointedServer, Strategy):
-    """The server side of `FederatedRunner` as a Flower `Strategy`, for a federation of SuperNodes.
+@dataclass
+class _Sent:
+    """A train message of this round and the client it was addressed to."""
+
+    message: Message
+    node_id: int
+    client_id: str
+    client_index: int
+    sent_at: float  # time.time(), the clock of Flower's message timestamps
+
+
+class FederatedStrategy(Strategy):
+    """The server of a federated GRPO run as a Flower `Strategy`, for a federation of SuperNodes.
+
+    The server itself is `self.server`, the `server.FederatedServer` that `FederatedRunner` drives in process: the
+    same admission gate, wire format, aggregator, per-client state (SCAFFOLD's c_i), byte accounting, round records,
+    evaluation, checkpoints and reports. The strategy only turns rounds into Flower messages and back.
 
     Every round it sends the global adapter to every connected SuperNode that serves a client of the federation
-    (full participation, as in the runner), turns the replies of the `ClientApp`s (`make_client_app`) into
-    `ClientUpdate`s through the runner's own `admission.UpdateGate` (decoding, identity, values, sample count,
-    update norm), and hands the accepted ones, in client-index order, to the same `Aggregator` the runner uses (`aggregator_from_config(args)`: RPG + server Adam, FedAvg, FedProx, SCAFFOLD). A client whose
-    ClientApp failed, timed out or replied with an invalid update is dropped from the round and logged; fewer than
-    `min_clients_per_round` accepted updates stop the run with `NotEnoughClientsError`.
+    (full participation, as in the runner) and delivers each reply to the server, which admits it or drops its
+    client with the reason. Replies are attributed by the server's own record of what it sent (the id of each train
+    message → the client it was addressed to), never by what a reply says about itself: a SuperNode that dies
+    mid-round is one `client_dropped` line for its client, with Flower's reason and the elapsed time, whichever node
+    (the SuperLink) reports it. Accepted updates are aggregated in client-index order, so a Flower run ends on the
+    runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the run with
+    `NotEnoughClientsError`, the last checkpoint intact.
 
-    Which client a node serves is the server's call, made before any training message is sent. With a
-    `registry` (`identity.ClientRegistry`) it follows from the node's authenticated public key alone, and every
-    node whose key is not registered is refused. Without one, a node is asked once (its SuperNode's
-    `--node-config`) and trusted on first use: a claim outside the federation's `num_clients`, or of a client or
-    index another connected node already serves, is refused. Either way a reply counts only for the client of the
-    node it comes from, whatever it says. Per-client state is keyed by that stable client id, never by Flower's node
-    id, which changes when a SuperNode restarts. SCAFFOLD's client control variates c_i
-    stay with the server, as in the runner: c_i is the sum of the client's accepted Δc_i, which the server
-    receives anyway, so keeping it reveals nothing new, survives SuperNode restarts, and is checkpointed.
+    Which client a node serves is the server's call, made before any training message is sent. With a `registry`
+    (`identity.ClientRegistry`) it follows from the node's authenticated public key alone, and every node whose key
+    is not registered is refused. Without one, a node is asked once (its SuperNode's `--node-config`) and trusted on
+    first use: a claim outside the federation's `num_clients`, or of a client or index another connected node
+    already serves, is refused. Per-client state is keyed by that stable client id, never by Flower's node id, which
+    changes when a SuperNode restarts.
 
-    After every round the strategy writes `output_dir/metrics.jsonl`, `round-<t>/` and the atomic
-    `checkpoint-<t>/` exactly as the runner does, so `run()` with `args.resume_from_checkpoint` continues an
-    interrupted Flower run (with new node ids, even with new SuperNodes for the same clients). The strategy does
-    not evaluate: score a saved `round-<t>/` adapter with `evaluation.evaluate_accuracy`.
+    The server writes what the runner writes (`output_dir/metrics.jsonl`, `round-<t>/`, the atomic `checkpoint-<t>/`,
+    the evaluations of `eval_dataset`, `summary.md`, the plots, `result.json`, the final adapter with its model
+    card), and logs every round (each client's R̄, h, ω and traffic, τ, the drops, the evaluation) where
+    `flwr run --stream` shows it. `run()`, or `start()` inside a ServerApp of one's own, with
+    `args.resume_from_checkpoint` continues an interrupted run (with new node ids, even new SuperNodes for the same
+    clients). The message contract, both ways, is the docstring of `flower.records`.
 
     Args:
         model: The base model (wrapped here in `peft_config`'s LoRA, seeded with `args.seed`, so that the initial
-            global adapter equals the runner's) or a `PeftModel` whose active adapter is federated.
-        args: The federation's `FedGRPOConfig`: `num_clients`, `num_rounds`, aggregation, checkpoints.
-        reward_funcs: The reward functions the clients train with; only their declared `reward_range` is used, to
-            reject a reported R̄ outside it.
+            global adapter equals the runner's and the ClientApps') or a `PeftModel` whose active adapter is federated.
+        args: The federation's `FedGRPOConfig`: `num_clients`, `num_rounds`, aggregation, wire format, checkpoints,
+            `node_wait_timeout`.
+        reward_funcs: The reward functions the clients train with: their declared `reward_range` bounds a reported
+            R̄, and they score `eval_dataset` unless `eval_reward_funcs` is given.
         peft_config: LoRA configuration for a model that is not yet a `PeftModel` (default: `default_lora_config`).
         aggregator: Server strategy; built from `args` when omitted.
-        callbacks: `RoundCallback`s to fire on the server (round and client events).
-        node_wait_timeout: Seconds to wait each round for all `num_clients` SuperNodes to be connected; the round
-            then goes on with those connected if they are at least `min_clients_per_round`.
+        callbacks: `RoundCallback`s to fire on the server (round, client and evaluation events).
         reply_timeout: Seconds to wait for the replies of a round (default: `client_timeout` + 300 s, else 3600 s).
         registry: The federation's clients by SuperNode public key (and optionally sample count), for a deployment
             across organisations; without it, nodes declare their client (see above).
+        eval_dataset, eval_reward_funcs, processing_class: Held-out prompts the server scores before training,
+            every `eval_every` rounds and after the last, as the runner does (see `FederatedRunner`).
+        report_header: A line describing the run atop `summary.md`; None writes no summary, plots or result.json.
+        dataset_name: The Hub id of the clients' data, named in the model card.
     """
 
     def __init__(
@@ -85,9 +107,13 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         peft_config: PeftConfig | None = None,
         aggregator: Aggregator | None = None,
         callbacks: list | None = None,
-        node_wait_timeout: float = 600.0,
         reply_timeout: float | None = None,
         registry: ClientRegistry | None = None,
+        eval_dataset: Dataset | None = None,
+        eval_reward_funcs: Callable | list[Callable] | None = None,
+        processing_class=None,
+        report_header: str | None = "",
+        dataset_name: str | None = None,
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
@@ -96,78 +122,129 @@ class FederatedStrategy(CheckpointedServer, Strategy):
                 f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds `num_clients` ({args.num_clients}): "
                 "no round could ever aggregate."
             )
-        unsupported = {
-            name: value
-            for name, value, default in (
-                ("lora_aggregation", args.lora_aggregation, "separate"),
-                ("transfer_dtype", args.transfer_dtype, "float32"),
-            )
-            if value != default
-        }
-        if unsupported:
-            raise ValueError(
-                f"The Flower deployment sends whole float32 adapters; {unsupported} are only supported by the "
-                "in-process FederatedRunner so far."
-            )
         if registry is not None and len(registry) != args.num_clients:
             raise ValueError(f"The registry holds {len(registry)} clients, `num_clients` is {args.num_clients}.")
         self.args = args
         self.registry = registry
-        self.model = with_federated_adapter(model, args.seed, peft_config)
-        self.aggregator = aggregator if aggregator is not None else aggregator_from_config(args, args.num_clients)
-        self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
-        for message in args.federation_warnings(self.reward_range):
-            logger.warning(message)
-        self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
-        self.node_wait_timeout = node_wait_timeout
+        model = with_federated_adapter(model, args.seed, peft_config)
+        if aggregator is None:
+            aggregator = aggregator_from_config(args, args.num_clients)
+        if reward_funcs is not None and not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        # The server holds no client data: a checkpoint pins the model, LoRA, aggregation and training settings.
+        self.server = FederatedServer(
+            model, args, aggregator, reward_funcs,
+            num_samples=None if registry is None else registry.num_samples(), callbacks=callbacks,
+            processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
+            dataset_name=dataset_name, report_header=report_header,
+        )
         if reply_timeout is None:
             reply_timeout = DEFAULT_REPLY_TIMEOUT if args.client_timeout is None else args.client_timeout + REPLY_SLACK
         self.reply_timeout = reply_timeout
-        self.global_state: AdapterState = get_adapter_state(self.model)
-        self.history: list[RoundRecord] = []
-        self.client_controls: dict[str, AdapterState] = {}  # SCAFFOLD's c_i, by client id
-        self.evaluations: dict[int, dict] = {}  # the Flower path does not evaluate on the server
-        # The server holds no client data: a checkpoint pins the model, LoRA, aggregation and training settings.
-        self.identity = run_identity(self.model, {}, self.aggregator, args)
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
         self.node_clients: dict[int, tuple[str, int]] = {}  # Flower node id → (client id, client index)
         self.client_indices: dict[str, int] = {}  # client id → client index, as first bound to a node
         self.client_keys: dict[str, bytes] = {}  # client id → public key of the node first bound to it
-        # Every reply enters the server through this gate (the runner's own): decoding, identity, values, bounds.
-        self.gate = UpdateGate.from_config(
-            args, self.global_state, self.reward_range, control=isinstance(self.aggregator, ScaffoldAggregator),
-            num_samples=None if registry is None else registry.num_samples(),
-        )
-        self._awaiting: set[int] = set()  # nodes sent a train message this round that have not replied
-        self._early_drops: dict[str, str] = {}  # clients dropped before training (no answer to IDENTIFY)
-        self._round_started = 0.0
+        self._sent: list[_Sent] = []  # this round's train messages, until their replies are in
+        self._early_drops: dict[str, str] = {}  # nodes sent no training message this round, with the reason
+
+    # The server's state --------------------------------------------------------------------------------------
+
+    @property
+    def global_state(self):
+        return self.server.global_state
+
+    @property
+    def aggregator(self) -> Aggregator:
+        return self.server.aggregator
+
+    @property
+    def history(self) -> list[RoundRecord]:
+        return self.server.history
+
+    @property
+    def client_controls(self):
+        """SCAFFOLD's c_i, by client id."""
+        return self.server.client_controls
+
+    @property
+    def model(self) -> PeftModel:
+        return self.server.model
 
     # Running -----------------------------------------------------------------------------------------------
 
     def run(self, grid: Grid) -> list[RoundRecord]:
         """Run the rounds left of `args.num_rounds` (all, or those after the checkpoint `args.resume_from_checkpoint`
-        names) and save the final global adapter in `output_dir` (PEFT layout)."""
-        resume_from = prepare_output_dir(self.args)
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-        remaining = self.args.num_rounds - self.first_round
-        if remaining > 0:
-            self.start(grid, state_to_array_record(self.global_state), num_rounds=remaining, timeout=self.reply_timeout)
-        save_adapter(self.model, self.global_state, self.args.output_dir)
+        names) and write the run's outputs (see the class docstring)."""
+        self.start(grid)
         return self.history
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord | None = None,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's `Strategy.start`, for a ServerApp of one's own (see `examples/flower/fgrpo_app/own_server_app.py`).
+
+        `initial_arrays`, when given, is the global adapter the federation starts from (the model's own adapter
+        otherwise; it must have its keys and shapes); a resumed run starts from its checkpoint instead. `num_rounds`,
+        when given, must be `args.num_rounds`, the federation's length (the learning-rate schedule and the last
+        evaluation follow it); a resumed run does the rounds its checkpoint lacks. `timeout` is the reply timeout of
+        a round (default: the strategy's `reply_timeout`); `train_config` entries travel in every train message's
+        config record. The run's outputs are written at the end; the `Result` holds the final global adapter and each
+        round's metrics (`callbacks.round_logs`).
+        """
+        show_package_logs()
+        if num_rounds is not None and num_rounds != self.args.num_rounds:
+            raise ValueError(
+                f"num_rounds={num_rounds}, but the federation's FedGRPOConfig.num_rounds is {self.args.num_rounds}: set "
+                "num_rounds there (the learning-rate schedule and the last evaluation follow it; a resumed run does "
+                "the rounds its checkpoint lacks), and leave num_rounds out or equal to it."
+            )
+        if initial_arrays is not None:
+            self._set_initial_adapter(initial_arrays)
+        self.first_round = self.server.start_run()
+        remaining = self.args.num_rounds - self.first_round
+        result = Result(arrays=state_to_array_record(self.global_state))
+        if remaining > 0:
+            result = super().start(
+                grid, state_to_array_record(self.global_state), num_rounds=remaining,
+                timeout=self.reply_timeout if timeout is None else timeout, train_config=train_config,
+                evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
+            )
+        self.server.finish_run()
+        return result
+
+    def _set_initial_adapter(self, initial_arrays: ArrayRecord) -> None:
+        from ..aggregation.base import check_state
+
+        state = array_record_to_state(initial_arrays)
+        check_state(state, self.server.global_state, "`initial_arrays`")
+        server = self.server
+        if self.args.beta != 0 and any(not torch.equal(state[key], value) for key, value in server.global_state.items()):
+            raise ValueError(
+                "`initial_arrays` differ from the seeded adapter, but beta != 0: each ClientApp's KL reference π_ref "
+                "is its own seeded adapter θ^{[0]}, so the federation must start from it (leave initial_arrays out), "
+                "or set beta: 0."
+            )
+        server.global_state = {key: value.to(server.global_state[key].dtype) for key, value in state.items()}
+        server.gate.open_round(server.global_state)
 
     def summary(self) -> None:
         logger.info(
-            "FederatedStrategy: %s, %d clients, rounds %d-%d of %d, output_dir %s",
-            type(self.aggregator).__name__, self.args.num_clients, self.first_round, self.args.num_rounds - 1,
-            self.args.num_rounds, self.args.output_dir,
+            "FederatedStrategy: %s, %d clients (at least %d a round), rounds %d-%d of %d, wire %s/%s, output_dir %s",
+            type(self.aggregator).__name__, self.args.num_clients, self.args.min_clients_per_round, self.first_round,
+            self.args.num_rounds - 1, self.args.num_rounds, self.args.lora_aggregation, self.args.transfer_dtype,
+            self.args.output_dir,
         )
 
     def _round_idx(self, server_round: int) -> int:
         return self.first_round + server_round - 1
-
-    def _fire(self, hook: str, **kwargs) -> None:
-        fire_round_callbacks(self.callbacks, hook, self.args, **kwargs)
 
     # Training ----------------------------------------------------------------------------------------------
 
@@ -175,97 +252,75 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One train message per connected SuperNode that serves a client of the federation, carrying the global
-        adapter (kept here as tensors: `arrays` holds the same values) and the round; under SCAFFOLD also c and that
-        client's c_i."""
+        adapter as the wire format sends it (kept here as tensors: `arrays` holds the same values), the round, the
+        wire format and `config`'s entries; under SCAFFOLD also c and that client's c_i."""
         round_idx = self._round_idx(server_round)
-        self._round_started = time.perf_counter()
-        self._fire("on_round_begin", round_idx=round_idx)
+        self.server.begin_round(round_idx)
         self._early_drops = {}
         node_ids = self._identify(grid, self._wait_for_nodes(grid, round_idx))
-        if isinstance(self.aggregator, ScaffoldAggregator):
-            server_control = self.aggregator.server_control(self.global_state)
-            contents = {
-                node_id: TrainInstruction(
-                    self.global_state, round_idx, self.args.num_clients,
-                    (server_control, self.client_control(self.node_clients[node_id][0])),
-                ).to_content()
-                for node_id in node_ids
-            }
-        else:
-            content = TrainInstruction(self.global_state, round_idx, self.args.num_clients).to_content()
-            contents = dict.fromkeys(node_ids, content)
-        self._awaiting = set(node_ids)
-        return [
-            Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
-            for node_id, content in contents.items()
-        ]
+        self._sent = []
+        for node_id in node_ids:
+            client_id, client_index = self.node_clients[node_id]
+            sent, controls = self.server.broadcast(client_id)
+            content = TrainInstruction(
+                sent, round_idx, self.args.num_clients, controls, self.args.lora_aggregation, self.args.transfer_dtype,
+            ).to_content(dict(config or {}))
+            message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
+            self._sent.append(_Sent(message, node_id, client_id, client_index, time.time()))
+        logger.info("Round %d: sent the global adapter to %s.", round_idx,
+                    ", ".join(sent.client_id for sent in self._sent) or "no client")
+        return [sent.message for sent in self._sent]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Admit the replies, aggregate the accepted updates, record and checkpoint the round."""
+        """Deliver each reply to the server, drop the clients that sent none, aggregate, record and checkpoint the
+        round; the metrics are the round's log entry (`callbacks.round_logs`: each client's R̄, h, ω, bytes, τ,
+        the evaluation)."""
         round_idx = self._round_idx(server_round)
-        dropped = dict(self._early_drops)
-        self.gate.open_round(self.global_state)
+        # The grid gave each message its id when it pushed it: a reply names the id it answers.
+        awaiting = {sent.message.metadata.message_id: sent for sent in self._sent}
         accepted: list[tuple[int, ClientUpdate]] = []
         for reply in replies:
-            self._receive(reply, round_idx, accepted, dropped)
-        for node_id in sorted(self._awaiting):
-            reason = f"no reply within {self.reply_timeout:.0f} s"
-            self._drop(round_idx, self._node_label(node_id), "timeout", reason, dropped)
-        self._awaiting = set()
-
+            self._receive(reply, round_idx, awaiting, accepted)
+        now = time.time()
+        for sent in awaiting.values():
+            self.server.drop(sent.client_id, "timeout",
+                             f"no reply after {now - sent.sent_at:.0f} s (reply timeout {self.reply_timeout:.0f} s)")
+        self._sent = []
         # The runner's order, so that summation order, and with it every bit of the result, is the same.
-        updates = [update for _, update in sorted(accepted, key=lambda pair: pair[0])]
-        for update in updates:
-            if update.control_delta is not None:
-                control = self.client_control(update.client_id)
-                self.client_controls[update.client_id] = {
-                    key: control[key] + delta for key, delta in update.control_delta.items()
-                }
-            self._fire("on_client_end", round_idx=round_idx, update=update)
-        if len(updates) < self.args.min_clients_per_round:
-            reasons = "; ".join(f"{client_id}: {reason}" for client_id, reason in dropped.items())
-            raise NotEnoughClientsError(
-                f"Round {round_idx}: only {len(updates)} clients reported a valid update, fewer than "
-                f"min_clients_per_round={self.args.min_clients_per_round}. Dropped: {reasons or 'none'}. The run "
-                "stops; its last checkpoint, if any, is intact."
-            )
-
-        broadcast_bytes = state_nbytes(self.global_state)
-        # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
-        self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx, check_finite=False)
-        record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, dropped, broadcast_bytes)
-        record.wall_time = time.perf_counter() - self._round_started
-        self.history.append(record)
-        self._fire("on_round_end", record=record)
-        self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round
-        metrics = MetricRecord(
-            {"mean-reward": sum(record.rewards.values()) / len(updates), "clients-aggregated": len(updates)}
-        )
-        return state_to_array_record(self.global_state), metrics
+        for _, update in sorted(accepted, key=lambda pair: pair[0]):
+            self.server.accept(update)
+        record = self.server.end_round()
+        return state_to_array_record(self.global_state), MetricRecord(round_logs(record))
 
     def _receive(
-        self, reply: Message, round_idx: int, accepted: list[tuple[int, ClientUpdate]], dropped: dict[str, str]
+        self, reply: Message, round_idx: int, awaiting: dict[str, _Sent], accepted: list[tuple[int, ClientUpdate]]
     ) -> None:
-        """Admit one reply, or drop its client with the reason. A reply counts only for the client of the node it
-        came from, once, in the round it was asked for; any other reply is logged and ignored."""
+        """Deliver one reply to the server, for the client its train message was addressed to: once, in the round
+        it was asked for. An update counts only when it comes from that client's node; an error may come from the
+        SuperLink (a node that died). Any other reply is logged and ignored."""
         try:
-            node_id, group_id = reply.metadata.src_node_id, reply.metadata.group_id
+            answers, group_id, node_id = reply.metadata.reply_to_message_id, reply.metadata.group_id, reply.metadata.src_node_id
         except Exception as error:  # not a Message: nothing to attribute it to
             logger.warning("Round %d: ignored a reply without metadata (%s).", round_idx, type(error).__name__)
             return
-        if node_id not in self._awaiting or group_id != str(round_idx):
+        sent = awaiting.get(answers)
+        if sent is None or group_id != str(round_idx):
             logger.warning(
                 "Round %d: ignored a reply from node %s for round %s: no train message of this round awaits it "
                 "(late, duplicate or unasked).", round_idx, node_id, bounded_text(group_id, 40),
             )
             return
-        self._awaiting.discard(node_id)
-        client_id, client_index = self.node_clients[node_id]
-        if reply.has_error():
-            kind, reason = self._read_failure(reply, client_id)
-            self._drop(round_idx, client_id, kind, reason, dropped)
+        has_error = reply.has_error()
+        if not has_error and node_id != sent.node_id:
+            logger.warning("Round %d: ignored an update from node %s in answer to the message sent to node %d.",
+                           round_idx, node_id, sent.node_id)
+            return
+        del awaiting[answers]
+        client_id, client_index = sent.client_id, sent.client_index
+        if has_error:
+            self.server.drop(client_id, *self._read_failure(reply, sent))
             return
 
         def decode() -> ClientUpdate:
@@ -278,36 +333,67 @@ class FederatedStrategy(CheckpointedServer, Strategy):
             return update
 
         try:
-            update = self.gate.admit(client_id, decode)
+            update = self.server.admit(client_id, decode)
         except InvalidUpdateError as error:
-            self._drop(round_idx, client_id, "invalid_update", str(error), dropped)
+            self.server.drop(client_id, "invalid_update", str(error))
             return
         accepted.append((client_index, update))
 
-    def client_control(self, client_id: str) -> AdapterState:
-        """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
-        if client_id not in self.client_controls:
-            return zero_control(self.aggregator.server_control(self.global_state))
-        return self.client_controls[client_id]
+    def _read_failure(self, reply: Message, sent: _Sent) -> tuple[str, str]:
+        """(kind, reason) of an error reply to the train message `sent`: the ClientApp's own report
+        (`make_client_app` sends JSON), else Flower's reason (the node became unavailable, its ClientApp process
+        crashed or could not be loaded) with the seconds since the message was sent. The failure is that message's
+        client's, whichever client the report names."""
+        try:
+            elapsed = max(0.0, float(reply.metadata.created_at) - sent.sent_at)
+        except (TypeError, ValueError):
+            elapsed = time.time() - sent.sent_at
+        flower_reason = (f"Flower error {reply.error.code} after {elapsed:.0f} s: "
+                         f"{bounded_text(reply.error.reason)}")
+        try:
+            report = json.loads(reply.error.reason or "")
+        except (json.JSONDecodeError, TypeError, RecursionError):
+            return "error", flower_reason
+        if not isinstance(report, dict) or not isinstance(report.get("reason"), str):
+            return "error", flower_reason
+        kind = report.get("kind") if report.get("kind") in ("error", "timeout") else "error"
+        reason = bounded_text(report["reason"])
+        if report.get("client-id") != sent.client_id:
+            reason += f" (the report names client {bounded_text(repr(report.get('client-id')), 100)})"
+        return kind, reason
+
+    # Which client each node serves ---------------------------------------------------------------------------
 
     def _wait_for_nodes(self, grid: Grid, round_idx: int) -> list[int]:
         """The connected SuperNodes, once all `num_clients` are there (with a registry: all registered ones, so that
-        other nodes cannot start a round early) or `node_wait_timeout` has passed."""
-        deadline = time.monotonic() + self.node_wait_timeout
+        other nodes cannot start a round early) or `args.node_wait_timeout` has passed, logged while waiting."""
+        started = time.monotonic()
+        deadline, next_log = started + self.args.node_wait_timeout, started
         while True:
             node_ids = sorted(grid.get_node_ids())
             if self.registry is None:
                 ready = len(node_ids)
             else:
                 ready = sum(self.registry.client_of(node.public_key) is not None for node in grid.get_nodes())
-            if ready >= self.args.num_clients or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if ready >= self.args.num_clients or now >= deadline:
                 break
-            logger.info("Round %d: %d of %d SuperNodes connected; waiting.", round_idx, ready, self.args.num_clients)
-            time.sleep(2.0)
+            if now >= next_log:
+                logger.info(
+                    "Round %d: %d of %d SuperNodes connected; waiting up to %.0f s more for the others "
+                    "(node_wait_timeout=%.0f s).", round_idx, ready, self.args.num_clients, deadline - now,
+                    self.args.node_wait_timeout,
+                )
+                next_log = now + WAIT_LOG_INTERVAL
+            time.sleep(min(2.0, max(0.0, deadline - now)))
+        if ready < self.args.num_clients:
+            logger.warning("Round %d: %d of %d SuperNodes connected after %.0f s; the round goes on without the others.",
+                           round_idx, ready, self.args.num_clients, time.monotonic() - started)
         if ready < self.args.min_clients_per_round:
             raise NotEnoughClientsError(
                 f"Round {round_idx}: only {ready} SuperNodes of the federation connected after "
-                f"{self.node_wait_timeout:.0f} s, fewer than min_clients_per_round={self.args.min_clients_per_round}."
+                f"{self.args.node_wait_timeout:.0f} s (node_wait_timeout), fewer than min_clients_per_round="
+                f"{self.args.min_clients_per_round}."
             )
         return node_ids
 
@@ -330,11 +416,17 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         elif unknown:
             keys = {node.node_id: bytes(node.public_key) for node in grid.get_nodes()}
             queries = [Message(RecordDict(), dst_node_id=node_id, message_type=IDENTIFY) for node_id in unknown]
-            for reply in grid.send_and_receive(queries, timeout=self.reply_timeout):
-                node_id = getattr(getattr(reply, "metadata", None), "src_node_id", None)
+            replies = grid.send_and_receive(queries, timeout=self.reply_timeout)
+            # As for training: a reply is attributed by the query it answers (an error may come from the SuperLink).
+            asked = {query.metadata.message_id: query.metadata.dst_node_id for query in queries}
+            for reply in replies:
+                metadata = getattr(reply, "metadata", None)
+                node_id = asked.get(getattr(metadata, "reply_to_message_id", None))
                 try:
-                    if node_id not in unknown or node_id in self.node_clients or node_id in refused:
+                    if node_id is None or node_id in self.node_clients or node_id in refused:
                         continue  # not asked, or answered twice: the first answer stands
+                    if not reply.has_error() and metadata.src_node_id != node_id:
+                        continue  # an identity speaks only for the node that sends it
                     if reply.has_error():
                         refused[node_id] = f"did not identify its client ({bounded_text(reply.error.reason, 200)})"
                         continue
@@ -346,9 +438,8 @@ class FederatedStrategy(CheckpointedServer, Strategy):
                     refused[node_id] = refused_because
         for node_id in node_ids:
             if node_id not in self.node_clients:
-                reason = refused.get(node_id, "did not identify its client")
-                logger.warning("Node %d is sent no training message: %s.", node_id, reason)
-                self._early_drops[self._node_label(node_id)] = reason
+                self._early_drops[f"node-{node_id}"] = reason = refused.get(node_id, "did not identify its client")
+                self.server.refuse(f"node-{node_id}", reason)
         return [node_id for node_id in node_ids if node_id in self.node_clients]
 
     def _bind(self, node_id: int, client_id: str, client_index: int, key: bytes, connected: list[int]) -> str | None:
@@ -379,33 +470,7 @@ class FederatedStrategy(CheckpointedServer, Strategy):
         self.client_indices[client_id] = client_index
         return None
 
-    def _drop(self, round_idx: int, client_id: str, kind: str, reason: str, dropped: dict[str, str]) -> None:
-        logger.warning("Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason)
-        dropped[client_id] = reason
-        self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
-
-    def _node_label(self, node_id: int) -> str:
-        """The client id of a node, or its node id when it serves no known client."""
-        return self.node_clients[node_id][0] if node_id in self.node_clients else f"node-{node_id}"
-
-    def _read_failure(self, reply: Message, client_id: str) -> tuple[str, str]:
-        """(kind, reason) of an error reply from the node of `client_id`: the ClientApp's own report
-        (`make_client_app` sends JSON), else Flower's reason (the ClientApp process crashed or could not be loaded).
-        The failure is that node's client's, whichever client the report names."""
-        flower_reason = f"Flower error {reply.error.code}: {bounded_text(reply.error.reason)}"
-        try:
-            report = json.loads(reply.error.reason or "")
-        except (json.JSONDecodeError, TypeError, RecursionError):
-            return "error", flower_reason
-        if not isinstance(report, dict) or not isinstance(report.get("reason"), str):
-            return "error", flower_reason
-        kind = report.get("kind") if report.get("kind") in ("error", "timeout") else "error"
-        reason = bounded_text(report["reason"])
-        if report.get("client-id") != client_id:
-            reason += f" (the report names client {bounded_text(repr(report.get('client-id')), 100)})"
-        return kind, reason
-
-    # Evaluation happens outside the federation (see the class docstring) ------------------------------------
+    # Evaluation is the server's (`eval_dataset`, in `aggregate_train`), not the ClientApps' ---------------------
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -414,14 +479,3 @@ class FederatedStrategy(CheckpointedServer, Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
-
-    # Checkpoints -------------------------------------------------------------------------------------------
-
-    def load_checkpoint(self, path: str | Path) -> int:
-        """Restore the server state of a checkpoint of this federation (same base model, LoRA configuration and
-        aggregator, else `CheckpointMismatchError`); the next round run is the one after it."""
-        checkpoint = self.restore_checkpoint(path)
-        self.first_round = checkpoint.round_idx + 1
-        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
-        logger.info("Resumed from %s: continuing with round %d.", path, self.first_round)
-        return checkpoint.round_idx

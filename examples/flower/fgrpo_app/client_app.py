@@ -7,31 +7,39 @@ from datasets import Dataset, load_dataset, load_from_disk
 from flwr.app import Context
 
 from trl_federated import FedGRPOConfig
-from trl_federated.cli import BenchmarkArguments, load_benchmark
+from trl_federated.cli import BenchmarkArguments, load_benchmark, load_model, lora_config
 from trl_federated.data import partition_clients
 from trl_federated.flower import ClientSite, make_client_app
-from trl_federated.models import load_model_and_tokenizer
 
-from .task import lora_config, read_config, rewards
+from .task import read_config, rewards
 
 
 def site_dataset(node_config, args: FedGRPOConfig, data_args: BenchmarkArguments) -> Dataset:
     """The data owner's training set: the SuperNode's `data-path` (a `save_to_disk` folder or a JSON Lines file
     with a `prompt` column and the columns the rewards read, `answer` for accuracy), or, to try the app out
-    without data of one's own, this node's Dirichlet share of the embedded benchmark (the split the in-process
-    runner makes)."""
+    without data of one's own, this node's Dirichlet share of the benchmark (the split the in-process runner makes
+    for `num_clients` clients)."""
     if "data-path" in node_config:
         path = Path(node_config["data-path"])
         return load_from_disk(str(path)) if path.is_dir() else load_dataset("json", data_files=str(path), split="train")
     train, _ = load_benchmark(data_args)
-    return partition_clients(train, args)[int(node_config["partition-id"])]
+    shares, index = partition_clients(train, args), int(node_config["partition-id"])
+    if not 0 <= index < len(shares):
+        raise ValueError(f"partition-id={index} is outside the federation's num_clients={len(shares)} clients.")
+    return shares[index]
 
 
 def load_site(context: Context) -> ClientSite:
     args, model_args, data_args = read_config(context)
+    if data_args.trainer_class is not None:
+        # The trainer class is fixed when the ClientApp is made, before any config is read.
+        raise ValueError(
+            f"`trainer_class` ({data_args.trainer_class!r}) is not read by this app: pass the class to "
+            "`make_client_app(load_site, trainer_class=...)` in client_app.py."
+        )
     # A local scratch folder: the server, not the client, saves the federation's adapters and logs.
     args.output_dir = str(context.node_config.get("work-dir", Path(tempfile.gettempdir()) / "fgrpo-client"))
-    model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path)
+    model, tokenizer = load_model(model_args, args)
     return ClientSite(
         model=model,
         processing_class=tokenizer,

@@ -1,27 +1,26 @@
-"""What the ServerApp and the ClientApps share: the configuration file, the model, LoRA and the rewards."""
+"""What the ServerApp and the ClientApps share: the configuration, the model, LoRA and the rewards."""
 
 from pathlib import Path
 
 from flwr.app import Context
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig
 
 from trl_federated import FedGRPOConfig
-from trl_federated.cli import BenchmarkArguments, config_class, reward_functions
-from trl_federated.runner import default_lora_config
+from trl_federated.cli import BenchmarkArguments, reward_functions
+from trl_federated.flower.run_config import NUM_PARTITIONS, federation_arguments
 
 APP_DIR = Path(__file__).resolve().parents[1]
+# This app's own run-config keys; every other key sets the field of its name (see `trl_federated.flower.run_config`).
+APP_KEYS = ("resume", "clients-file")
 
 
 def read_config(context: Context) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
-    """The run config's `config` YAML (relative to the app folder, or absolute), parsed as `trl-federated run`
-    parses it."""
-    argv = ["--config", str(APP_DIR / context.run_config["config"])]
-    parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
-    return parser.parse_args_and_config(argv)
-
-
-def lora_config(model_args: ModelConfig):
-    return get_peft_config(model_args) if model_args.use_peft else default_lora_config()
+    """The run config's `config` YAML (relative to the app folder, or absolute) overridden by the run config's
+    field keys (`--run-config "num-rounds=5 lr-scheduler-type='cosine'"`), parsed as `trl-federated run` parses its
+    flags. Under the Simulation Engine `num_clients` follows the number of simulated SuperNodes (`num-partitions`)."""
+    return federation_arguments(
+        context.run_config, APP_DIR, app_keys=APP_KEYS, federation_size=context.node_config.get(NUM_PARTITIONS)
+    )
 
 
 def rewards(data_args: BenchmarkArguments):

@@ -1,0 +1,136 @@
+"""`flwr run examples/flower` on Flower's Simulation Engine, as the README's quick-try runs it (a managed local
+SuperLink, no runtime dependency installation), on the tiny model: the number of clients follows the simulated
+SuperNodes, run-config keys override the YAML on the server and on every client, and a `num-clients` that differs
+from the federation is refused before anything trains, in the `flwr run` output."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from trl_federated import FedGRPOConfig  # noqa: E402
+from trl_federated.cli import BenchmarkArguments, load_benchmark  # noqa: E402
+from trl_federated.data import partition_clients  # noqa: E402
+from trl_federated.flower import make_client_app  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+APP_DIR = ROOT / "examples" / "flower"
+BENCHMARK_SIZE = 40
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def managed_superlinks(flwr_home: Path) -> list[int]:
+    """The pids of the local SuperLinks `flwr run` started for `flwr_home` (their command line names its log)."""
+    log_file = str(flwr_home / "local-superlink" / "superlink.log")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.name.isdigit() and log_file.encode() in command:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def flwr_env(tmp_path_factory):
+    """The environment of the README's quick-try, with its own FLWR_HOME and ports; the SuperLink that `flwr run`
+    starts (detached, as Flower does) is stopped afterwards."""
+    flwr_home = tmp_path_factory.mktemp("flwr-home")
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    yield env
+    for pid in managed_superlinks(flwr_home):
+        os.killpg(pid, signal.SIGTERM)  # its own session: the SuperLink and the processes it started
+    deadline = time.monotonic() + 10
+    while managed_superlinks(flwr_home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in managed_superlinks(flwr_home):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def flwr_run(env, cwd, num_supernodes, run_config):
+    """`flwr run examples/flower --stream` with Flower's default local connection; its output."""
+    started = time.perf_counter()
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "flwr"), "run", str(APP_DIR), "--stream",
+         "--federation-config", f"num-supernodes={num_supernodes}", "--run-config", run_config],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=400,
+    )
+    print(f"flwr run with {num_supernodes} simulated SuperNodes: {time.perf_counter() - started:.1f} s")
+    return result.stdout + result.stderr
+
+
+def tiny_run_config(model_dir, output_dir, **extra):
+    values = {
+        "model-name-or-path": f"'{model_dir}'", "output-dir": f"'{output_dir}'", "num-rounds": 1, "local-steps": 1,
+        "reward-window": 1, "max-completion-length": 8, "per-device-train-batch-size": 4,
+        "benchmark-size": BENCHMARK_SIZE, "dirichlet-alpha": "'inf'", "learning-rate": 0.001, **extra,
+    }
+    return " ".join(f"{key}={value}" for key, value in values.items())
+
+
+def events(output_dir, name):
+    lines = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if line["event"] == name]
+
+
+def test_a_client_app_reaches_the_ray_actors():
+    """The Simulation Engine's Ray backend sends the ClientApp to its actors by value (cloudpickle)."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    assert isinstance(cloudpickle.loads(cloudpickle.dumps(make_client_app(lambda context: None))), ClientApp)
+
+
+@pytest.mark.slow  # about a minute on 2 CPU cores: the SuperLink, Ray, and one round of every simulated client
+@pytest.mark.parametrize("num_supernodes", [2, 4])
+def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes):
+    output_dir = tmp_path / "outputs"
+    output = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir))
+    assert (output_dir / "adapter_model.safetensors").exists(), output[-5000:]
+
+    # num-rounds=1 overrides the YAML's 3; every client trained with learning-rate=0.001, not the YAML's 2e-4.
+    assert [line["round_idx"] for line in events(output_dir, "round")] == [0]
+    clients = events(output_dir, "client")
+    assert [line["client_id"] for line in clients] == [f"client_{index}" for index in range(num_supernodes)]
+    assert all(line["learning_rate"] == 0.001 and len(line["step_rewards"]) == 1 for line in clients)
+    # Each client trained on its share of the benchmark split for num_supernodes clients.
+    args = FedGRPOConfig(output_dir=str(tmp_path / "unused"), use_cpu=True, bf16=False, num_clients=num_supernodes, seed=0,
+                         dirichlet_alpha=float("inf"))
+    train, _ = load_benchmark(BenchmarkArguments(benchmark_size=BENCHMARK_SIZE))
+    assert [line["num_samples"] for line in clients] == [len(share) for share in partition_clients(train, args)]
+
+
+@pytest.mark.slow
+def test_simulation_refuses_num_clients_other_than_its_supernodes(flwr_env, tmp_path, tiny_model_dir):
+    output_dir = tmp_path / "outputs"
+    output = flwr_run(flwr_env, tmp_path, 2, tiny_run_config(tiny_model_dir, output_dir, **{"num-clients": 3}))
+    assert "FederationSizeError: The federation has 2 SuperNodes" in output, output[-5000:]
+    assert "run-config key `num-clients` asks for 3 clients" in output
+    assert not (output_dir / "metrics.jsonl").exists()

@@ -1,0 +1,338 @@
+"""The client side of FGRPO (Algorithm 1, lines 4-18) on any `trl.GRPOTrainer` subclass: what one client's trainer
+adds to the class it extends for a local round (R̄ from TRL's logs, the shared-prefix loss, the federation-wide
+learning-rate schedule) and the callbacks a client round attaches (FedProx, SCAFFOLD, the round deadline).
+
+`client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
+on `LocalGRPOMixin` and adds federated `train()`, which drives `FederatedRunner`. The modules import downwards only:
+trainer → runner → client → local_trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections import defaultdict
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from peft import get_peft_model_state_dict
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from .distributed import from_main_process
+from .gated_mlp import recomputed_gated_mlp
+from .shared_prefix import (
+    REGROUPABLE_LOSS_TYPES,
+    SharedPrefixStats,
+    micro_batches_by_prompt,
+    shared_prefix_logps_and_entropies,
+    unsupported_reason,
+)
+
+
+class LocalGRPOMixin:
+    """What a client's trainer adds to any `trl.GRPOTrainer` subclass; put it first among the bases, or let
+    `local_trainer(MyTrainer)` do so. With its own config the trainer trains exactly like the class it extends.
+
+    On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the B prompts x K completions the
+    step trained on, summed over reward functions with their weights, as TRL logs `reward`) in `step_rewards`, and
+    `window_reward()` gives the client's report R̄^{[t]}: the mean of the last `reward_window` (W) steps. With a
+    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`), the shared-prefix loss (`shared_prefix`) and,
+    for a client of a federation (`federation_round` set), the learning-rate schedule of the whole federation.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
+        if fedprox_mu:
+            self.add_callback(ProximalTerm(fedprox_mu))
+        if getattr(self.args, "shared_prefix", False) and _overrides(type(self), "_get_per_token_logps_and_entropies"):
+            raise ValueError(
+                f"`shared_prefix` replaces `_get_per_token_logps_and_entropies`, which {base_name(type(self))} "
+                "overrides: set `shared_prefix=False` to keep that override."
+            )
+        self.shared_prefix_stats = SharedPrefixStats()
+        # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
+        # one optimizer step, once, and GRPOTrainer's own loss normalises each independently of which rows it holds;
+        # a custom loss or batching may not, so it keeps TRL's micro-batches.
+        self._groups_micro_batches_by_prompt = (
+            getattr(self.args, "shared_prefix", False)
+            and self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
+            and self.num_iterations == 1
+            and self.loss_type in REGROUPABLE_LOSS_TYPES
+            and not any(_customises(type(self), name) for name in ("_compute_loss", "compute_loss", "_prepare_inputs"))
+        )
+
+    def _prepare_inputs(self, generation_batch):
+        """With `shared_prefix`, the micro-batches TRL cuts from a fresh generation batch are re-cut by prompt
+        (`shared_prefix.micro_batches_by_prompt`), where that leaves the optimizer step's gradient unchanged."""
+        if not (self._groups_micro_batches_by_prompt and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        fresh = self._buffered_inputs is None or self._step % self.args.steps_per_generation == 0
+        inputs = super()._prepare_inputs(generation_batch)
+        if fresh:
+            self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **extra_inputs,
+    ):  # fmt: skip
+        """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
+        (`shared_prefix.py`). Either way SiLU-gated MLPs keep half their activations for the backward, with
+        autograd's gradients (`gated_mlp.py`)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        with recomputed_gated_mlp(unwrapped):
+            if getattr(self.args, "shared_prefix", False):
+                prompt_length = input_ids.size(1) - logits_to_keep
+                reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
+                if reason is None:
+                    logps, entropies = shared_prefix_logps_and_entropies(
+                        model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                        autocast=self.accelerator.autocast, stats=self.shared_prefix_stats,
+                    )  # fmt: skip
+                    return logps, entropies, None
+                self.shared_prefix_stats.record_fallback(reason)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **extra_inputs,
+            )  # fmt: skip
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
+        the whole federation, `num_rounds * local_steps` steps with its warmup, and starts at this round's first
+        step t·E, so that a fresh trainer per round continues the schedule rather than restarting it."""
+        round_idx = getattr(self.args, "federation_round", None)
+        if round_idx is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        federation_schedule = super().create_scheduler(self.args.num_rounds * self.args.local_steps, optimizer)
+        if not isinstance(federation_schedule, LambdaLR):
+            raise ValueError(
+                f"`lr_scheduler_type={self.args.lr_scheduler_type!r}` cannot continue across rounds (it is not a "
+                "function of the step); use 'constant' or a step-based schedule such as 'linear' or 'cosine'."
+            )
+        first_step = round_idx * self.args.local_steps
+        self.lr_scheduler = LambdaLR(
+            federation_schedule.optimizer,
+            [functools.partial(_from_step, schedule, first_step) for schedule in federation_schedule.lr_lambdas],
+        )
+        return self.lr_scheduler
+
+    @property
+    def step_rewards(self) -> list[float]:
+        """R̄^{[t,e]} for every optimisation step e taken so far, read from TRL's training logs (`log_history`).
+
+        TRL logs `reward`, the mean reward of the generation batches since the last log (over the B prompts x K
+        completions, summed over reward functions with their weights, gathered over processes). A step with no
+        generation of its own (it reuses a batch: `num_iterations > 1`, or `steps_per_generation` above
+        `gradient_accumulation_steps`) is credited with the last batch's reward: it trained on those completions.
+        Federated clients log every step; with `logging_steps > 1` each step gets the mean of its logging interval.
+        """
+        rewards, current, last_step = [], float("nan"), 0
+        for entry in self.state.log_history:
+            if "loss" not in entry:  # evaluation and end-of-training entries
+                continue
+            if "reward" in entry:
+                current = float("nan") if entry["reward"] is None else entry["reward"]
+            rewards.extend([current] * (entry["step"] - last_step))
+            last_step = entry["step"]
+        return rewards
+
+    def mean_step_metrics(self) -> dict[str, float]:
+        """The mean over the logged optimisation steps of every other metric TRL logs per step, under TRL's names
+        (`completions/mean_length`, `rewards/<name>/mean`, `kl`, `entropy`, `grad_norm`, ...). `reward` and `loss`
+        are left out: R̄ (`window_reward`) and the training loss report them. A step's missing or non-finite value
+        (TRL logs None for a reward that scored nothing) is skipped."""
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        for entry in self.state.log_history:
+            if "loss" not in entry:  # evaluation and end-of-training entries
+                continue
+            for name, value in entry.items():
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if name in ("loss", "reward", "step", "epoch") or not number or not math.isfinite(value):
+                    continue
+                sums[name] += value
+                counts[name] += 1
+        return {name: sums[name] / counts[name] for name in sums}
+
+    def window_reward(self, window: int | None = None) -> float:
+        """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
+        rewards = self.step_rewards
+        if not rewards:
+            raise RuntimeError(
+                "No logged optimisation step: call train() before window_reward(), with a `logging_strategy` that "
+                "logs steps (R̄ is read from TRL's training logs)."
+            )
+        window = window or getattr(self.args, "reward_window", None) or len(rewards)
+        return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
+
+
+
+def local_trainer(trainer_class: type[GRPOTrainer]) -> type[LocalGRPOMixin]:
+    """`trainer_class`, a `trl.GRPOTrainer` subclass, with `LocalGRPOMixin` mixed in (a class that has it already,
+    such as `FedGRPOTrainer` or `federated(...)`'s, is returned as it is); made once per class."""
+    require_grpo_trainer(trainer_class)
+    if issubclass(trainer_class, LocalGRPOMixin):
+        return trainer_class
+    return _local_class(trainer_class)
+
+
+@functools.cache
+def _local_class(trainer_class: type[GRPOTrainer]) -> type[LocalGRPOMixin]:
+    return type(
+        f"Local{trainer_class.__name__}",
+        (LocalGRPOMixin, trainer_class),
+        {"__module__": trainer_class.__module__, "__doc__": f"`{base_name(trainer_class)}` with `LocalGRPOMixin`."},
+    )
+
+
+def require_grpo_trainer(trainer_class) -> None:
+    """Raise `TypeError` unless `trainer_class` is a `trl.GRPOTrainer` subclass."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, GRPOTrainer)):
+        raise TypeError(
+            f"Only a `trl.GRPOTrainer` subclass can be federated, got {trainer_class!r}: the federation reads R̄ from "
+            "GRPOTrainer's logs and builds one such trainer per client round."
+        )
+
+
+def _is_mixin(klass: type) -> bool:
+    """`LocalGRPOMixin` or a mixin built on it (`trainer.FederatedGRPOMixin`), as opposed to a trainer class."""
+    return issubclass(klass, LocalGRPOMixin) and not issubclass(klass, GRPOTrainer)
+
+
+def _overrides(trainer_class: type, name: str) -> bool:
+    """Whether a class between the mixins and `GRPOTrainer` in `trainer_class`'s MRO defines `name`: an override
+    the mixin's own `name` would bypass."""
+    mro = trainer_class.__mro__
+    below = mro[mro.index(LocalGRPOMixin) + 1 : mro.index(GRPOTrainer)]
+    return any(name in vars(klass) for klass in below)
+
+
+def _customises(trainer_class: type, name: str) -> bool:
+    """Whether any class of `trainer_class`'s MRO before `GRPOTrainer`, other than the mixins, defines `name`."""
+    mro = trainer_class.__mro__
+    return any(name in vars(klass) for klass in mro[: mro.index(GRPOTrainer)] if not _is_mixin(klass))
+
+
+def base_name(trainer_class: type) -> str:
+    """The name of the trainer class a federated or local class extends (its first class without the mixins)."""
+    base = next((klass for klass in trainer_class.__mro__ if not issubclass(klass, LocalGRPOMixin)), trainer_class)
+    return f"{base.__module__}.{base.__qualname__}"
+
+
+def _from_step(schedule, first_step: int, step: int) -> float:
+    """`schedule` (a LambdaLR factor) read `first_step` steps later; a module function, so the scheduler pickles."""
+    return schedule(first_step + step)
+
+
+class ProximalTerm(TrainerCallback):
+    """FedProx (Li et al., MLSys 2020) on the trainable (adapter) parameters.
+
+    The local objective gains μ/2 ||θ − θ^{[t]}||², where θ^{[t]} is the adapter the client started the round
+    from. Its gradient μ (θ − θ^{[t]}) is added to the GRPO gradient right before every optimizer step: exact
+    whatever the gradient accumulation, and, like the penalty itself, not subject to gradient clipping.
+    """
+
+    def __init__(self, mu: float):
+        self.mu = mu
+        self.params: list[torch.Tensor] = []
+        self.anchor: list[torch.Tensor] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.params = [param for param in model.parameters() if param.requires_grad]
+        self.anchor = [param.detach().clone() for param in self.params]
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        with torch.no_grad():
+            torch._foreach_add_(
+                [param.grad for param in self.params], torch._foreach_sub(self.params, self.anchor), alpha=self.mu
+            )
+
+
+class ScaffoldCorrection(TrainerCallback):
+    """The client side of SCAFFOLD (Karimireddy et al., ICML 2020) on the adapter, with a local Adam(W).
+
+    SCAFFOLD corrects every local step by (c − c_i) and afterwards re-estimates the client's control variate with
+    option II: c_i⁺ = c_i − c + (θ^{[t]} − θ_i) / (K η). SCAFFOLD was written for SGD; with Adam the two natural
+    placements of the correction are:
+
+    - `"decoupled"` (default): after each optimizer step, θ ← θ − η_k (c − c_i), outside Adam's normalisation,
+      as AdamW decouples weight decay. Then (θ^{[t]} − θ_i) / Σ_k η_k is the mean Adam direction plus the
+      correction, so option II measures c_i in the units the correction is applied in, and c_i⁺ is exactly the
+      client's mean Adam direction.
+    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD. Adam rescales it per
+      coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered for
+      comparison.
+
+    K η is taken as Σ_k η_k, the learning rates the scheduler actually used. Keys are those of
+    `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
+    """
+
+    def __init__(
+        self,
+        server_control: dict[str, torch.Tensor],
+        client_control: dict[str, torch.Tensor],
+        mode: str = "decoupled",
+    ):
+        if mode not in ("decoupled", "gradient"):
+            raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
+        self.mode = mode
+        self.keys = list(server_control)
+        self.correction = [server_control[key] - client_control[key] for key in self.keys]  # c − c_i
+        self.server_control = [server_control[key] for key in self.keys]
+        self.control_delta: dict[str, torch.Tensor] | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        adapter = get_peft_model_state_dict(model)  # views that share storage with the adapter parameters
+        missing = [key for key in self.keys if key not in adapter]
+        if missing:
+            raise KeyError(f"Control variates have keys the adapter lacks: {missing[:5]}")
+        self.views = [adapter[key] for key in self.keys]
+        parameters = {param.data_ptr(): param for param in model.parameters()}
+        self.params = [parameters[view.data_ptr()] for view in self.views]
+        self.anchor = [view.detach().clone() for view in self.views]
+        self.correction = [c.to(view.device, view.dtype) for c, view in zip(self.correction, self.views)]
+        self.learning_rate_sum = 0.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.mode == "gradient":
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            torch._foreach_add_([param.grad for param in self.params], self.correction)
+
+    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
+        learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
+        self.learning_rate_sum += learning_rate
+        if self.mode == "decoupled":
+            with torch.no_grad():
+                torch._foreach_add_(self.params, self.correction, alpha=-learning_rate)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.learning_rate_sum <= 0:
+            raise RuntimeError("SCAFFOLD needs at least one local step with a positive learning rate.")
+        with torch.no_grad():
+            moved = torch._foreach_sub(self.anchor, [view.detach() for view in self.views])  # θ^{[t]} − θ_i
+            torch._foreach_div_(moved, self.learning_rate_sum)
+            delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
+        self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}
+
+
+class Deadline(TrainerCallback):
+    """Ends local training at the first optimisation step that finishes past `deadline` (a `time.perf_counter()`
+    value). A step in progress, its generation included, is never interrupted: stopping between steps leaves the
+    model, the optimizer and TRL's buffers consistent, which killing a thread mid-step would not."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # The main process's clock decides: processes that stopped at different steps would deadlock.
+        if from_main_process(time.perf_counter() >= self.deadline):
+            control.should_training_stop = True

@@ -1,0 +1,375 @@
+"""`FederatedServer`: the server of a federated run (Algorithm 1, lines 19-22), whatever carries the messages.
+
+The in-process `FederatedRunner` and the Flower `FederatedStrategy` are drivers: they train or reach the clients,
+and deliver every client's reply, or the reason it has none, to this one object. Everything a round does on the
+server happens here, once:
+
+    begin_round(t)          the round opens: callbacks, the admission gate, the traffic of the broadcast
+    broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and,
+                            under SCAFFOLD, c and that client's c_i (the server keeps every c_i, by client id)
+    admit(client_id, ...)   a reply, as it came off the wire, decoded (`transport.WireFormat`), checked and
+                            bounded (`admission.UpdateGate`), its bytes counted
+    accept(update)          an admitted update joins the round (SCAFFOLD's c_i ← c_i + Δc_i)
+    drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
+    end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
+                            the atomic checkpoint, and the round's summary in the log
+
+plus `start_run` (output folder, resume or the evaluation before training) and `finish_run` (the final adapter,
+its model card, `result.json`, the Hub). A new aggregator with per-client state therefore touches this module
+only. Traffic is counted per client and round in both directions, everything that crosses the wire: the adapter
+entries the wire format sends and, under SCAFFOLD, c and c_i down and Δc_i up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from peft import PeftModel
+
+from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
+from .admission import UpdateGate
+from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator
+from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
+from .checkpoint import CheckpointedServer, list_checkpoints, prepare_output_dir, run_identity
+from .client import release_free_memory
+from .config import FedGRPOConfig
+from .distributed import from_main_process, wait_for_everyone
+from .evaluation import check_eval_reward_funcs, evaluate_accuracy
+from .hub import federated_model_card, push_to_hub
+from .reporting import ReportCallback
+from .rewards import combined_reward_range
+from .transport import WireFormat
+
+logger = logging.getLogger(__name__)
+
+
+class NotEnoughClientsError(RuntimeError):
+    """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
+
+
+def zero_control(server_control: AdapterState) -> AdapterState:
+    """SCAFFOLD's c_i of a client before its first accepted update."""
+    return {key: torch.zeros_like(value) for key, value in server_control.items()}
+
+
+@dataclass
+class _Round:
+    """The round in progress: when it began, what each client received, the accepted updates, the drops."""
+
+    round_idx: int
+    started: float
+    broadcast_bytes: int
+    updates: list[ClientUpdate] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)
+
+
+class FederatedServer(CheckpointedServer):
+    """The server state of a federation and every step a round takes on it (see the module docstring).
+
+    Args:
+        model: The `PeftModel` whose active adapter is federated (`runner.with_federated_adapter`); the server
+            keeps the global adapter as tensors and loads it into the model only to evaluate and save.
+        args: The federation's `FedGRPOConfig`.
+        aggregator: The server strategy (`aggregation.aggregator_from_config`).
+        client_datasets: The clients' data where the server holds it (the in-process runner): a checkpoint then
+            pins them, and their sizes replace the clients' reported D_i. Empty for a server that holds none.
+        num_samples: D_i the server knows without the data (a Flower `ClientRegistry`); it replaces the report.
+        reward_funcs: The clients' reward functions (loaded; None when unknown): their declared ranges bound R̄
+            (`rewards.combined_reward_range`), and they score `eval_dataset` unless `eval_reward_funcs` is given.
+        callbacks: `RoundCallback`s (after the `metrics.jsonl` logger, which always comes first).
+        processing_class, eval_dataset: The evaluation of the global adapter before training, every `eval_every`
+            rounds and after the last (none without `eval_dataset`); the tokenizer or processor is loaded from
+            the model's path when not given.
+        eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
+            `reward_funcs` with `args.reward_weights`, as TRL's `reward`).
+        dataset_name: The Hub id of the clients' data, for the model card.
+        report_header: With a header (may be empty), the server also writes `summary.md` and the plots after every
+            round (`reporting.ReportCallback`) and `result.json` when the run ends; None: neither.
+        is_main_process, num_processes: Under `accelerate launch`, the main process aggregates, evaluates and
+            writes; the others receive its results, so every process leaves a round identical.
+    """
+
+    def __init__(
+        self,
+        model: PeftModel,
+        args: FedGRPOConfig,
+        aggregator: Aggregator,
+        reward_funcs=None,
+        client_datasets: Mapping[str, Dataset] | None = None,
+        num_samples: Mapping[str, int] | None = None,
+        callbacks: list | None = None,
+        processing_class=None,
+        eval_dataset: Dataset | None = None,
+        eval_reward_funcs: Callable | Sequence[Callable] | None = None,
+        dataset_name: str | None = None,
+        report_header: str | None = None,
+        is_main_process: bool = True,
+        num_processes: int = 1,
+    ):
+        client_datasets = dict(client_datasets or {})
+        self.args = args
+        self.model = model
+        self.aggregator = aggregator
+        self.global_state: AdapterState = get_adapter_state(model)
+        self.wire = WireFormat.from_config(args, self.global_state)
+        self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
+        if report_header is not None:
+            self.callbacks.append(ReportCallback(args.output_dir, header=report_header))
+        self.writes_result = report_header is not None
+        # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
+        self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
+        for message in args.federation_warnings(self.reward_range):
+            logger.warning(message)
+        self.eval_dataset = eval_dataset
+        self.eval_reward_funcs = self.eval_reward_weights = None
+        if eval_dataset is not None:
+            if eval_reward_funcs is None:
+                eval_reward_funcs, self.eval_reward_weights = reward_funcs, args.reward_weights
+            # A reward model among the training rewards fails now, not after the first round.
+            self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs)
+            if processing_class is None:
+                from .models import load_processing_class
+
+                processing_class = load_processing_class(model.config._name_or_path)
+        self.processing_class = processing_class
+        self.dataset_name = dataset_name
+        self.num_clients = len(client_datasets) or args.num_clients
+        self.is_main_process, self.num_processes = is_main_process, num_processes
+        self.history: list[RoundRecord] = []
+        self.evaluations: dict[int, dict[str, Any]] = {}
+        # SCAFFOLD's c_i, by stable client id: the server receives every Δc_i anyway, so keeping their sum reveals
+        # nothing new, survives a client's restart and is checkpointed.
+        self.client_controls: dict[str, AdapterState] = {}
+        known_samples = {client_id: len(dataset) for client_id, dataset in client_datasets.items()}
+        # Every update enters the server through this gate: decoding, identity, values, sample count, norms.
+        self.gate = UpdateGate.from_config(
+            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples,
+            control=isinstance(aggregator, ScaffoldAggregator),
+        )
+        # What a checkpoint must match to be resumed, taken before any training can touch the model.
+        self.identity = run_identity(model, client_datasets, aggregator, args)
+        self.started = time.perf_counter()
+        self._round: _Round | None = None
+
+    def _fire(self, hook: str, **kwargs) -> None:
+        if self.is_main_process:
+            fire_round_callbacks(self.callbacks, hook, self.args, **kwargs)
+
+    # The run ------------------------------------------------------------------------------------------------
+
+    def start_run(self) -> int:
+        """Prepare `output_dir` and return the first round to run: 0 after evaluating the initial adapter, or the
+        round after the checkpoint `args.resume_from_checkpoint` names, restored."""
+        self.started = time.perf_counter()
+        resume_from = prepare_output_dir(self.args, self.is_main_process)
+        wait_for_everyone()  # the main process may just have cleared output_dir
+        if resume_from is None:
+            if self.is_main_process:
+                self.evaluate(round_idx=-1)
+            return 0
+        first_round = self.load_checkpoint(resume_from) + 1
+        logger.info("Resumed from %s: continuing with round %d of %d.", resume_from, first_round, self.args.num_rounds)
+        return first_round
+
+    def finish_run(self) -> None:
+        """Save the final global adapter in `output_dir` (PEFT layout, with its model card) and `result.json` (with a
+        report header), load it into the model, and push to the Hub when `args.push_to_hub`, last, so that a Hub
+        failure loses nothing."""
+        output_dir = Path(self.args.output_dir)
+        if self.is_main_process:
+            save_adapter(self.model, self.global_state, output_dir)
+            # Over PEFT's placeholder README.md, pushed or not: the folder describes its adapter (see `hub`).
+            card = federated_model_card(self.model, self.args, self.num_clients, self.evaluations, self.dataset_name)
+            card.save(output_dir / "README.md")
+            if self.writes_result:
+                self.write_result(output_dir / "result.json", time.perf_counter() - self.started)
+        set_adapter_state(self.model, self.global_state)
+        wait_for_everyone()
+        if self.args.push_to_hub and self.is_main_process:
+            push_to_hub(self.args)
+
+    def write_result(self, path: str | Path, wall_time: float) -> Path:
+        """`result.json`, written atomically: the evaluations and each round's R̄, h, ω, τ and traffic. Its presence
+        marks a finished run (`trl-federated compare` relies on it)."""
+        keys = ("round_idx", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received", "dropped")
+        result = {
+            "wall_time": wall_time,
+            "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
+            "rounds": [{key: getattr(record, key) for key in keys} for record in self.history],
+        }
+        path = Path(path)
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        temporary.replace(path)
+        return path
+
+    # A round -----------------------------------------------------------------------------------------------
+
+    def begin_round(self, round_idx: int) -> None:
+        """Open round `round_idx`: replies are admitted against the current global adapter from now on."""
+        self._fire("on_round_begin", round_idx=round_idx)
+        self.gate.open_round(self.global_state)
+        broadcast_bytes = state_nbytes(self.wire.sent(self.global_state))
+        if isinstance(self.aggregator, ScaffoldAggregator):  # c and c_i travel with the adapter
+            broadcast_bytes += 2 * state_nbytes(self.aggregator.server_control(self.global_state))
+        self._round = _Round(round_idx, time.perf_counter(), broadcast_bytes)
+
+    def broadcast(self, client_id: str) -> tuple[AdapterState, tuple[AdapterState, AdapterState] | None]:
+        """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
+        frozen ones, `transport.WireFormat.sent`) and, under SCAFFOLD, (c, c_i)."""
+        controls = None
+        if isinstance(self.aggregator, ScaffoldAggregator):
+            controls = (self.aggregator.server_control(self.global_state), self.client_control(client_id))
+        return self.wire.sent(self.global_state), controls
+
+    def client_control(self, client_id: str) -> AdapterState:
+        """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
+        if client_id not in self.client_controls:
+            return zero_control(self.aggregator.server_control(self.global_state))
+        return self.client_controls[client_id]
+
+    def admit(self, client_id: str, receive: Callable[[], ClientUpdate]) -> ClientUpdate:
+        """The update of `client_id` that `receive()` returns as it came off the wire (its `state` the wire
+        payload, `transport.WireFormat.encode`), decoded, checked and bounded, with its `wire_bytes` counted;
+        `InvalidUpdateError`, naming the client and the fault, for anything else (`admission.UpdateGate`)."""
+        return self.gate.admit(client_id, lambda: self.unpack(receive()))
+
+    def unpack(self, update: ClientUpdate) -> ClientUpdate:
+        """`update` with its wire payload decoded into the client's full adapter (the server aggregates what the
+        wire delivers) and `wire_bytes` set to everything it carried: the payload and SCAFFOLD's Δc_i."""
+        payload = update.state
+        update.state = self.wire.decode(payload, self.gate.global_state)
+        update.wire_bytes = state_nbytes(payload) + (0 if update.control_delta is None else state_nbytes(update.control_delta))
+        return update
+
+    def accept(self, update: ClientUpdate) -> None:
+        """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
+        with it every bit of the aggregate, is the same whichever transport delivered it."""
+        if update.control_delta is not None:
+            # c_i ← c_i⁺ = c_i + Δc_i, kept only with an accepted update: the server's c then stays the mean of the
+            # clients' c_i.
+            control = self.client_control(update.client_id)
+            self.client_controls[update.client_id] = {
+                key: control[key] + delta for key, delta in update.control_delta.items()
+            }
+        self._round.updates.append(update)
+        self._fire("on_client_end", round_idx=self._round.round_idx, update=update)
+
+    def drop(self, client_id: str, kind: str, reason: str, error: BaseException | None = None) -> None:
+        """`client_id` leaves the round: `kind` is 'error', 'timeout' or 'invalid_update'; one `client_dropped` line
+        in metrics.jsonl."""
+        round_idx = self._round.round_idx
+        # The traceback only helps with an unexpected error.
+        logger.warning("Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
+                       exc_info=error if kind == "error" else None)
+        self._round.dropped[client_id] = reason
+        self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
+
+    def refuse(self, name: str, reason: str) -> None:
+        """A participant that is no client of the federation (a Flower node that did not say which client it
+        serves, or whose key is not registered) is sent nothing this round: it is named in the round's record and
+        the log, but it has no `client_dropped` line, since it is no client."""
+        logger.warning("Round %d: %s is sent no training message: %s.", self._round.round_idx, name, reason)
+        self._round.dropped[name] = reason
+
+    def end_round(self) -> RoundRecord:
+        """Aggregate the accepted updates into the next global adapter, record, evaluate when due, fire the
+        callbacks and checkpoint; `NotEnoughClientsError`, the last checkpoint intact, with fewer than
+        `min_clients_per_round` updates."""
+        current, args = self._round, self.args
+        round_idx, updates = current.round_idx, current.updates
+        if len(updates) < args.min_clients_per_round:
+            reasons = "; ".join(f"{client_id}: {reason}" for client_id, reason in current.dropped.items())
+            last = list_checkpoints(args.output_dir)
+            raise NotEnoughClientsError(
+                f"Round {round_idx}: only {len(updates)} of {len(updates) + len(current.dropped)} clients reported a "
+                f"valid update, fewer than min_clients_per_round={args.min_clients_per_round}. Dropped: "
+                f"{reasons or 'none'}. The run stops; "
+                f"{f'the last checkpoint, {last[-1]}, is intact' if last else 'no round finished'}."
+            )
+        record = None
+        if self.is_main_process:
+            # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
+            self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx, check_finite=False)
+            record = RoundRecord.from_aggregation(
+                round_idx, self.aggregator, updates, current.dropped, current.broadcast_bytes
+            )
+            if round_idx == args.num_rounds - 1 or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
+                record.evaluation = self.evaluate(round_idx)
+        if self.num_processes > 1:
+            # Every other process receives the new global adapter, the aggregator's state (SCAFFOLD's c steers its
+            # next local steps) and the record, so that all processes leave the round identical.
+            self.global_state, aggregator_state, record = from_main_process(
+                (self.global_state, self.aggregator.state_dict(), record)
+            )
+            self.aggregator.load_state_dict(aggregator_state)
+        record.wall_time = time.perf_counter() - current.started
+        self.history.append(record)
+        self._fire("on_round_end", record=record)
+        if self.is_main_process:
+            self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
+            logger.info("%s", format_round_log(record, args.num_rounds))
+        self._round = None
+        return record
+
+    # Evaluation and checkpoints ----------------------------------------------------------------------------
+
+    def evaluate(self, round_idx: int) -> dict[str, Any] | None:
+        """Mean evaluation reward (the accuracy, for a binary reward) of the current global adapter on
+        `eval_dataset`, overall and per `args.partition_column` label (None without an `eval_dataset`)."""
+        if self.eval_dataset is None:
+            return None
+        set_adapter_state(self.model, self.global_state)
+        results = evaluate_accuracy(
+            self.model,
+            self.processing_class,
+            self.eval_dataset,
+            label_column=self.args.partition_column,
+            batch_size=self.args.per_device_eval_batch_size,
+            max_new_tokens=self.args.max_completion_length,
+            reward_funcs=self.eval_reward_funcs,
+            reward_weights=self.eval_reward_weights,
+        )
+        release_free_memory()  # evaluation's KV caches, before the next client or the server step
+        self.evaluations[round_idx] = results
+        self._fire("on_evaluate_round", round_idx=round_idx, results=results)
+        return results
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,
+        LoRA configuration, clients and aggregator, else `CheckpointMismatchError`); returns its round."""
+        checkpoint = self.restore_checkpoint(path)
+        set_adapter_state(self.model, self.global_state)
+        self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
+        return checkpoint.round_idx
+
+
+def format_round_log(record: RoundRecord, num_rounds: int) -> str:
+    """A finished round in a few log lines: each aggregated client's R̄, h, ω and traffic, τ, the drops and the
+    evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
+    temperature = "" if record.temperature is None else f", τ = {record.temperature:.3f}"
+    lines = [
+        f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated, {len(record.dropped)} "
+        f"dropped{temperature}, {record.wall_time:.1f} s"
+    ]
+    for client_id, reward in record.rewards.items():
+        gain = record.gains.get(client_id)
+        lines.append(
+            f"  {client_id}: R̄ = {reward:.4f}" + ("" if gain is None else f", h = {gain:+.4f}")
+            + f", ω = {record.weights[client_id]:.4f}, sent {record.bytes_sent[client_id]:,} B, "
+            f"received {record.bytes_received[client_id]:,} B"
+        )
+    for client_id, reason in record.dropped.items():
+        lines.append(f"  {client_id}: dropped ({reason})")
+    if record.evaluation is not None:
+        accuracy = ", ".join(f"{label} {100 * value:.2f}%" for label, value in record.evaluation["accuracy"].items())
+        lines.append(f"  evaluation: {accuracy}")
+    return "\n".join(lines)
