@@ -95,3 +95,35 @@ def test_rollouts_whole_step_gain_counts_only_the_generation_share():
     rollouts_benchmark = load("rollouts")
     assert rollouts_benchmark.whole_step_gain(2.0, generation_share=0.4) == pytest.approx(1 / 0.8)
     assert rollouts_benchmark.whole_step_gain(1.0, generation_share=0.4) == pytest.approx(1.0)
+
+
+def test_run_profile_gives_every_phase_of_a_cli_run_its_own_peak(tmp_path, tiny_model_dir):
+    import accelerate
+    from trl import GRPOTrainer
+
+    backward = accelerate.Accelerator.backward
+    meter = load("run_profile").main([
+        "run", "--output_dir", str(tmp_path), "--model_name_or_path", str(tiny_model_dir),
+        "--dataset_name", "reasoning_gym", "--benchmark_size", "24", "--max_eval_samples", "4", "--num_clients", "2",
+        "--min_partition_size", "2", "--num_rounds", "1", "--local_steps", "1", "--reward_window", "1",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_generations", "4",
+        "--max_completion_length", "8", "--per_device_eval_batch_size", "4", "--use_cpu", "true", "--bf16", "false",
+        "--gradient_checkpointing", "false", "--report_to", "none",
+    ])  # fmt: skip
+    calls = {name: row[0] for name, row in meter.table.items()}
+    assert calls["model load"] == 1 and calls["server round"] == 1
+    assert calls["evaluation"] == 2  # before training and after the round
+    assert calls["trainer construction"] == calls["generation + scoring"] == 2  # a trainer and a step per client
+    assert calls["loss forward"] == calls["backward"] == 4  # 2 micro-batches per step
+    assert all(row[1] > 0 for row in meter.table.values())
+    assert accelerate.Accelerator.backward is backward and "measured" not in GRPOTrainer.__init__.__qualname__
+
+
+def test_gated_mlp_benchmark_gives_equal_gradients_and_restores_the_trainer():
+    import trl_federated.local_trainer
+    from trl_federated.gated_mlp import recomputed_gated_mlp
+
+    result = load("gated_mlp").measure(model="tiny", repeats=1)
+    assert result["gradients_equal"]
+    assert result["autograd_cpu_s"] > 0 and result["recomputed_cpu_s"] > 0
+    assert trl_federated.local_trainer.recomputed_gated_mlp is recomputed_gated_mlp

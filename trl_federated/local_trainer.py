@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .distributed import from_main_process
+from .gated_mlp import recomputed_gated_mlp
 from .shared_prefix import (
     REGROUPABLE_LOSS_TYPES,
     SharedPrefixStats,
@@ -80,22 +81,24 @@ class LocalGRPOMixin:
         compute_aux_loss=False, **extra_inputs,
     ):  # fmt: skip
         """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
-        (`shared_prefix.py`)."""
-        if getattr(self.args, "shared_prefix", False):
-            prompt_length = input_ids.size(1) - logits_to_keep
-            unwrapped = self.accelerator.unwrap_model(model)
-            reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
-            if reason is None:
-                logps, entropies = shared_prefix_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                    autocast=self.accelerator.autocast, stats=self.shared_prefix_stats,
-                )  # fmt: skip
-                return logps, entropies, None
-            self.shared_prefix_stats.record_fallback(reason)
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-            **extra_inputs,
-        )  # fmt: skip
+        (`shared_prefix.py`). Either way SiLU-gated MLPs keep half their activations for the backward, with
+        autograd's gradients (`gated_mlp.py`)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        with recomputed_gated_mlp(unwrapped):
+            if getattr(self.args, "shared_prefix", False):
+                prompt_length = input_ids.size(1) - logits_to_keep
+                reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
+                if reason is None:
+                    logps, entropies = shared_prefix_logps_and_entropies(
+                        model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                        autocast=self.accelerator.autocast, stats=self.shared_prefix_stats,
+                    )  # fmt: skip
+                    return logps, entropies, None
+                self.shared_prefix_stats.record_fallback(reason)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **extra_inputs,
+            )  # fmt: skip
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
