@@ -7,7 +7,7 @@ One step is what the quickstart trains after generation: 2 prompts (191 and 130-
 completions of 64 tokens, re-cut by prompt into 2 micro-batches of 4 rows (one prompt each, as
 `micro_batches_by_prompt` cuts them), through `FedGRPOTrainer.compute_loss` with the shared-prefix path and its
 backward into the LoRA adapter (r=16 on every projection, float32); the setup of `benchmarks/shared_prefix.py`.
-The "autograd" side runs the same trainer with `recomputed_gated_mlp` replaced by a no-op context. The sides
+The "autograd" side runs the same trainer with `recompute_gated_mlp` off, the other with it on. The sides
 alternate in one process (which goes first alternates too), after an untimed warm-up of each. Per side: the median
 CPU seconds (`time.process_time`, all threads) and the largest rise of the resident set over the step (VmHWM
 reset through /proc/self/clear_refs at its start, freed heap handed back before it), over `--repeats` steps.
@@ -16,7 +16,6 @@ reset through /proc/self/clear_refs at its start, freed heap handed back before 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -39,11 +38,9 @@ def resident_mib() -> float:
 
 def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, float, torch.Tensor]:
     """CPU seconds and resident-memory rise (MiB) of one step's forward + backward, and its adapter gradient."""
-    import trl_federated.local_trainer
     from trl_federated.client import release_free_memory
-    from trl_federated.gated_mlp import recomputed_gated_mlp
 
-    trl_federated.local_trainer.recomputed_gated_mlp = recomputed_gated_mlp if recompute else (lambda model: contextlib.nullcontext())
+    trainer.args.recompute_gated_mlp = recompute
     trainer.current_gradient_accumulation_steps = len(micro_batches)
     trainer.model.zero_grad(set_to_none=True)
     release_free_memory()
@@ -54,7 +51,6 @@ def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, fl
         trainer.compute_loss(trainer.model, inputs).backward()
     seconds = time.process_time() - start
     rise = read_peak_rss_mib() - start_mib
-    trl_federated.local_trainer.recomputed_gated_mlp = recomputed_gated_mlp
     return seconds, rise, torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
 
 

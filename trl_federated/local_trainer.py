@@ -9,6 +9,7 @@ trainer → runner → client → local_trainer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -81,10 +82,11 @@ class LocalGRPOMixin:
         compute_aux_loss=False, **extra_inputs,
     ):  # fmt: skip
         """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
-        (`shared_prefix.py`). Either way SiLU-gated MLPs keep half their activations for the backward, with
-        autograd's gradients (`gated_mlp.py`)."""
+        (`shared_prefix.py`). With `recompute_gated_mlp`, SiLU-gated MLPs keep half their activations for the
+        backward, with autograd's gradients (`gated_mlp.py`)."""
         unwrapped = self.accelerator.unwrap_model(model)
-        with recomputed_gated_mlp(unwrapped):
+        recompute = getattr(self.args, "recompute_gated_mlp", False)
+        with recomputed_gated_mlp(unwrapped) if recompute else contextlib.nullcontext():
             if getattr(self.args, "shared_prefix", False):
                 prompt_length = input_ids.size(1) - logits_to_keep
                 reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
