@@ -12,7 +12,6 @@ from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
 from trl import GRPOTrainer
 
-from .adapters import AdapterState
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from .callbacks import IntegrationLog, RoundRecord, TrainerLogCallback
@@ -21,7 +20,7 @@ from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process
 from .local_trainer import local_trainer
 from .reporting import RunProgress
-from .server import FederatedServer, NotEnoughClientsError
+from .server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .transport import WireFormat, freeze_lora_a
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError", "default_lora_config", "with_federated_adapter"]
@@ -48,7 +47,7 @@ def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_c
     return get_peft_model(model, peft_config or default_lora_config())
 
 
-class FederatedRunner:
+class FederatedRunner(ServerStateView):
     """Simulates N clients and the server of a federated GRPO run in one process.
 
     The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
@@ -163,14 +162,6 @@ class FederatedRunner:
     # The server's state, as the runner has always exposed it -----------------------------------------------
 
     @property
-    def global_state(self) -> AdapterState:
-        return self.server.global_state
-
-    @property
-    def aggregator(self) -> Aggregator:
-        return self.server.aggregator
-
-    @property
     def gate(self) -> UpdateGate:
         return self.server.gate
 
@@ -179,17 +170,8 @@ class FederatedRunner:
         return self.server.wire
 
     @property
-    def history(self) -> list[RoundRecord]:
-        return self.server.history
-
-    @property
     def evaluations(self) -> dict[int, dict[str, Any]]:
         return self.server.evaluations
-
-    @property
-    def client_controls(self) -> dict[str, AdapterState]:
-        """SCAFFOLD's c_i, by client id."""
-        return self.server.client_controls
 
     @property
     def eval_dataset(self) -> Dataset | None:

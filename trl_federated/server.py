@@ -374,3 +374,26 @@ def format_round_log(record: RoundRecord, num_rounds: int) -> str:
         accuracy = ", ".join(f"{label} {100 * value:.2f}%" for label, value in record.evaluation["accuracy"].items())
         lines.append(f"  evaluation: {accuracy}")
     return "\n".join(lines)
+
+
+class ServerStateView:
+    """The server's state, read through a driver that owns `self.server` (`FederatedRunner`, the Flower strategy)."""
+
+    server: FederatedServer
+
+    @property
+    def global_state(self) -> AdapterState:
+        return self.server.global_state
+
+    @property
+    def aggregator(self) -> Aggregator:
+        return self.server.aggregator
+
+    @property
+    def history(self) -> list[RoundRecord]:
+        return self.server.history
+
+    @property
+    def client_controls(self) -> dict[str, AdapterState]:
+        """SCAFFOLD's c_i, by client id."""
+        return self.server.client_controls

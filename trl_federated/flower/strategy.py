@@ -22,7 +22,7 @@ from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from ..callbacks import RoundRecord, round_logs
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
-from ..server import FederatedServer, NotEnoughClientsError
+from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .identity import ClientRegistry
 from .records import TrainInstruction, array_record_to_state, content_to_update, read_client_identity, state_to_array_record
 from .stream import show_package_logs
@@ -50,7 +50,7 @@ class _Sent:
     sent_at: float  # time.time(), the clock of Flower's message timestamps
 
 
-class FederatedStrategy(Strategy):
+class FederatedStrategy(ServerStateView, Strategy):
     """The server of a federated GRPO run as a Flower `Strategy`, for a federation of SuperNodes.
 
     The server itself is `self.server`, the `server.FederatedServer` that `FederatedRunner` drives in process: the
@@ -148,24 +148,7 @@ class FederatedStrategy(Strategy):
         self._sent: list[_Sent] = []  # this round's train messages, until their replies are in
         self._early_drops: dict[str, str] = {}  # nodes sent no training message this round, with the reason
 
-    # The server's state --------------------------------------------------------------------------------------
-
-    @property
-    def global_state(self):
-        return self.server.global_state
-
-    @property
-    def aggregator(self) -> Aggregator:
-        return self.server.aggregator
-
-    @property
-    def history(self) -> list[RoundRecord]:
-        return self.server.history
-
-    @property
-    def client_controls(self):
-        """SCAFFOLD's c_i, by client id."""
-        return self.server.client_controls
+    # The server's state (with `server.ServerStateView`) ------------------------------------------------------
 
     @property
     def model(self) -> PeftModel:
