@@ -179,15 +179,16 @@ def local_trainer(trainer_class: type[GRPOTrainer]) -> type[LocalGRPOMixin]:
     require_grpo_trainer(trainer_class)
     if issubclass(trainer_class, LocalGRPOMixin):
         return trainer_class
-    return _local_class(trainer_class)
+    return mixed_class(LocalGRPOMixin, trainer_class, "Local")
 
 
 @functools.cache
-def _local_class(trainer_class: type[GRPOTrainer]) -> type[LocalGRPOMixin]:
+def mixed_class(mixin: type, trainer_class: type[GRPOTrainer], prefix: str) -> type:
+    """`trainer_class` with `mixin` first among its bases, named `<prefix><TrainerClass>`; one class per arguments."""
     return type(
-        f"Local{trainer_class.__name__}",
-        (LocalGRPOMixin, trainer_class),
-        {"__module__": trainer_class.__module__, "__doc__": f"`{base_name(trainer_class)}` with `LocalGRPOMixin`."},
+        f"{prefix}{trainer_class.__name__}",
+        (mixin, trainer_class),
+        {"__module__": trainer_class.__module__, "__doc__": f"`{base_name(trainer_class)}` with `{mixin.__name__}`."},
     )
 
 

@@ -7,7 +7,6 @@ The top of the package's layers: federated `train()` drives `FederatedRunner`, w
 
 from __future__ import annotations
 
-import functools
 import inspect
 import time
 
@@ -18,7 +17,7 @@ from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
 from .data import partition_clients
-from .local_trainer import LocalGRPOMixin, base_name, require_grpo_trainer
+from .local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer
 from .runner import FederatedRunner
 
 
@@ -146,17 +145,7 @@ def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
         return trainer_class
     if trainer_class is GRPOTrainer:
         return FedGRPOTrainer
-    return _federated_class(trainer_class)
-
-
-@functools.cache
-def _federated_class(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
-    return type(
-        f"Fed{trainer_class.__name__}",
-        (FederatedGRPOMixin, trainer_class),
-        {"__module__": trainer_class.__module__, "__doc__": f"`{base_name(trainer_class)}` with "
-         "`FederatedGRPOMixin` (see `federated`)."},
-    )  # fmt: skip
+    return mixed_class(FederatedGRPOMixin, trainer_class, "Fed")
 
 
 def _named_arguments(init, args: tuple, kwargs: dict) -> dict:
