@@ -1,0 +1,155 @@
+"""How sensitive is FGRPO to its RPG hyperparameters on the embedded benchmark, and what do its weights follow?
+
+The sweep of the paper's Appendix D (Tables 10-11: τ_min ∈ {1.0, 2.0}, λ_base ∈ {0.6, 0.9}, the rest at Algorithm 1's
+defaults), run as FGRPO cells of the verdict grid (`benchmarks/verdict.py`) with one RPG field changed. Each cell is
+paired with the grid's default FGRPO cell of the same seed (same partition, same local budget), so the verdict grid
+must have run that seed first; the base model's evaluation is the grid's too (no cell here evaluates it again).
+
+It also reads the grid's FGRPO cells for why the weights move: with W local steps of B completions, a client's R̄
+is a success rate over W·B samples, whose sampling error alone is sqrt(R̄(1 − R̄)/(W·B)); RPG divides the change of
+R̄ by σ ≥ σ_min (Eq. 6), so sampling noise of that size is already |h| ≈ SE/σ_min before any real progress.
+
+    python benchmarks/rpg_sensitivity.py [--grid benchmarks/results/verdict] [--seeds 0 1 2]
+        [--output_dir benchmarks/results/rpg-sensitivity] [--settings rpg_tau_min=1.0 ...] [--report_only]
+
+Reruns resume: a finished cell is skipped, an interrupted one resumes from its last round checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from trl_federated.compare import Cell, load_result, markdown
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("benchmark_verdict", HERE / "verdict.py")
+verdict = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(verdict)
+
+# Appendix D, Tables 10 (λ_base) and 11 (τ_min); Algorithm 1's defaults are λ_base = 0.8, τ_min = 1.5.
+PAPER_SETTINGS = ["rpg_tau_min=1.0", "rpg_tau_min=2.0", "rpg_lambda_base=0.6", "rpg_lambda_base=0.9"]
+
+
+def parse_setting(text: str) -> tuple[str, str]:
+    from trl_federated.config import FedGRPOConfig
+
+    rpg_fields = sorted(f.name for f in dataclasses.fields(FedGRPOConfig) if f.name.startswith("rpg_"))
+    field, separator, value = text.partition("=")
+    if not separator or field not in rpg_fields or not value:
+        raise argparse.ArgumentTypeError(f"A setting is <field>=<value> with one of {', '.join(rpg_fields)}; got {text!r}.")
+    return field, value
+
+
+def weight_diagnostics(result: dict, completions_per_window: int) -> dict[str, float]:
+    """From a finished FGRPO cell's rounds after round 0 (h = 0 there by construction): the mean |h|, the mean
+    spread max ω − min ω, and the mean sampling error of the clients' R̄ over `completions_per_window` samples."""
+    gains, spreads, errors = [], [], []
+    for record in result["rounds"][1:]:
+        gains += [abs(h) for h in record["gains"].values()]
+        weights = record["weights"].values()
+        spreads.append(max(weights) - min(weights))
+        errors += [math.sqrt(r * (1 - r) / completions_per_window) for r in record["rewards"].values()]
+    return {"mean_abs_h": statistics.fmean(gains), "weight_spread": statistics.fmean(spreads),
+            "reward_standard_error": statistics.fmean(errors)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", default="examples/configs/verdict.yaml", help="The verdict grid's base config.")
+    parser.add_argument("--grid", default="benchmarks/results/verdict", help="The verdict grid's folder.")
+    parser.add_argument("--output_dir", default="benchmarks/results/rpg-sensitivity")
+    parser.add_argument("--settings", nargs="+", type=parse_setting, default=[parse_setting(s) for s in PAPER_SETTINGS])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--num_clients", type=int, default=3)
+    parser.add_argument("--dirichlet_alpha", default="0.05")
+    parser.add_argument("--report_only", action="store_true", help="Run nothing: report the cells finished so far.")
+    args = parser.parse_args(argv)
+    grid, root = Path(args.grid), Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def cell(seed: int) -> Cell:
+        return Cell("fgrpo", seed, args.num_clients, args.dirichlet_alpha)
+
+    def setting_root(field: str, value: str) -> Path:
+        return root / f"{field}={value}"
+
+    missing = [seed for seed in args.seeds if not (cell(seed).directory(grid) / "result.json").exists()]
+    if missing and not args.report_only:
+        parser.error(f"The verdict grid in {grid} has no finished default FGRPO cell for seed(s) {missing}: run "
+                     "`python benchmarks/verdict.py` first (its cells are the reference every setting is paired with).")
+    if not args.report_only:
+        for field, value in args.settings:
+            for seed in args.seeds:
+                verdict.run_timed_cell(cell(seed), args.config, setting_root(field, value),
+                                       [f"--{field}", value, "--eval_initial", "false"])
+    command = "python benchmarks/rpg_sensitivity.py " + " ".join(argv)
+    print(report(args, grid, root, setting_root, cell, command.strip()))
+    return 0
+
+
+def report(args, grid: Path, root: Path, setting_root, cell, command: str) -> str:
+    """rpg-sensitivity.md and .json: per setting the gains, the paired difference against the default, the weights."""
+    config = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
+    completions = config["reward_window"] * config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    grid_results = {c: load_result(c.directory(grid)) for c in map(cell, args.seeds) if (c.directory(grid) / "result.json").exists()}
+    base = verdict.with_shared_base(dict(grid_results))  # the base model's evaluation lives in the grid's first cell
+    if not base:
+        return "The verdict grid has no finished cell with the base model's evaluation yet.\n"
+    base_evaluation = next(iter(base.values()))["evaluations"]["-1"]
+    rows, records = [], []
+    settings = [("(default)", "")] + list(args.settings)
+    for field, value in settings:
+        folder = grid if field == "(default)" else setting_root(field, value)
+        results = {seed: load_result(cell(seed).directory(folder)) for seed in args.seeds
+                   if (cell(seed).directory(folder) / "result.json").exists()}
+        if not results:
+            continue
+        for result in results.values():
+            result["evaluations"].setdefault("-1", base_evaluation)
+        metrics = {seed: verdict.cell_metrics(result) for seed, result in results.items()}
+        paired = {
+            name: verdict.t_interval([metrics[seed][f"{name}_gain"] - verdict.cell_metrics(grid_results[cell(seed)])[f"{name}_gain"]
+                                      for seed in results if cell(seed) in grid_results])
+            for name in verdict.METRICS
+        } if field != "(default)" else None
+        diagnostics = [weight_diagnostics(result, completions) for result in results.values()]
+        mean = {key: statistics.fmean(d[key] for d in diagnostics) for key in diagnostics[0]}
+        name = field if field == "(default)" else f"{field}={value}"
+        record = {"setting": name, "seeds": sorted(results), **{f"{k}_gain": verdict.t_interval([m[f"{k}_gain"] for m in metrics.values()]) for k in verdict.METRICS},
+                  "paired_vs_default": paired, **mean}
+        records.append(record)
+        rows.append([
+            name, str(len(results)), verdict._points(record["total_gain"]), verdict._points(record["hard_gain"]),
+            verdict._points(paired["total"]) if paired else "—", verdict._points(paired["hard"]) if paired else "—",
+            f"{mean['mean_abs_h']:.2f}", f"{mean['weight_spread']:.2f}", f"{mean['reward_standard_error']:.3f}",
+        ])
+    header = ["Setting", "Seeds", "Total gain [95% CI]", "Hard gain [95% CI]", "Setting − default, total",
+              "Setting − default, hard", "Mean abs(h)", "Mean ω spread", "SE of R̄"]
+    text = (
+        "# RPG sensitivity: FGRPO with one hyperparameter changed (the paper's Appendix D sweep)\n\n"
+        f"Command: `{command}`\n\n"
+        f"Grid: `{grid}` (the default row and the reference of every paired difference: same seed, same partition). "
+        "Accuracy gains in points over the base model on the verdict test split; 95% t-intervals over seeds (none "
+        "with one seed). Mean abs(h) and mean ω spread (max ω − min ω of a round) over rounds 1.. (h = 0 in round 0); "
+        f"SE of R̄: the sampling error sqrt(R̄(1 − R̄)/n) of a client's window reward over n = {completions} "
+        "completions (W × batch), to be read against σ_min, the floor of RPG's volatility (Eq. 6).\n\n"
+        f"{markdown(header, rows)}\n"
+    )
+    (root / "rpg-sensitivity.md").write_text(text, encoding="utf-8")
+    (root / "rpg-sensitivity.json").write_text(json.dumps({"command": command, "completions_per_window": completions,
+                                                           "settings": records}, indent=1), encoding="utf-8")
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())
