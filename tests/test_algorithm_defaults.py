@@ -252,3 +252,10 @@ def test_sigma_bounds_warn_on_a_wider_reward_scale(fast_args):
     assert "rpg_sigma_min" in message and "rpg_sigma_max" in message and "[0.0, 10.0]" in message
     assert fast_args().federation_warnings((0.0, 1.0)) == []
     assert fast_args(aggregation="fedavg").federation_warnings((0.0, 10.0)) == []
+
+
+def test_trainer_schedule_fields_a_federation_ignores_are_warned(fast_args):
+    steps, evaluation = fast_args(max_steps=100, eval_strategy="steps", eval_steps=10).federation_warnings()
+    assert "`max_steps` (100) is ignored" in steps and "`local_steps`" in steps and "`num_rounds`" in steps
+    assert "`eval_strategy` (steps) is ignored" in evaluation and "`eval_every`" in evaluation
+    assert fast_args().federation_warnings() == []

@@ -14,6 +14,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOConfig
 
 AGGREGATIONS = ("rpg", "fedavg", "fedprox", "scaffold")
@@ -439,6 +440,18 @@ class FedGRPOConfig(GRPOConfig):
                 f"The reward functions declare rewards in [{low}, {high}], wider than the [0, 1] that `rpg_sigma_min` "
                 f"({self.rpg_sigma_min}) and `rpg_sigma_max` ({self.rpg_sigma_max}) are tuned for: they are absolute "
                 f"reward units, so scale them by {high - low:g} to weigh clients as the paper does."
+            )
+        # TrainingArguments' schedule fields a TRL script sets; the federation's schedule is its own.
+        if self.max_steps > 0:
+            warnings.append(
+                f"`max_steps` ({self.max_steps}) is ignored by a federation: every client takes `local_steps` "
+                f"({self.local_steps}) steps in each of `num_rounds` ({self.num_rounds}) rounds."
+            )
+        if self.eval_strategy != IntervalStrategy.NO:
+            warnings.append(
+                f"`eval_strategy` ({self.eval_strategy.value}) is ignored by a federation: the server evaluates the "
+                f"global adapter before the first round (`eval_initial`), every `eval_every` ({self.eval_every}) rounds and after the "
+                "last."
             )
         return warnings
 
