@@ -17,7 +17,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "federated_run.py"
 CLIENT_SGD = ["optim=sgd", "learning_rate=0.5"]
 
 
-def launch(tmp_path, name, num_processes, overrides):
+def launch(tmp_path, name, num_processes, overrides, expect_failure=False):
+    """Run tests/scripts/federated_run.py with `num_processes` processes; return its output folder and each rank's
+    record, or, with `expect_failure`, the failed run's stderr."""
     output_dir, ranks_dir = tmp_path / name, tmp_path / f"{name}-ranks"
     ranks_dir.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", PYTHONPATH=os.getcwd())
@@ -32,6 +34,9 @@ def launch(tmp_path, name, num_processes, overrides):
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), *script,
         ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if expect_failure:
+        assert result.returncode != 0, "the run was expected to fail"
+        return result.stderr
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((ranks_dir / f"rank-{rank}.json").read_text()) for rank in range(num_processes)]
     return output_dir, ranks
@@ -110,3 +115,14 @@ def test_zero_2_is_accepted(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     check_parameters_unsharded()
+
+
+@pytest.mark.parametrize("eval_initial", ["true", "false"])  # fails before round 0, or inside the last round
+def test_a_failure_on_the_main_process_stops_every_process(tmp_path, model_dir, eval_initial):
+    """Only the main process evaluates: when that raises, the other process must stop too, with the main
+    process's error in the log, instead of waiting at the next collective for a result that never comes."""
+    overrides = [*CLIENT_SGD, "broken_evaluation=1", f"eval_initial={eval_initial}"]
+    log = launch(tmp_path, "broken", 2, overrides, expect_failure=True)  # within launch's 300 s, or it times out
+    assert "[rank0]: OSError: evaluation storage is gone" in log
+    # `accelerate launch` (torch elastic) ends the waiting process as soon as the main process fails.
+    assert "Root Cause (first observed failure):\n[0]:" in log

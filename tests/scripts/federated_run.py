@@ -47,6 +47,11 @@ def deterministic_rollout(prompts, trainer):
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
+def broken_evaluation_reward(completions, **kwargs):
+    """An evaluation reward that fails: only the main process evaluates, so only it raises."""
+    raise OSError("evaluation storage is gone")
+
+
 def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
     values = dict(
         output_dir=output_dir, bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
@@ -54,9 +59,16 @@ def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
         learning_rate=1e-2, logging_steps=1, num_rounds=2, local_steps=2, reward_window=2, seed=0,
         aggregation="rpg", server_optimizer="adam", server_learning_rate=1e-2, per_device_eval_batch_size=4,
     )
+    eval_reward_funcs = None
     for override in overrides:
         key, value = override.split("=", 1)
-        values[key] = type(values[key])(value) if key in values else value
+        if key == "broken_evaluation":  # not a config field: the main process's evaluation raises
+            eval_reward_funcs = [broken_evaluation_reward]
+            continue
+        if value in ("true", "false"):
+            values[key] = value == "true"
+        else:
+            values[key] = type(values[key])(value) if key in values else value
     args = FedGRPOConfig(**values)
     clients = {
         f"site-{c}": Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(8)]})
@@ -68,6 +80,7 @@ def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
     runner = FederatedRunner(
         AutoModelForCausalLM.from_pretrained(model_dir), length_reward, args, clients,
         processing_class=AutoTokenizer.from_pretrained(model_dir), eval_dataset=evaluation,
+        eval_reward_funcs=eval_reward_funcs,
         trainer_kwargs={"rollout_func": deterministic_rollout},
     )
     initial = {key: value.clone() for key, value in runner.global_state.items()}
