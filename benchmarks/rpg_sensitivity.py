@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -76,13 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     grid, root = Path(args.grid), Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-
-    def cell(seed: int) -> Cell:
-        return Cell("fgrpo", seed, args.num_clients, args.dirichlet_alpha)
-
-    def setting_root(field: str, value: str) -> Path:
-        return root / f"{field}={value}"
-
+    cell = functools.partial(fgrpo_cell, args)
     missing = [seed for seed in args.seeds if not (cell(seed).directory(grid) / "result.json").exists()]
     if missing and not args.report_only:
         parser.error(f"The verdict grid in {grid} has no finished default FGRPO cell for seed(s) {missing}: run "
@@ -90,18 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for field, value in args.settings:
             for seed in args.seeds:
-                verdict.run_timed_cell(cell(seed), args.config, setting_root(field, value),
+                verdict.run_timed_cell(cell(seed), args.config, root / f"{field}={value}",
                                        [f"--{field}", value, "--eval_initial", "false"])
     command = "python benchmarks/rpg_sensitivity.py " + " ".join(argv)
-    print(report(args, grid, root, setting_root, cell, command.strip()))
+    print(report(args, grid, root, command.strip()))
     return 0
 
 
-def report(args, grid: Path, root: Path, setting_root, cell, command: str) -> str:
-    """rpg-sensitivity.md and .json: per setting the gains, the paired difference against the default, the weights."""
+def fgrpo_cell(args: argparse.Namespace, seed: int) -> Cell:
+    return Cell("fgrpo", seed, args.num_clients, args.dirichlet_alpha)
+
+
+def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> str:
+    """rpg-sensitivity.md and .json: per setting the gains, the paired difference against the default, the weights.
+    A setting's cells live in `root`/<field>=<value>, laid out as the grid's."""
+    cell = functools.partial(fgrpo_cell, args)
     config = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
     completions = config["reward_window"] * config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
-    grid_results = {c: load_result(c.directory(grid)) for c in map(cell, args.seeds) if (c.directory(grid) / "result.json").exists()}
+    grid_results = {c: load_result(c.directory(grid)) for c in map(cell, args.seeds)
+                    if (c.directory(grid) / "result.json").exists()}
     base = verdict.with_shared_base(dict(grid_results))  # the base model's evaluation lives in the grid's first cell
     if not base:
         return "The verdict grid has no finished cell with the base model's evaluation yet.\n"
@@ -109,7 +111,7 @@ def report(args, grid: Path, root: Path, setting_root, cell, command: str) -> st
     rows, records = [], []
     settings = [("(default)", "")] + list(args.settings)
     for field, value in settings:
-        folder = grid if field == "(default)" else setting_root(field, value)
+        folder = grid if field == "(default)" else root / f"{field}={value}"
         results = {seed: load_result(cell(seed).directory(folder)) for seed in args.seeds
                    if (cell(seed).directory(folder) / "result.json").exists()}
         if not results:
@@ -117,16 +119,17 @@ def report(args, grid: Path, root: Path, setting_root, cell, command: str) -> st
         for result in results.values():
             result["evaluations"].setdefault("-1", base_evaluation)
         metrics = {seed: verdict.cell_metrics(result) for seed, result in results.items()}
-        paired = {
-            name: verdict.t_interval([metrics[seed][f"{name}_gain"] - verdict.cell_metrics(grid_results[cell(seed)])[f"{name}_gain"]
-                                      for seed in results if cell(seed) in grid_results])
-            for name in verdict.METRICS
-        } if field != "(default)" else None
+        paired = None
+        if field != "(default)":  # setting − default, seed by seed
+            defaults = {seed: verdict.cell_metrics(grid_results[cell(seed)]) for seed in results if cell(seed) in grid_results}
+            paired = {name: verdict.t_interval([metrics[seed][f"{name}_gain"] - default[f"{name}_gain"]
+                                                for seed, default in defaults.items()])
+                      for name in verdict.METRICS}
         diagnostics = [weight_diagnostics(result, completions) for result in results.values()]
         mean = {key: statistics.fmean(d[key] for d in diagnostics) for key in diagnostics[0]}
         name = field if field == "(default)" else f"{field}={value}"
-        record = {"setting": name, "seeds": sorted(results), **{f"{k}_gain": verdict.t_interval([m[f"{k}_gain"] for m in metrics.values()]) for k in verdict.METRICS},
-                  "paired_vs_default": paired, **mean}
+        gains = {f"{key}_gain": verdict.t_interval([m[f"{key}_gain"] for m in metrics.values()]) for key in verdict.METRICS}
+        record = {"setting": name, "seeds": sorted(results), **gains, "paired_vs_default": paired, **mean}
         records.append(record)
         rows.append([
             name, str(len(results)), verdict._points(record["total_gain"]), verdict._points(record["hard_gain"]),
