@@ -1,13 +1,17 @@
-"""How sensitive is FGRPO to its RPG hyperparameters on the embedded benchmark, and what do its weights follow?
+"""How sensitive is FGRPO to its RPG and server hyperparameters on the embedded benchmark, and what do its weights and
+its server step follow?
 
 The sweep of the paper's Appendix D (Tables 10-11: τ_min ∈ {1.0, 2.0}, λ_base ∈ {0.6, 0.9}, the rest at Algorithm 1's
-defaults), run as FGRPO cells of the verdict grid (`benchmarks/verdict.py`) with one RPG field changed. Each cell is
+defaults) and of the server learning rate α (Eq. 12), run as FGRPO cells of the verdict grid (`benchmarks/verdict.py`)
+with one `rpg_*` or `server_*` field changed. Each cell is
 paired with the grid's default FGRPO cell of the same seed (same partition, same local budget), so the verdict grid
 must have run that seed first; the base model's evaluation is the grid's too (no cell here evaluates it again).
 
 It also reads the grid's FGRPO cells for why the weights move: with W local steps of B completions, a client's R̄
 is a success rate over W·B samples, whose sampling error alone is sqrt(R̄(1 − R̄)/(W·B)); RPG divides the change of
-R̄ by σ ≥ σ_min (Eq. 6), so sampling noise of that size is already |h| ≈ SE/σ_min before any real progress.
+R̄ by σ ≥ σ_min (Eq. 6), so sampling noise of that size is already |h| ≈ SE/σ_min before any real progress. And the
+server's Adam step (Eq. 12, no bias correction) moves every coordinate by about α whatever the size of the clients'
+mean change Δ: the ratio of the two, read from the cells' round checkpoints, says how much the server amplifies Δ.
 
     python benchmarks/rpg_sensitivity.py [--grid benchmarks/results/verdict] [--seeds 0 1 2]
         [--output_dir benchmarks/results/rpg-sensitivity] [--settings rpg_tau_min=1.0 ...] [--report_only]
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import importlib.util
 import json
 import math
@@ -43,10 +48,10 @@ PAPER_SETTINGS = ["rpg_tau_min=1.0", "rpg_tau_min=2.0", "rpg_lambda_base=0.6", "
 def parse_setting(text: str) -> tuple[str, str]:
     from trl_federated.config import FedGRPOConfig
 
-    rpg_fields = sorted(f.name for f in dataclasses.fields(FedGRPOConfig) if f.name.startswith("rpg_"))
+    names = sorted(f.name for f in dataclasses.fields(FedGRPOConfig) if f.name.startswith(("rpg_", "server_")))
     field, separator, value = text.partition("=")
-    if not separator or field not in rpg_fields or not value:
-        raise argparse.ArgumentTypeError(f"A setting is <field>=<value> with one of {', '.join(rpg_fields)}; got {text!r}.")
+    if not separator or field not in names or not value:
+        raise argparse.ArgumentTypeError(f"A setting is <field>=<value> with one of {', '.join(names)}; got {text!r}.")
     return field, value
 
 
@@ -61,6 +66,35 @@ def weight_diagnostics(result: dict, completions_per_window: int) -> dict[str, f
         errors += [math.sqrt(r * (1 - r) / completions_per_window) for r in record["rewards"].values()]
     return {"mean_abs_h": statistics.fmean(gains), "weight_spread": statistics.fmean(spreads),
             "reward_standard_error": statistics.fmean(errors)}
+
+
+def server_step_ratio(directory: Path) -> float | None:
+    """How far the server's Adam step moves LoRA B against the clients' own mean change Δ (Eq. 10), mean over rounds
+    of mean|θ^{[t+1]} − θ^{[t]}| / mean|Δ^{[t]}|, from the cell's round checkpoints: Δ^{[t]} = (m^{[t]} − β1 m^{[t−1]}) /
+    (1 − β1) (Eq. 11) and θ^{[0]}_B = 0 (LoRA's initialisation). 1 is plain averaging; None without Adam moments."""
+    from safetensors.torch import load_file
+
+    prefix = "aggregator/server_optimizer/m/"
+    ratios, previous_m, previous_b = [], None, None
+    for index in itertools.count():
+        checkpoint = directory / f"checkpoint-{index}"
+        if not checkpoint.is_dir():
+            break
+        beta1 = json.loads((checkpoint / "federation.json").read_text(encoding="utf-8"))["identity"]["training"]["server_beta1"]
+        moments = {key[len(prefix):]: value for key, value in load_file(checkpoint / "federation.safetensors").items()
+                   if key.startswith(prefix) and "lora_B" in key}
+        if not moments:
+            return None
+        adapter = load_file(checkpoint / "adapter_model.safetensors")
+        delta = step = 0.0
+        for key, m in moments.items():
+            before_m = previous_m[key] if previous_m else 0 * m
+            before_b = previous_b[key] if previous_b else 0 * m
+            delta += ((m - beta1 * before_m) / (1 - beta1)).abs().sum().item()
+            step += (adapter[key] - before_b).abs().sum().item()
+        ratios.append(step / delta)
+        previous_m, previous_b = moments, {key: adapter[key] for key in moments}
+    return statistics.fmean(ratios) if ratios else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,18 +136,23 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
     cell = functools.partial(fgrpo_cell, args)
     config = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
     completions = config["reward_window"] * config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
-    grid_results = {c: load_result(c.directory(grid)) for c in map(cell, args.seeds)
-                    if (c.directory(grid) / "result.json").exists()}
+
+    def finished_seeds(folder: Path) -> list[int]:
+        return sorted(int(path.parent.name.removeprefix("seed"))
+                      for path in cell(0).directory(folder).parent.glob("seed*/result.json"))
+
+    grid_results = {cell(seed): load_result(cell(seed).directory(grid)) for seed in finished_seeds(grid)}
     base = verdict.with_shared_base(dict(grid_results))  # the base model's evaluation lives in the grid's first cell
     if not base:
         return "The verdict grid has no finished cell with the base model's evaluation yet.\n"
     base_evaluation = next(iter(base.values()))["evaluations"]["-1"]
     rows, records = [], []
-    settings = [("(default)", "")] + list(args.settings)
+    # Every setting run so far, in this command or an earlier one, with every seed it finished.
+    found = {tuple(path.name.split("=", 1)) for path in root.glob("*=*") if path.is_dir()}
+    settings = [("(default)", "")] + sorted(found | set(args.settings))
     for field, value in settings:
         folder = grid if field == "(default)" else root / f"{field}={value}"
-        results = {seed: load_result(cell(seed).directory(folder)) for seed in args.seeds
-                   if (cell(seed).directory(folder) / "result.json").exists()}
+        results = {seed: load_result(cell(seed).directory(folder)) for seed in finished_seeds(folder)}
         if not results:
             continue
         for result in results.values():
@@ -127,6 +166,8 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
                       for name in verdict.METRICS}
         diagnostics = [weight_diagnostics(result, completions) for result in results.values()]
         mean = {key: statistics.fmean(d[key] for d in diagnostics) for key in diagnostics[0]}
+        ratios = [r for r in (server_step_ratio(cell(seed).directory(folder)) for seed in results) if r is not None]
+        mean["server_step_ratio"] = statistics.fmean(ratios) if ratios else None
         name = field if field == "(default)" else f"{field}={value}"
         gains = {f"{key}_gain": verdict.t_interval([m[f"{key}_gain"] for m in metrics.values()]) for key in verdict.METRICS}
         record = {"setting": name, "seeds": sorted(results), **gains, "paired_vs_default": paired, **mean}
@@ -135,9 +176,11 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
             name, str(len(results)), verdict._points(record["total_gain"]), verdict._points(record["hard_gain"]),
             verdict._points(paired["total"]) if paired else "—", verdict._points(paired["hard"]) if paired else "—",
             f"{mean['mean_abs_h']:.2f}", f"{mean['weight_spread']:.2f}", f"{mean['reward_standard_error']:.3f}",
+            "—" if mean["server_step_ratio"] is None else f"{mean['server_step_ratio']:.1f}",
         ])
     header = ["Setting", "Seeds", "Total gain [95% CI]", "Hard gain [95% CI]", "Setting − default, total",
-              "Setting − default, hard", "Mean abs(h)", "Mean ω spread", "SE of R̄"]
+              "Setting − default, hard", "Mean abs(h)", "Mean ω spread", "SE of R̄",
+              "Server step / Δ"]
     text = (
         "# RPG sensitivity: FGRPO with one hyperparameter changed (the paper's Appendix D sweep)\n\n"
         f"Command: `{command}`\n\n"
@@ -145,7 +188,9 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
         "Accuracy gains in points over the base model on the verdict test split; 95% t-intervals over seeds (none "
         "with one seed). Mean abs(h) and mean ω spread (max ω − min ω of a round) over rounds 1.. (h = 0 in round 0); "
         f"SE of R̄: the sampling error sqrt(R̄(1 − R̄)/n) of a client's window reward over n = {completions} "
-        "completions (W × batch), to be read against σ_min, the floor of RPG's volatility (Eq. 6).\n\n"
+        "completions (W × batch), to be read against σ_min, the floor of RPG's volatility (Eq. 6). Server step / Δ: "
+        "mean |θ^{t+1} − θ^t| over mean |Δ^t| of LoRA B, averaged over rounds (1 = plain averaging; Adam's step is "
+        "about α per coordinate whatever Δ's size).\n\n"
         f"{markdown(header, rows)}\n"
     )
     (root / "rpg-sensitivity.md").write_text(text, encoding="utf-8")

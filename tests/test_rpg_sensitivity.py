@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_federated.compare import Cell
 
@@ -53,12 +54,17 @@ def test_settings_are_paired_with_the_grid_default_of_the_same_seed(tmp_path, ca
     _write(grid, 1, _result(0.32, 0.15, ROUNDS, base=False))
     _write(out / "rpg_tau_min=1.0", 0, _result(0.26, 0.10, ROUNDS, base=False))
     _write(out / "rpg_tau_min=1.0", 1, _result(0.32, 0.10, ROUNDS, base=False))
-    args = ["--grid", str(grid), "--output_dir", str(out), "--seeds", "0", "1", "--settings", "rpg_tau_min=1.0",
-            "rpg_lambda_base=0.6", "--report_only"]
+    _write(out / "server_learning_rate=1e-4", 1, _result(0.20, 0.10, ROUNDS, base=False))  # an earlier command's
+    args = ["--grid", str(grid), "--output_dir", str(out), "--settings", "rpg_tau_min=1.0", "rpg_lambda_base=0.6",
+            "--report_only"]
     assert sensitivity.main(args) == 0
     assert "| rpg_tau_min=1.0 | 2 |" in capsys.readouterr().out
     records = {r["setting"]: r for r in json.loads((out / "rpg-sensitivity.json").read_text())["settings"]}
-    assert set(records) == {"(default)", "rpg_tau_min=1.0"}  # lambda_base=0.6 has no finished cell
+    # lambda_base=0.6 has no finished cell; the learning-rate setting is reported with its one seed, paired with seed 1
+    assert set(records) == {"(default)", "rpg_tau_min=1.0", "server_learning_rate=1e-4"}
+    assert records["server_learning_rate=1e-4"]["seeds"] == [1]
+    assert records["server_learning_rate=1e-4"]["paired_vs_default"]["total"]["mean"] == pytest.approx(-12.0)
+    assert records["(default)"]["server_step_ratio"] is None  # these cells have no round checkpoints
     assert records["(default)"]["total_gain"]["mean"] == pytest.approx(11.0)
     assert records["rpg_tau_min=1.0"]["paired_vs_default"]["total"]["mean"] == pytest.approx(-2.0)
     assert records["rpg_tau_min=1.0"]["paired_vs_default"]["hard"]["mean"] == pytest.approx(-2.5)
@@ -71,3 +77,23 @@ def test_a_setting_must_name_an_rpg_field_and_the_grid_must_have_run(tmp_path):
     with pytest.raises(SystemExit):  # no default FGRPO cell to pair with: refused before any cell runs
         sensitivity.main(["--grid", str(tmp_path / "empty"), "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out" / "rpg_tau_min=1.0").exists()
+
+
+def test_server_step_ratio_from_round_checkpoints(tmp_path):
+    """Adam's moments give Δ back (Δ^t = (m^t − β1 m^{t−1}) / (1 − β1)); the adapters give the step."""
+    from safetensors.torch import save_file
+
+    key = "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
+    deltas, steps = [1e-4, -2e-4], [1e-3, -3e-3]  # the server moved B 10x, then 15x the clients' mean change
+    m, b = torch.zeros(4, 2), torch.zeros(4, 2)
+    for t, (delta, step) in enumerate(zip(deltas, steps)):
+        m, b = 0.9 * m + 0.1 * delta, b + step
+        checkpoint = tmp_path / f"checkpoint-{t}"
+        checkpoint.mkdir()
+        (checkpoint / "federation.json").write_text(json.dumps({"identity": {"training": {"server_beta1": 0.9}}}))
+        save_file({f"aggregator/server_optimizer/m/{key}": m.clone(), f"aggregator/server_optimizer/v/{key}": m.clone()},
+                  checkpoint / "federation.safetensors")
+        save_file({key: b.clone()}, checkpoint / "adapter_model.safetensors")
+    assert sensitivity.server_step_ratio(tmp_path) == pytest.approx(12.5, rel=1e-4)
+    save_file({}, tmp_path / "checkpoint-0" / "federation.safetensors")  # SGD: no moments
+    assert sensitivity.server_step_ratio(tmp_path) is None
