@@ -85,6 +85,10 @@ def reading(interval: dict[str, float]) -> str:
     """What a paired interval of FGRPO − baseline says."""
     if math.isnan(interval["low"]):
         return "one seed: no interval"
+    if interval["low"] == interval["high"]:
+        # Accuracies move in whole test items, so a few seeds can agree exactly: a spread of 0 estimated from
+        # them is not a measured certainty.
+        return "not resolved (every seed gave the same difference: no spread to estimate)"
     if interval["low"] > 0:
         return "FGRPO better"
     if interval["high"] < 0:

@@ -36,6 +36,7 @@ def test_t_interval_and_its_reading():
     assert verdict.reading(verdict.t_interval([3.0, 4.0, 5.0])) == "FGRPO better"
     assert verdict.reading(verdict.t_interval([-3.0, -4.0, -5.0])) == "baseline better"
     assert verdict.reading(verdict.t_interval([-1.0, 1.0, 0.5])).startswith("not resolved")
+    assert verdict.reading(verdict.t_interval([1.47, 1.47])).startswith("not resolved (every seed gave the same")
     single = verdict.t_interval([4.0])
     assert single["mean"] == 4.0 and math.isnan(single["low"]) and verdict.reading(single) == "one seed: no interval"
     with pytest.raises(ValueError, match="df"):
