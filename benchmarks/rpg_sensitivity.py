@@ -2,15 +2,15 @@
 its server step follow?
 
 The sweep of the paper's Appendix D (Tables 10-11: τ_min ∈ {1.0, 2.0}, λ_base ∈ {0.6, 0.9}, the rest at Algorithm 1's
-defaults) and of the server learning rate α (Eq. 12), run as FGRPO cells of the verdict grid (`benchmarks/verdict.py`)
+defaults) and of the server learning rate α (Eq. model_update), run as FGRPO cells of the verdict grid (`benchmarks/verdict.py`)
 with one `rpg_*` or `server_*` field changed. Each cell is
 paired with the grid's default FGRPO cell of the same seed (same partition, same local budget), so the verdict grid
 must have run that seed first; the base model's evaluation is the grid's too (no cell here evaluates it again).
 
 It also reads the grid's FGRPO cells for why the weights move: with W local steps of B completions, a client's R̄
 is a success rate over W·B samples, whose sampling error alone is sqrt(R̄(1 − R̄)/(W·B)); RPG divides the change of
-R̄ by σ ≥ σ_min (Eq. 6), so sampling noise of that size is already |h| ≈ SE/σ_min before any real progress. And the
-server's Adam step (Eq. 12, no bias correction) moves every coordinate by about α whatever the size of the clients'
+R̄ by σ ≥ σ_min (Eq. rpg), so sampling noise of that size is already |h| ≈ SE/σ_min before any real progress. And the
+server's Adam step (Eq. model_update, no bias correction) moves every coordinate by about α whatever the size of the clients'
 mean change Δ: the ratio of the two, read from the cells' round checkpoints, says how much the server amplifies Δ.
 
     python benchmarks/rpg_sensitivity.py [--grid benchmarks/results/verdict] [--seeds 0 1 2]
@@ -69,9 +69,9 @@ def weight_diagnostics(result: dict, completions_per_window: int) -> dict[str, f
 
 
 def server_step_ratio(directory: Path) -> float | None:
-    """How far the server's Adam step moves LoRA B against the clients' own mean change Δ (Eq. 10), mean over rounds
+    """How far the server's Adam step moves LoRA B against the clients' own mean change Δ (Eq. model_diff), mean over rounds
     of mean|θ^{[t+1]} − θ^{[t]}| / mean|Δ^{[t]}|, from the cell's round checkpoints: Δ^{[t]} = (m^{[t]} − β1 m^{[t−1]}) /
-    (1 − β1) (Eq. 11) and θ^{[0]}_B = 0 (LoRA's initialisation). 1 is plain averaging; None without Adam moments."""
+    (1 − β1) (Eq. momentum) and θ^{[0]}_B = 0 (LoRA's initialisation). 1 is plain averaging; None without Adam moments."""
     from safetensors.torch import load_file
 
     prefix = "aggregator/server_optimizer/m/"
@@ -188,7 +188,7 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
         "Accuracy gains in points over the base model on the verdict test split; 95% t-intervals over seeds (none "
         "with one seed). Mean abs(h) and mean ω spread (max ω − min ω of a round) over rounds 1.. (h = 0 in round 0); "
         f"SE of R̄: the sampling error sqrt(R̄(1 − R̄)/n) of a client's window reward over n = {completions} "
-        "completions (W × batch), to be read against σ_min, the floor of RPG's volatility (Eq. 6). Server step / Δ: "
+        "completions (W × batch), to be read against σ_min, the floor of RPG's volatility (Eq. rpg). Server step / Δ: "
         "mean |θ^{t+1} − θ^t| over mean |Δ^t| of LoRA B, averaged over rounds (1 = plain averaging; Adam's step is "
         "about α per coordinate whatever Δ's size).\n\n"
         f"{markdown(header, rows)}\n"
