@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 verdict.run_timed_cell(cell(seed), args.config, root / f"{field}={value}",
                                        [f"--{field}", value, "--eval_initial", "false"])
-    command = "python benchmarks/rpg_sensitivity.py " + " ".join(argv)
-    print(report(args, grid, root, command.strip()))
+    print(report(args, grid, root))
     return 0
 
 
@@ -130,7 +129,7 @@ def fgrpo_cell(args: argparse.Namespace, seed: int) -> Cell:
     return Cell("fgrpo", seed, args.num_clients, args.dirichlet_alpha)
 
 
-def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> str:
+def report(args: argparse.Namespace, grid: Path, root: Path) -> str:
     """rpg-sensitivity.md and .json: per setting the gains, the paired difference against the default, the weights.
     A setting's cells live in `root`/<field>=<value>, laid out as the grid's."""
     cell = functools.partial(fgrpo_cell, args)
@@ -183,7 +182,9 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
               "Server step / Δ"]
     text = (
         "# RPG sensitivity: FGRPO with one hyperparameter changed (the paper's Appendix D sweep)\n\n"
-        f"Command: `{command}`\n\n"
+        "A row's cells: `python benchmarks/rpg_sensitivity.py --settings <setting> --seeds <its seeds>` (rerun to "
+        "resume); this report, from every setting finished so far: `python benchmarks/rpg_sensitivity.py "
+        "--report_only`.\n\n"
         f"Grid: `{grid}` (the default row and the reference of every paired difference: same seed, same partition). "
         "Accuracy gains in points over the base model on the verdict test split; 95% t-intervals over seeds (none "
         "with one seed). Mean abs(h) and mean ω spread (max ω − min ω of a round) over rounds 1.. (h = 0 in round 0); "
@@ -194,7 +195,7 @@ def report(args: argparse.Namespace, grid: Path, root: Path, command: str) -> st
         f"{markdown(header, rows)}\n"
     )
     (root / "rpg-sensitivity.md").write_text(text, encoding="utf-8")
-    (root / "rpg-sensitivity.json").write_text(json.dumps({"command": command, "completions_per_window": completions,
+    (root / "rpg-sensitivity.json").write_text(json.dumps({"completions_per_window": completions,
                                                            "settings": records}, indent=1), encoding="utf-8")
     return text
 

@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         Cell(method, seed, num_clients, alpha)
         for num_clients, alpha, seed, method in itertools.product(args.num_clients, args.dirichlet_alpha, args.seeds, args.methods)
     ]
-    command = "python benchmarks/verdict.py " + " ".join(argv)
+    # The command that runs the grid: a --report_only rerun reports the same cells.
+    command = "python benchmarks/verdict.py " + " ".join(arg for arg in argv if arg != "--report_only")
 
     def finished() -> dict[Cell, dict]:
         results = {cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()}
