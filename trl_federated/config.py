@@ -306,11 +306,11 @@ class FedGRPOConfig(GRPOConfig):
     server_learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": "Server learning rate α (Eq. model_update). Defaults to 1.0 for 'sgd' (FedAvg: the weighted average) and 1e-3 "
-            "for 'adam', which is ours: the paper gives no value. Adam's step moves every adapter coordinate by about "
-            "α per round whatever the size of the clients' mean change Δ, so α should match how far local training "
-            "moves a coordinate in a round: on the verdict grid's budget (2 local AdamW steps at 2e-4) 1e-3 moved "
-            "LoRA B 7-8x the clients' mean change (`benchmarks/rpg_sensitivity.py`)."
+            "help": "Server learning rate α (Eq. model_update). Defaults to 1.0 for 'sgd' (FedAvg: the weighted "
+            "average) and 1e-3 for 'adam', which is ours: the paper gives no value. Adam's step moves every adapter "
+            "coordinate by about α per round whatever the size of the clients' mean change Δ, so α should match how "
+            "far local training moves a coordinate in a round: on the verdict grid's budget (2 local AdamW steps at "
+            "2e-4) 1e-3 moved LoRA B 6-11x the clients' mean change (`benchmarks/rpg_sensitivity.py`)."
         },
     )
     server_beta1: float = field(default=0.9, metadata={"help": "Server Adam first-moment decay β1."})
@@ -456,8 +456,8 @@ class FedGRPOConfig(GRPOConfig):
         if self.eval_strategy != IntervalStrategy.NO:
             warnings.append(
                 f"`eval_strategy` ({self.eval_strategy.value}) is ignored by a federation: the server evaluates the "
-                f"global adapter before the first round (`eval_initial`), every `eval_every` ({self.eval_every}) rounds and after the "
-                "last."
+                f"global adapter before the first round (`eval_initial`), every `eval_every` ({self.eval_every}) "
+                "rounds and after the last."
             )
         return warnings
 
