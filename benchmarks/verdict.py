@@ -259,6 +259,7 @@ def plot(summary: dict, root: Path, status: str) -> None:
             curve = row["reward_curve"]
             curve_axis.plot(range(len(curve)), curve, marker="o", label=f"{row['method']} ({len(row['seeds'])} seeds)")
         curve_axis.set(xlabel="round", ylabel="mean client R̄ (training reward)", title=f"Reward per round ({setting})")
+        curve_axis.xaxis.get_major_locator().set_params(integer=True)
         curve_axis.legend(fontsize="small")
         for offset, (name, color) in enumerate((("total_gain", "tab:blue"), ("hard_gain", "tab:red"))):
             for index, row in enumerate(rows):
