@@ -42,6 +42,7 @@ verdict = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(verdict)
 
 # Appendix D, Tables 10 (λ_base) and 11 (τ_min); Algorithm 1's defaults are λ_base = 0.8, τ_min = 1.5.
+DEFAULT = "(default)"  # the grid's own FGRPO cells, the reference of every paired difference
 PAPER_SETTINGS = ["rpg_tau_min=1.0", "rpg_tau_min=2.0", "rpg_lambda_base=0.6", "rpg_lambda_base=0.9"]
 
 
@@ -140,39 +141,41 @@ def report(args: argparse.Namespace, grid: Path, root: Path) -> str:
         return sorted(int(path.parent.name.removeprefix("seed"))
                       for path in cell(0).directory(folder).parent.glob("seed*/result.json"))
 
-    grid_results = {cell(seed): load_result(cell(seed).directory(grid)) for seed in finished_seeds(grid)}
-    base = verdict.with_shared_base(dict(grid_results))  # the base model's evaluation lives in the grid's first cell
-    if not base:
+    # The grid's default cells and every setting run so far, in this command or an earlier one, with each seed it
+    # finished; the base model's evaluation lives in the grid's first cell.
+    found = {path.name for path in root.glob("*=*") if path.is_dir()}
+    settings = sorted(found | {f"{field}={value}" for field, value in args.settings})
+    folders = {DEFAULT: grid, **{name: root / name for name in settings}}
+    results = verdict.with_shared_base({
+        (name, seed): load_result(cell(seed).directory(folder))
+        for name, folder in folders.items() for seed in finished_seeds(folder)
+    })
+    if not results:
         return "The verdict grid has no finished cell with the base model's evaluation yet.\n"
-    base_evaluation = next(iter(base.values()))["evaluations"]["-1"]
+    metrics = {key: verdict.cell_metrics(result) for key, result in results.items()}
     rows, records = [], []
-    # Every setting run so far, in this command or an earlier one, with every seed it finished.
-    found = {tuple(path.name.split("=", 1)) for path in root.glob("*=*") if path.is_dir()}
-    settings = [("(default)", "")] + sorted(found | set(args.settings))
-    for field, value in settings:
-        folder = grid if field == "(default)" else root / f"{field}={value}"
-        results = {seed: load_result(cell(seed).directory(folder)) for seed in finished_seeds(folder)}
-        if not results:
+    for name, folder in folders.items():
+        seeds = sorted(seed for setting, seed in results if setting == name)
+        if not seeds:
             continue
-        for result in results.values():
-            result["evaluations"].setdefault("-1", base_evaluation)
-        metrics = {seed: verdict.cell_metrics(result) for seed, result in results.items()}
         paired = None
-        if field != "(default)":  # setting − default, seed by seed
-            defaults = {seed: verdict.cell_metrics(grid_results[cell(seed)]) for seed in results if cell(seed) in grid_results}
-            paired = {name: verdict.t_interval([metrics[seed][f"{name}_gain"] - default[f"{name}_gain"]
-                                                for seed, default in defaults.items()])
-                      for name in verdict.METRICS}
-        diagnostics = [weight_diagnostics(result, completions) for result in results.values()]
+        if name != DEFAULT:  # setting − default, seed by seed
+            common = [seed for seed in seeds if (DEFAULT, seed) in metrics]
+            paired = {
+                key: verdict.t_interval([metrics[name, seed][f"{key}_gain"] - metrics[DEFAULT, seed][f"{key}_gain"]
+                                         for seed in common])
+                for key in verdict.METRICS
+            }
+        diagnostics = [weight_diagnostics(results[name, seed], completions) for seed in seeds]
         mean = {key: statistics.fmean(d[key] for d in diagnostics) for key in diagnostics[0]}
-        ratios = [r for r in (server_step_ratio(cell(seed).directory(folder)) for seed in results) if r is not None]
+        ratios = [r for r in (server_step_ratio(cell(seed).directory(folder)) for seed in seeds) if r is not None]
         mean["server_step_ratio"] = statistics.fmean(ratios) if ratios else None
-        name = field if field == "(default)" else f"{field}={value}"
-        gains = {f"{key}_gain": verdict.t_interval([m[f"{key}_gain"] for m in metrics.values()]) for key in verdict.METRICS}
-        record = {"setting": name, "seeds": sorted(results), **gains, "paired_vs_default": paired, **mean}
+        gains = {f"{key}_gain": verdict.t_interval([metrics[name, seed][f"{key}_gain"] for seed in seeds])
+                 for key in verdict.METRICS}
+        record = {"setting": name, "seeds": seeds, **gains, "paired_vs_default": paired, **mean}
         records.append(record)
         rows.append([
-            name, str(len(results)), verdict._points(record["total_gain"]), verdict._points(record["hard_gain"]),
+            name, str(len(seeds)), verdict._points(record["total_gain"]), verdict._points(record["hard_gain"]),
             verdict._points(paired["total"]) if paired else "—", verdict._points(paired["hard"]) if paired else "—",
             f"{mean['mean_abs_h']:.2f}", f"{mean['weight_spread']:.2f}", f"{mean['reward_standard_error']:.3f}",
             "—" if mean["server_step_ratio"] is None else f"{mean['server_step_ratio']:.1f}",

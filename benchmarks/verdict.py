@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from trl_federated.compare import METHODS, Cell, load_result, markdown, run_cell
 
@@ -111,8 +112,8 @@ def cell_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-def with_shared_base(results: dict[Cell, dict]) -> dict[Cell, dict]:
-    """The finished cells, each with the base model's evaluation (round -1): the grid evaluates it in its first cell
+def with_shared_base(results: dict[Any, dict]) -> dict[Any, dict]:
+    """The finished cells (keyed by `Cell`, or by anything that names a cell), each with the base model's evaluation (round -1): the grid evaluates it in its first cell
     only (the same model and test split in every cell), so a cell without one takes that cell's. Cells are left
     out until a base evaluation exists."""
     base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), None)
