@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import importlib.util
 import json
 import math
@@ -70,31 +69,28 @@ def weight_diagnostics(result: dict, completions_per_window: int) -> dict[str, f
 
 
 def server_step_ratio(directory: Path) -> float | None:
-    """How far the server's Adam step moves LoRA B against the clients' own mean change Δ (Eq. model_diff), mean over rounds
-    of mean|θ^{[t+1]} − θ^{[t]}| / mean|Δ^{[t]}|, from the cell's round checkpoints: Δ^{[t]} = (m^{[t]} − β1 m^{[t−1]}) /
-    (1 − β1) (Eq. momentum) and θ^{[0]}_B = 0 (LoRA's initialisation). 1 is plain averaging; None without Adam moments."""
-    from safetensors.torch import load_file
+    """How far the server's Adam step moves LoRA B against the clients' own mean change Δ (Eq. model_diff), mean over
+    rounds of mean|θ^{[t+1]} − θ^{[t]}| / mean|Δ^{[t]}|, from the cell's round checkpoints 0, 1, ...:
+    Δ^{[t]} = (m^{[t]} − β1 m^{[t−1]}) / (1 − β1) (Eq. momentum) and θ^{[0]}_B = 0 (LoRA's initialisation). 1 is
+    plain averaging; None without Adam moments."""
+    from trl_federated.checkpoint import list_checkpoints, read_checkpoint
 
-    prefix = "aggregator/server_optimizer/m/"
     ratios, previous_m, previous_b = [], None, None
-    for index in itertools.count():
-        checkpoint = directory / f"checkpoint-{index}"
-        if not checkpoint.is_dir():
+    for round_idx, path in enumerate(list_checkpoints(directory)):
+        checkpoint = read_checkpoint(path)
+        if checkpoint.round_idx != round_idx:  # an earlier round's checkpoint is gone: its θ and m are unknown
             break
-        beta1 = json.loads((checkpoint / "federation.json").read_text(encoding="utf-8"))["identity"]["training"]["server_beta1"]
-        moments = {key[len(prefix):]: value for key, value in load_file(checkpoint / "federation.safetensors").items()
-                   if key.startswith(prefix) and "lora_B" in key}
-        if not moments:
+        moments = checkpoint.aggregator.get("server_optimizer", {}).get("m")
+        if moments is None:
             return None
-        adapter = load_file(checkpoint / "adapter_model.safetensors")
-        delta = step = 0.0
-        for key, m in moments.items():
-            before_m = previous_m[key] if previous_m else 0 * m
-            before_b = previous_b[key] if previous_b else 0 * m
-            delta += ((m - beta1 * before_m) / (1 - beta1)).abs().sum().item()
-            step += (adapter[key] - before_b).abs().sum().item()
+        beta1 = checkpoint.identity["training"]["server_beta1"]
+        m = {key: value for key, value in moments.items() if "lora_B" in key}
+        b = {key: checkpoint.global_state[key] for key in m}
+        delta = sum(((m[key] - beta1 * previous_m[key] if previous_m else m[key]) / (1 - beta1)).abs().sum().item()
+                    for key in m)
+        step = sum((b[key] - previous_b[key] if previous_b else b[key]).abs().sum().item() for key in m)
         ratios.append(step / delta)
-        previous_m, previous_b = moments, {key: adapter[key] for key in moments}
+        previous_m, previous_b = m, b
     return statistics.fmean(ratios) if ratios else None
 
 

@@ -81,19 +81,21 @@ def test_a_setting_must_name_an_rpg_field_and_the_grid_must_have_run(tmp_path):
 
 def test_server_step_ratio_from_round_checkpoints(tmp_path):
     """Adam's moments give Δ back (Δ^t = (m^t − β1 m^{t−1}) / (1 − β1)); the adapters give the step."""
-    from safetensors.torch import save_file
+    from peft import LoraConfig
+
+    from trl_federated.checkpoint import Checkpoint, write_checkpoint
+
+    def checkpoint(round_idx, b, aggregator):
+        return Checkpoint(round_idx=round_idx, global_state={key: b.clone()}, aggregator=aggregator, client_controls={},
+                          history=[], evaluations={}, identity={"training": {"server_beta1": 0.9}})
 
     key = "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
     deltas, steps = [1e-4, -2e-4], [1e-3, -3e-3]  # the server moved B 10x, then 15x the clients' mean change
     m, b = torch.zeros(4, 2), torch.zeros(4, 2)
     for t, (delta, step) in enumerate(zip(deltas, steps)):
         m, b = 0.9 * m + 0.1 * delta, b + step
-        checkpoint = tmp_path / f"checkpoint-{t}"
-        checkpoint.mkdir()
-        (checkpoint / "federation.json").write_text(json.dumps({"identity": {"training": {"server_beta1": 0.9}}}))
-        save_file({f"aggregator/server_optimizer/m/{key}": m.clone(), f"aggregator/server_optimizer/v/{key}": m.clone()},
-                  checkpoint / "federation.safetensors")
-        save_file({key: b.clone()}, checkpoint / "adapter_model.safetensors")
-    assert sensitivity.server_step_ratio(tmp_path) == pytest.approx(12.5, rel=1e-4)
-    save_file({}, tmp_path / "checkpoint-0" / "federation.safetensors")  # SGD: no moments
-    assert sensitivity.server_step_ratio(tmp_path) is None
+        adam = {"server_optimizer": {"m": {key: m.clone()}, "v": {key: m.square()}, "num_steps": t + 1}}
+        write_checkpoint(checkpoint(t, b, adam), tmp_path / "adam", LoraConfig())
+    assert sensitivity.server_step_ratio(tmp_path / "adam") == pytest.approx(12.5, rel=1e-4)
+    write_checkpoint(checkpoint(0, b, {}), tmp_path / "sgd", LoraConfig())  # SGD: no moments
+    assert sensitivity.server_step_ratio(tmp_path / "sgd") is None
