@@ -845,10 +845,10 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
     grid = KeyedGrid(respond, configs, keys)
     messages = list(strategy.configure_train(1, None, None, grid))
     assert {message.metadata.dst_node_id for message in messages} == {21, 22, 23}
-    assert "outside the federation's [0, 3)" in strategy._early_drops["node-24"]
-    assert strategy._early_drops["node-25"] == "claims client 'client_2', which connected node 23 already serves"
     strategy.aggregate_train(1, grid.send_and_receive(messages))
     record = strategy.history[-1]
+    assert "outside the federation's [0, 3)" in record.dropped["node-24"]
+    assert record.dropped["node-25"] == "claims client 'client_2', which connected node 23 already serves"
     assert set(record.weights) == {"client_0", "client_2"}
     assert record.dropped["client_1"] == "client 'client_0' took too long (the report names client 'client_0')"
 
@@ -860,9 +860,10 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
     grid = KeyedGrid(respond, configs, keys)
     messages = list(strategy.configure_train(2, None, None, grid))
     assert {message.metadata.dst_node_id for message in messages} == {21, 22, 26}
-    assert "a node with another public key served first" in strategy._early_drops["node-25"]
     sent = next(m for m in messages if m.metadata.dst_node_id == 26)
     assert_states_equal(TrainInstruction.from_content(sent.content).scaffold_controls[1], marked)
+    strategy.aggregate_train(2, grid.send_and_receive(messages))
+    assert "a node with another public key served first" in strategy.history[-1].dropped["node-25"]
 
 
 @pytest.mark.parametrize("attack, reason", [

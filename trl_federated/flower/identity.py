@@ -7,16 +7,26 @@ public key of every node (`Grid.get_nodes()`). With `--enable-supernode-auth` on
 another's key. A `ClientRegistry` names, for each client of the federation, the key its SuperNode holds, its index
 (its seeds and its place in the aggregation) and optionally its number of training rows: the strategy then maps
 nodes to clients from the keys alone, refuses every other node, and never asks a node who it is.
+
+A `NodeBinder` keeps, for a run, which connected node serves which client: from the registry, or, without one, from
+what each node says when first asked, trusted on first use.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import serialization
+
+if TYPE_CHECKING:
+    from flwr.serverapp import Grid
+
+# A node's claim when asked which client it serves: (client id, client index), or why it made none.
+Claim = tuple[str, int] | str
 
 
 def public_key_der(key: bytes | str) -> bytes:
@@ -98,3 +108,108 @@ class ClientRegistry:
     def num_samples(self) -> dict[str, int]:
         """The registered sample counts, by client id."""
         return {client.client_id: client.num_samples for client in self.clients if client.num_samples is not None}
+
+
+class NodeBinder:
+    """Which connected SuperNode serves which client of the federation, for a run: the server's call, made before any
+    training message is sent. It reads the grid's nodes and their public keys, and never sends a message itself.
+
+    With a `registry`, a node serves the client its public key is registered for, and every node whose key is not
+    registered is refused. Without one, a node is asked once which client it serves (its SuperNode's
+    `--node-config`) and trusted on first use: a claim outside the federation's `num_clients`, or of a client or
+    index another connected node already serves, is refused (`_bind_claim`). Clients are known by their stable id,
+    never by Flower's node id, which changes when a SuperNode restarts.
+
+    Args:
+        num_clients: The federation's number of clients N (indices 0 to N-1).
+        registry: The federation's clients by SuperNode public key; without it, nodes declare their client.
+    """
+
+    def __init__(self, num_clients: int, registry: ClientRegistry | None = None):
+        if registry is not None and len(registry) != num_clients:
+            raise ValueError(f"The registry holds {len(registry)} clients, `num_clients` is {num_clients}.")
+        self.num_clients = num_clients
+        self.registry = registry
+        self._clients: dict[int, tuple[str, int]] = {}  # Flower node id → (client id, client index)
+        self._indices: dict[str, int] = {}  # client id → client index, as first bound to a node
+        self._keys: dict[str, bytes] = {}  # client id → public key of the node first bound to it
+
+    def connected(self, grid: Grid) -> tuple[list[int], int]:
+        """The ids of the nodes connected to `grid`, sorted, and how many of them count towards the federation's
+        `num_clients`: all without a registry; with one, those whose key it registers (so that other nodes cannot
+        start a round early)."""
+        node_ids = sorted(grid.get_node_ids())
+        if self.registry is None:
+            return node_ids, len(node_ids)
+        return node_ids, sum(self.registry.client_of(node.public_key) is not None for node in grid.get_nodes())
+
+    def bind(
+        self, grid: Grid, node_ids: list[int], ask: Callable[[list[int]], Iterable[tuple[int, Claim]]]
+    ) -> dict[int, str]:
+        """Bind each of the connected `node_ids` to the client it serves, and return why each other one serves none
+        (it is sent no training message), in the order of `node_ids`.
+
+        With a registry, by the nodes' public keys alone. Without one, the nodes not bound yet (a new run, a restarted
+        SuperNode) are asked: `ask(those node ids)` sends the question (the strategy's IDENTIFY query) and yields, per
+        answer, the node and its `Claim`. A node's first answer stands; a node that does not answer is refused.
+        """
+        refused: dict[int, str] = {}
+        if self.registry is not None:
+            self._clients = {}
+            for node in grid.get_nodes():
+                if node.node_id not in node_ids:
+                    continue
+                registered = self.registry.client_of(node.public_key)
+                if registered is None:
+                    refused[node.node_id] = "its public key is not registered for this federation"
+                else:
+                    self._clients[node.node_id] = (registered.client_id, registered.index)
+        else:
+            unknown = [node_id for node_id in node_ids if node_id not in self._clients]
+            if unknown:
+                keys = {node.node_id: bytes(node.public_key) for node in grid.get_nodes()}
+                for node_id, claim in ask(unknown):
+                    if node_id in self._clients or node_id in refused:
+                        continue  # answered twice: the first answer stands
+                    if isinstance(claim, str):  # no claim, and why
+                        refused[node_id] = claim
+                    elif reason := self._bind_claim(node_id, *claim, keys.get(node_id, b""), node_ids):
+                        refused[node_id] = reason
+        return {
+            node_id: refused.get(node_id, "did not identify its client")
+            for node_id in node_ids if node_id not in self._clients
+        }  # fmt: skip
+
+    def client_of(self, node_id: int) -> tuple[str, int]:
+        """(client id, client index) of a node `bind` bound."""
+        return self._clients[node_id]
+
+    def _bind_claim(
+        self, node_id: int, client_id: str, client_index: int, key: bytes, connected: list[int]
+    ) -> str | None:
+        """Bind `node_id` (holding public key `key`) to (`client_id`, `client_index`), or return why it may not (trust
+        on first use, without a registry): an index outside the federation, an id bound to another index (or an index
+        to another id) earlier in the run, a client another connected node already serves (the first node keeps it: a
+        newcomer cannot push it out), or a client first served by a node with another public key (a SuperNode
+        restarted with its `--auth-supernode-private-key` keeps its key, and its client)."""
+        if not 0 <= client_index < self.num_clients:
+            return (f"claims client index {client_index}, outside the federation's [0, {self.num_clients}) "
+                    "(set the SuperNode's partition-id)")
+        known_index = self._indices.get(client_id)
+        known_id = next((known for known, index in self._indices.items() if index == client_index), None)
+        if known_index not in (None, client_index):
+            return f"claims client {client_id!r} at index {client_index}; this run knows it at index {known_index}"
+        if known_id not in (None, client_id):
+            return f"claims index {client_index} for client {client_id!r}; this run knows {known_id!r} there"
+        for other, (other_id, _) in self._clients.items():
+            if other != node_id and other in connected and other_id == client_id:
+                return f"claims client {client_id!r}, which connected node {other} already serves"
+        if self._keys.setdefault(client_id, key) != key:
+            return (f"claims client {client_id!r}, which a node with another public key served first in this run "
+                    "(start SuperNodes with --auth-supernode-private-key, or give the strategy a registry)")
+        # A node that served the client before and is gone (a restarted SuperNode) hands it over.
+        for other in [other for other, (other_id, _) in self._clients.items() if other_id == client_id]:
+            del self._clients[other]
+        self._clients[node_id] = (client_id, client_index)
+        self._indices[client_id] = client_index
+        return None

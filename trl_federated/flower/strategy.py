@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ from ..callbacks import RoundRecord, round_logs
 from ..config import FedGRPOConfig
 from ..runner import with_federated_adapter
 from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
-from .identity import ClientRegistry
+from .identity import Claim, ClientRegistry, NodeBinder
 from .records import TrainInstruction, array_record_to_state, content_to_update, read_client_identity, state_to_array_record
 from .stream import show_package_logs
 
@@ -66,12 +66,13 @@ class FederatedStrategy(ServerStateView, Strategy):
     runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the run with
     `NotEnoughClientsError`, the last checkpoint intact.
 
-    Which client a node serves is the server's call, made before any training message is sent. With a `registry`
-    (`identity.ClientRegistry`) it follows from the node's authenticated public key alone, and every node whose key
-    is not registered is refused. Without one, a node is asked once (its SuperNode's `--node-config`) and trusted on
-    first use: a claim outside the federation's `num_clients`, or of a client or index another connected node
-    already serves, is refused. Per-client state is keyed by that stable client id, never by Flower's node id, which
-    changes when a SuperNode restarts.
+    Which client a node serves is the server's call, made before any training message is sent, by `self.binder`
+    (`identity.NodeBinder`; the strategy only sends its questions). With a `registry` (`identity.ClientRegistry`) it
+    follows from the node's authenticated public key alone, and every node whose key is not registered is refused.
+    Without one, a node is asked once (its SuperNode's `--node-config`) and trusted on first use: a claim outside the
+    federation's `num_clients`, or of a client or index another connected node already serves, is refused.
+    Per-client state is keyed by that stable client id, never by Flower's node id, which changes when a SuperNode
+    restarts.
 
     The server writes what the runner writes (`output_dir/metrics.jsonl`, `round-<t>/`, the atomic `checkpoint-<t>/`,
     the evaluations of `eval_dataset`, `summary.md`, the plots, `result.json`, the final adapter with its model
@@ -122,10 +123,8 @@ class FederatedStrategy(ServerStateView, Strategy):
                 f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds `num_clients` ({args.num_clients}): "
                 "no round could ever aggregate."
             )
-        if registry is not None and len(registry) != args.num_clients:
-            raise ValueError(f"The registry holds {len(registry)} clients, `num_clients` is {args.num_clients}.")
+        self.binder = NodeBinder(args.num_clients, registry)
         self.args = args
-        self.registry = registry
         model = with_federated_adapter(model, args.seed, peft_config)
         if aggregator is None:
             aggregator = aggregator_from_config(args, args.num_clients)
@@ -142,11 +141,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             reply_timeout = DEFAULT_REPLY_TIMEOUT if args.client_timeout is None else args.client_timeout + REPLY_SLACK
         self.reply_timeout = reply_timeout
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
-        self.node_clients: dict[int, tuple[str, int]] = {}  # Flower node id → (client id, client index)
-        self.client_indices: dict[str, int] = {}  # client id → client index, as first bound to a node
-        self.client_keys: dict[str, bytes] = {}  # client id → public key of the node first bound to it
         self._sent: list[_Sent] = []  # this round's train messages, until their replies are in
-        self._early_drops: dict[str, str] = {}  # nodes sent no training message this round, with the reason
 
     # The server's state (with `server.ServerStateView`) ------------------------------------------------------
 
@@ -239,11 +234,10 @@ class FederatedStrategy(ServerStateView, Strategy):
         wire format and `config`'s entries; under SCAFFOLD also c and that client's c_i."""
         round_idx = self._round_idx(server_round)
         self.server.begin_round(round_idx)
-        self._early_drops = {}
         node_ids = self._identify(grid, self._wait_for_nodes(grid, round_idx))
         self._sent = []
         for node_id in node_ids:
-            client_id, client_index = self.node_clients[node_id]
+            client_id, client_index = self.binder.client_of(node_id)
             sent, controls = self.server.broadcast(client_id)
             content = TrainInstruction(
                 sent, round_idx, self.args.num_clients, controls, self.args.lora_aggregation, self.args.transfer_dtype,
@@ -345,7 +339,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             reason += f" (the report names client {bounded_text(repr(report.get('client-id')), 100)})"
         return kind, reason
 
-    # Which client each node serves ---------------------------------------------------------------------------
+    # Which client each node serves (`identity.NodeBinder` decides; the strategy asks) --------------------------
 
     def _wait_for_nodes(self, grid: Grid, round_idx: int) -> list[int]:
         """The connected SuperNodes, once all `num_clients` are there (with a registry: all registered ones, so that
@@ -353,11 +347,7 @@ class FederatedStrategy(ServerStateView, Strategy):
         started = time.monotonic()
         deadline, next_log = started + self.args.node_wait_timeout, started
         while True:
-            node_ids = sorted(grid.get_node_ids())
-            if self.registry is None:
-                ready = len(node_ids)
-            else:
-                ready = sum(self.registry.client_of(node.public_key) is not None for node in grid.get_nodes())
+            node_ids, ready = self.binder.connected(grid)
             now = time.monotonic()
             if ready >= self.args.num_clients or now >= deadline:
                 break
@@ -381,77 +371,36 @@ class FederatedStrategy(ServerStateView, Strategy):
         return node_ids
 
     def _identify(self, grid: Grid, node_ids: list[int]) -> list[int]:
-        """The connected nodes that serve a client of the federation: by their public key with a registry, else
-        after asking the ones not yet known (a new run, a restarted SuperNode) which client they serve. A node that
-        is not registered, does not answer, or whose claim is refused (`_bind`), is sent no training message."""
-        refused: dict[int, str] = {}
-        unknown = [node_id for node_id in node_ids if node_id not in self.node_clients]
-        if self.registry is not None:
-            self.node_clients = {}
-            for node in grid.get_nodes():
-                if node.node_id not in node_ids:
-                    continue
-                registered = self.registry.client_of(node.public_key)
-                if registered is None:
-                    refused[node.node_id] = "its public key is not registered for this federation"
-                else:
-                    self.node_clients[node.node_id] = (registered.client_id, registered.index)
-        elif unknown:
-            keys = {node.node_id: bytes(node.public_key) for node in grid.get_nodes()}
-            queries = [Message(RecordDict(), dst_node_id=node_id, message_type=IDENTIFY) for node_id in unknown]
-            replies = grid.send_and_receive(queries, timeout=self.reply_timeout)
-            # As for training: a reply is attributed by the query it answers (an error may come from the SuperLink).
-            asked = {query.metadata.message_id: query.metadata.dst_node_id for query in queries}
-            for reply in replies:
-                metadata = getattr(reply, "metadata", None)
-                node_id = asked.get(getattr(metadata, "reply_to_message_id", None))
-                try:
-                    if node_id is None or node_id in self.node_clients or node_id in refused:
-                        continue  # not asked, or answered twice: the first answer stands
-                    if not reply.has_error() and metadata.src_node_id != node_id:
-                        continue  # an identity speaks only for the node that sends it
-                    if reply.has_error():
-                        refused[node_id] = f"did not identify its client ({bounded_text(reply.error.reason, 200)})"
-                        continue
-                    client_id, client_index = read_client_identity(reply.content)
-                    refused_because = self._bind(node_id, client_id, client_index, keys.get(node_id, b""), node_ids)
-                except Exception as error:  # a malformed answer costs that node the round, not the server its run
-                    refused_because = f"sent an unreadable identity ({type(error).__name__}: {bounded_text(error, 200)})"
-                if refused_because:
-                    refused[node_id] = refused_because
-        for node_id in node_ids:
-            if node_id not in self.node_clients:
-                self._early_drops[f"node-{node_id}"] = reason = refused.get(node_id, "did not identify its client")
-                self.server.refuse(f"node-{node_id}", reason)
-        return [node_id for node_id in node_ids if node_id in self.node_clients]
+        """The connected nodes that serve a client of the federation (`NodeBinder.bind`). Every other node (not
+        registered, silent, or whose claim is refused) is sent no training message; the server names it in the
+        round's record."""
+        refused = self.binder.bind(grid, node_ids, lambda unknown: self._ask_identities(grid, unknown))
+        for node_id, reason in refused.items():
+            self.server.refuse(f"node-{node_id}", reason)
+        return [node_id for node_id in node_ids if node_id not in refused]
 
-    def _bind(self, node_id: int, client_id: str, client_index: int, key: bytes, connected: list[int]) -> str | None:
-        """Record that `node_id` (holding public key `key`) serves (`client_id`, `client_index`), or return why it
-        may not (trust on first use, without a registry): an index outside the federation, an id bound to another
-        index (or an index to another id) earlier in the run, a client another connected node already serves (the
-        first node keeps it: a newcomer cannot push it out), or a client first served by a node with another public
-        key (a SuperNode restarted with its `--auth-supernode-private-key` keeps its key, and its client)."""
-        if not 0 <= client_index < self.args.num_clients:
-            return (f"claims client index {client_index}, outside the federation's [0, {self.args.num_clients}) "
-                    "(set the SuperNode's partition-id)")
-        known_index = self.client_indices.get(client_id)
-        known_id = next((known for known, index in self.client_indices.items() if index == client_index), None)
-        if known_index not in (None, client_index):
-            return f"claims client {client_id!r} at index {client_index}; this run knows it at index {known_index}"
-        if known_id not in (None, client_id):
-            return f"claims index {client_index} for client {client_id!r}; this run knows {known_id!r} there"
-        for other, (other_id, _) in self.node_clients.items():
-            if other != node_id and other in connected and other_id == client_id:
-                return f"claims client {client_id!r}, which connected node {other} already serves"
-        if self.client_keys.setdefault(client_id, key) != key:
-            return (f"claims client {client_id!r}, which a node with another public key served first in this run "
-                    "(start SuperNodes with --auth-supernode-private-key, or give the strategy a registry)")
-        # A node that served the client before and is gone (a restarted SuperNode) hands it over.
-        for other in [other for other, (other_id, _) in self.node_clients.items() if other_id == client_id]:
-            del self.node_clients[other]
-        self.node_clients[node_id] = (client_id, client_index)
-        self.client_indices[client_id] = client_index
-        return None
+    def _ask_identities(self, grid: Grid, node_ids: list[int]) -> Iterator[tuple[int, Claim]]:
+        """Ask `node_ids` which client each serves (an IDENTIFY query, which `make_client_app` answers) and yield, per
+        answer, the node and its claim (client id, client index) or why it made none."""
+        queries = [Message(RecordDict(), dst_node_id=node_id, message_type=IDENTIFY) for node_id in node_ids]
+        replies = grid.send_and_receive(queries, timeout=self.reply_timeout)
+        # As for training: a reply is attributed by the query it answers (an error may come from the SuperLink).
+        asked = {query.metadata.message_id: query.metadata.dst_node_id for query in queries}
+        for reply in replies:
+            metadata = getattr(reply, "metadata", None)
+            node_id = asked.get(getattr(metadata, "reply_to_message_id", None))
+            if node_id is None:
+                continue  # not asked
+            try:
+                if not reply.has_error() and metadata.src_node_id != node_id:
+                    continue  # an identity speaks only for the node that sends it
+                if reply.has_error():
+                    claim = f"did not identify its client ({bounded_text(reply.error.reason, 200)})"
+                else:
+                    claim = read_client_identity(reply.content)
+            except Exception as error:  # a malformed answer costs that node the round, not the server its run
+                claim = f"sent an unreadable identity ({type(error).__name__}: {bounded_text(error, 200)})"
+            yield node_id, claim
 
     # Evaluation is the server's (`eval_dataset`, in `aggregate_train`), not the ClientApps' ---------------------
 
