@@ -8,10 +8,11 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import use_adapter
 
 from conftest import FAST_GRPO, length_reward
-from trl_federated import FedGRPOConfig, FedGRPOTrainer
+from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.shared_prefix import micro_batches_by_prompt, unsupported_reason
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
@@ -250,4 +251,40 @@ def test_training_in_micro_batches_grouped_by_prompt_matches_standard(tmp_path, 
     assert len(logs[0]) == 2
     for standard, shared in zip(*logs):
         assert shared == pytest.approx(standard, rel=1e-4, abs=1e-6)
+    assert max(map(relative_difference, adapters[1], adapters[0])) <= 1e-4
+
+
+class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer):
+    """TRL's GRPOTrainer with the speed-ups, and no federation."""
+
+
+def test_a_plain_grpo_trainer_with_the_speedups_trains_like_grpo_trainer(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """`FastGRPOMixin` on `GRPOTrainer`, with `shared_prefix` and `recompute_gated_mlp` set on a plain `GRPOConfig`:
+    two steps of 2 accumulated micro-batches with the KL term give GRPOTrainer's logs and adapter, each prompt
+    computed once per pass (its micro-batches re-cut by prompt)."""
+    logs, adapters = [], []
+    for trainer_class in (GRPOTrainer, FastGRPOTrainer):
+        args = GRPOConfig(
+            **FAST_GRPO, output_dir=str(tmp_path / trainer_class.__name__), max_steps=2, seed=3, disable_tqdm=True,
+            beta=0.04, gradient_accumulation_steps=2,
+        )  # fmt: skip
+        if trainer_class is FastGRPOTrainer:
+            args.shared_prefix = args.recompute_gated_mlp = True
+        trainer = trainer_class(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
+            train_dataset=PROMPTS, processing_class=tiny_tokenizer,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+        )  # fmt: skip
+        trainer.train()
+        logs.append([
+            {key: entry[key] for key in ("loss", "reward", "kl", "entropy", "grad_norm")}
+            for entry in trainer.state.log_history if "grad_norm" in entry
+        ])  # fmt: skip
+        adapters.append([param.detach().clone() for param in trainer.model.parameters() if param.requires_grad])
+    stats = trainer.shared_prefix_stats
+    # per step, 2 prompts x 4: the reference pass in chunks of 4 rows (one prompt each) and two regrouped loss passes
+    assert stats.rows == 2 * (8 + 8) and stats.prompt_rows == 2 * (2 + 2) and not stats.fallbacks
+    assert len(logs[0]) == 2 and logs[0][1]["kl"] > 0
+    for standard, fast in zip(*logs):
+        assert fast == pytest.approx(standard, rel=1e-4, abs=1e-6)
     assert max(map(relative_difference, adapters[1], adapters[0])) <= 1e-4

@@ -14,7 +14,7 @@ from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
 from conftest import FAST_GRPO
 from test_cli import labelled_dataset
 from test_flower import LocalGrid, assert_states_equal, client_data_dirs, loopback_app, prompt_datasets, task_identity  # noqa: F401
-from trl_federated import FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
+from trl_federated import FastGRPOMixin, FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
 from trl_federated.adapters import get_adapter_state
 from trl_federated.cli import config_class, import_class, main
 from trl_federated.config import federated_config
@@ -182,6 +182,17 @@ def test_shared_prefix_refuses_a_trainer_that_overrides_the_log_probabilities(tm
             model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward,
             args=federation_args(tmp_path, shared_prefix=True), train_dataset=labelled_dataset(),
             processing_class=tiny_tokenizer, peft_config=default_lora_config(),
+        )  # fmt: skip
+
+    class FastOwnLogProbs(FastGRPOMixin, OwnLogProbs):  # the speed-ups without federation refuse it alike
+        pass
+
+    args = GRPOConfig(**FAST_GRPO, output_dir=str(tmp_path / "plain"))
+    args.shared_prefix = True
+    with pytest.raises(ValueError, match="`shared_prefix` replaces `_get_per_token_logps_and_entropies`.*OwnLogProbs"):
+        FastOwnLogProbs(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
+            train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
         )  # fmt: skip
 
 

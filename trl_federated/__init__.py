@@ -5,6 +5,7 @@ from .callbacks import RoundCallback, RoundRecord
 from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
 from .local_trainer import LocalGRPOMixin, local_trainer
 from .runner import FederatedRunner
+from .speedups import FastGRPOMixin
 from .trainer import FederatedGRPOMixin, FedGRPOTrainer, federated
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Aggregator",
     "ClientUpdate",
+    "FastGRPOMixin",
     "FedAvgAggregator",
     "FedDAPOConfig",
     "FedGRPOConfig",

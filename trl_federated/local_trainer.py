@@ -1,15 +1,15 @@
 """The client side of FGRPO (Algorithm 1, lines 4-18) on any `trl.GRPOTrainer` subclass: what one client's trainer
-adds to the class it extends for a local round (R̄ from TRL's logs, the shared-prefix loss, the federation-wide
-learning-rate schedule) and the callbacks a client round attaches (FedProx, SCAFFOLD, the round deadline).
+adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule,
+FedProx's proximal term) and the callbacks a client round attaches (FedProx, SCAFFOLD, the round deadline). The
+speed-ups a client trains with (shared prefix, gated-MLP recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
 on `LocalGRPOMixin` and adds federated `train()`, which drives `FederatedRunner`. The modules import downwards only:
-trainer → runner → client → local_trainer.
+trainer → runner → client → local_trainer → speedups.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -22,25 +22,20 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .distributed import from_main_process
-from .gated_mlp import recomputed_gated_mlp
-from .shared_prefix import (
-    REGROUPABLE_LOSS_TYPES,
-    SharedPrefixStats,
-    micro_batches_by_prompt,
-    shared_prefix_logps_and_entropies,
-    unsupported_reason,
-)
+from .speedups import FastGRPOMixin, base_name
 
 
-class LocalGRPOMixin:
+class LocalGRPOMixin(FastGRPOMixin):
     """What a client's trainer adds to any `trl.GRPOTrainer` subclass; put it first among the bases, or let
     `local_trainer(MyTrainer)` do so. With its own config the trainer trains exactly like the class it extends.
 
     On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the B prompts x K completions the
     step trained on, summed over reward functions with their weights, as TRL logs `reward`) in `step_rewards`, and
     `window_reward()` gives the client's report R̄^{[t]}: the mean of the last `reward_window` (W) steps. With a
-    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`), the shared-prefix loss (`shared_prefix`) and,
-    for a client of a federation (`federation_round` set), the learning-rate schedule of the whole federation.
+    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`) and, for a client of a federation
+    (`federation_round` set), the learning-rate schedule of the whole federation. It builds on
+    `speedups.FastGRPOMixin`, so a client trains with the speed-ups its config turns on (`shared_prefix`,
+    `recompute_gated_mlp`).
     """
 
     def __init__(self, *args, **kwargs):
@@ -48,60 +43,6 @@ class LocalGRPOMixin:
         fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
         if fedprox_mu:
             self.add_callback(ProximalTerm(fedprox_mu))
-        if getattr(self.args, "shared_prefix", False) and _overrides(type(self), "_get_per_token_logps_and_entropies"):
-            raise ValueError(
-                f"`shared_prefix` replaces `_get_per_token_logps_and_entropies`, which {base_name(type(self))} "
-                "overrides: set `shared_prefix=False` to keep that override."
-            )
-        self.shared_prefix_stats = SharedPrefixStats()
-        # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
-        # one optimizer step, once, and GRPOTrainer's own loss normalises each independently of which rows it holds;
-        # a custom loss or batching may not, so it keeps TRL's micro-batches.
-        self._groups_micro_batches_by_prompt = (
-            getattr(self.args, "shared_prefix", False)
-            and self.args.steps_per_generation == self.args.gradient_accumulation_steps > 1
-            and self.num_iterations == 1
-            and self.loss_type in REGROUPABLE_LOSS_TYPES
-            and not any(_customises(type(self), name) for name in ("_compute_loss", "compute_loss", "_prepare_inputs"))
-        )
-
-    def _prepare_inputs(self, generation_batch):
-        """With `shared_prefix`, the micro-batches TRL cuts from a fresh generation batch are re-cut by prompt
-        (`shared_prefix.micro_batches_by_prompt`), where that leaves the optimizer step's gradient unchanged."""
-        if not (self._groups_micro_batches_by_prompt and self.model.training):
-            return super()._prepare_inputs(generation_batch)
-        fresh = self._buffered_inputs is None or self._step % self.args.steps_per_generation == 0
-        inputs = super()._prepare_inputs(generation_batch)
-        if fresh:
-            self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return inputs
-
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **extra_inputs,
-    ):  # fmt: skip
-        """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
-        (`shared_prefix.py`). With `recompute_gated_mlp`, SiLU-gated MLPs keep half their activations for the
-        backward, with autograd's gradients (`gated_mlp.py`)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        recompute = getattr(self.args, "recompute_gated_mlp", False)
-        with recomputed_gated_mlp(unwrapped) if recompute else contextlib.nullcontext():
-            if getattr(self.args, "shared_prefix", False):
-                prompt_length = input_ids.size(1) - logits_to_keep
-                reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
-                if reason is None:
-                    logps, entropies = shared_prefix_logps_and_entropies(
-                        model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                        autocast=self.accelerator.autocast, stats=self.shared_prefix_stats,
-                    )  # fmt: skip
-                    return logps, entropies, None
-                self.shared_prefix_stats.record_fallback(reason)
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **extra_inputs,
-            )  # fmt: skip
-
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
         the whole federation, `num_rounds * local_steps` steps with its warmup, and starts at this round's first
@@ -199,31 +140,6 @@ def require_grpo_trainer(trainer_class) -> None:
             f"Only a `trl.GRPOTrainer` subclass can be federated, got {trainer_class!r}: the federation reads R̄ from "
             "GRPOTrainer's logs and builds one such trainer per client round."
         )
-
-
-def _is_mixin(klass: type) -> bool:
-    """`LocalGRPOMixin` or a mixin built on it (`trainer.FederatedGRPOMixin`), as opposed to a trainer class."""
-    return issubclass(klass, LocalGRPOMixin) and not issubclass(klass, GRPOTrainer)
-
-
-def _overrides(trainer_class: type, name: str) -> bool:
-    """Whether a class between the mixins and `GRPOTrainer` in `trainer_class`'s MRO defines `name`: an override
-    the mixin's own `name` would bypass."""
-    mro = trainer_class.__mro__
-    below = mro[mro.index(LocalGRPOMixin) + 1 : mro.index(GRPOTrainer)]
-    return any(name in vars(klass) for klass in below)
-
-
-def _customises(trainer_class: type, name: str) -> bool:
-    """Whether any class of `trainer_class`'s MRO before `GRPOTrainer`, other than the mixins, defines `name`."""
-    mro = trainer_class.__mro__
-    return any(name in vars(klass) for klass in mro[: mro.index(GRPOTrainer)] if not _is_mixin(klass))
-
-
-def base_name(trainer_class: type) -> str:
-    """The name of the trainer class a federated or local class extends (its first class without the mixins)."""
-    base = next((klass for klass in trainer_class.__mro__ if not issubclass(klass, LocalGRPOMixin)), trainer_class)
-    return f"{base.__module__}.{base.__qualname__}"
 
 
 def _from_step(schedule, first_step: int, step: int) -> float:

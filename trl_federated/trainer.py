@@ -19,6 +19,7 @@ from .config import FedGRPOConfig
 from .data import partition_clients
 from .local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer
 from .runner import FederatedRunner
+from .speedups import FastGRPOMixin
 
 
 class FederatedGRPOMixin(LocalGRPOMixin):
@@ -27,7 +28,7 @@ class FederatedGRPOMixin(LocalGRPOMixin):
 
     The trainer keeps its constructor and, with its own config or a `FedGRPOConfig` with `num_clients=1`, trains
     exactly like the class it extends, with what `LocalGRPOMixin` adds for a client: R̄ in `step_rewards` and
-    `window_reward()`, FedProx's proximal term and the shared-prefix loss when configured.
+    `window_reward()`, FedProx's proximal term and the speed-ups of `speedups.FastGRPOMixin` when configured.
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
     `train_dataset` across the clients and hands over to `FederatedRunner`, whose clients train this same class;
@@ -40,8 +41,8 @@ class FederatedGRPOMixin(LocalGRPOMixin):
 
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
         # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
-        # (Named after the constructor of the class the mixins extend: `LocalGRPOMixin.__init__` takes anything.)
-        self._init_arguments = _named_arguments(super(LocalGRPOMixin, self).__init__, args, kwargs)
+        # (Named after the constructor of the class the mixins extend: the mixins' `__init__` take anything.)
+        self._init_arguments = _named_arguments(super(FastGRPOMixin, self).__init__, args, kwargs)
         self.eval_reward_funcs = eval_reward_funcs
         super().__init__(*args, **kwargs)
         if self._federates:
