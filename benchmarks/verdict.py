@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trl_federated.compare import METHODS, Cell, load_result, markdown, run_cell
+from trl_federated.compare import Cell, load_result, markdown, run_cell
+from trl_federated.methods import METHODS
 
-DEFAULT_METHODS = ["fgrpo", "fgrpo-wo-rpg", "fedavg", "fedprox", "scaffold"]
+DEFAULT_METHODS = [name for name, method in METHODS.items() if method.algorithm == "grpo"]  # FGRPO and its baselines
 REFERENCE = "fgrpo"
 METRICS = {"total": "Total", "hard": "hard"}  # reported name -> accuracy key of an evaluation
 COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end

@@ -1,8 +1,12 @@
 import pytest
 import yaml
+from transformers import HfArgumentParser
 from trl import GRPOConfig, TrlParser
 
-from trl_federated import FedGRPOConfig
+from trl_federated import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+from trl_federated.admission import NORM_ACTIONS
+from trl_federated.config import TRL_RESULT_FIELDS, ResultHelp, result_fields
+from trl_federated.transport import DTYPES
 
 
 def make(tmp_path, **kwargs):
@@ -94,3 +98,62 @@ def test_only_dirichlet_alpha_may_be_infinite(tmp_path):
 def test_wrong_types_are_refused_by_name(tmp_path, field, value):
     with pytest.raises(TypeError, match=f"`{field}` must be of type"):
         make(tmp_path, **{field: value})
+
+
+# `checkpoint.RESULT_FIELDS` as it was hand-kept before `result_fields` derived it from the fields.
+HAND_KEPT_RESULT_FIELDS = (
+    # the federation
+    "seed", "local_steps", "reward_window", "fedprox_mu", "scaffold_correction",
+    "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
+    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max",
+    "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
+    "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
+    # local training
+    "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay", "adam_beta1",
+    "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "num_generations", "steps_per_generation", "num_iterations", "max_completion_length", "temperature", "top_p",
+    "top_k", "beta", "epsilon", "epsilon_high", "loss_type", "importance_sampling_level", "scale_rewards",
+    "reward_weights", "mask_truncated_completions",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("config_class", [FedGRPOConfig, FedDAPOConfig, FedGSPOConfig])
+def test_result_fields_are_the_hand_kept_list(tmp_path, config_class):
+    names = result_fields(config_class)
+    assert len(names) == len(set(names))
+    # a field the installed transformers lacks (`warmup_ratio`) is left out, as the run identity always skipped it
+    assert set(names) == {name for name in HAND_KEPT_RESULT_FIELDS if name in config_class.__dataclass_fields__}
+    assert result_fields(make(tmp_path)) == result_fields(FedGRPOConfig)
+    fields = FedGRPOConfig.__dataclass_fields__
+    marked = {name for name, f in fields.items() if isinstance(f.metadata.get("help"), ResultHelp)}
+    assert marked | set(TRL_RESULT_FIELDS) == set(HAND_KEPT_RESULT_FIELDS) and not marked & set(TRL_RESULT_FIELDS)
+    assert not marked & set(GRPOConfig.__dataclass_fields__)  # TRL's fields are named in TRL_RESULT_FIELDS
+
+
+def own_fields(config_class) -> list[str]:
+    return list(vars(config_class)["__annotations__"])
+
+
+@pytest.mark.parametrize("config_class", [FedGRPOConfig, FedDAPOConfig, FedGSPOConfig])
+def test_help_formats_and_every_own_field_is_documented(config_class):
+    for parser in (HfArgumentParser(config_class), TrlParser((config_class,))):
+        text = parser.format_help()  # argparse fills the help's %-placeholders: a bare % would raise here
+        assert "--num_rounds" in text
+    parameters = config_class.__doc__.split("Parameters:", 1)[1]
+    for name in own_fields(config_class):
+        assert config_class.__dataclass_fields__[name].metadata.get("help"), name
+        assert f"\n        {name} (`" in parameters, name
+
+
+def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
+    for name, f in FedGRPOConfig.__dataclass_fields__.items():
+        if "choices" in f.metadata and name in own_fields(FedGRPOConfig):
+            assert make(tmp_path, **{name: f.metadata["choices"][-1]})
+            with pytest.raises(ValueError, match=f"`{name}` must be"):
+                make(tmp_path, **{name: "no-such-choice"})
+    assert FedGRPOConfig.__dataclass_fields__["update_norm_action"].metadata["choices"] == list(NORM_ACTIONS)
+    assert FedGRPOConfig.__dataclass_fields__["transfer_dtype"].metadata["choices"] == list(DTYPES)
+    with pytest.raises(ValueError, match="`scaffold_correction` must be 'decoupled' or 'gradient', got 'x'"):
+        make(tmp_path, scaffold_correction="x")
+    with pytest.raises(ValueError, match="`robust_aggregation` must be 'none', 'trimmed_mean' or 'median', got 'x'"):
+        make(tmp_path, robust_aggregation="x")

@@ -12,8 +12,9 @@ from peft import get_peft_model, get_peft_model_state_dict
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from trl_federated.cli import CONFIG_CLASSES, BenchmarkArguments, config_class
-from trl_federated.compare import METHODS
+from trl_federated.cli import BenchmarkArguments, config_class
+from trl_federated.config import CONFIG_CLASSES
+from trl_federated.methods import METHODS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 RECIPES = sorted(CONFIGS.rglob("*.yaml"))
@@ -66,7 +67,7 @@ def test_paper_recipes_share_the_paper_setting_and_differ_only_by_method(name):
     rpg = (args.rpg_lambda_base, args.rpg_tau_min, args.rpg_tau_max, args.rpg_sigma_min, args.rpg_sigma_max)
     assert (*rpg, args.rpg_lambda_anneal) == (0.8, 1.5, 2.5, 0.05, 0.2, 0.1)
     # each method is the comparison harness's definition of it, and only the method's keys differ from FGRPO's
-    for key, value in METHODS[name].items():
+    for key, value in METHODS[name].overrides().items():
         parsed = data_args.algorithm if key == "algorithm" else getattr(args, key)
         assert str(parsed) == value, key
     assert args.loss_type == {"fdapo": "dapo", "fgspo": "grpo"}.get(name, "grpo")

@@ -20,12 +20,11 @@ import torch
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
+from .config import CONFIG_CLASSES, FedGRPOConfig, federated_config
 
 logger = logging.getLogger("trl_federated")
 
 REWARD_FUNCTIONS = ("accuracy", "format")
-CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
 
 
 @dataclass
@@ -71,8 +70,9 @@ class BenchmarkArguments:
     algorithm: str = field(
         default="grpo",
         metadata={
-            "help": "Local RL algorithm: 'grpo' (FedGRPOConfig), 'dapo' (FedDAPOConfig) or 'gspo' (FedGSPOConfig); "
-            "it picks the recipe defaults, which explicit keys still override.",
+            "help": "Local RL algorithm, "
+            + ", ".join(f"'{name}' ({config.__name__})" for name, config in CONFIG_CLASSES.items())
+            + ": it picks the recipe defaults, which explicit keys still override.",
             "choices": list(CONFIG_CLASSES),
         },
     )

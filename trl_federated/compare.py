@@ -2,7 +2,7 @@
 
 Every cell is one `trl-federated run` in its own process, in its own folder; a cell whose `result.json` exists
 is finished and skipped, and an interrupted cell resumes from its last round checkpoint, so an interrupted grid
-resumes where it stopped. The tables follow the paper's layout:
+resumes where it stopped. The methods are `methods.METHODS`; the tables follow the paper's layout:
 Table 1 (per-split accuracy, mean ± std over seeds) and Table 3 (each GRPO variant with and without RPG).
 
     trl-federated compare --config examples/configs/quickstart.yaml --methods fgrpo fedavg --seeds 0 1 \
@@ -23,20 +23,7 @@ from pathlib import Path
 
 import yaml
 
-# Each method is a set of config overrides on the shared base config (and, for DAPO/GSPO, a config class).
-METHODS: dict[str, dict[str, str]] = {
-    "fgrpo": {"aggregation": "rpg", "server_optimizer": "adam"},
-    "fgrpo-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
-    "fedavg": {"aggregation": "fedavg", "server_optimizer": "sgd"},
-    "fedprox": {"aggregation": "fedprox", "server_optimizer": "sgd"},
-    "scaffold": {"aggregation": "scaffold", "server_optimizer": "sgd"},
-    "fdapo": {"algorithm": "dapo", "aggregation": "rpg", "server_optimizer": "adam"},
-    "fdapo-wo-rpg": {"algorithm": "dapo", "aggregation": "fedavg", "server_optimizer": "adam"},
-    "fgspo": {"algorithm": "gspo", "aggregation": "rpg", "server_optimizer": "adam"},
-    "fgspo-wo-rpg": {"algorithm": "gspo", "aggregation": "fedavg", "server_optimizer": "adam"},
-}
-# Table 3 pairs: (with RPG, without RPG)
-ABLATIONS = {"FGRPO": ("fgrpo", "fgrpo-wo-rpg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg")}
+from .methods import ABLATIONS, METHODS
 
 
 @dataclass(frozen=True)
@@ -55,7 +42,7 @@ class Cell:
         return root / self.setting.replace("=", "").replace(",", "-") / self.method / f"seed{self.seed}"
 
     def overrides(self) -> list[str]:
-        values = {**METHODS[self.method], "seed": str(self.seed)}
+        values = {**METHODS[self.method].overrides(), "seed": str(self.seed)}
         if self.num_clients:
             values["num_clients"] = str(self.num_clients)
         if self.dirichlet_alpha:
@@ -194,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num_clients", nargs="+", type=int, default=[None], help="e.g. 3 5 10")
     parser.add_argument("--dirichlet_alpha", nargs="+", default=[None], help="e.g. 0.05 1 inf")
     args, extra = parser.parse_known_args(argv)
-    optimizers = sorted({METHODS[method]["server_optimizer"] for method in args.methods})
+    optimizers = sorted({METHODS[method].server_optimizer for method in args.methods})
     if len(optimizers) > 1 and _sets_server_learning_rate(args.config, extra):
         parser.error(
             f"the methods use different server optimizers ({', '.join(optimizers)}), but `server_learning_rate` is "

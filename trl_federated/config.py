@@ -4,12 +4,15 @@
 same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Without federation (`num_clients=1`,
 the default) a `FedGRPOConfig` trains exactly like a `GRPOConfig` with the same field values. Its defaults are
 the paper's Algorithm 1 where TRL's differ (`loss_type`, `lr_scheduler_type`); where we keep TRL's (`optim`,
-`max_grad_norm`, `beta`), the field's help says why.
+`max_grad_norm`, `beta`), its Parameters say why. `FedDAPOConfig` and `FedGSPOConfig` carry the DAPO and GSPO
+recipes (`CONFIG_CLASSES`), `federated_config` adds the federation to any other `GRPOConfig` subclass, and
+`result_fields` names the fields a resumed run must keep.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -17,10 +20,13 @@ from dataclasses import dataclass, field
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOConfig
 
+from .admission import NORM_ACTIONS
+from .transport import DTYPES, LORA_AGGREGATIONS
+
 AGGREGATIONS = ("rpg", "fedavg", "fedprox", "scaffold")
 SERVER_OPTIMIZERS = ("adam", "sgd")
-LORA_AGGREGATIONS = ("separate", "freeze_a")
-TRANSFER_DTYPES = ("float32", "bfloat16")
+SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")  # `local_trainer.ScaffoldCorrection`
+ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")  # `aggregation.robust.combiner_from_config`
 # Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
 # its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
@@ -35,6 +41,12 @@ DEFAULT_SERVER_OPTIMIZER = {"rpg": "adam", "fedavg": "sgd", "fedprox": "sgd", "s
 DEFAULT_FEDPROX_MU = 0.01
 
 
+def _either(choices: tuple[str, ...]) -> str:
+    """The choices of a field as its error message names them: "'a', 'b' or 'c'"."""
+    *others, last = choices
+    return f"{', '.join(map(repr, others))} or {last!r}" if others else repr(last)
+
+
 def _is_of_type(value, type_name: str) -> bool:
     """Whether `value` fits the annotation `type_name` ("int", "float", "str", "bool"); booleans are not numbers."""
     if type_name == "bool":
@@ -44,10 +56,29 @@ def _is_of_type(value, type_name: str) -> bool:
     return isinstance(value, {"int": int, "float": (int, float), "str": str}[type_name])
 
 
+class ResultHelp(str):
+    """The help of a field that changes what a run computes: a resumed run must keep its value unless
+    `resume_allow_changes` names it (`result_fields`). The mark is the help's type because `HfArgumentParser` hands
+    every metadata key on to argparse, which accepts no key of ours."""
+
+
+# The fields TRL declares (`GRPOConfig` and `TrainingArguments`) that change what a run computes: the local
+# optimizer and its schedule, the batch, sampling and the loss. `FedGRPOConfig` and its recipes redeclare some of
+# them with other defaults (`loss_type`, `beta`, ...); the rest of TRL's fields (logging, saving, devices) do not
+# change the result.
+TRL_RESULT_FIELDS = (
+    "seed", "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "num_generations", "steps_per_generation", "num_iterations",
+    "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon", "epsilon_high", "loss_type",
+    "importance_sampling_level", "scale_rewards", "reward_weights", "mask_truncated_completions",
+)  # fmt: skip
+
+
 @dataclass
 class FedGRPOConfig(GRPOConfig):
     r"""
-    Configuration for [`FedGRPOTrainer`] and [`FederatedRunner`]: a `GRPOConfig` plus the federation.
+    Configuration class for [`FedGRPOTrainer`] and [`FederatedRunner`]: a [`~trl.GRPOConfig`] plus the federation.
 
     Each of `num_rounds` rounds, every client starts from the global LoRA adapter, runs `local_steps` GRPO
     optimisation steps on its private data and reports the adapter and R̄, the mean step reward over its last
@@ -57,18 +88,233 @@ class FedGRPOConfig(GRPOConfig):
 
     When `num_clients > 1`, `FedGRPOTrainer(..., train_dataset=ds).train()` splits `ds` into `num_clients`
     partitions with a Dirichlet(`dirichlet_alpha`) distribution over `partition_column` and runs the federation.
+
+    This class lists only the federation's parameters and the GRPO parameters whose defaults it changes; every
+    other parameter is [`~trl.GRPOConfig`]'s. Using [`~transformers.HfArgumentParser`] or [`~trl.TrlParser`] we can
+    turn it into command-line arguments and read it from a YAML file.
+
+    Parameters:
+        > Rounds and local work
+
+        num_rounds (`int`, *optional*, defaults to `10`):
+            Number of communication rounds T.
+        local_steps (`int`, *optional*, defaults to `10`):
+            Local GRPO optimisation steps E that every client runs per round.
+        reward_window (`int`, *optional*, defaults to `5`):
+            Window W (at most `local_steps`): a client reports R̄, the mean of its last W step rewards, where a step
+            reward is the mean over the B prompts × K completions of that step.
+
+        > Local training: Algorithm 1's defaults where they differ from TRL's
+
+        loss_type (`str`, *optional*, defaults to `"grpo"`):
+            GRPO loss normalisation. `"grpo"` (TRL's default is `"dapo"`) is the paper's Eq. (obj_grpo): each
+            completion's token terms are averaged over its own length, then over the group. Other values as in
+            [`~trl.GRPOConfig`]; [`FedDAPOConfig`] sets `"dapo"`.
+        lr_scheduler_type (`str`, *optional*, defaults to `"constant"`):
+            Local learning-rate schedule. `"constant"` (TRL's default is `"linear"`) is Algorithm 1's fixed local step
+            size α_i. Any other schedule, with its warmup, runs once over the whole federation, `num_rounds` ×
+            `local_steps` steps: local step e of round t takes its value at t·E + e, so each client's fresh trainer
+            continues the schedule instead of restarting it every round.
+        optim (`str`, *optional*, defaults to TRL's AdamW):
+            Local optimizer. Algorithm 1 writes the local step as plain gradient ascent θ + α_i g; the paper's
+            experiments, like TRL and the GRPO recipes it builds on, train with Adam(W), and SGD at GRPO's gradient
+            scale needs a very different learning rate. `"sgd"` gives the literal Algorithm 1 step.
+        max_grad_norm (`float`, *optional*, defaults to `1.0`):
+            Gradient clipping of every local step (TRL's default; Algorithm 1 has none, `0` disables it). Kept on
+            because a GRPO step on a batch with one rare high-advantage completion can be far larger than the rest.
+            FedProx's proximal gradient is added after clipping.
+        beta (`float`, *optional*, defaults to `0.0`):
+            KL coefficient β of Eq. (obj_grpo); the paper gives no value, and `0.0` (TRL's default) drops the KL term.
+            With β > 0 the reference policy π_ref is θ^{[0]}, the adapter the federation starts from (the base model
+            for a freshly initialised LoRA), fixed for every client and round, as one-process GRPO keeps its initial
+            adapter.
+        federation_round (`int`, *optional*):
+            Set by the federation on each client's local configuration, not by users: the round t a client trains
+            in, which places its steps at t·`local_steps` in the federation-wide learning-rate schedule. `None`: a
+            plain GRPO run whose schedule spans `max_steps`.
+
+        > Clients and data
+
+        num_clients (`int`, *optional*, defaults to `1`):
+            Number of clients. Above 1, `FedGRPOTrainer.train()` partitions `train_dataset` into this many clients
+            and runs the federated loop; 1 trains exactly like [`~trl.GRPOTrainer`].
+        partition_column (`str`, *optional*, defaults to `"difficulty"`):
+            Dataset column whose label distribution differs across clients (Dirichlet partition).
+        dirichlet_alpha (`float`, *optional*, defaults to `0.05`):
+            Concentration μ of the Dirichlet partition: small is highly non-IID (the paper's 0.05), `"inf"` is a
+            uniform split.
+        min_partition_size (`int`, *optional*, defaults to `2`):
+            Smallest number of training rows a client may receive.
+
+        > Evaluation and outputs
+
+        eval_every (`int`, *optional*, defaults to `0`):
+            Evaluate the global adapter on the eval dataset every this many rounds (`0`: only before training and
+            after the last round).
+        eval_initial (`bool`, *optional*, defaults to `True`):
+            Evaluate the initial adapter before round 0 (round -1 of `evaluations`: the base model for a fresh LoRA),
+            the baseline of every accuracy gain. Turn it off when that evaluation is already known, as in a grid of
+            runs over the same model and test split.
+        save_every_round (`bool`, *optional*, defaults to `True`):
+            Save the global adapter of every round under `output_dir/round-<t>` (PEFT layout).
+        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
+            Start afresh in an `output_dir` that holds another run, whose `metrics.jsonl`, `result.json`,
+            `checkpoint-<t>` and `round-<t>` are deleted first. Without it such an `output_dir` is an error, unless
+            `resume_from_checkpoint` continues that run.
+
+        > Failing clients
+
+        min_clients_per_round (`int`, *optional*, defaults to `1`):
+            Fewest clients whose updates must be accepted for a round to aggregate. A client that raises, exceeds
+            `client_timeout` or sends an invalid update is dropped from its round; with fewer than this many left
+            the run stops with an error, and the last checkpoint stays intact.
+        client_timeout (`float`, *optional*):
+            Wall-clock seconds a client's local round may take, from building its trainer to its last step.
+            Training stops at the first step boundary past it and the late update is dropped. `None`: no limit.
+        node_wait_timeout (`float`, *optional*, defaults to `600.0`):
+            Flower deployment only: seconds the server waits, each round, for the SuperNodes of all `num_clients`
+            clients to connect; the round then goes on with those connected, if they are at least
+            `min_clients_per_round`. `0`: never wait.
+
+        > Aggregation
+
+        aggregation (`str`, *optional*, defaults to `"rpg"`):
+            Client weighting: `"rpg"` (FGRPO: softmax of relative performance gains), `"fedavg"` (data volume),
+            `"fedprox"` (data volume, plus a proximal term in every client's loss, see `fedprox_mu`) or `"scaffold"`
+            (data volume, plus control variates, see `scaffold_correction`). The methods the paper compares are these
+            with a server optimizer and a local algorithm (`trl_federated.methods`), e.g. `"fedavg"` with
+            `server_optimizer="adam"` is its "w/o RPG" ablation.
+        rpg_lambda_base (`float`, *optional*, defaults to `0.8`):
+            EMA coefficient λ_base in (0, 1] of each client's reward baseline φ.
+        rpg_iota (`float`, *optional*, defaults to `0.9`):
+            Decay ι in (0, 1] of the reward-volatility estimate σ.
+        rpg_sigma_min (`float`, *optional*, defaults to `0.05`):
+            Lower clip σ_min of the reward volatility, in absolute reward units: the paper's value, for a binary
+            reward in [0, 1]. Scale it with the reward's range (the run warns when the reward functions declare a
+            wider one).
+        rpg_sigma_max (`float`, *optional*, defaults to `0.2`):
+            Upper clip σ_max of the reward volatility, in absolute reward units, for a reward in [0, 1] (see
+            `rpg_sigma_min`).
+        rpg_tau_min (`float`, *optional*, defaults to `1.5`):
+            Final softmax temperature τ_min.
+        rpg_tau_max (`float`, *optional*, defaults to `2.5`):
+            Initial softmax temperature τ_max.
+        rpg_lambda_anneal (`float`, *optional*, defaults to `0.1`):
+            Rate λ_anneal of the exponential temperature annealing.
+        rpg_eps (`float`, *optional*, defaults to `1e-8`):
+            ε added to σ in the RPG denominator.
+        rpg_h_max (`float` or `None`, *optional*, defaults to `10.0`):
+            Bound on |h| (the paper's Assumption 5): h is clipped to [-h_max, h_max], which caps the weight a client
+            can gain by inflating its self-reported reward at exp(2 h_max / τ) times another's. An honest |h| never
+            exceeds max(1 / (1 − ι), (R_max − R_min) / σ_max): below σ_max, σ ≥ (1 − ι)|gap|, so |h| ≤ 1 / (1 − ι);
+            at σ_max, |h| ≤ |gap| / σ_max. With the paper's ι = 0.9 and σ_max = 0.2 that is 10 for rewards spanning
+            up to 2 (accuracy + format), so the default changes nothing an honest run learns. `None`: unbounded.
+        fedprox_mu (`float`, *optional*):
+            FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ‖θ_i − θ^{[t]}‖² over the
+            adapter to its GRPO loss. `None`: 0.01 with `aggregation="fedprox"` (the middle of the range FedProx
+            sweeps; the paper gives none) and 0 (off) otherwise; any aggregation accepts a positive value.
+        scaffold_correction (`str`, *optional*, defaults to `"decoupled"`):
+            How SCAFFOLD's correction c − c_i meets the local Adam: `"decoupled"` (applied to the parameters after
+            each step, scaled by the learning rate, outside Adam) or `"gradient"` (added to the gradient before
+            Adam, as in SGD-SCAFFOLD).
+
+        > Wire format
+
+        lora_aggregation (`str`, *optional*, defaults to `"separate"`):
+            How LoRA factors are federated. `"separate"` (the paper's): clients train and send A and B, and the
+            server averages each; the average of B_i·A_i is then not the product of the averages. `"freeze_a"`
+            (FFA-LoRA, Sun et al., ICLR 2024): A stays at its shared seeded initialisation and clients train and
+            send B only, so Σ ω_i B_i A is exactly the average of the clients' updates and the payload roughly
+            halves.
+        transfer_dtype (`str`, *optional*, defaults to `"float32"`):
+            Precision of each client's update on the wire. `"float32"` sends the adapter as trained; `"bfloat16"`
+            sends the change θ_i − θ^{[t]} in bfloat16 (half the bytes), which the server adds back in float32, so
+            the error is relative to the round's change, not to the weights.
+
+        > Server optimizer
+
+        server_optimizer (`str`, *optional*):
+            Server step on the pseudo-gradient: `"adam"` (the paper's Eq. momentum/model_update) or `"sgd"`. `None`:
+            the step of `aggregation`'s method as its paper defines it, `"adam"` for `"rpg"` (FGRPO) and `"sgd"`
+            with learning rate 1, plain (weighted) model averaging, for the others.
+        server_learning_rate (`float`, *optional*):
+            Server learning rate α (Eq. model_update). `None`: 1.0 for `"sgd"` (the weighted average) and 1e-3 for
+            `"adam"`, which is ours: the paper gives none. Adam moves every adapter coordinate by about α per round
+            whatever the size of the clients' mean change Δ, so α should match how far local training moves a
+            coordinate in a round (~10 local Adam steps at 1e-4 for the default).
+        server_beta1 (`float`, *optional*, defaults to `0.9`):
+            Server Adam first-moment decay β1.
+        server_beta2 (`float`, *optional*, defaults to `0.99`):
+            Server Adam second-moment decay β2.
+        server_epsilon (`float`, *optional*, defaults to `1e-8`):
+            Server Adam ε.
+        server_bias_correction (`bool`, *optional*, defaults to `False`):
+            Apply Adam bias correction on the server (the paper's update has none).
+
+        > Exact speed-ups of the local step
+
+        shared_prefix (`bool`, *optional*, defaults to `False`):
+            Compute each distinct prompt of a batch once, and its K completions on top of the prompt's keys and
+            values, instead of the whole prompt + completion K times, for the loss and for the old and reference
+            log-probabilities. Exact (the same loss and gradients up to float rounding) for any loss type; calls it
+            cannot split (images, gradient checkpointing or active dropout in training, sliding-window or recurrent
+            layers, prompt-learning adapters) use the standard forward, and are counted and logged once. With
+            gradient accumulation over one generation batch (`steps_per_generation` = `gradient_accumulation_steps`,
+            `num_iterations` 1, loss `"grpo"`, `"dapo"` or `"dr_grpo"`) the micro-batches are also cut by prompt
+            instead of at random, which leaves the step's gradient unchanged and computes each prompt once per step.
+        recompute_gated_mlp (`bool`, *optional*, defaults to `False`):
+            SiLU-gated MLPs (Llama, Qwen2, Mistral, ...) keep only gate_proj(x) and up_proj(x) for the backward and
+            recompute silu(g) and silu(g)·u there: two intermediate-size tensors fewer per token and layer, the same
+            gradients up to float rounding. Off by default: it costs CPU time on the loss step and lowers the peak
+            memory only where MLP activations dominate it (long completions, large batches).
+
+        > Robustness: what the server bounds in every client update, and how it combines them
+
+        update_norm_bound (`float` or `None`, *optional*, defaults to `10.0`):
+            Bound on each client's update norm ‖θ_i − θ‖, in units of U = `local_steps` × `learning_rate` × √d, d
+            the adapter's number of coordinates: the norm of E steps that each move every coordinate by the learning
+            rate. An Adam-family local optimizer (TRL's default) moves a coordinate by about lr per step or less (at
+            most (1 − β1) / √(1 − β2), about 3.2, under extreme gradient sparsity), so honest updates stay near or
+            below 1 U (SCAFFOLD's decoupled correction adds at most ~2 U); the default leaves a wide margin. SCAFFOLD's
+            ‖Δc_i‖ is bounded by the same number, in units of √d. Set it explicitly for a non-Adam local optimizer.
+            `None`: no bound.
+        update_norm_action (`str`, *optional*, defaults to `"reject"`):
+            What happens to an update over `update_norm_bound`: `"reject"` drops it from the round (an invalid
+            update), `"clip"` scales θ_i − θ back onto the bound.
+        robust_aggregation (`str`, *optional*, defaults to `"none"`):
+            Coordinate-wise robust combination of the clients' adapters, for every method: `"none"` (the weighted
+            mean Σ_i w_i θ_i), `"trimmed_mean"` (per coordinate, drop the `robust_trim_fraction` largest and smallest
+            client values, then the weighted mean of the rest with their weights renormalised) or `"median"` (the
+            unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).
+        robust_trim_fraction (`float`, *optional*, defaults to `0.2`):
+            Fraction of clients trimmed at each end by `robust_aggregation="trimmed_mean"`, in [0, 0.5): the floor of
+            the fraction × the number of clients that reported, as Flower's FedTrimmedAvg.
+        max_client_samples (`int` or `None`, *optional*, defaults to `1000000`):
+            Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), used only
+            where the server does not know the count itself (the runner always does; a Flower deployment does for
+            clients registered with `num-samples`). `None`: no cap.
+
+        > Resuming
+
+        resume_allow_changes (`str`, *optional*):
+            Comma-separated fields that a resumed run may change (e.g. `"learning_rate,rpg_tau_min"`), among those
+            that change what a run computes (`result_fields`): any other difference from the checkpoint's run is a
+            `CheckpointMismatchError`. The model, LoRA, clients, aggregation, server optimizer and wire format can
+            never change.
     """
 
     # Rounds and local work
     num_rounds: int = field(default=10, metadata={"help": "Number of communication rounds T."})
     local_steps: int = field(
-        default=10, metadata={"help": "Local GRPO optimisation steps E that every client runs per round."}
+        default=10, metadata={"help": ResultHelp("Local GRPO optimisation steps E that every client runs per round.")}
     )
     reward_window: int = field(
         default=5,
         metadata={
-            "help": "Window W (<= local_steps): a client reports R̄, the mean of its last W step rewards, where a "
-            "step reward is the mean over the B prompts x K completions of that step."
+            "help": ResultHelp(
+                "Window W (<= local_steps): a client reports R̄, the mean of its last W step rewards (each the mean "
+                "over the step's B prompts x K completions)."
+            )
         },
     )
 
@@ -76,52 +322,44 @@ class FedGRPOConfig(GRPOConfig):
     loss_type: str = field(
         default="grpo",
         metadata={
-            "help": "GRPO loss normalisation. 'grpo' (default here; TRL's default is 'dapo') is the paper's Eq. "
-            "(obj_grpo): each completion's token terms are averaged over its own length, then over the group. "
-            "Other values as in GRPOConfig ('dapo', 'dr_grpo', 'bnpo', ...); FedDAPOConfig sets 'dapo'."
+            "help": "GRPO loss normalisation. 'grpo' (TRL's default is 'dapo') is the paper's Eq. (obj_grpo): token "
+            "terms averaged over each completion's length, then over the group. Other values as in GRPOConfig."
         },
     )
     lr_scheduler_type: str = field(
         default="constant",
         metadata={
-            "help": "Local learning-rate schedule. 'constant' (default here; TRL's is 'linear') is Algorithm 1's fixed "
-            "local step size α_i. In a federation any other schedule (with its warmup) runs once over the whole "
-            "federation, num_rounds x local_steps steps, and local step e of round t takes its value at t·E + e: "
-            "each client's fresh trainer continues the schedule instead of restarting it every round."
+            "help": "Local learning-rate schedule. 'constant' (TRL's default is 'linear') is Algorithm 1's fixed step "
+            "size. Any other schedule runs once over the whole federation (num_rounds x local_steps steps) instead "
+            "of restarting every round."
         },
     )
     optim: str = field(
         default=GRPOConfig.__dataclass_fields__["optim"].default,
         metadata={
-            "help": "Local optimizer (TRL's default, AdamW). Algorithm 1 writes the local step as plain gradient "
-            "ascent θ + α_i g; the paper's experiments, like TRL and the GRPO recipes it builds on, train with Adam(W), "
-            "and SGD at GRPO's gradient scale needs a very different learning rate. Set 'sgd' for the literal "
-            "Algorithm 1 step."
+            "help": "Local optimizer (TRL's default, AdamW, as in the paper's experiments). 'sgd' gives Algorithm 1's "
+            "literal step θ + α_i g, which at GRPO's gradient scale needs a very different learning rate."
         },
     )
     max_grad_norm: float = field(
         default=1.0,
         metadata={
-            "help": "Gradient clipping of every local step (TRL's default; Algorithm 1 has none, 0 disables it). Kept "
-            "on because a GRPO step on a batch with one rare high-advantage completion can be far larger than the "
-            "rest; FedProx's proximal gradient is added after clipping."
+            "help": "Gradient clipping of every local step (TRL's default; Algorithm 1 has none; 0 disables it), kept "
+            "because one rare high-advantage completion can make a step far larger than the rest."
         },
     )
     beta: float = field(
         default=0.0,
         metadata={
-            "help": "KL coefficient β of Eq. (obj_grpo); the paper gives no value, and 0.0 (TRL's default) drops the "
-            "KL term. With β > 0 the reference policy π_ref is θ^{[0]}, the adapter the federation starts from (the "
-            "base model for a freshly initialised LoRA), fixed for every client and round, as one-process "
-            "GRPOTrainer keeps its initial adapter."
+            "help": "KL coefficient β of Eq. (obj_grpo); 0.0 (TRL's default; the paper gives none) drops the KL term. "
+            "With β > 0 the reference policy is the adapter the federation starts from, for every client and round."
         },
     )
     federation_round: int | None = field(
         default=None,
         metadata={
-            "help": "Set by the federation on each client's local configuration, not by users: the round t a client "
-            "trains in, which places its steps at t·local_steps in the federation-wide learning-rate schedule. "
-            "None: a plain GRPO run whose schedule spans `max_steps`."
+            "help": "Set by the federation on each client's local configuration, not by users: the round a client "
+            "trains in, which places its steps in the federation-wide learning-rate schedule. None: plain GRPO."
         },
     )
 
@@ -130,7 +368,7 @@ class FedGRPOConfig(GRPOConfig):
         default=1,
         metadata={
             "help": "Number of clients. Above 1, FedGRPOTrainer.train() partitions train_dataset into this many "
-            "clients and runs the federated loop; 1 trains exactly like GRPOTrainer."
+            "clients and runs the federation; 1 trains exactly like GRPOTrainer."
         },
     )
     partition_column: str = field(
@@ -147,6 +385,8 @@ class FedGRPOConfig(GRPOConfig):
     min_partition_size: int = field(
         default=2, metadata={"help": "Smallest number of training rows a client may receive."}
     )
+
+    # Evaluation and outputs
     eval_every: int = field(
         default=0,
         metadata={
@@ -157,9 +397,8 @@ class FedGRPOConfig(GRPOConfig):
     eval_initial: bool = field(
         default=True,
         metadata={
-            "help": "Evaluate the initial adapter before round 0 (round -1 of `evaluations`: the base model for a "
-            "fresh LoRA), the baseline of every accuracy gain. Turn it off when that evaluation is already known: a "
-            "grid of runs over the same model and test split (`benchmarks/verdict.py`) evaluates it once."
+            "help": "Evaluate the initial adapter before round 0, the baseline of every accuracy gain. Turn it off "
+            "when that evaluation is already known, as in a grid of runs over the same model and test split."
         },
     )
     save_every_round: bool = field(
@@ -169,9 +408,8 @@ class FedGRPOConfig(GRPOConfig):
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Start afresh in an output_dir that holds another run: that run's metrics.jsonl, result.json, "
-            "checkpoint-<t> and round-<t> folders are deleted first. Without it such an output_dir is an error, "
-            "unless `resume_from_checkpoint` continues that run."
+            "help": "Start afresh in an output_dir that holds another run, deleting that run's files first. Without "
+            "it such an output_dir is an error, unless `resume_from_checkpoint` continues that run."
         },
     )
 
@@ -179,25 +417,22 @@ class FedGRPOConfig(GRPOConfig):
     min_clients_per_round: int = field(
         default=1,
         metadata={
-            "help": "Fewest clients whose updates must be accepted for a round to aggregate. A client that raises, "
-            "exceeds `client_timeout` or sends an invalid update is dropped from its round; with fewer than this "
-            "many left the run stops with an error, and the last checkpoint stays intact."
+            "help": "Fewest clients whose updates must be accepted for a round to aggregate: with fewer (clients that "
+            "raised, timed out or sent an invalid update are dropped) the run stops, its last checkpoint intact."
         },
     )
     client_timeout: float | None = field(
         default=None,
         metadata={
-            "help": "Wall-clock seconds a client's local round may take, from building its trainer to its last "
-            "step. Training stops at the first step boundary past it (a step in progress is not interrupted) and "
-            "the late update is dropped. None: no limit."
+            "help": "Wall-clock seconds a client's local round may take; training stops at the first step boundary "
+            "past it and the late update is dropped. None: no limit."
         },
     )
     node_wait_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "Flower deployment only: seconds the server waits, each round, for the SuperNodes of all "
-            "`num_clients` clients to be connected (logged while it waits); the round then goes on with those "
-            "connected, if they are at least `min_clients_per_round`. 0: never wait."
+            "help": "Flower deployment only: seconds the server waits, each round, for all clients' SuperNodes to "
+            "connect before going on with those connected (at least `min_clients_per_round`). 0: never wait."
         },
     )
 
@@ -207,87 +442,88 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
             "volume), 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`) or "
-            "'scaffold' (data volume plus control variates, see `scaffold_correction`). "
-            "'fedavg' with server_optimizer='adam' is the paper's 'w/o RPG' ablation.",
+            "'scaffold' (data volume plus control variates, see `scaffold_correction`).",
             "choices": list(AGGREGATIONS),
         },
     )
     rpg_lambda_base: float = field(
-        default=0.8, metadata={"help": "EMA coefficient λ_base in (0, 1] of each client's reward baseline φ."}
+        default=0.8,
+        metadata={"help": ResultHelp("EMA coefficient λ_base in (0, 1] of each client's reward baseline φ.")},
     )
     rpg_iota: float = field(
-        default=0.9, metadata={"help": "Decay ι in (0, 1] of the reward-volatility estimate σ."}
+        default=0.9, metadata={"help": ResultHelp("Decay ι in (0, 1] of the reward-volatility estimate σ.")}
     )
     rpg_sigma_min: float = field(
         default=0.05,
         metadata={
-            "help": "Lower clip σ_min of the reward volatility, in absolute reward units: the paper's value, tuned for "
-            "a binary reward in [0, 1]. Scale it with the reward's range (the run warns when the reward functions "
-            "declare a wider one)."
+            "help": ResultHelp(
+                "Lower clip σ_min of the reward volatility, in absolute reward units, for a reward in [0, 1] (the "
+                "paper's): scale it with the reward's range."
+            )
         },
     )
     rpg_sigma_max: float = field(
         default=0.2,
         metadata={
-            "help": "Upper clip σ_max of the reward volatility, in absolute reward units, tuned for a reward in [0, 1] "
-            "(see `rpg_sigma_min`)."
+            "help": ResultHelp(
+                "Upper clip σ_max of the reward volatility, in absolute reward units, for a reward in [0, 1] (the "
+                "paper's): scale it with the reward's range."
+            )
         },
     )
-    rpg_tau_min: float = field(default=1.5, metadata={"help": "Final softmax temperature τ_min."})
-    rpg_tau_max: float = field(default=2.5, metadata={"help": "Initial softmax temperature τ_max."})
+    rpg_tau_min: float = field(default=1.5, metadata={"help": ResultHelp("Final softmax temperature τ_min.")})
+    rpg_tau_max: float = field(default=2.5, metadata={"help": ResultHelp("Initial softmax temperature τ_max.")})
     rpg_lambda_anneal: float = field(
-        default=0.1, metadata={"help": "Rate λ_anneal of the exponential temperature annealing."}
+        default=0.1, metadata={"help": ResultHelp("Rate λ_anneal of the exponential temperature annealing.")}
     )
-    rpg_eps: float = field(default=1e-8, metadata={"help": "ε added to σ in the RPG denominator."})
+    rpg_eps: float = field(default=1e-8, metadata={"help": ResultHelp("ε added to σ in the RPG denominator.")})
     rpg_h_max: float | None = field(
         default=10.0,
         metadata={
-            "help": "Bound on |h| (the paper's Assumption 5): h is clipped to [-h_max, h_max], which caps the weight a "
-            "client can gain by inflating its self-reported reward (at most exp(2 h_max / tau) times another's). "
-            "An honest |h| never exceeds max(1 / (1 - rpg_iota), (R_max - R_min) / rpg_sigma_max): below sigma_max, "
-            "sigma >= (1 - iota)|gap|, so |h| <= 1 / (1 - iota); at sigma_max, |h| <= |gap| / sigma_max. With the "
-            "paper's iota = 0.9 and sigma_max = 0.2 that is 10 for rewards spanning up to 2 (accuracy + format), so the "
-            "default 10 changes nothing an honest run learns; it only binds on a reward outside that span. None "
-            "leaves h unbounded."
+            "help": ResultHelp(
+                "Bound on |h| (the paper's Assumption 5), which caps the weight a client can gain by inflating its "
+                "reported reward. The default binds no honest run whose rewards span up to 2. None: unbounded."
+            )
         },
     )
 
     fedprox_mu: float | None = field(
         default=None,
         metadata={
-            "help": "FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ||θ_i − θ^{[t]}||² "
-            "over the adapter to its GRPO loss. Defaults to 0.01 with aggregation='fedprox' and 0 (off) otherwise; "
-            "any aggregation accepts a positive value."
+            "help": ResultHelp(
+                "FedProx proximal coefficient μ: each client adds μ/2 ||θ_i − θ^{[t]}||² to its GRPO loss. None: "
+                "0.01 with aggregation='fedprox', 0 (off) otherwise; any aggregation accepts a positive value."
+            )
         },
     )
 
     scaffold_correction: str = field(
         default="decoupled",
         metadata={
-            "help": "How SCAFFOLD's correction c − c_i meets the local Adam: 'decoupled' (applied to the "
-            "parameters after each step, scaled by the learning rate, outside Adam) or 'gradient' (added to the "
-            "gradient before Adam, as in SGD-SCAFFOLD).",
-            "choices": ["decoupled", "gradient"],
+            "help": ResultHelp(
+                "How SCAFFOLD's correction c − c_i meets the local Adam: 'decoupled' (applied to the parameters "
+                "after each step, outside Adam) or 'gradient' (added to the gradient before Adam, as in SGD-SCAFFOLD)."
+            ),
+            "choices": list(SCAFFOLD_CORRECTIONS),
         },
     )
 
+    # Wire format
     lora_aggregation: str = field(
         default="separate",
         metadata={
-            "help": "How LoRA factors are federated. 'separate' (the paper's): clients train and send A and B, and the "
-            "server averages each; the average of B_i·A_i is then not the product of the averages. 'freeze_a' "
-            "(FFA-LoRA, Sun et al., ICLR 2024): A stays at its shared seeded initialisation, clients train and send B "
-            "only, so Σ ω_i B_i A is exactly the average of the clients' updates and the payload roughly halves.",
+            "help": "How LoRA factors are federated: 'separate' (the paper's: A and B are averaged each on its own, "
+            "which is not the average of the B_i·A_i) or 'freeze_a' (FFA-LoRA: A keeps its shared initialisation "
+            "and only B trains and travels, so the average is exact and the payload roughly halves).",
             "choices": list(LORA_AGGREGATIONS),
         },
     )
     transfer_dtype: str = field(
         default="float32",
         metadata={
-            "help": "Precision of each client's update on the wire. 'float32' sends the adapter as trained. "
-            "'bfloat16' sends the change θ_i − θ^{[t]} in bfloat16 (half the bytes); the server adds it back in float32, "
-            "so the error is relative to the round's change, not to the weights. The server keeps float32 state.",
-            "choices": list(TRANSFER_DTYPES),
+            "help": "Precision of each client's update on the wire: 'float32' sends the adapter as trained, "
+            "'bfloat16' the round's change θ_i − θ (half the bytes, rounded relative to the change, not the weights).",
+            "choices": list(DTYPES),
         },
     )
 
@@ -295,112 +531,106 @@ class FedGRPOConfig(GRPOConfig):
     server_optimizer: str | None = field(
         default=None,
         metadata={
-            "help": "Server step on the pseudo-gradient: 'adam' (the paper's Eq. momentum/model_update) or 'sgd'. "
-            "Unset, it follows `aggregation`: 'adam' for 'rpg' (FGRPO), 'sgd' with learning rate 1 for 'fedavg', "
-            "'fedprox' and 'scaffold', which is plain (weighted) model averaging, what those methods are. "
-            "'fedavg' with 'adam' is the paper's 'w/o RPG' ablation (`trl-federated compare` method "
-            "'fgrpo-wo-rpg').",
+            "help": "Server step on the pseudo-gradient: 'adam' (the paper's Eq. model_update) or 'sgd'. None: the "
+            "step of `aggregation`'s method, 'adam' for 'rpg' and 'sgd' with learning rate 1 (model averaging) "
+            "for the others.",
             "choices": list(SERVER_OPTIMIZERS),
         },
     )
     server_learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": "Server learning rate α (Eq. model_update). Defaults to 1.0 for 'sgd' (FedAvg: the weighted "
-            "average) and 1e-3 for 'adam', which is ours: the paper gives no value. Adam's step moves every adapter "
-            "coordinate by about α per round whatever the size of the clients' mean change Δ, so α should match how "
-            "far local training moves a coordinate in a round: on the verdict grid's budget (2 local AdamW steps at "
-            "2e-4) 1e-3 moved LoRA B 6-11x the clients' mean change (`benchmarks/rpg_sensitivity.py`)."
+            "help": ResultHelp(
+                "Server learning rate α (Eq. model_update). None: 1.0 for 'sgd' (the weighted average) and 1e-3 for "
+                "'adam' (ours; the paper gives none). Adam moves every coordinate by about α per round, so α should "
+                "match how far local training moves a coordinate in a round."
+            )
         },
     )
-    server_beta1: float = field(default=0.9, metadata={"help": "Server Adam first-moment decay β1."})
-    server_beta2: float = field(default=0.99, metadata={"help": "Server Adam second-moment decay β2."})
-    server_epsilon: float = field(default=1e-8, metadata={"help": "Server Adam ε."})
+    server_beta1: float = field(default=0.9, metadata={"help": ResultHelp("Server Adam first-moment decay β1.")})
+    server_beta2: float = field(default=0.99, metadata={"help": ResultHelp("Server Adam second-moment decay β2.")})
+    server_epsilon: float = field(default=1e-8, metadata={"help": ResultHelp("Server Adam ε.")})
     server_bias_correction: bool = field(
         default=False,
-        metadata={"help": "Apply Adam bias correction on the server (the paper's update has none)."},
+        metadata={"help": ResultHelp("Apply Adam bias correction on the server (the paper's update has none).")},
     )
 
-    # Shared-prefix log-probabilities (any number of clients, 1 included)
+    # Exact speed-ups of the local step (any number of clients, 1 included)
     shared_prefix: bool = field(
         default=False,
         metadata={
-            "help": "Compute each distinct prompt of a batch once, and its K completions on top of the prompt's "
-            "keys and values, instead of the whole prompt + completion K times; for the loss and for the old and "
-            "reference log-probabilities. Exact (the same loss and gradients up to float rounding) for any loss "
-            "type; calls it cannot split (images, gradient checkpointing or active dropout in training, "
-            "sliding-window or recurrent layers, prompt-learning adapters) use the standard forward, and are counted "
-            "and logged once. With gradient accumulation over one generation batch (`steps_per_generation` = "
-            "`gradient_accumulation_steps`, `num_iterations` 1, loss 'grpo', 'dapo' or 'dr_grpo') the micro-batches "
-            "are also cut by prompt instead of at random, which leaves the step's gradient unchanged and computes "
-            "each prompt once per step."
+            "help": "Compute each distinct prompt of a batch once and its K completions on top of its keys and "
+            "values, instead of prompt + completion K times. Exact up to float rounding; calls it cannot split "
+            "(images, gradient checkpointing, active dropout, ...) use the standard forward."
         },
     )
     recompute_gated_mlp: bool = field(
         default=False,
         metadata={
-            "help": "SiLU-gated MLPs (Llama, Qwen2, Mistral, ...) keep only gate_proj(x) and up_proj(x) for the "
-            "backward and recompute silu(g) and silu(g)*u there (`gated_mlp.py`): two intermediate-size tensors fewer "
-            "per token and layer, the same gradients up to float rounding. Off by default: on the quickstart it "
-            "changed neither the step's peak RSS (1349 vs 1346 MiB, `benchmarks/gated_mlp.py`) nor the run's, and "
-            "cost 7% CPU on the loss step; it pays where MLP activations dominate (long completions, large batches)."
+            "help": "Keep only gate_proj(x) and up_proj(x) of SiLU-gated MLPs (Llama, Qwen2, Mistral, ...) for the "
+            "backward and recompute the rest there: less activation memory, the same gradients up to float "
+            "rounding. Off by default: it costs CPU and pays only where MLP activations dominate memory."
         },
     )
 
-    # Robustness: what the server bounds in every client update (see `admission.UpdateGate`), how it combines them,
-    # and what a resumed run may change.
+    # Robustness: what the server bounds in every client update (see `admission.UpdateGate`), how it combines them
     update_norm_bound: float | None = field(
         default=10.0,
         metadata={
-            "help": "Bound on each client's update norm ||theta_i - theta||, in units of U = local_steps x "
-            "learning_rate x sqrt(d), d the adapter's number of coordinates: the norm of E steps that each move every "
-            "coordinate by the learning rate. An Adam-family local optimizer (TRL's default) moves a coordinate by "
-            "about lr per step or less (at most (1 - beta1) / sqrt(1 - beta2), about 3.2, under extreme gradient "
-            "sparsity), so honest updates stay near or below 1 U (SCAFFOLD's decoupled correction adds at most ~2 U); "
-            "the default 10 leaves a wide margin. SCAFFOLD's ||delta c_i|| is bounded by the same number, in units of "
-            "sqrt(d). Set it explicitly for a non-Adam local optimizer. None: no bound."
+            "help": ResultHelp(
+                "Bound on each client's update norm ||θ_i − θ||, in units of local_steps x learning_rate x sqrt(d) "
+                "(d: the adapter's coordinates), near which honest Adam-family updates stay; also bounds SCAFFOLD's "
+                "||Δc_i|| in units of sqrt(d). Set it for a non-Adam local optimizer. None: no bound."
+            )
         },
     )
     update_norm_action: str = field(
         default="reject",
         metadata={
-            "help": "What happens to an update over `update_norm_bound`: 'reject' drops it from the round (an "
-            "invalid_update), 'clip' scales theta_i - theta back onto the bound.",
-            "choices": ["reject", "clip"],
+            "help": ResultHelp(
+                "What happens to an update over `update_norm_bound`: 'reject' drops it from the round, 'clip' scales "
+                "θ_i − θ back onto the bound."
+            ),
+            "choices": list(NORM_ACTIONS),
         },
     )
     robust_aggregation: str = field(
         default="none",
         metadata={
-            "help": "Coordinate-wise robust combination of the clients' adapters, for every method: 'none' (the "
-            "weighted mean sum_i w_i theta_i), 'trimmed_mean' (per coordinate, drop the `robust_trim_fraction` "
-            "largest and smallest client values, then the weighted mean of the rest with their weights renormalised) "
-            "or 'median' (the unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).",
-            "choices": ["none", "trimmed_mean", "median"],
+            "help": ResultHelp(
+                "Coordinate-wise robust combination of the clients' adapters, for every method: 'none' (the weighted "
+                "mean), 'trimmed_mean' (drop the `robust_trim_fraction` extremes per coordinate, then the weighted "
+                "mean) or 'median' (unweighted, as Flower's FedMedian)."
+            ),
+            "choices": list(ROBUST_AGGREGATIONS),
         },
     )
     robust_trim_fraction: float = field(
         default=0.2,
         metadata={
-            "help": "Fraction of clients trimmed at each end by robust_aggregation='trimmed_mean' (floor of the "
-            "fraction x the number of clients that reported, as Flower's FedTrimmedAvg), in [0, 0.5)."
+            "help": ResultHelp(
+                "Fraction of the reporting clients trimmed at each end by robust_aggregation='trimmed_mean' "
+                "(rounded down, as Flower's FedTrimmedAvg), in [0, 0.5)."
+            )
         },
     )
     max_client_samples: int | None = field(
         default=1_000_000,
         metadata={
-            "help": "Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), used "
-            "only where the server does not know the count itself (the runner always does; a Flower deployment "
-            "does for clients registered with `num-samples`). None: no cap."
+            "help": ResultHelp(
+                "Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), where "
+                "the server does not know the count itself. None: no cap."
+            )
         },
     )
+
+    # Resuming
     resume_allow_changes: str | None = field(
         default=None,
         metadata={
-            "help": "Comma-separated fields of the run's identity that a resumed run may change (e.g. "
-            "'learning_rate,rpg_tau_min'): "
-            "anything else that differs from the checkpoint's run is a CheckpointMismatchError. The model, LoRA, "
-            "clients, aggregation, server_optimizer and wire format can never change."
+            "help": "Comma-separated result-changing fields that a resumed run may change (e.g. "
+            "'learning_rate,rpg_tau_min'); any other difference from the checkpoint's run is an error. The model, "
+            "LoRA, clients, aggregation, server_optimizer and wire format can never change."
         },
     )
 
@@ -505,8 +735,8 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`aggregation` must be one of {AGGREGATIONS}, got {self.aggregation!r}."
         if self.lora_aggregation not in LORA_AGGREGATIONS:
             yield f"`lora_aggregation` must be one of {LORA_AGGREGATIONS}, got {self.lora_aggregation!r}."
-        if self.transfer_dtype not in TRANSFER_DTYPES:
-            yield f"`transfer_dtype` must be one of {TRANSFER_DTYPES}, got {self.transfer_dtype!r}."
+        if self.transfer_dtype not in DTYPES:
+            yield f"`transfer_dtype` must be one of {tuple(DTYPES)}, got {self.transfer_dtype!r}."
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             yield f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}."
         for name in ("rpg_lambda_base", "rpg_iota"):
@@ -521,8 +751,8 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`rpg_sigma_min` ({self.rpg_sigma_min}) must not exceed `rpg_sigma_max` ({self.rpg_sigma_max})."
         if self.rpg_tau_min > self.rpg_tau_max:
             yield f"`rpg_tau_min` ({self.rpg_tau_min}) must not exceed `rpg_tau_max` ({self.rpg_tau_max})."
-        if self.scaffold_correction not in ("decoupled", "gradient"):
-            yield f"`scaffold_correction` must be 'decoupled' or 'gradient', got {self.scaffold_correction!r}."
+        if self.scaffold_correction not in SCAFFOLD_CORRECTIONS:
+            yield f"`scaffold_correction` must be {_either(SCAFFOLD_CORRECTIONS)}, got {self.scaffold_correction!r}."
         if self.fedprox_mu < 0:
             yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
         for name in ("beta", "max_grad_norm"):  # TRL's fields, with this config's help: 0 turns each off
@@ -541,10 +771,10 @@ class FedGRPOConfig(GRPOConfig):
         """Yield one message per invalid field of the "Robustness" block."""
         if self.update_norm_bound is not None and not self.update_norm_bound > 0:
             yield f"`update_norm_bound` must be > 0 or None, got {self.update_norm_bound}."
-        if self.update_norm_action not in ("reject", "clip"):
-            yield f"`update_norm_action` must be 'reject' or 'clip', got {self.update_norm_action!r}."
-        if self.robust_aggregation not in ("none", "trimmed_mean", "median"):
-            yield f"`robust_aggregation` must be 'none', 'trimmed_mean' or 'median', got {self.robust_aggregation!r}."
+        if self.update_norm_action not in NORM_ACTIONS:
+            yield f"`update_norm_action` must be {_either(NORM_ACTIONS)}, got {self.update_norm_action!r}."
+        if self.robust_aggregation not in ROBUST_AGGREGATIONS:
+            yield f"`robust_aggregation` must be {_either(ROBUST_AGGREGATIONS)}, got {self.robust_aggregation!r}."
         if not 0 <= self.robust_trim_fraction < 0.5:
             yield f"`robust_trim_fraction` must lie in [0, 0.5), got {self.robust_trim_fraction}."
         if self.max_client_samples is not None and (
@@ -556,12 +786,23 @@ class FedGRPOConfig(GRPOConfig):
 
 @dataclass
 class FedDAPOConfig(FedGRPOConfig):
-    r"""Federated DAPO (Yu et al., 2025): `FedGRPOConfig` with the defaults of TRL's DAPO recipe.
+    r"""
+    Federated DAPO (Yu et al., 2025): [`FedGRPOConfig`] with the defaults of TRL's DAPO recipe.
 
     Token-level loss normalisation (`loss_type="dapo"`), clip-higher (`epsilon_high=0.28`), truncated completions
     masked out of the loss, and no KL term (`beta=0`). Add `trl.rewards.get_soft_overlong_punishment` to the
     reward functions for DAPO's overlong reward shaping. Reward-window tracking and the round callbacks are those
-    of every `FedGRPOConfig`; `aggregation="fedavg"` gives the paper's "FDAPO w/o RPG".
+    of every `FedGRPOConfig`; the paper's FDAPO and "FDAPO w/o RPG" are in `trl_federated.methods`.
+
+    Parameters:
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            DAPO's token-level loss normalisation: every token of the batch weighs the same.
+        epsilon_high (`float`, *optional*, defaults to `0.28`):
+            Upper clipping bound of the importance ratio (DAPO's clip-higher).
+        mask_truncated_completions (`bool`, *optional*, defaults to `True`):
+            Exclude truncated completions from the loss (DAPO's overlong filtering).
+        beta (`float`, *optional*, defaults to `0.0`):
+            KL coefficient; DAPO drops the KL term.
     """
 
     loss_type: str = field(default="dapo", metadata={"help": "DAPO's token-level loss normalisation."})
@@ -574,12 +815,27 @@ class FedDAPOConfig(FedGRPOConfig):
 
 @dataclass
 class FedGSPOConfig(FedGRPOConfig):
-    r"""Federated GSPO (Zheng et al., 2025): `FedGRPOConfig` with the defaults of TRL's GSPO recipe.
+    r"""
+    Federated GSPO (Zheng et al., 2025): [`FedGRPOConfig`] with the defaults of TRL's GSPO recipe.
 
     Sequence-level importance ratios (`importance_sampling_level="sequence"`) clipped in the narrow range
     [1 − 3e-4, 1 + 4e-4], no KL term, and `steps_per_generation=4` so that each generation batch is reused for
-    off-policy steps, without which the ratio is always 1 and GSPO equals GRPO. `aggregation="fedavg"` gives the
-    paper's "FGSPO w/o RPG".
+    off-policy steps, without which the ratio is always 1 and GSPO equals GRPO. The paper's FGSPO and "FGSPO w/o
+    RPG" are in `trl_federated.methods`.
+
+    Parameters:
+        importance_sampling_level (`str`, *optional*, defaults to `"sequence"`):
+            GSPO's sequence-level importance ratio: the geometric mean of a completion's token ratios.
+        loss_type (`str`, *optional*, defaults to `"grpo"`):
+            Sequence-mean loss, as in TRL's GSPO recipe.
+        epsilon (`float`, *optional*, defaults to `3e-4`):
+            Lower clipping bound of the sequence ratio.
+        epsilon_high (`float`, *optional*, defaults to `4e-4`):
+            Upper clipping bound of the sequence ratio.
+        steps_per_generation (`int`, *optional*, defaults to `4`):
+            Optimisation steps per generation batch: above 1 the later steps are off-policy, where the ratio acts.
+        beta (`float`, *optional*, defaults to `0.0`):
+            KL coefficient; GSPO's recipe uses none.
     """
 
     importance_sampling_level: str = field(
@@ -592,6 +848,20 @@ class FedGSPOConfig(FedGRPOConfig):
         default=4, metadata={"help": "Optimisation steps per generation batch: >1 makes updates off-policy."}
     )
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; GSPO's recipe uses none."})
+
+
+# The local algorithms by name (`trl-federated run --algorithm`, `methods.Method.algorithm`): each one's config
+# class, whose defaults are the algorithm's recipe.
+CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
+
+
+def result_fields(config: FedGRPOConfig | type[FedGRPOConfig]) -> tuple[str, ...]:
+    """The fields of `config` (an instance or a class) that change what a run computes from a checkpoint on, which a
+    resumed run must keep unless `resume_allow_changes` names them: the federation's, whose help is a `ResultHelp`,
+    then TRL's (`TRL_RESULT_FIELDS`) that `config` has."""
+    names = {f.name: f for f in dataclasses.fields(config)}
+    federation = [name for name, f in names.items() if isinstance(f.metadata.get("help"), ResultHelp)]
+    return (*federation, *(name for name in TRL_RESULT_FIELDS if name in names))
 
 
 def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:

@@ -19,7 +19,8 @@ from typing import Any
 from huggingface_hub import HfApi, ModelCard
 from trl.trainer.utils import generate_model_card, get_config_model_id
 
-from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+from .config import CONFIG_CLASSES, FedGRPOConfig
+from .methods import METHODS
 from .models import base_model_hub_id
 from .reporting import format_evaluations
 
@@ -38,16 +39,6 @@ PAPER = {
 }
 # What the Hub repository receives: the final global adapter (PEFT layout) and its card.
 PUSHED_FILES = ["adapter_model.safetensors", "adapter_config.json", "README.md"]
-# (aggregation, server optimizer) -> the method's name, as the paper and `trl-federated compare` call them.
-METHOD_NAMES = {
-    ("rpg", "adam"): "FGRPO",
-    ("fedavg", "adam"): "FGRPO w/o RPG",
-    ("fedavg", "sgd"): "FedAvg",
-    ("fedprox", "sgd"): "FedProx",
-    ("scaffold", "sgd"): "SCAFFOLD",
-}
-# The recipes whose federated method is named after their local algorithm: FDAPO, FGSPO.
-LOCAL_ALGORITHMS = {FedDAPOConfig: "DAPO", FedGSPOConfig: "GSPO"}
 
 
 class HubPushError(RuntimeError):
@@ -60,11 +51,13 @@ def hub_model_id(args: FedGRPOConfig) -> str:
 
 
 def method_name(args: FedGRPOConfig) -> str:
-    """FGRPO, FedAvg, ...; FDAPO and FGSPO with the DAPO and GSPO recipes, as `trl-federated compare` names them."""
-    name = METHOD_NAMES.get(
-        (args.aggregation, args.server_optimizer), f"`{args.aggregation}` + server `{args.server_optimizer}`"
-    )
-    return name.replace("GRPO", LOCAL_ALGORITHMS.get(type(args), "GRPO"))
+    """The method's name in the paper (`methods.METHODS`): FGRPO, FedAvg, ...; FDAPO and FGSPO with the DAPO and
+    GSPO recipes."""
+    algorithm = next((name for name, config_class in CONFIG_CLASSES.items() if type(args) is config_class), "grpo")
+    names = {(m.aggregation, m.server_optimizer, m.algorithm): m.display_name for m in METHODS.values()}
+    server = (args.aggregation, args.server_optimizer)
+    # FedAvg, FedProx and SCAFFOLD keep their names whatever the local algorithm.
+    return names.get((*server, algorithm)) or names.get((*server, "grpo")) or f"`{server[0]}` + server `{server[1]}`"
 
 
 def federation_section(

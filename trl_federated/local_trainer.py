@@ -21,6 +21,7 @@ from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from .config import SCAFFOLD_CORRECTIONS
 from .distributed import from_main_process
 from .speedups import FastGRPOMixin, base_name
 
@@ -199,7 +200,7 @@ class ScaffoldCorrection(TrainerCallback):
         client_control: dict[str, torch.Tensor],
         mode: str = "decoupled",
     ):
-        if mode not in ("decoupled", "gradient"):
+        if mode not in SCAFFOLD_CORRECTIONS:
             raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
         self.mode = mode
         self.keys = list(server_control)

@@ -10,7 +10,8 @@ import torch
 
 from .adapters import AdapterState
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # `FedGRPOConfig.transfer_dtype`
+LORA_AGGREGATIONS = ("separate", "freeze_a")  # `FedGRPOConfig.lora_aggregation`: "freeze_a" freezes and never sends A
 
 
 @dataclass(frozen=True)

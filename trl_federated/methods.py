@@ -1,0 +1,54 @@
+"""The federated methods the paper compares, each described once: its name in `trl-federated compare`, its name in the
+paper and on the model card, and the configuration that makes it (aggregation, server optimizer, local algorithm).
+
+The paper's Table 3 pairs each RPG method with its "w/o RPG" ablation, the same method with FedAvg's data-volume
+weights in place of RPG's; `ABLATIONS` derives the pairs from `METHODS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named method: the `FedGRPOConfig` values that make it of a shared base configuration."""
+
+    name: str  # `trl-federated compare --methods` and the grid's cell folders
+    display_name: str  # the paper's name, on the model card and in Table 3
+    aggregation: str  # `FedGRPOConfig.aggregation`
+    server_optimizer: str  # `FedGRPOConfig.server_optimizer`
+    algorithm: str = "grpo"  # the local algorithm, `trl-federated run --algorithm` (a key of `config.CONFIG_CLASSES`)
+
+    def overrides(self) -> dict[str, str]:
+        """The `trl-federated run` settings that make this method of a base config. GRPO, the command line's default
+        algorithm, is not passed, so a GRPO method leaves the base config's `algorithm` as it is."""
+        algorithm = {} if self.algorithm == "grpo" else {"algorithm": self.algorithm}
+        return {**algorithm, "aggregation": self.aggregation, "server_optimizer": self.server_optimizer}
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        Method("fgrpo", "FGRPO", "rpg", "adam"),
+        Method("fgrpo-wo-rpg", "FGRPO w/o RPG", "fedavg", "adam"),
+        Method("fedavg", "FedAvg", "fedavg", "sgd"),
+        Method("fedprox", "FedProx", "fedprox", "sgd"),
+        Method("scaffold", "SCAFFOLD", "scaffold", "sgd"),
+        Method("fdapo", "FDAPO", "rpg", "adam", algorithm="dapo"),
+        Method("fdapo-wo-rpg", "FDAPO w/o RPG", "fedavg", "adam", algorithm="dapo"),
+        Method("fgspo", "FGSPO", "rpg", "adam", algorithm="gspo"),
+        Method("fgspo-wo-rpg", "FGSPO w/o RPG", "fedavg", "adam", algorithm="gspo"),
+    )
+}
+
+# Table 3: each RPG method's display name -> (its name, its "w/o RPG" ablation's name), the ablation being the method
+# with the same local algorithm and server optimizer and FedAvg's weights.
+ABLATIONS: dict[str, tuple[str, str]] = {
+    method.display_name: (method.name, ablation.name)
+    for method in METHODS.values()
+    if method.aggregation == "rpg"
+    for ablation in METHODS.values()
+    if (ablation.aggregation, ablation.server_optimizer, ablation.algorithm)
+    == ("fedavg", method.server_optimizer, method.algorithm)
+}
