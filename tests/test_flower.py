@@ -346,7 +346,7 @@ def test_the_client_app_trains_for_a_stock_flower_fedavg(tiny_model_dir, client_
     replies are what FedAvg averages (one ArrayRecord, one MetricRecord weighted by "num-examples")."""
     from flwr.serverapp.strategy import FedAvg
 
-    from trl_federated.runner import with_federated_adapter
+    from trl_federated.adapters import with_federated_adapter
 
     run_config = {"model-dir": str(tiny_model_dir), "aggregation": "fedavg", "num-rounds": 1}
     replies = []

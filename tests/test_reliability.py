@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import ClientUpdate, FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
-from trl_federated.adapters import InvalidUpdateError, get_adapter_state, validate_update
+from trl_federated.adapters import InvalidUpdateError, default_lora_config, get_adapter_state, validate_update
 from trl_federated.callbacks import MetricsLoggerCallback
 from trl_federated.checkpoint import (
     Checkpoint,
@@ -34,7 +34,7 @@ from trl_federated.checkpoint import (
 )
 from trl_federated.cli import main
 from trl_federated.rewards import accuracy_reward, combined_reward_range, format_reward
-from trl_federated.runner import NotEnoughClientsError, default_lora_config
+from trl_federated.runner import NotEnoughClientsError
 from trl_federated.testing import save_tiny_model
 
 TESTS_DIR = Path(__file__).parent

@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FedGRPOConfig, FederatedRunner, FedGRPOTrainer
+from trl_federated.adapters import default_lora_config
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
 from trl_federated.config import FedDAPOConfig, FedGSPOConfig
-from trl_federated.runner import default_lora_config
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
 

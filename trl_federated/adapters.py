@@ -1,5 +1,5 @@
-"""Moving, checking and sizing PEFT adapter state. Adapters only ever move through PEFT's own
-`get_peft_model_state_dict` / `set_peft_model_state_dict`."""
+"""The federation's PEFT adapter: wrapping a model in it, and moving, checking and sizing its state. Adapters only
+ever move through PEFT's own `get_peft_model_state_dict` / `set_peft_model_state_dict`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    LoraConfig,
+    PeftConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+from transformers import PreTrainedModel, set_seed
 
 from .aggregation.base import is_finite
 
@@ -22,6 +30,27 @@ AdapterState = dict[str, torch.Tensor]
 
 class InvalidUpdateError(ValueError):
     """A client's update that the server must not aggregate; the message names the client and the fault."""
+
+
+def default_lora_config() -> LoraConfig:
+    """LoRA on every linear projection of the decoder, as the paper does (it uses r=32, α=128 on 3B+ models)."""
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_config: PeftConfig | None = None):
+    """`model` wrapped in the LoRA adapter the federation trains (`peft_config`, default `default_lora_config`);
+    a `PeftModel` is returned as it is.
+
+    LoRA draws its A matrices from the global RNG: it is seeded with `seed` first, as `Trainer` does before
+    `model_init`, so that the initial global adapter, and with it the whole run, follows from the seed alone,
+    in whichever process (runner, Flower ServerApp) builds it.
+    """
+    if isinstance(model, PeftModel):
+        if peft_config is not None:
+            raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
+        return model
+    set_seed(seed)
+    return get_peft_model(model, peft_config or default_lora_config())
 
 
 def get_adapter_state(model: PeftModel) -> AdapterState:

@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapters import AdapterState
 from .aggregation.base import check_state, non_finite_entries
-from .callbacks import RoundRecord
+from .round_record import RoundRecord
 
 if TYPE_CHECKING:
     from .aggregation import Aggregator

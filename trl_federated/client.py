@@ -9,8 +9,6 @@ in-process runner ends.
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import gc
 import os
 import time
@@ -19,7 +17,7 @@ from typing import Any
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
-from transformers.trainer_callback import PrinterCallback, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
@@ -27,6 +25,7 @@ from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_a
 from .aggregation import ClientUpdate
 from .config import FedGRPOConfig
 from .local_trainer import Deadline, LocalGRPOMixin, ScaffoldCorrection, local_trainer
+from .memory import ReleaseFreeMemory, release_free_memory
 
 
 class ClientTimeoutError(TimeoutError):
@@ -201,34 +200,3 @@ def release_trainer(model: PeftModel, trainer: LocalGRPOMixin | None, drop_refer
     del trainer
     gc.collect()
     release_free_memory()
-
-
-def _load_malloc_trim():
-    """glibc's `malloc_trim`, or None on another C library."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
-
-
-class ReleaseFreeMemory(TrainerCallback):
-    """`release_free_memory()` after every local step: a step's generation and loss leave a heap fragmented around
-    what they freed, and the next step's peak would stand on it."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        release_free_memory()
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the operating system (glibc only); called after every local step, client round
-    and evaluation.
-
-    glibc keeps freed chunks below its mmap threshold in the process heap, so after a step's activations, a client's
-    KV caches and optimizer state or an evaluation's caches are freed, the resident size stays at their high-water
-    mark; trimming lets the next step, client, evaluation or server step start from what is really in use."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-

@@ -8,43 +8,24 @@ from typing import Any
 
 from accelerate import PartialState
 from datasets import Dataset
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
+from peft import PeftConfig, PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl import GRPOTrainer
 
+from .adapters import with_federated_adapter
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from .callbacks import IntegrationLog, RoundRecord, TrainerLogCallback
+from .callbacks import IntegrationLog, TrainerLogCallback
 from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process
 from .local_trainer import local_trainer
 from .reporting import RunProgress
+from .round_record import RoundRecord
 from .server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .transport import WireFormat, freeze_lora_a
 
-__all__ = ["FederatedRunner", "NotEnoughClientsError", "default_lora_config", "with_federated_adapter"]
-
-
-def default_lora_config() -> LoraConfig:
-    """LoRA on every linear projection of the decoder, as the paper does (it uses r=32, α=128 on 3B+ models)."""
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-
-
-def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_config: PeftConfig | None = None):
-    """`model` wrapped in the LoRA adapter the federation trains (`peft_config`, default `default_lora_config`);
-    a `PeftModel` is returned as it is.
-
-    LoRA draws its A matrices from the global RNG: it is seeded with `seed` first, as `Trainer` does before
-    `model_init`, so that the initial global adapter, and with it the whole run, follows from the seed alone,
-    in whichever process (runner, Flower ServerApp) builds it.
-    """
-    if isinstance(model, PeftModel):
-        if peft_config is not None:
-            raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
-        return model
-    set_seed(seed)
-    return get_peft_model(model, peft_config or default_lora_config())
+__all__ = ["FederatedRunner", "NotEnoughClientsError"]
 
 
 class FederatedRunner(ServerStateView):

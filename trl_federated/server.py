@@ -37,15 +37,16 @@ from peft import PeftModel
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator
-from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
+from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import CheckpointedServer, list_checkpoints, prepare_output_dir, run_identity
-from .client import release_free_memory
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
 from .evaluation import check_eval_reward_funcs, evaluate_accuracy
 from .hub import federated_model_card, push_to_hub
+from .memory import release_free_memory
 from .reporting import ReportCallback
 from .rewards import combined_reward_range
+from .round_record import RoundRecord
 from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class FederatedServer(CheckpointedServer):
     """The server state of a federation and every step a round takes on it (see the module docstring).
 
     Args:
-        model: The `PeftModel` whose active adapter is federated (`runner.with_federated_adapter`); the server
+        model: The `PeftModel` whose active adapter is federated (`adapters.with_federated_adapter`); the server
             keeps the global adapter as tensors and loads it into the model only to evaluate and save.
         args: The federation's `FedGRPOConfig`.
         aggregator: The server strategy (`aggregation.aggregator_from_config`).

@@ -20,10 +20,9 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOTrainer
 
-from ..adapters import AdapterState, get_adapter_state
+from ..adapters import AdapterState, get_adapter_state, with_federated_adapter
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
-from ..runner import with_federated_adapter
 from ..local_trainer import local_trainer
 from ..transport import WireFormat, freeze_lora_a
 from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content

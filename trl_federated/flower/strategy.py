@@ -16,12 +16,12 @@ from flwr.serverapp.strategy import Result, Strategy
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel
 
-from ..adapters import InvalidUpdateError
+from ..adapters import InvalidUpdateError, with_federated_adapter
 from ..admission import bounded_text
 from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from ..callbacks import RoundRecord, round_logs
+from ..callbacks import round_logs
 from ..config import FedGRPOConfig
-from ..runner import with_federated_adapter
+from ..round_record import RoundRecord
 from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .identity import ClientRegistry
 from .records import TrainInstruction, array_record_to_state, content_to_update, read_client_identity, state_to_array_record
