@@ -25,7 +25,6 @@ from trl_federated.adapters import InvalidUpdateError, default_lora_config, get_
 from trl_federated.callbacks import MetricsLoggerCallback
 from trl_federated.checkpoint import (
     Checkpoint,
-    CheckpointMismatchError,
     CorruptCheckpointError,
     list_checkpoints,
     prepare_output_dir,
@@ -34,6 +33,7 @@ from trl_federated.checkpoint import (
 )
 from trl_federated.cli import main
 from trl_federated.rewards import accuracy_reward, combined_reward_range, format_reward
+from trl_federated.run_identity import CheckpointMismatchError
 from trl_federated.runner import NotEnoughClientsError
 from trl_federated.testing import save_tiny_model
 

@@ -177,7 +177,7 @@ class FederatedRunner(ServerStateView):
         return self.server.evaluate(round_idx)
 
     def save_checkpoint(self, round_idx: int):
-        """Write `output_dir/checkpoint-<round_idx>` (`checkpoint.CheckpointedServer.save_checkpoint`)."""
+        """Write `output_dir/checkpoint-<round_idx>` (`server.FederatedServer.save_checkpoint`)."""
         return self.server.save_checkpoint(round_idx)
 
     def load_checkpoint(self, path) -> int:

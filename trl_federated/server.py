@@ -38,7 +38,15 @@ from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
-from .checkpoint import CheckpointedServer, list_checkpoints, prepare_output_dir, run_identity
+from .aggregation.base import check_state
+from .checkpoint import (
+    Checkpoint,
+    CorruptCheckpointError,
+    list_checkpoints,
+    prepare_output_dir,
+    read_checkpoint,
+    write_checkpoint,
+)
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
 from .evaluation import check_eval_reward_funcs, evaluate_accuracy
@@ -47,6 +55,7 @@ from .memory import release_free_memory
 from .reporting import ReportCallback
 from .rewards import combined_reward_range
 from .round_record import RoundRecord
+from .run_identity import allowed_changes, check_identity, run_identity
 from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
@@ -72,7 +81,7 @@ class _Round:
     dropped: dict[str, str] = field(default_factory=dict)
 
 
-class FederatedServer(CheckpointedServer):
+class FederatedServer:
     """The server state of a federation and every step a round takes on it (see the module docstring).
 
     Args:
@@ -345,10 +354,39 @@ class FederatedServer(CheckpointedServer):
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
         return results
 
+    def save_checkpoint(self, round_idx: int) -> Path:
+        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically, with the round's
+        adapter `round-<round_idx>/` when `args.save_every_round` (`checkpoint.write_checkpoint`)."""
+        checkpoint = Checkpoint(
+            round_idx=round_idx,
+            global_state=self.global_state,
+            aggregator=self.aggregator.state_dict(),
+            client_controls=self.client_controls,
+            history=self.history,
+            evaluations=self.evaluations,
+            identity=self.identity,
+        )
+        adapter_config = self.model.peft_config[self.model.active_adapter]
+        return write_checkpoint(
+            checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit, self.args.save_every_round
+        )
+
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,
-        LoRA configuration, clients and aggregator, else `CheckpointMismatchError`); returns its round."""
-        checkpoint = self.restore_checkpoint(path)
+        """Restore the run's state from the checkpoint at `path` (verified by `checkpoint.read_checkpoint`) after
+        checking that this run made it (same base model, LoRA configuration, clients, aggregator, server optimizer,
+        wire format and training settings, up to `args.resume_allow_changes`; else `CheckpointMismatchError`);
+        returns its round."""
+        checkpoint = read_checkpoint(path)
+        check_identity(checkpoint.identity, self.identity, path, allow_changes=allowed_changes(self.args))
+        try:
+            check_state(checkpoint.global_state, self.global_state, "the global adapter")
+        except ValueError as error:
+            raise CorruptCheckpointError(path, str(error).rstrip(".")) from error
+        self.global_state = checkpoint.global_state
+        self.aggregator.load_state_dict(checkpoint.aggregator)
+        self.client_controls = checkpoint.client_controls
+        self.history = checkpoint.history
+        self.evaluations = checkpoint.evaluations
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
