@@ -6,12 +6,15 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .blocks import blocks
 from .server_optim import ServerOptimizer, ServerSGD
+
+if TYPE_CHECKING:
+    from ..config import FedGRPOConfig
 
 
 @dataclass
@@ -61,6 +64,15 @@ class Aggregator(ABC):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.last_weights: dict[str, float] = {}
+
+    @classmethod
+    def from_config(
+        cls, args: FedGRPOConfig, num_clients: int, server_optimizer: ServerOptimizer, combiner=None
+    ) -> Aggregator:
+        """The aggregator a `FedGRPOConfig` describes for a federation of `num_clients`, around the server optimizer
+        and combiner built from it (`aggregation.aggregator_from_config`); a strategy with settings of its own reads
+        its fields here."""
+        return cls(server_optimizer=server_optimizer, combiner=combiner)
 
     @abstractmethod
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:

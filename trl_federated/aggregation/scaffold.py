@@ -29,6 +29,11 @@ class ScaffoldAggregator(FedAvgAggregator):
         self.num_clients = num_clients
         self.control: dict[str, torch.Tensor] = {}
 
+    @classmethod
+    def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> ScaffoldAggregator:
+        """SCAFFOLD for a federation of `num_clients`, whose server step scales the controls by 1/N."""
+        return cls(num_clients=num_clients, server_optimizer=server_optimizer, combiner=combiner)
+
     def server_control(self, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """c, created as zeros shaped like the adapter on first use."""
         if not self.control:
