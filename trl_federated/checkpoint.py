@@ -3,7 +3,7 @@ starts in (`prepare_output_dir`: resume, refuse or clear an earlier run's files)
 
 A checkpoint holds everything that carries over from one round to the next: the global adapter, the
 aggregator's state (RPG baselines and volatilities, server Adam moments and step count, SCAFFOLD's server
-control), the clients' SCAFFOLD controls, the round history and the evaluations. Local training needs nothing
+control and every client's), the round history and the evaluations. Local training needs nothing
 more: every client-round trainer is built afresh and seeded from (`seed`, round, client), so a run resumed
 from checkpoint t repeats rounds t+1, t+2, ... bit for bit, with no RNG state saved (tests/test_reliability.py
 kills a run with SIGKILL mid-round and checks this).
@@ -12,7 +12,7 @@ kills a run with SIGKILL mid-round and checks this).
 in JSON, so loading one never unpickles anything:
 
     adapter_model.safetensors, adapter_config.json   the global adapter after round t (PEFT layout)
-    federation.safetensors                          aggregator and client-control tensors
+    federation.safetensors                          the aggregator's tensors
     federation.json                                 round, history, evaluations, the other aggregator state,
                                                     and the identity of the run (`run_identity`: base model,
                                                     LoRA, clients, aggregation, server optimizer, settings)
@@ -84,8 +84,7 @@ class Checkpoint:
 
     round_idx: int
     global_state: AdapterState
-    aggregator: dict[str, Any]  # `Aggregator.state_dict()`
-    client_controls: dict[str, AdapterState]  # SCAFFOLD's c_i, by client id
+    aggregator: dict[str, Any]  # `Aggregator.state_dict()`, its per-client state included
     history: list[RoundRecord]
     evaluations: dict[int, dict[str, Any]]
     identity: dict[str, Any]  # `run_identity.run_identity()` of the run that wrote it
@@ -113,7 +112,6 @@ def write_checkpoint(
         "round_idx": checkpoint.round_idx,
         "identity": checkpoint.identity,
         "aggregator": _split_tensors(checkpoint.aggregator, "aggregator", tensors),
-        "client_controls": _split_tensors(checkpoint.client_controls, "client_controls", tensors),
         "history": [record.to_dict() for record in checkpoint.history],
         "evaluations": {str(round_idx): results for round_idx, results in checkpoint.evaluations.items()},
     }
@@ -174,7 +172,6 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
             round_idx=state["round_idx"],
             global_state=load_file(path / ADAPTER_FILE),
             aggregator=_join_tensors(state["aggregator"], tensors),
-            client_controls=_join_tensors(state["client_controls"], tensors),
             history=[RoundRecord(**record) for record in state["history"]],
             evaluations={int(round_idx): results for round_idx, results in state["evaluations"].items()},
             identity=state["identity"],
@@ -222,7 +219,7 @@ def _checkpoint_fault(checkpoint: Checkpoint, path: Path) -> str | None:
         return "its aggregator state or run identity is not a mapping"
     non_finite = non_finite_entries(checkpoint.global_state, "global adapter") + non_finite_entries(
         checkpoint.aggregator, "aggregator"
-    ) + non_finite_entries(checkpoint.client_controls, "client controls")
+    )
     if non_finite:
         return f"non-finite values in {', '.join(non_finite[:3])}"
     return None

@@ -35,11 +35,11 @@ class RoundRecord:
 
     @classmethod
     def from_aggregation(
-        cls, round_idx: int, aggregator, updates: list, dropped: dict[str, str], broadcast_bytes: int
+        cls, round_idx: int, aggregator, updates: list, dropped: dict[str, str], bytes_received: dict[str, int]
     ) -> RoundRecord:
         """The record of round `round_idx` right after `aggregator` aggregated `updates` (`ClientUpdate`s);
-        `broadcast_bytes` is the size of the global adapter each client received. RPG's gains and temperature
-        are left empty for an aggregator that has none."""
+        `bytes_received` is what each of their clients received. RPG's gains and temperature are left empty for an
+        aggregator that has none."""
         return cls(
             round_idx=round_idx,
             rewards={update.client_id: update.reward for update in updates},
@@ -47,7 +47,7 @@ class RoundRecord:
             weights=dict(aggregator.last_weights),
             temperature=getattr(aggregator, "last_temperature", None),
             num_samples={update.client_id: update.num_samples for update in updates},
-            bytes_received={update.client_id: broadcast_bytes for update in updates},
+            bytes_received=dict(bytes_received),
             bytes_sent={update.client_id: update.wire_bytes or state_nbytes(update.state) for update in updates},
             client_metrics={update.client_id: update.metrics for update in updates},
             dropped=dropped,

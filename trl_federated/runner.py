@@ -229,12 +229,14 @@ class FederatedRunner(ServerStateView):
         return local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id)
 
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
-        """Run one client's local round from the current global adapter and return its update.
+        """Run one client's local round from the current global adapter and return its update as the client sends it
+        (`client.train_local_round`: its adapter encoded for the wire, so that the server aggregates what the wire
+        delivers, not the client's exact adapter).
 
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        _, scaffold_controls = self.server.broadcast(client_id)
+        _, extras = self.server.broadcast(client_id)
         return train_local_round(
             self.model,
             self.global_state,
@@ -245,9 +247,11 @@ class FederatedRunner(ServerStateView):
             self.processing_class,
             callbacks=[*self.callbacks, self.progress] if self.progress is not None else self.callbacks,
             trainer_kwargs=self.trainer_kwargs,
-            scaffold_controls=scaffold_controls,
+            extras=extras,
+            aggregator_class=type(self.aggregator),
             reference_state=self.reference_state,
             trainer_class=self.trainer_class,
+            wire=self.wire,
         )
 
     # Rounds ------------------------------------------------------------------------------------------------
@@ -308,7 +312,7 @@ class FederatedRunner(ServerStateView):
         update, fault, error = None, None, None
         try:
             trained = self.train_client(round_idx, client_index, client_id)
-            update = self.server.admit(client_id, lambda: self._send(trained))
+            update = self.server.admit(client_id, lambda: trained)
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
             fault = describe_failure(error)
@@ -325,9 +329,3 @@ class FederatedRunner(ServerStateView):
             return update
         self.server.drop(client_id, *fault, error=error)
         return None
-
-    def _send(self, update: ClientUpdate) -> ClientUpdate:
-        """The update as it leaves the client: its adapter encoded for the wire (`transport.WireFormat`), so that
-        the server aggregates what the wire delivers, not the client's exact adapter."""
-        update.state = self.wire.encode(update.state, self.global_state)
-        return update
