@@ -76,7 +76,7 @@ def test_scaffold_control_delta_is_required_bounded_and_refused_elsewhere():
     bound = 1 / math.sqrt(10)  # update_norm_bound in SCAFFOLD's unit for Δc_i, √d: a bound of 1 on ‖Δc_i‖
     with pytest.raises(InvalidUpdateError, match="SCAFFOLD needs its control_delta"):
         gate(aggregator=scaffold).admit("site-0", lambda: update())
-    with pytest.raises(InvalidUpdateError, match=r"sends \['control_delta'\], but the aggregation takes nothing else"):
+    with pytest.raises(InvalidUpdateError, match=r"sends \['control_delta'\], but the aggregation takes nothing but"):
         gate().admit("site-0", lambda: update(extras={"control_delta": control}))
     with pytest.raises(InvalidUpdateError, match=r"‖Δc_i‖ = 31.62 exceeds the control bound"):
         gate(aggregator=scaffold, extras_norm_bound=bound).admit(

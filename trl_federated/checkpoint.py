@@ -3,7 +3,7 @@ starts in (`prepare_output_dir`: resume, refuse or clear an earlier run's files)
 
 A checkpoint holds everything that carries over from one round to the next: the global adapter, the
 aggregator's state (RPG baselines and volatilities, server Adam moments and step count, SCAFFOLD's server
-control and every client's), the round history and the evaluations. Local training needs nothing
+control and every client's control variate), the round history and the evaluations. Local training needs nothing
 more: every client-round trainer is built afresh and seeded from (`seed`, round, client), so a run resumed
 from checkpoint t repeats rounds t+1, t+2, ... bit for bit, with no RNG state saved (tests/test_reliability.py
 kills a run with SIGKILL mid-round and checks this).

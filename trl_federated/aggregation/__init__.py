@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import AggregationError, Aggregator, ClientUpdate, pseudo_gradient
+from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
@@ -78,6 +78,7 @@ __all__ = [
     "Aggregation",
     "AggregationError",
     "Aggregator",
+    "ClientHook",
     "ClientUpdate",
     "CoordinateMedian",
     "FedAvgAggregator",

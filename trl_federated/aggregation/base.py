@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from numbers import Real
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -193,7 +193,7 @@ def refuse_extras(update: ClientUpdate) -> None:
     """`ValueError` if `update` carries extras: what a strategy without per-client state takes back from a client."""
     if update.extras:
         raise ValueError(
-            f"it sends {sorted(map(str, update.extras))[:3]}, but the aggregation takes nothing else than the adapter"
+            f"it sends {sorted(map(str, update.extras))[:3]}, but the aggregation takes nothing but the adapter"
         )
 
 
