@@ -38,7 +38,7 @@ def resident_mib() -> float:
 
 def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, float, torch.Tensor]:
     """CPU seconds and resident-memory rise (MiB) of one step's forward + backward, and its adapter gradient."""
-    from trl_federated.client import release_free_memory
+    from trl_federated.memory import release_free_memory
 
     trainer.args.recompute_gated_mlp = recompute
     trainer.current_gradient_accumulation_steps = len(micro_batches)

@@ -5,7 +5,7 @@ doing the same N·R·E GRPO steps on the same model, LoRA, reward, data and batc
         [--local_steps 4] [--repeats 3]
 
 Both sides start from a freshly loaded base model (loading is not timed) that they wrap in the same LoRA
-(`runner.default_lora_config`); the plain trainer trains on the union of the clients' prompts. The two run
+(`adapters.default_lora_config`); the plain trainer trains on the union of the clients' prompts. The two run
 alternately in one process (plain first in even repeats, federated first in odd ones) after an untimed
 warm-up, and the figure is the ratio of the median wall times, federated / plain. Target: <= 1.03. As the GRPO
 steps do the same work on both sides but their times scatter (on the tiny model by more than the overhead), the
@@ -190,7 +190,7 @@ def run_plain(setup: Setup, output_dir: Path) -> PhaseTimer:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_federated.runner import default_lora_config
+    from trl_federated.adapters import default_lora_config
 
     a = setup.args
     steps = a.clients * a.rounds * a.local_steps

@@ -4,7 +4,7 @@ mixed-adapter batch of N clients against N sequential calls.
     OMP_NUM_THREADS=1 python benchmarks/rollouts.py [--model tiny|default] [--batch_sizes 8 16 24 48] \
         [--clients 3 10] [--repeats 3] [--max_new_tokens 64] [--generation_share 0.4]
 
-The default model is the embedded SmolLM2-135M-Instruct with the quickstart's LoRA (`runner.default_lora_config`:
+The default model is the embedded SmolLM2-135M-Instruct with the quickstart's LoRA (`adapters.default_lora_config`:
 r = 16 on every linear projection), in float32, one thread (`torch.set_num_threads(1)`). Prompts are one-shot
 reasoning-gym prompts (`build_reasoning_benchmark`) whose chat-templated length lies in 150-190 tokens, so that
 left padding changes little between batches; each is repeated `--num_generations` times, as GRPO does. Every
@@ -40,9 +40,9 @@ import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from trl_federated.adapters import default_lora_config
 from trl_federated.data import build_reasoning_benchmark
 from trl_federated.models import load_model_and_tokenizer
-from trl_federated.runner import default_lora_config
 
 
 def rollout_prompts(

@@ -37,8 +37,8 @@ def build_trainer(model_path: str | None, output_dir: str, micro_batch: int):
     from datasets import Dataset
 
     from trl_federated import FedGRPOConfig, FedGRPOTrainer
+    from trl_federated.adapters import default_lora_config
     from trl_federated.models import load_model_and_tokenizer
-    from trl_federated.runner import default_lora_config
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     args = FedGRPOConfig(

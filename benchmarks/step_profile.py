@@ -68,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import TrainerCallback
     from trl import ModelConfig, TrlParser, get_peft_config
 
+    from trl_federated.adapters import default_lora_config, with_federated_adapter
     from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, reward_functions
-    from trl_federated.client import local_training_args, release_free_memory
+    from trl_federated.client import local_training_args
     from trl_federated.data import partition_clients
     from trl_federated.evaluation import evaluate_accuracy
+    from trl_federated.memory import release_free_memory
     from trl_federated.models import load_model_and_tokenizer
-    from trl_federated.runner import default_lora_config, with_federated_adapter
     from trl_federated.trainer import FedGRPOTrainer
 
     own = argparse.ArgumentParser(add_help=False)

@@ -15,6 +15,7 @@ from conftest import length_reward
 from trl_federated import ClientUpdate, FederatedRunner
 from trl_federated.adapters import InvalidUpdateError
 from trl_federated.admission import UpdateGate, state_distance, update_norm_unit
+from trl_federated.aggregation import ScaffoldAggregator
 
 GLOBAL = {"a": torch.zeros(2, 3), "b": torch.ones(4)}
 
@@ -71,15 +72,19 @@ def test_update_norm_bound_rejects_or_clips():
 
 def test_scaffold_control_delta_is_required_bounded_and_refused_elsewhere():
     control = {key: torch.full_like(value, 10.0) for key, value in GLOBAL.items()}  # ‖Δc‖ = 10·√10
+    scaffold = ScaffoldAggregator(num_clients=1)
+    bound = 1 / math.sqrt(10)  # update_norm_bound in SCAFFOLD's unit for Δc_i, √d: a bound of 1 on ‖Δc_i‖
     with pytest.raises(InvalidUpdateError, match="SCAFFOLD needs its control_delta"):
-        gate(control=True).admit("site-0", lambda: update())
-    with pytest.raises(InvalidUpdateError, match="sends a control_delta, but the aggregation is not SCAFFOLD"):
-        gate().admit("site-0", lambda: update(control_delta=control))
+        gate(aggregator=scaffold).admit("site-0", lambda: update())
+    with pytest.raises(InvalidUpdateError, match=r"sends \['control_delta'\], but the aggregation takes nothing but"):
+        gate().admit("site-0", lambda: update(extras={"control_delta": control}))
     with pytest.raises(InvalidUpdateError, match=r"‖Δc_i‖ = 31.62 exceeds the control bound"):
-        gate(control=True, max_control_norm=1.0).admit("site-0", lambda: update(control_delta=dict(control)))
-    clipped = gate(control=True, max_control_norm=1.0, norm_action="clip").admit(
-        "site-0", lambda: update(control_delta=dict(control)))
-    assert math.sqrt(sum(value.square().sum() for value in clipped.control_delta.values())) == pytest.approx(1.0)
+        gate(aggregator=scaffold, extras_norm_bound=bound).admit(
+            "site-0", lambda: update(extras={"control_delta": dict(control)}))
+    clipped = gate(aggregator=scaffold, extras_norm_bound=bound, norm_action="clip").admit(
+        "site-0", lambda: update(extras={"control_delta": dict(control)}))
+    clipped_delta = clipped.extras["control_delta"]
+    assert math.sqrt(sum(value.square().sum() for value in clipped_delta.values())) == pytest.approx(1.0)
 
 
 def test_sample_counts_the_server_knows_replace_the_report_and_others_are_capped():
@@ -93,9 +98,18 @@ def test_update_norm_bound_from_config_is_in_units_of_adam_steps(fast_args):
     args = fast_args(local_steps=4, learning_rate=1e-2)
     unit = update_norm_unit(4, 1e-2, GLOBAL)
     assert unit == pytest.approx(4 * 1e-2 * math.sqrt(10))
-    admission = UpdateGate.from_config(args, GLOBAL)
+    admission = UpdateGate.from_config(args, GLOBAL, aggregator=ScaffoldAggregator(num_clients=1))
     assert admission.max_update_norm == pytest.approx(10 * unit)  # the default update_norm_bound, 10 U
-    assert admission.max_control_norm == pytest.approx(10 * math.sqrt(10))
+    # SCAFFOLD bounds ‖Δc_i‖ by update_norm_bound in its own unit, √d: 10 √10
+    assert admission.extras_norm_bound == 10
+    for value in (9.99, 10.01):  # ‖Δc_i‖ = value · √10
+        admission.open_round(GLOBAL)
+        control = {"control_delta": {key: torch.full_like(reference, value) for key, reference in GLOBAL.items()}}
+        if value < 10:
+            admission.admit("site-0", lambda: update(extras=control))
+        else:
+            with pytest.raises(InvalidUpdateError, match=r"exceeds the control bound \(31.62\)"):
+                admission.admit("site-0", lambda: update(extras=control))
     assert admission.norm_action == "reject" and admission.max_client_samples == 1_000_000
     assert UpdateGate.from_config(fast_args(update_norm_bound=None), GLOBAL).max_update_norm is None
 
@@ -149,9 +163,16 @@ def mutate(rng, update, global_state):
     elif field == 7:
         update.metrics = rng.choice([None, [], "x", {1: 2}, {"loss": math.nan}, {"deep": [[{}]]}])
     elif field == 8:
-        update.control_delta = rng.choice([{}, {key: torch.zeros(1)}, "x", dict(global_state)])
+        update.extras = rng.choice([{"control_delta": {}}, {"control_delta": {key: torch.zeros(1)}}, "x",
+                                    {"control_delta": dict(global_state)}])
     elif field == 9:
         update.wire_bytes = rng.choice(JUNK)  # the server measures it itself
+    return update
+
+
+def sent(runner, update):
+    """`update` as `client.train_local_round` returns it: its adapter encoded for the runner's wire format."""
+    update.state = runner.wire.encode(update.state, runner.global_state)
     return update
 
 
@@ -169,7 +190,7 @@ def test_fuzz_every_field_of_an_in_process_update(tmp_path, tiny_model_dir, tiny
             honest = ClientUpdate("site-0", {key: value + 1e-3 for key, value in reference.items()}, 4, 0.5)
             faulty = mutate(rng, honest, reference)
             try:
-                admitted = runner.server.admit("site-0", lambda: runner._send(faulty))
+                admitted = runner.server.admit("site-0", lambda: sent(runner, faulty))
             except InvalidUpdateError as error:
                 assert "client 'site-0' rejected: " in str(error) and len(str(error)) < 1500, (case, str(error))
                 outcomes["rejected"] += 1
@@ -180,7 +201,7 @@ def test_fuzz_every_field_of_an_in_process_update(tmp_path, tiny_model_dir, tiny
                        and torch.isfinite(admitted.state[key]).all() for key, value in reference.items())
             assert isinstance(admitted.num_samples, int) and admitted.num_samples == 4  # the runner's own count
             assert math.isfinite(admitted.reward) and state_distance(admitted.state, reference) <= bound
-            assert admitted.control_delta is None
+            assert admitted.extras == {}
         assert outcomes["accepted"] > 10 and outcomes["rejected"] > 200, outcomes
         assert all(torch.equal(runner.global_state[key], reference[key]) for key in reference)  # untouched
 

@@ -242,7 +242,7 @@ def test_pseudo_gradient_accumulates_bfloat16_client_states_in_float32():
 
 def scaffold_update(client_id, values, reward=0.0, num_samples=1):
     result = update(client_id, values, reward, num_samples)
-    result.control_delta = {"w": torch.zeros(3)}
+    result.extras = {"control_delta": {"w": torch.zeros(3)}}
     return result
 
 
@@ -268,7 +268,7 @@ def faulty(fault):
     elif fault == "reward":
         bad.reward = math.nan
     elif fault == "control":
-        bad.control_delta["w"][1] = math.inf
+        bad.extras["control_delta"]["w"][1] = math.inf
     return updates
 
 

@@ -14,7 +14,7 @@ from trl import ModelConfig
 
 from conftest import OPEN_R1_FIXTURE, length_reward
 from trl_federated import FedGRPOTrainer
-from trl_federated.adapters import get_adapter_state
+from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
 from trl_federated.cli import (
     BenchmarkArguments,
     load_benchmark,
@@ -24,7 +24,6 @@ from trl_federated.cli import (
     parse_run_args,
     reward_functions,
 )
-from trl_federated.runner import default_lora_config, with_federated_adapter
 
 
 def labelled_dataset(n=24):

@@ -65,7 +65,7 @@ def test_an_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(compare.subprocess, "run", lambda command, check: commands.append(command))
     cell = compare.Cell("fgrpo", 0, None, None)
     compare.run_cell(cell, "base.yaml", tmp_path, [])  # nothing there yet: a fresh start
-    write_checkpoint(Checkpoint(0, {"w": torch.zeros(1)}, {}, {}, [], {}, {}), cell.directory(tmp_path),
+    write_checkpoint(Checkpoint(0, {"w": torch.zeros(1)}, {}, [], {}, {}), cell.directory(tmp_path),
                      LoraConfig(r=2, target_modules=["q_proj"]))
     compare.run_cell(cell, "base.yaml", tmp_path, [])  # killed after round 0: resume
     assert commands[0][-2:] == ["--overwrite_output_dir", "true"]

@@ -78,20 +78,22 @@ def test_adapter_states_cross_array_records_bit_for_bit():
 def test_train_instructions_and_updates_cross_flower_records_intact():
     state = {"a": torch.randn(3, 2), "b": torch.randn(2)}
     control = {key: torch.randn_like(value) for key, value in state.items()}
-    instruction = TrainInstruction.from_content(TrainInstruction(state, 4, 3, (control, state)).to_content())
+    extras = {"server_control": control, "client_control": state}
+    instruction = TrainInstruction.from_content(TrainInstruction(state, 4, 3, extras).to_content())
     assert (instruction.round_idx, instruction.num_clients) == (4, 3)
     assert_states_equal(instruction.global_state, state)
-    assert_states_equal(instruction.scaffold_controls[0], control)
-    assert TrainInstruction.from_content(TrainInstruction(state, 0, 2).to_content()).scaffold_controls is None
+    assert_states_equal(instruction.extras["server_control"], control)
+    assert TrainInstruction.from_content(TrainInstruction(state, 0, 2).to_content()).extras == {}
 
     update = ClientUpdate("hospital-a", state, num_samples=12, reward=0.375,
-                          metrics={"step_rewards": [0.25, math.nan], "train_loss": 0.1}, control_delta=control)
+                          metrics={"step_rewards": [0.25, math.nan], "train_loss": 0.1},
+                          extras={"control_delta": control})
     received, client_index = content_to_update(update_to_content(update, client_index=2))
     assert (received.client_id, client_index, received.num_samples, received.reward) == ("hospital-a", 2, 12, 0.375)
     assert received.metrics["train_loss"] == 0.1 and received.metrics["step_rewards"][0] == 0.25
     assert math.isnan(received.metrics["step_rewards"][1])
     assert_states_equal(received.state, state)
-    assert_states_equal(received.control_delta, control)
+    assert_states_equal(received.extras["control_delta"], control)
 
 
 def test_a_reply_that_is_no_update_is_an_invalid_update():
@@ -290,7 +292,8 @@ def test_flower_apps_in_one_process_end_where_the_runner_ends(
         assert runner.history[0].bytes_sent == {"client_0": 2 * adapter, "client_1": 2 * adapter}
         assert_states_equal(strategy.aggregator.control, runner.aggregator.control)
         for client_id in ("client_0", "client_1"):
-            assert_states_equal(strategy.client_controls[client_id], runner.client_controls[client_id])
+            assert_states_equal(strategy.aggregator.client_controls[client_id],
+                                runner.aggregator.client_controls[client_id])
     final = load_file(tmp_path / "flower" / "adapter_model.safetensors")
     assert_states_equal({key: final[key] for key in runner.global_state}, runner.global_state)
     # The Flower server writes what `trl-federated run` writes.
@@ -346,7 +349,7 @@ def test_the_client_app_trains_for_a_stock_flower_fedavg(tiny_model_dir, client_
     replies are what FedAvg averages (one ArrayRecord, one MetricRecord weighted by "num-examples")."""
     from flwr.serverapp.strategy import FedAvg
 
-    from trl_federated.runner import with_federated_adapter
+    from trl_federated.adapters import with_federated_adapter
 
     run_config = {"model-dir": str(tiny_model_dir), "aggregation": "fedavg", "num-rounds": 1}
     replies = []
@@ -657,7 +660,7 @@ def fuzz_content(rng, content, global_state):
     elif fault == 9:  # speaking for another client
         content["client"] = client_identity_record(*rng.choice([("site-0", 0), ("site-2", 0), ("site-0", 2)]))
     elif fault == 10:  # a SCAFFOLD control variate nobody asked for, well-formed or not
-        content["control-delta"] = rng.choice([state_to_array_record(global_state), ArrayRecord()])
+        content["extra/control_delta"] = rng.choice([state_to_array_record(global_state), ArrayRecord()])
     elif fault == 11:  # poison: finite, scaled or huge
         arrays[key] = Array((global_state[key] * rng.choice([1e6, -1e30, 3e38])).numpy())
     else:
@@ -769,7 +772,7 @@ def scaffold_reply(message, client_id, index, num_samples=8, reward=0.5):
     instruction = TrainInstruction.from_content(message.content)
     control = {key: torch.zeros_like(value) for key, value in instruction.global_state.items()}
     update = ClientUpdate(client_id, moved(instruction.global_state, seed=index), num_samples, reward,
-                          control_delta=control)
+                          extras={"control_delta": control})
     return Message(update_to_content(update, index), reply_to=message)
 
 
@@ -789,7 +792,7 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, registry=registry,
                                  report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
-    strategy.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
+    strategy.aggregator.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
 
     def respond(message, context):
         assert message.metadata.message_type == MessageType.TRAIN, "a registry never asks a node who it is"
@@ -807,11 +810,11 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
     messages = list(strategy.configure_train(1, None, None, grid))
     assert {message.metadata.dst_node_id for message in messages} == {11, 12, 13}
     sent_to_a = next(m for m in messages if m.metadata.dst_node_id == 11)
-    assert_states_equal(TrainInstruction.from_content(sent_to_a.content).scaffold_controls[1], marked)
+    assert_states_equal(TrainInstruction.from_content(sent_to_a.content).extras["client_control"], marked)
     for message in messages:
         if message.metadata.dst_node_id != 11:
             assert not any(value.eq(7.0).any() for value in
-                           TrainInstruction.from_content(message.content).scaffold_controls[1].values())
+                           TrainInstruction.from_content(message.content).extras["client_control"].values())
 
     strategy.aggregate_train(1, grid.send_and_receive(messages))
     record = strategy.history[-1]
@@ -827,7 +830,7 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
     args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
     strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
-    strategy.client_controls["client_2"] = marked
+    strategy.aggregator.client_controls["client_2"] = marked
 
     def respond(message, context):
         index = context.node_config["partition-id"]
@@ -861,7 +864,7 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
     messages = list(strategy.configure_train(2, None, None, grid))
     assert {message.metadata.dst_node_id for message in messages} == {21, 22, 26}
     sent = next(m for m in messages if m.metadata.dst_node_id == 26)
-    assert_states_equal(TrainInstruction.from_content(sent.content).scaffold_controls[1], marked)
+    assert_states_equal(TrainInstruction.from_content(sent.content).extras["client_control"], marked)
     strategy.aggregate_train(2, grid.send_and_receive(messages))
     assert "a node with another public key served first" in strategy.history[-1].dropped["node-25"]
 

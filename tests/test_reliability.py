@@ -21,11 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import ClientUpdate, FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
-from trl_federated.adapters import InvalidUpdateError, get_adapter_state, validate_update
+from trl_federated.adapters import InvalidUpdateError, default_lora_config, get_adapter_state
+from trl_federated.admission import UpdateGate
+from trl_federated.aggregation import ScaffoldAggregator
 from trl_federated.callbacks import MetricsLoggerCallback
 from trl_federated.checkpoint import (
     Checkpoint,
-    CheckpointMismatchError,
     CorruptCheckpointError,
     list_checkpoints,
     prepare_output_dir,
@@ -34,7 +35,8 @@ from trl_federated.checkpoint import (
 )
 from trl_federated.cli import main
 from trl_federated.rewards import accuracy_reward, combined_reward_range, format_reward
-from trl_federated.runner import NotEnoughClientsError, default_lora_config
+from trl_federated.run_identity import CheckpointMismatchError
+from trl_federated.runner import NotEnoughClientsError
 from trl_federated.testing import save_tiny_model
 
 TESTS_DIR = Path(__file__).parent
@@ -156,9 +158,9 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
     assert_states_equal(checkpoint.global_state, reference.global_state)
     assert_states_equal(checkpoint.aggregator["control"], reference.aggregator.control)
     assert checkpoint.aggregator["server_optimizer"] == {}  # SGD keeps no state
-    assert set(checkpoint.client_controls) == {"site-0", "site-1"}
-    for client_id, control in reference.client_controls.items():
-        assert_states_equal(checkpoint.client_controls[client_id], control)
+    assert set(checkpoint.aggregator["client_controls"]) == {"site-0", "site-1"}
+    for client_id, control in reference.aggregator.client_controls.items():
+        assert_states_equal(checkpoint.aggregator["client_controls"][client_id], control)
     assert [record.to_dict() for record in checkpoint.history] == [record.to_dict() for record in reference.history]
     clients = checkpoint.identity["clients"]
     assert [(c["id"], c["num_rows"]) for c in clients] == [("site-0", 6), ("site-1", 6)]
@@ -178,12 +180,13 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
     assert_states_equal(resumed.global_state, reference.global_state)
     assert_states_equal(resumed.aggregator.control, reference.aggregator.control)
     for client_id in ("site-0", "site-1"):
-        assert_states_equal(resumed.client_controls[client_id], reference.client_controls[client_id])
+        assert_states_equal(resumed.aggregator.client_controls[client_id],
+                            reference.aggregator.client_controls[client_id])
 
 
 def checkpoint_of(round_idx, value, m=1.0):
     state = {"w": torch.full((2,), value)}
-    return Checkpoint(round_idx, state, {"m": {"w": torch.tensor([value, m])}, "step": round_idx}, {}, [], {},
+    return Checkpoint(round_idx, state, {"m": {"w": torch.tensor([value, m])}, "step": round_idx}, [], {},
                       {"note": "unit test"})
 
 
@@ -526,7 +529,7 @@ GLOBAL = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
 
 def corrupt(fault):
     update = ClientUpdate("site-7", {"a": torch.ones(2, 3), "b": torch.ones(4)}, num_samples=5, reward=0.5,
-                          control_delta={"a": torch.ones(2, 3), "b": torch.ones(4)})
+                          extras={"control_delta": {"a": torch.ones(2, 3), "b": torch.ones(4)}})
     if fault == "nan":
         update.state["a"][1, 2] = math.nan
     elif fault == "inf":
@@ -542,9 +545,9 @@ def corrupt(fault):
     elif fault == "not a tensor":
         update.state["a"] = [[1.0] * 3] * 2
     elif fault == "control nan":
-        update.control_delta["b"][3] = math.nan
+        update.extras["control_delta"]["b"][3] = math.nan
     elif fault == "control shape":
-        update.control_delta["a"] = torch.ones(3, 2)
+        update.extras["control_delta"]["a"] = torch.ones(3, 2)
     elif fault == "reward nan":
         update.reward = math.nan
     elif fault == "reward inf":
@@ -563,13 +566,13 @@ def corrupt(fault):
 @pytest.mark.parametrize("fault, message", [
     ("nan", r"adapter\['a'\] holds NaN or Inf"),
     ("inf", r"adapter\['b'\] holds NaN or Inf"),
-    ("missing key", r"adapter keys differ .*missing \['b'\]"),
-    ("extra key", r"adapter keys differ .*unexpected \['c'\]"),
-    ("shape", r"adapter\['b'\] has shape \(5,\), expected \(4,\)"),
-    ("dtype", r"adapter\['a'\] has dtype torch.float16, expected torch.float32"),
-    ("not a tensor", r"adapter\['a'\] has shape list"),
+    ("missing key", r"adapter must have the global adapter's keys .*missing \['b'\]"),
+    ("extra key", r"adapter must have the global adapter's keys .*unexpected \['c'\]"),
+    ("shape", r"adapter\['b'\] is torch.float32 \(5,\), expected torch.float32 \(4,\)"),
+    ("dtype", r"adapter\['a'\] is torch.float16 \(2, 3\), expected torch.float32 \(2, 3\)"),
+    ("not a tensor", r"adapter\['a'\] is list, expected torch.float32 \(2, 3\)"),
     ("control nan", r"control_delta\['b'\] holds NaN"),
-    ("control shape", r"control_delta\['a'\] has shape \(3, 2\)"),
+    ("control shape", r"control_delta\['a'\] is torch.float32 \(3, 2\), expected floating point \(2, 3\)"),
     ("reward nan", "reward R̄ must be a finite number, got nan"),
     ("reward inf", "reward R̄ must be a finite number, got inf"),
     ("reward not a number", "reward R̄ must be a finite number, got '0.5'"),
@@ -579,15 +582,23 @@ def corrupt(fault):
 ])
 def test_validate_update_rejects(fault, message):
     with pytest.raises(InvalidUpdateError, match=r"client 'site-7' rejected: " + message):
-        validate_update(corrupt(fault), GLOBAL, reward_range=(0.0, 2.0))
+        admit(corrupt(fault), reward_range=(0.0, 2.0))
 
 
 def test_validate_update_accepts_a_valid_update():
-    validate_update(corrupt(None), GLOBAL, reward_range=(0.0, 2.0))
-    validate_update(corrupt("reward above range"), GLOBAL, reward_range=None)  # no declared range: no check
+    admit(corrupt(None), reward_range=(0.0, 2.0))
+    admit(corrupt("reward above range"), reward_range=None)  # no declared range: no check
     update = corrupt(None)
     update.reward = 2.0 + 1e-7  # float32 rounding of a mean at the top of the range
-    validate_update(update, GLOBAL, reward_range=(0.0, 2.0))
+    admit(update, reward_range=(0.0, 2.0))
+
+
+def admit(update, reward_range):
+    """`update` through a SCAFFOLD federation's admission gate: `admission.validate_update` checks the adapter, D_i
+    and R̄, `ScaffoldAggregator.check_extras` the control_delta."""
+    gate = UpdateGate(reward_range=reward_range, aggregator=ScaffoldAggregator(num_clients=1))
+    gate.open_round(GLOBAL)
+    return gate.admit(update.client_id, lambda: update)
 
 
 def test_combined_reward_range_follows_trl_reward_weights():

@@ -86,7 +86,7 @@ def test_server_step_ratio_from_round_checkpoints(tmp_path):
     from trl_federated.checkpoint import Checkpoint, write_checkpoint
 
     def checkpoint(round_idx, b, aggregator):
-        return Checkpoint(round_idx=round_idx, global_state={key: b.clone()}, aggregator=aggregator, client_controls={},
+        return Checkpoint(round_idx=round_idx, global_state={key: b.clone()}, aggregator=aggregator,
                           history=[], evaluations={}, identity={"training": {"server_beta1": 0.9}})
 
     key = "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"

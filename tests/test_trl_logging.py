@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from conftest import length_reward
 from test_cli import labelled_dataset
 from trl_federated import FedGRPOTrainer, FederatedRunner
-from trl_federated.runner import default_lora_config
+from trl_federated.adapters import default_lora_config
 
 
 def read_scalars(logging_dir: Path) -> EventAccumulator:

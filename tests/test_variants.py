@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FedGRPOConfig, FederatedRunner, FedGRPOTrainer
+from trl_federated.adapters import default_lora_config
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
 from trl_federated.config import FedDAPOConfig, FedGSPOConfig
-from trl_federated.runner import default_lora_config
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
 
@@ -84,8 +84,10 @@ def test_scaffold_server_step_by_hand():
     aggregator = ScaffoldAggregator(num_clients=4, server_optimizer=ServerSGD(1.0))
     global_state = {"w": torch.tensor([0.0, 0.0])}
     updates = [
-        ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0, control_delta={"w": torch.tensor([0.4, 0.0])}),
-        ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0, control_delta={"w": torch.tensor([0.0, -0.8])}),
+        ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0,
+                     extras={"control_delta": {"w": torch.tensor([0.4, 0.0])}}),
+        ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0,
+                     extras={"control_delta": {"w": torch.tensor([0.0, -0.8])}}),
     ]
     new = aggregator.aggregate(global_state, updates, 0)
     torch.testing.assert_close(new["w"], torch.tensor([0.25, 0.75]))
@@ -140,10 +142,11 @@ def test_scaffold_federated_rounds_keep_client_controls(tmp_path, tiny_model_dir
     )
     assert runner.aggregator.num_clients == 2
     runner.run()
-    assert set(runner.client_controls) == {"client_0", "client_1"}
+    client_controls = runner.aggregator.client_controls
+    assert set(client_controls) == {"client_0", "client_1"}
     control = runner.aggregator.control
     # c is the mean of the clients' c_i when every client reports every round (c = Σ Δc_i / N accumulated)
     for key in control:
-        mean = (runner.client_controls["client_0"][key] + runner.client_controls["client_1"][key]) / 2
+        mean = (client_controls["client_0"][key] + client_controls["client_1"][key]) / 2
         torch.testing.assert_close(control[key], mean)
     assert any(value.abs().sum() > 0 for value in control.values())

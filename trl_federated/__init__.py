@@ -1,9 +1,10 @@
 """trl-federated: federated GRPO-family reinforcement learning for LLMs on top of Hugging Face TRL."""
 
 from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
-from .callbacks import RoundCallback, RoundRecord
+from .callbacks import RoundCallback
 from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
 from .local_trainer import LocalGRPOMixin, local_trainer
+from .round_record import RoundRecord
 from .runner import FederatedRunner
 from .speedups import FastGRPOMixin
 from .trainer import FederatedGRPOMixin, FedGRPOTrainer, federated

@@ -6,11 +6,13 @@ against what the server itself knows, and bounded before any server state sees i
 1. decoding: the transport's own decoder (`WireFormat.decode`, `flower.records.content_to_update`);
 2. identity: the update must speak for the client the server asked (the server's map, not the reply's claim),
    and only once per round;
-3. values: `adapters.validate_update` (keys, shapes, dtypes, finite values, sample count, R̄ in `reward_range`);
+3. values: `validate_update` (the adapter's keys, shapes, dtypes and finite values, the sample count, R̄ in
+   `reward_range`), and what the client sends besides its adapter, which the aggregator checks and bounds
+   (`Aggregator.check_extras`: SCAFFOLD's Δc_i);
 4. sample count: the server's own count D_i where it has one, else the client's report capped at
    `max_client_samples`;
-5. size: ‖θ_i − θ‖ (and SCAFFOLD's ‖Δc_i‖) within `update_norm_bound` (see `update_norm_unit`), else the update
-   is rejected or clipped (`update_norm_action`).
+5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`), else the update is rejected or clipped
+   (`update_norm_action`).
 
 Anything that fails, including an exception no check foresaw, is that client's `InvalidUpdateError` with a reason,
 never an exception out of the server.
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
+import reprlib
 from collections.abc import Callable, Mapping
+from numbers import Real
 
-import torch
-
-from .adapters import AdapterState, InvalidUpdateError, validate_update
-from .aggregation import ClientUpdate
+from .adapters import AdapterState, InvalidUpdateError
+from .aggregation import Aggregator, ClientUpdate
+from .aggregation.base import check_state, refuse_extras, state_distance
 
 logger = logging.getLogger(__name__)
 
@@ -51,53 +54,38 @@ def update_norm_unit(local_steps: int, learning_rate: float, global_state: Adapt
     return local_steps * learning_rate * math.sqrt(num_coordinates)
 
 
-def state_distance(state: AdapterState, reference: AdapterState) -> float:
-    """‖state − reference‖₂ over all entries (keys of `reference`)."""
-    return math.sqrt(sum(_norm(state[key].float() - value.float()) ** 2 for key, value in reference.items()))
-
-
-def state_norm(state: AdapterState) -> float:
-    """‖state‖₂ over all entries."""
-    return math.sqrt(sum(_norm(value.float()) ** 2 for value in state.values()))
-
-
-def _norm(tensor: torch.Tensor) -> float:
-    """The 2-norm of a float32 tensor, recomputed in float64 where float32 overflows (finite values around 1e20
-    and up, a poisoned update's): then it is its true, large value, never Inf."""
-    norm = torch.linalg.vector_norm(tensor).item()
-    return norm if math.isfinite(norm) else torch.linalg.vector_norm(tensor.double()).item()
-
-
 class UpdateGate:
     """Decodes, checks and bounds each client's reply before aggregation (see the module docstring).
 
     Args:
         reward_range: The interval R̄ must lie in (`rewards.combined_reward_range`), or None when not known.
         max_update_norm: Bound on ‖θ_i − θ‖₂ (None: no bound).
-        max_control_norm: Bound on SCAFFOLD's ‖Δc_i‖₂ (None: no bound).
         norm_action: "reject" drops an update over a bound; "clip" scales it back onto the bound.
         num_samples: D_i of the clients whose data volume the server knows; it replaces their report.
         max_client_samples: Cap on a self-reported D_i (None: no cap).
-        control: Whether updates carry SCAFFOLD's Δc_i (`ClientUpdate.control_delta`): required if so, refused if not.
+        aggregator: The federation's aggregator, which checks and bounds what a client sends besides its adapter
+            (`Aggregator.check_extras`); None: a client sends nothing else.
+        extras_norm_bound: `update_norm_bound`, which the aggregator applies to those extras in its own unit (None:
+            no bound).
     """
 
     def __init__(
         self,
         reward_range: tuple[float, float] | None = None,
         max_update_norm: float | None = None,
-        max_control_norm: float | None = None,
         norm_action: str = "reject",
         num_samples: Mapping[str, int] | None = None,
         max_client_samples: int | None = None,
-        control: bool = False,
+        aggregator: Aggregator | None = None,
+        extras_norm_bound: float | None = None,
     ):
         if norm_action not in NORM_ACTIONS:
             raise ValueError(f"`norm_action` must be one of {NORM_ACTIONS}, got {norm_action!r}.")
         self.reward_range = reward_range
-        self.max_update_norm, self.max_control_norm, self.norm_action = max_update_norm, max_control_norm, norm_action
+        self.max_update_norm, self.norm_action = max_update_norm, norm_action
         self.num_samples = dict(num_samples or {})
         self.max_client_samples = max_client_samples
-        self.control = control
+        self.aggregator, self.extras_norm_bound = aggregator, extras_norm_bound
         self.global_state: AdapterState = {}
         self.admitted: set[str] = set()
 
@@ -108,22 +96,20 @@ class UpdateGate:
         global_state: AdapterState,
         reward_range: tuple[float, float] | None = None,
         num_samples: Mapping[str, int] | None = None,
-        control: bool = False,
+        aggregator: Aggregator | None = None,
     ) -> UpdateGate:
         """The gate a `FedGRPOConfig` describes (its "Robustness" fields) for a federation whose global adapter is
-        shaped like `global_state`."""
+        shaped like `global_state`, aggregated by `aggregator`."""
         bound = args.update_norm_bound
         unit = update_norm_unit(args.local_steps, args.learning_rate, global_state)
-        # Δc_i is a difference of mean Adam directions, whose coordinates are about 1 or less: its unit is √d.
-        control_unit = math.sqrt(sum(tensor.numel() for tensor in global_state.values()))
         return cls(
             reward_range=reward_range,
             max_update_norm=None if bound is None else bound * unit,
-            max_control_norm=None if bound is None else bound * control_unit,
             norm_action=args.update_norm_action,
             num_samples=num_samples,
             max_client_samples=args.max_client_samples,
-            control=control,
+            aggregator=aggregator,
+            extras_norm_bound=bound,
         )
 
     def open_round(self, global_state: AdapterState) -> None:
@@ -163,16 +149,20 @@ class UpdateGate:
             reject(f"it speaks for client {bounded_text(repr(update.client_id), 100)}")
         if client_id in self.admitted:
             reject("the client already had an update accepted this round")
-        if not isinstance(update.state, dict) or not (update.control_delta is None or isinstance(update.control_delta, dict)):
-            reject("its adapter and control_delta must be dicts of tensors")
-        if self.control != (update.control_delta is not None):
-            reject("SCAFFOLD needs its control_delta" if self.control else "it sends a control_delta, but the "
-                   "aggregation is not SCAFFOLD")
+        if not isinstance(update.state, dict) or not isinstance(update.extras, dict):
+            reject("its adapter and extras must be dicts of tensors")
         if not isinstance(update.metrics, dict) or not all(isinstance(key, str) for key in update.metrics):
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
+        try:
+            if self.aggregator is None:
+                refuse_extras(update)
+            else:
+                self.aggregator.check_extras(update, self.global_state, self.extras_norm_bound, self.norm_action)
+        except ValueError as error:
+            reject(bounded_text(str(error).rstrip(".")))
         self._bound_samples(update)
-        self._bound_norms(update, reject)
+        self._bound_norm(update, reject)
         self.admitted.add(client_id)
         return update
 
@@ -186,23 +176,48 @@ class UpdateGate:
             )
             update.num_samples = self.max_client_samples
 
-    def _bound_norms(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
-        if self.max_update_norm is not None:
-            norm = state_distance(update.state, self.global_state)
-            if norm > self.max_update_norm:
-                if self.norm_action == "reject":
-                    reject(f"‖θ_i − θ‖ = {norm:.4g} exceeds update_norm_bound ({self.max_update_norm:.4g})")
-                scale = self.max_update_norm / norm
-                logger.warning("Client %r: ‖θ_i − θ‖ = %.4g clipped to %.4g.", update.client_id, norm, self.max_update_norm)
-                update.state = {
-                    key: (reference.double() + scale * (update.state[key].double() - reference.double())).to(reference.dtype)
-                    for key, reference in self.global_state.items()
-                }
-        if self.max_control_norm is not None and update.control_delta is not None:
-            norm = state_norm(update.control_delta)
-            if norm > self.max_control_norm:
-                if self.norm_action == "reject":
-                    reject(f"‖Δc_i‖ = {norm:.4g} exceeds the control bound ({self.max_control_norm:.4g})")
-                scale = self.max_control_norm / norm
-                logger.warning("Client %r: ‖Δc_i‖ = %.4g clipped to %.4g.", update.client_id, norm, self.max_control_norm)
-                update.control_delta = {key: value * scale for key, value in update.control_delta.items()}
+    def _bound_norm(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
+        if self.max_update_norm is None:
+            return
+        norm = state_distance(update.state, self.global_state)
+        if norm > self.max_update_norm:
+            if self.norm_action == "reject":
+                reject(f"‖θ_i − θ‖ = {norm:.4g} exceeds update_norm_bound ({self.max_update_norm:.4g})")
+            scale = self.max_update_norm / norm
+            logger.warning("Client %r: ‖θ_i − θ‖ = %.4g clipped to %.4g.", update.client_id, norm, self.max_update_norm)
+            update.state = {
+                key: (reference.double() + scale * (update.state[key].double() - reference.double())).to(reference.dtype)
+                for key, reference in self.global_state.items()
+            }
+
+
+def validate_update(
+    update: ClientUpdate, global_state: AdapterState, reward_range: tuple[float, float] | None = None
+) -> None:
+    """Raise `InvalidUpdateError` unless `update`'s adapter, D_i and R̄ can enter aggregation without corrupting the
+    server.
+
+    The server state (global adapter, Adam moments, RPG baselines, SCAFFOLD control) is a running sum over
+    rounds: one NaN, one mis-shaped tensor or one absurd reward would poison every later round. So the adapter
+    must have exactly the global adapter's keys, shapes and dtypes and only finite values (`check_state`); D_i must
+    be positive; and R̄ must be a finite number inside `reward_range` (the interval the reward functions declare,
+    see `rewards.combined_reward_range`), which bounds how far a client can inflate the reward that RPG weighs it by.
+    """
+
+    def reject(fault: str):
+        raise InvalidUpdateError(f"Update of client {update.client_id!r} rejected: {fault}.")
+
+    try:
+        check_state(update.state, global_state, "adapter", same_dtype=True)
+    except ValueError as error:
+        reject(str(error).rstrip("."))
+    if isinstance(update.num_samples, bool) or not isinstance(update.num_samples, int) or update.num_samples < 1:
+        reject(f"num_samples must be a positive integer, got {reprlib.repr(update.num_samples)}")
+    reward = update.reward
+    if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(reward):
+        reject(f"reward R̄ must be a finite number, got {reprlib.repr(reward)}")
+    if reward_range is not None:
+        low, high = reward_range
+        tolerance = 1e-6 * max(1.0, high - low)  # step rewards are float32 means
+        if not low - tolerance <= reward <= high + tolerance:
+            reject(f"reward R̄ = {reward} lies outside the reward functions' range [{low}, {high}]")

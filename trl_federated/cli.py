@@ -248,7 +248,7 @@ def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, Benchma
     `--num_rounds`. A federation always trains a LoRA adapter, so `use_peft` is on and ModelConfig's LoRA fields
     default to `default_lora_config()`'s values: `--lora_r 4` alone changes the adapter.
     """
-    from .runner import default_lora_config
+    from .adapters import default_lora_config
 
     parser = TrlParser(
         (config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run", allow_abbrev=False

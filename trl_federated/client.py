@@ -2,15 +2,14 @@
 
 Whatever the transport, a client round is the same: load the global adapter into the client's `PeftModel`, train
 a fresh `local_trainer(trainer_class)` (`GRPOTrainer` by default) for `local_steps` steps on the client's data with the seed
-of (round, client), and report a `ClientUpdate`. Keeping it in one function is what lets a Flower run end where the
-in-process runner ends.
+of (round, client), with what the aggregation exchanges besides the adapter (`Aggregator.client_hook`), and report a
+`ClientUpdate` as it goes on the wire. Keeping it in one function is what lets a Flower run end where the in-process
+runner ends.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import gc
 import os
 import time
@@ -19,14 +18,16 @@ from typing import Any
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
-from transformers.trainer_callback import PrinterCallback, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
 from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
-from .aggregation import ClientUpdate
+from .aggregation import AGGREGATIONS, Aggregator, ClientUpdate
 from .config import FedGRPOConfig
-from .local_trainer import Deadline, LocalGRPOMixin, ScaffoldCorrection, local_trainer
+from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
+from .memory import ReleaseFreeMemory, release_free_memory
+from .transport import WireFormat
 
 
 class ClientTimeoutError(TimeoutError):
@@ -96,11 +97,14 @@ def train_local_round(
     processing_class: PreTrainedTokenizerBase,
     callbacks: list | None = None,
     trainer_kwargs: dict[str, Any] | None = None,
-    scaffold_controls: tuple[AdapterState, AdapterState] | None = None,
+    extras: dict[str, AdapterState] | None = None,
+    aggregator_class: type[Aggregator] | None = None,
     reference_state: AdapterState | None = None,
     trainer_class: type[GRPOTrainer] | None = None,
+    wire: WireFormat | None = None,
 ) -> ClientUpdate:
-    """Run one client's local round from `global_state` and return its update.
+    """Run one client's local round from `global_state` and return its update as the client sends it: its adapter
+    encoded for the wire, and its extras.
 
     Args:
         model: The client's `PeftModel`; its active adapter is overwritten with `global_state` first.
@@ -109,14 +113,16 @@ def train_local_round(
         train_dataset: The client's private training set.
         args: The client's local configuration (`local_training_args`).
         reward_funcs, processing_class, callbacks, trainer_kwargs: As for `GRPOTrainer`.
-        scaffold_controls: SCAFFOLD only: (c, c_i), the server's and this client's control variates; the update
-            then carries Δc_i in `control_delta`.
+        extras: What the server sent besides the adapter (`Aggregator.client_extras`: SCAFFOLD's c and c_i). The
+            aggregation's `client_hook` trains with them, and the update carries its reply in `extras`.
+        aggregator_class: The aggregation whose `client_hook` that is (default: the one `args.aggregation` names).
         reference_state: With `beta > 0`: θ^{[0]}, the adapter the federation started from, which is π_ref in every
             round. TRL's trainer copies the adapter it is built with (θ^{[t]}) into its `ref` adapter; this state
             overwrites that copy. None: π_ref is the base model (adapters disabled), which equals θ^{[0]} for a
             freshly initialised LoRA.
         trainer_class: The `GRPOTrainer` subclass that trains the round, with `local_trainer.LocalGRPOMixin`
             (default: `FedGRPOTrainer`).
+        wire: The wire format the adapter is sent in (`transport.WireFormat.encode`; default: all of it, in float32).
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
@@ -149,10 +155,9 @@ def train_local_round(
         trainer.add_callback(ReleaseFreeMemory())
         if args.client_timeout is not None:
             trainer.add_callback(Deadline(started + args.client_timeout))
-        scaffold = None
-        if scaffold_controls is not None:
-            scaffold = ScaffoldCorrection(*scaffold_controls, args.scaffold_correction)
-            trainer.add_callback(scaffold)
+        hook = (aggregator_class or AGGREGATIONS[args.aggregation].aggregator_class).client_hook(extras or {}, args)
+        if hook is not None:
+            trainer.add_callback(hook.callback)
         start = time.perf_counter()
         output = trainer.train()
         elapsed = time.perf_counter() - started
@@ -163,7 +168,7 @@ def train_local_round(
             )
         update = ClientUpdate(
             client_id=client_id,
-            state=get_adapter_state(model),
+            state=(wire or WireFormat()).encode(get_adapter_state(model), global_state),
             num_samples=len(train_dataset),
             reward=trainer.window_reward(),
             metrics={
@@ -173,8 +178,8 @@ def train_local_round(
                 **trainer.mean_step_metrics(),
             },
         )
-        if scaffold is not None:
-            update.control_delta = scaffold.control_delta
+        if hook is not None:
+            update.extras = hook.reply()
     finally:
         release_trainer(model, trainer, drop_reference=args.beta != 0)
     return update
@@ -201,34 +206,3 @@ def release_trainer(model: PeftModel, trainer: LocalGRPOMixin | None, drop_refer
     del trainer
     gc.collect()
     release_free_memory()
-
-
-def _load_malloc_trim():
-    """glibc's `malloc_trim`, or None on another C library."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
-
-
-class ReleaseFreeMemory(TrainerCallback):
-    """`release_free_memory()` after every local step: a step's generation and loss leave a heap fragmented around
-    what they freed, and the next step's peak would stand on it."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        release_free_memory()
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the operating system (glibc only); called after every local step, client round
-    and evaluation.
-
-    glibc keeps freed chunks below its mmap threshold in the process heap, so after a step's activations, a client's
-    KV caches and optimizer state or an evaluation's caches are freed, the resident size stays at their high-water
-    mark; trimming lets the next step, client, evaluation or server step start from what is really in use."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-

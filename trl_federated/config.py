@@ -21,9 +21,9 @@ from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOConfig
 
 from .admission import NORM_ACTIONS
+from .aggregation import AGGREGATIONS
 from .transport import DTYPES, LORA_AGGREGATIONS
 
-AGGREGATIONS = ("rpg", "fedavg", "fedprox", "scaffold")
 SERVER_OPTIMIZERS = ("adam", "sgd")
 SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")  # `local_trainer.ScaffoldCorrection`
 ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")  # `aggregation.robust.combiner_from_config`
@@ -31,10 +31,6 @@ ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")  # `aggregation.robust.
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
 # its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
 DEFAULT_SERVER_LEARNING_RATE = {"sgd": 1.0, "adam": 1e-3}
-# Server optimizer when `server_optimizer` is left unset: each method as its paper defines it. FGRPO's server
-# step is Adam (Algorithm 1, line 23); FedAvg, FedProx and SCAFFOLD average the client models, i.e. SGD with lr 1
-# (SCAFFOLD's global step size η_g = 1).
-DEFAULT_SERVER_OPTIMIZER = {"rpg": "adam", "fedavg": "sgd", "fedprox": "sgd", "scaffold": "sgd"}
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset. The paper gives none; 0.01 is the middle of
 # the range FedProx (Li et al., 2020) sweeps ({0.001, 0.01, 0.1, 1}) and keeps the proximal gradient well below
 # the GRPO gradient of a LoRA adapter over ~10 local steps.
@@ -644,8 +640,8 @@ class FedGRPOConfig(GRPOConfig):
             raise TypeError(message)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
-        if self.server_optimizer is None:
-            self.server_optimizer = DEFAULT_SERVER_OPTIMIZER.get(self.aggregation)
+        if self.server_optimizer is None and self.aggregation in AGGREGATIONS:  # each method's own server step
+            self.server_optimizer = AGGREGATIONS[self.aggregation].server_optimizer
         if self.server_learning_rate is None and self.server_optimizer in DEFAULT_SERVER_LEARNING_RATE:
             self.server_learning_rate = DEFAULT_SERVER_LEARNING_RATE[self.server_optimizer]
         for message in self._federation_errors():
@@ -732,7 +728,7 @@ class FedGRPOConfig(GRPOConfig):
         if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):
             yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
         if self.aggregation not in AGGREGATIONS:
-            yield f"`aggregation` must be one of {AGGREGATIONS}, got {self.aggregation!r}."
+            yield f"`aggregation` must be one of {tuple(AGGREGATIONS)}, got {self.aggregation!r}."
         if self.lora_aggregation not in LORA_AGGREGATIONS:
             yield f"`lora_aggregation` must be one of {LORA_AGGREGATIONS}, got {self.lora_aggregation!r}."
         if self.transfer_dtype not in DTYPES:

@@ -9,7 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from .callbacks import RoundCallback, RoundRecord
+from .callbacks import RoundCallback
+from .round_record import RoundRecord
 
 
 def format_round_table(history: list[RoundRecord]) -> str:

@@ -8,43 +8,24 @@ from typing import Any
 
 from accelerate import PartialState
 from datasets import Dataset
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, set_seed
+from peft import PeftConfig, PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl import GRPOTrainer
 
+from .adapters import with_federated_adapter
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from .callbacks import IntegrationLog, RoundRecord, TrainerLogCallback
+from .callbacks import IntegrationLog, TrainerLogCallback
 from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process
 from .local_trainer import local_trainer
 from .reporting import RunProgress
+from .round_record import RoundRecord
 from .server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .transport import WireFormat, freeze_lora_a
 
-__all__ = ["FederatedRunner", "NotEnoughClientsError", "default_lora_config", "with_federated_adapter"]
-
-
-def default_lora_config() -> LoraConfig:
-    """LoRA on every linear projection of the decoder, as the paper does (it uses r=32, α=128 on 3B+ models)."""
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-
-
-def with_federated_adapter(model: PreTrainedModel | PeftModel, seed: int, peft_config: PeftConfig | None = None):
-    """`model` wrapped in the LoRA adapter the federation trains (`peft_config`, default `default_lora_config`);
-    a `PeftModel` is returned as it is.
-
-    LoRA draws its A matrices from the global RNG: it is seeded with `seed` first, as `Trainer` does before
-    `model_init`, so that the initial global adapter, and with it the whole run, follows from the seed alone,
-    in whichever process (runner, Flower ServerApp) builds it.
-    """
-    if isinstance(model, PeftModel):
-        if peft_config is not None:
-            raise ValueError("`model` is already a PeftModel: pass its adapter configuration, not `peft_config`.")
-        return model
-    set_seed(seed)
-    return get_peft_model(model, peft_config or default_lora_config())
+__all__ = ["FederatedRunner", "NotEnoughClientsError"]
 
 
 class FederatedRunner(ServerStateView):
@@ -196,7 +177,7 @@ class FederatedRunner(ServerStateView):
         return self.server.evaluate(round_idx)
 
     def save_checkpoint(self, round_idx: int):
-        """Write `output_dir/checkpoint-<round_idx>` (`checkpoint.CheckpointedServer.save_checkpoint`)."""
+        """Write `output_dir/checkpoint-<round_idx>` (`server.FederatedServer.save_checkpoint`)."""
         return self.server.save_checkpoint(round_idx)
 
     def load_checkpoint(self, path) -> int:
@@ -248,12 +229,14 @@ class FederatedRunner(ServerStateView):
         return local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id)
 
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
-        """Run one client's local round from the current global adapter and return its update.
+        """Run one client's local round from the current global adapter and return its update as the client sends it
+        (`client.train_local_round`: its adapter encoded for the wire, so that the server aggregates what the wire
+        delivers, not the client's exact adapter).
 
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        _, scaffold_controls = self.server.broadcast(client_id)
+        _, extras = self.server.broadcast(client_id)
         return train_local_round(
             self.model,
             self.global_state,
@@ -264,9 +247,11 @@ class FederatedRunner(ServerStateView):
             self.processing_class,
             callbacks=[*self.callbacks, self.progress] if self.progress is not None else self.callbacks,
             trainer_kwargs=self.trainer_kwargs,
-            scaffold_controls=scaffold_controls,
+            extras=extras,
+            aggregator_class=type(self.aggregator),
             reference_state=self.reference_state,
             trainer_class=self.trainer_class,
+            wire=self.wire,
         )
 
     # Rounds ------------------------------------------------------------------------------------------------
@@ -327,7 +312,7 @@ class FederatedRunner(ServerStateView):
         update, fault, error = None, None, None
         try:
             trained = self.train_client(round_idx, client_index, client_id)
-            update = self.server.admit(client_id, lambda: self._send(trained))
+            update = self.server.admit(client_id, lambda: trained)
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
             fault = describe_failure(error)
@@ -344,9 +329,3 @@ class FederatedRunner(ServerStateView):
             return update
         self.server.drop(client_id, *fault, error=error)
         return None
-
-    def _send(self, update: ClientUpdate) -> ClientUpdate:
-        """The update as it leaves the client: its adapter encoded for the wire (`transport.WireFormat`), so that
-        the server aggregates what the wire delivers, not the client's exact adapter."""
-        update.state = self.wire.encode(update.state, self.global_state)
-        return update

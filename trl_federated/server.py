@@ -4,20 +4,22 @@ The in-process `FederatedRunner` and the Flower `FederatedStrategy` are drivers:
 and deliver every client's reply, or the reason it has none, to this one object. Everything a round does on the
 server happens here, once:
 
-    begin_round(t)          the round opens: callbacks, the admission gate, the traffic of the broadcast
-    broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and,
-                            under SCAFFOLD, c and that client's c_i (the server keeps every c_i, by client id)
+    begin_round(t)          the round opens: callbacks, the admission gate
+    broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and the
+                            aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
     admit(client_id, ...)   a reply, as it came off the wire, decoded (`transport.WireFormat`), checked and
                             bounded (`admission.UpdateGate`), its bytes counted
-    accept(update)          an admitted update joins the round (SCAFFOLD's c_i ← c_i + Δc_i)
+    accept(update)          an admitted update joins the round, and the aggregator commits its per-client state
+                            (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i)
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
     end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
                             the atomic checkpoint, and the round's summary in the log
 
 plus `start_run` (output folder, resume or the evaluation before training) and `finish_run` (the final adapter,
-its model card, `result.json`, the Hub). A new aggregator with per-client state therefore touches this module
-only. Traffic is counted per client and round in both directions, everything that crosses the wire: the adapter
-entries the wire format sends and, under SCAFFOLD, c and c_i down and Δc_i up.
+its model card, `result.json`, the Hub). The per-client state of an aggregation is the aggregator's own (see
+`aggregation.Aggregator`): this module names no method. Traffic is counted per client and round in both directions,
+everything that crosses the wire: the adapter entries the wire format sends, and the extras (SCAFFOLD's c and c_i
+down, Δc_i up).
 """
 
 from __future__ import annotations
@@ -30,22 +32,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from datasets import Dataset
 from peft import PeftModel
 
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
 from .admission import UpdateGate
-from .aggregation import Aggregator, ClientUpdate, ScaffoldAggregator
-from .callbacks import MetricsLoggerCallback, RoundRecord, fire_round_callbacks
-from .checkpoint import CheckpointedServer, list_checkpoints, prepare_output_dir, run_identity
-from .client import release_free_memory
+from .aggregation import Aggregator, ClientUpdate
+from .aggregation.base import check_state
+from .callbacks import MetricsLoggerCallback, fire_round_callbacks
+from .checkpoint import (
+    Checkpoint,
+    CorruptCheckpointError,
+    list_checkpoints,
+    prepare_output_dir,
+    read_checkpoint,
+    write_checkpoint,
+)
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
 from .evaluation import check_eval_reward_funcs, evaluate_accuracy
 from .hub import federated_model_card, push_to_hub
+from .memory import release_free_memory
 from .reporting import ReportCallback
 from .rewards import combined_reward_range
+from .round_record import RoundRecord
+from .run_identity import allowed_changes, check_identity, run_identity
 from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
@@ -55,27 +66,24 @@ class NotEnoughClientsError(RuntimeError):
     """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
 
 
-def zero_control(server_control: AdapterState) -> AdapterState:
-    """SCAFFOLD's c_i of a client before its first accepted update."""
-    return {key: torch.zeros_like(value) for key, value in server_control.items()}
-
-
 @dataclass
 class _Round:
-    """The round in progress: when it began, what each client received, the accepted updates, the drops."""
+    """The round in progress: when it began, what each client received (the adapter's bytes, and those of its
+    extras), the accepted updates, the drops."""
 
     round_idx: int
     started: float
     broadcast_bytes: int
+    extras_bytes: dict[str, int] = field(default_factory=dict)
     updates: list[ClientUpdate] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
 
 
-class FederatedServer(CheckpointedServer):
+class FederatedServer:
     """The server state of a federation and every step a round takes on it (see the module docstring).
 
     Args:
-        model: The `PeftModel` whose active adapter is federated (`runner.with_federated_adapter`); the server
+        model: The `PeftModel` whose active adapter is federated (`adapters.with_federated_adapter`); the server
             keeps the global adapter as tensors and loads it into the model only to evaluate and save.
         args: The federation's `FedGRPOConfig`.
         aggregator: The server strategy (`aggregation.aggregator_from_config`).
@@ -145,14 +153,10 @@ class FederatedServer(CheckpointedServer):
         self.is_main_process, self.num_processes = is_main_process, num_processes
         self.history: list[RoundRecord] = []
         self.evaluations: dict[int, dict[str, Any]] = {}
-        # SCAFFOLD's c_i, by stable client id: the server receives every Δc_i anyway, so keeping their sum reveals
-        # nothing new, survives a client's restart and is checkpointed.
-        self.client_controls: dict[str, AdapterState] = {}
         known_samples = {client_id: len(dataset) for client_id, dataset in client_datasets.items()}
         # Every update enters the server through this gate: decoding, identity, values, sample count, norms.
         self.gate = UpdateGate.from_config(
-            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples,
-            control=isinstance(aggregator, ScaffoldAggregator),
+            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples, aggregator=aggregator
         )
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
         self.identity = run_identity(model, client_datasets, aggregator, args)
@@ -218,24 +222,16 @@ class FederatedServer(CheckpointedServer):
         """Open round `round_idx`: replies are admitted against the current global adapter from now on."""
         self._fire("on_round_begin", round_idx=round_idx)
         self.gate.open_round(self.global_state)
-        broadcast_bytes = state_nbytes(self.wire.sent(self.global_state))
-        if isinstance(self.aggregator, ScaffoldAggregator):  # c and c_i travel with the adapter
-            broadcast_bytes += 2 * state_nbytes(self.aggregator.server_control(self.global_state))
-        self._round = _Round(round_idx, time.perf_counter(), broadcast_bytes)
+        self._round = _Round(round_idx, time.perf_counter(), state_nbytes(self.wire.sent(self.global_state)))
 
-    def broadcast(self, client_id: str) -> tuple[AdapterState, tuple[AdapterState, AdapterState] | None]:
+    def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
-        frozen ones, `transport.WireFormat.sent`) and, under SCAFFOLD, (c, c_i)."""
-        controls = None
-        if isinstance(self.aggregator, ScaffoldAggregator):
-            controls = (self.aggregator.server_control(self.global_state), self.client_control(client_id))
-        return self.wire.sent(self.global_state), controls
-
-    def client_control(self, client_id: str) -> AdapterState:
-        """SCAFFOLD's c_i of a client: zeros until its first accepted update."""
-        if client_id not in self.client_controls:
-            return zero_control(self.aggregator.server_control(self.global_state))
-        return self.client_controls[client_id]
+        frozen ones, `transport.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
+        whose bytes count in the round's traffic."""
+        extras = self.aggregator.client_extras(client_id, self.global_state)
+        if self._round is not None:
+            self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
+        return self.wire.sent(self.global_state), extras
 
     def admit(self, client_id: str, receive: Callable[[], ClientUpdate]) -> ClientUpdate:
         """The update of `client_id` that `receive()` returns as it came off the wire (its `state` the wire
@@ -245,22 +241,16 @@ class FederatedServer(CheckpointedServer):
 
     def unpack(self, update: ClientUpdate) -> ClientUpdate:
         """`update` with its wire payload decoded into the client's full adapter (the server aggregates what the
-        wire delivers) and `wire_bytes` set to everything it carried: the payload and SCAFFOLD's Δc_i."""
+        wire delivers) and `wire_bytes` set to everything it carried: the payload and the extras."""
         payload = update.state
         update.state = self.wire.decode(payload, self.gate.global_state)
-        update.wire_bytes = state_nbytes(payload) + (0 if update.control_delta is None else state_nbytes(update.control_delta))
+        update.wire_bytes = state_nbytes(payload) + sum(state_nbytes(extra) for extra in update.extras.values())
         return update
 
     def accept(self, update: ClientUpdate) -> None:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
         with it every bit of the aggregate, is the same whichever transport delivered it."""
-        if update.control_delta is not None:
-            # c_i ← c_i⁺ = c_i + Δc_i, kept only with an accepted update: the server's c then stays the mean of the
-            # clients' c_i.
-            control = self.client_control(update.client_id)
-            self.client_controls[update.client_id] = {
-                key: control[key] + delta for key, delta in update.control_delta.items()
-            }
+        self.aggregator.accept(update)
         self._round.updates.append(update)
         self._fire("on_client_end", round_idx=self._round.round_idx, update=update)
 
@@ -300,14 +290,16 @@ class FederatedServer(CheckpointedServer):
         if self.is_main_process:
             # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
             self.global_state = self.aggregator.aggregate(self.global_state, updates, round_idx, check_finite=False)
-            record = RoundRecord.from_aggregation(
-                round_idx, self.aggregator, updates, current.dropped, current.broadcast_bytes
-            )
+            received = {
+                update.client_id: current.broadcast_bytes + current.extras_bytes.get(update.client_id, 0)
+                for update in updates
+            }
+            record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, current.dropped, received)
             if round_idx == args.num_rounds - 1 or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
                 record.evaluation = self.evaluate(round_idx)
         if self.num_processes > 1:
-            # Every other process receives the new global adapter, the aggregator's state (SCAFFOLD's c steers its
-            # next local steps) and the record, so that all processes leave the round identical.
+            # Every other process receives the new global adapter, the aggregator's state (SCAFFOLD's c and c_i steer
+            # its next local steps) and the record, so that all processes leave the round identical.
             self.global_state, aggregator_state, record = from_main_process(
                 (self.global_state, self.aggregator.state_dict(), record)
             )
@@ -344,10 +336,37 @@ class FederatedServer(CheckpointedServer):
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
         return results
 
+    def save_checkpoint(self, round_idx: int) -> Path:
+        """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically, with the round's
+        adapter `round-<round_idx>/` when `args.save_every_round` (`checkpoint.write_checkpoint`)."""
+        checkpoint = Checkpoint(
+            round_idx=round_idx,
+            global_state=self.global_state,
+            aggregator=self.aggregator.state_dict(),
+            history=self.history,
+            evaluations=self.evaluations,
+            identity=self.identity,
+        )
+        adapter_config = self.model.peft_config[self.model.active_adapter]
+        return write_checkpoint(
+            checkpoint, self.args.output_dir, adapter_config, self.args.save_total_limit, self.args.save_every_round
+        )
+
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore the run's state from a checkpoint after checking that it belongs to this run (same base model,
-        LoRA configuration, clients and aggregator, else `CheckpointMismatchError`); returns its round."""
-        checkpoint = self.restore_checkpoint(path)
+        """Restore the run's state from the checkpoint at `path` (verified by `checkpoint.read_checkpoint`) after
+        checking that this run made it (same base model, LoRA configuration, clients, aggregator, server optimizer,
+        wire format and training settings, up to `args.resume_allow_changes`; else `CheckpointMismatchError`);
+        returns its round."""
+        checkpoint = read_checkpoint(path)
+        check_identity(checkpoint.identity, self.identity, path, allow_changes=allowed_changes(self.args))
+        try:
+            check_state(checkpoint.global_state, self.global_state, "the global adapter")
+        except ValueError as error:
+            raise CorruptCheckpointError(path, str(error).rstrip(".")) from error
+        self.global_state = checkpoint.global_state
+        self.aggregator.load_state_dict(checkpoint.aggregator)
+        self.history = checkpoint.history
+        self.evaluations = checkpoint.evaluations
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
@@ -392,8 +411,3 @@ class ServerStateView:
     @property
     def history(self) -> list[RoundRecord]:
         return self.server.history
-
-    @property
-    def client_controls(self) -> dict[str, AdapterState]:
-        """SCAFFOLD's c_i, by client id."""
-        return self.server.client_controls

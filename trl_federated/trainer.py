@@ -57,7 +57,7 @@ class FederatedGRPOMixin(LocalGRPOMixin):
         if not isinstance(self.model, PeftModel):
             raise ValueError(
                 f"`num_clients={self.args.num_clients}` federates a LoRA adapter, but the model has none: pass "
-                "`peft_config` (e.g. `trl_federated.runner.default_lora_config()`) or a `PeftModel`. Full fine-tuning "
+                "`peft_config` (e.g. `trl_federated.adapters.default_lora_config()`) or a `PeftModel`. Full fine-tuning "
                 "is not federated."
             )
         optimizers = self._init_arguments.get("optimizers", (None, None))

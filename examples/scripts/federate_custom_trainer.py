@@ -13,7 +13,7 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from trl_federated import FedGRPOConfig, federated
-from trl_federated.runner import default_lora_config
+from trl_federated.adapters import default_lora_config
 from trl_federated.testing import build_tiny_model, build_tiny_tokenizer
 
 

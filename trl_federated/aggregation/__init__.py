@@ -1,11 +1,13 @@
-"""Server-side aggregation strategies, one small class per idea."""
+"""Server-side aggregation strategies, one small class per idea, and the one table of the aggregations a
+`FedGRPOConfig` may name (`AGGREGATIONS`, `register_aggregation`)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import AggregationError, Aggregator, ClientUpdate, pseudo_gradient
+from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
@@ -30,9 +32,36 @@ def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     )
 
 
+@dataclass(frozen=True)
+class Aggregation:
+    """A registered aggregation: the server strategy (`aggregator_class.from_config` builds it) and the server
+    optimizer it takes when `FedGRPOConfig.server_optimizer` is left unset."""
+
+    aggregator_class: type[Aggregator]
+    server_optimizer: str = "sgd"
+
+
+AGGREGATIONS: dict[str, Aggregation] = {}
+"""The aggregations `FedGRPOConfig.aggregation` may name, by name (`register_aggregation`)."""
+
+
+def register_aggregation(name: str, aggregator_class: type[Aggregator], server_optimizer: str = "sgd") -> None:
+    """Make `name` a value of `FedGRPOConfig.aggregation`: `aggregator_from_config` builds `aggregator_class` for it
+    (`Aggregator.from_config`), with `server_optimizer` ("sgd" or "adam") unless the config names another."""
+    AGGREGATIONS[name] = Aggregation(aggregator_class, server_optimizer)
+
+
+# Each method as its paper defines it: FGRPO's server step is Adam (Algorithm 1, line 23); FedAvg, FedProx and
+# SCAFFOLD average the client models, i.e. SGD with learning rate 1 (SCAFFOLD's global step size η_g = 1).
+register_aggregation("rpg", RPGAggregator, server_optimizer="adam")
+register_aggregation("fedavg", FedAvgAggregator)
+register_aggregation("fedprox", FedAvgAggregator)  # FedProx differs on the clients only (`fedprox_mu`)
+register_aggregation("scaffold", ScaffoldAggregator)
+
+
 def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) -> Aggregator:
-    """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields); `num_clients`
-    (default `args.num_clients`) is the size of the federation, which SCAFFOLD's server step needs."""
+    """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields, see `AGGREGATIONS`);
+    `num_clients` (default `args.num_clients`) is the size of the federation, which SCAFFOLD's server step needs."""
     server_optimizer = server_optimizer_from_config(args)
     combiner = combiner_from_config(args)  # robust_aggregation: None for the weighted mean
     # `server_optimizer` may have been resolved from `aggregation` (FedGRPOConfig.__post_init__): say which it is.
@@ -40,30 +69,16 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
         "Aggregation %r with server optimizer %r (learning rate %g).",
         args.aggregation, args.server_optimizer, args.server_learning_rate,
     )
-    if args.aggregation == "scaffold":
-        return ScaffoldAggregator(
-            num_clients=num_clients or args.num_clients, server_optimizer=server_optimizer, combiner=combiner
-        )
-    if args.aggregation in ("fedavg", "fedprox"):  # FedProx differs on the clients only
-        return FedAvgAggregator(server_optimizer=server_optimizer, combiner=combiner)
-    return RPGAggregator(
-        lambda_base=args.rpg_lambda_base,
-        iota=args.rpg_iota,
-        sigma_min=args.rpg_sigma_min,
-        sigma_max=args.rpg_sigma_max,
-        tau_min=args.rpg_tau_min,
-        tau_max=args.rpg_tau_max,
-        lambda_anneal=args.rpg_lambda_anneal,
-        eps=args.rpg_eps,
-        h_max=args.rpg_h_max,
-        server_optimizer=server_optimizer,
-        combiner=combiner,
-    )
+    aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
+    return aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
 
 
 __all__ = [
+    "AGGREGATIONS",
+    "Aggregation",
     "AggregationError",
     "Aggregator",
+    "ClientHook",
     "ClientUpdate",
     "CoordinateMedian",
     "FedAvgAggregator",
@@ -75,5 +90,6 @@ __all__ = [
     "TrimmedMean",
     "aggregator_from_config",
     "pseudo_gradient",
+    "register_aggregation",
     "server_optimizer_from_config",
 ]

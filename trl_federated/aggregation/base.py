@@ -1,17 +1,24 @@
-"""What a client sends, and what every aggregation strategy shares: Δ = Σ_i ω_i (θ_i − θ), Eq. (model_diff)."""
+"""What a client sends, and what every aggregation strategy shares: Δ = Σ_i ω_i (θ_i − θ), Eq. (model_diff), and the
+hooks of a strategy that keeps state per client."""
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from .blocks import blocks
 from .server_optim import ServerOptimizer, ServerSGD
+
+if TYPE_CHECKING:
+    from ..config import FedGRPOConfig
+
+AdapterState = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -19,12 +26,14 @@ class ClientUpdate:
     """One client's report at the end of a round (Algorithm 1, line 17).
 
     Args:
-        client_id: Stable name of the client; the server keys its per-client state (RPG baselines) by it.
+        client_id: Stable name of the client; the server keys its per-client state (RPG baselines, SCAFFOLD's c_i)
+            by it.
         state: The client's adapter θ_i^{[t]}, as `peft.get_peft_model_state_dict` returns it.
         num_samples: D_i, the size of the client's training set (FedAvg weights).
         reward: R̄_i^{[t]}, the mean step reward over the client's last W local steps.
         metrics: Anything else worth logging (step rewards, loss, wall time).
-        control_delta: SCAFFOLD only: Δc_i, the change of the client's control variate, keyed like `state`.
+        extras: What a strategy with per-client state takes back from the client besides its adapter
+            (`Aggregator.check_extras`), by name, each keyed like `state` (SCAFFOLD: Δc_i as "control_delta").
         wire_bytes: What the update took on the wire (see `transport.WireFormat`); None until it was sent.
     """
 
@@ -33,8 +42,17 @@ class ClientUpdate:
     num_samples: int
     reward: float
     metrics: dict[str, Any] = field(default_factory=dict)
-    control_delta: dict[str, torch.Tensor] | None = None
+    extras: dict[str, AdapterState] = field(default_factory=dict)
     wire_bytes: int | None = None
+
+
+class ClientHook(NamedTuple):
+    """A strategy's part of one client round (`Aggregator.client_hook`): `callback`, a `transformers.TrainerCallback`,
+    joins the client's trainer; after training, `reply()` gives what the client sends back besides its adapter
+    (`ClientUpdate.extras`)."""
+
+    callback: Any
+    reply: Callable[[], dict[str, AdapterState]]
 
 
 class AggregationError(ArithmeticError):
@@ -48,8 +66,13 @@ class Aggregator(ABC):
 
     A strategy only decides the client weights ω (`client_weights`); the pseudo-gradient
     Δ^{[t]} = Σ_i ω_i (θ_i^{[t]} − θ^{[t]}) (Eq. model_diff) and the server step are shared, so FedAvg, FGRPO and
-    the paper's "w/o RPG" ablation differ in exactly one place. Everything a strategy keeps between rounds is
-    returned by `state_dict()` and restored by `load_state_dict()`.
+    the paper's "w/o RPG" ablation differ in exactly one place. Everything a strategy keeps between rounds, its
+    per-client state included, is returned by `state_dict()` and restored by `load_state_dict()`.
+
+    A strategy that keeps state per client (SCAFFOLD's c_i) exchanges "extras" with each client besides the adapter,
+    named adapter-shaped states: `client_extras` is what the server sends a client, `client_hook` what the client
+    trains with them and sends back, `check_extras` how the admission gate checks and bounds that reply, and
+    `accept` commits an admitted update's per-client state. By default a strategy exchanges nothing else.
 
     `combiner` (see `robust`) replaces the weighted mean in Δ by a coordinate-wise trimmed mean or median.
     `aggregate` checks its own inputs (`check_updates`: distinct client ids, the global adapter's keys and shapes,
@@ -61,6 +84,15 @@ class Aggregator(ABC):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.last_weights: dict[str, float] = {}
+
+    @classmethod
+    def from_config(
+        cls, args: FedGRPOConfig, num_clients: int, server_optimizer: ServerOptimizer, combiner=None
+    ) -> Aggregator:
+        """The aggregator a `FedGRPOConfig` describes for a federation of `num_clients`, around the server optimizer
+        and combiner built from it (`aggregation.aggregator_from_config`); a strategy with settings of its own reads
+        its fields here."""
+        return cls(server_optimizer=server_optimizer, combiner=combiner)
 
     @abstractmethod
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
@@ -116,11 +148,53 @@ class Aggregator(ABC):
         it with the fields it needs beyond the weights (which `client_weights` checks)."""
         check_updates(global_state, updates, check_finite)
 
+    # Per-client state ----------------------------------------------------------------------------------------
+
+    def client_extras(self, client_id: str, global_state: AdapterState) -> dict[str, AdapterState]:
+        """What the server sends `client_id` this round besides the global adapter (SCAFFOLD: c and its c_i)."""
+        return {}
+
+    def check_extras(
+        self,
+        update: ClientUpdate,
+        global_state: AdapterState,
+        norm_bound: float | None = None,
+        norm_action: str = "reject",
+    ) -> None:
+        """`ValueError` unless `update.extras`, what the client sent back besides its adapter, is what this strategy
+        takes: their names, the global adapter's keys and shapes, finite floating-point values; `norm_bound`
+        (`update_norm_bound`, in the strategy's own unit; None: no bound) bounds their size, and an extra over it is
+        refused or, with `norm_action="clip"`, scaled back onto it. The admission gate calls it on every reply."""
+        refuse_extras(update)
+
+    def accept(self, update: ClientUpdate) -> None:
+        """Commit the per-client state of an admitted update that joins the round (SCAFFOLD: c_i ← c_i + Δc_i); an
+        update that is dropped never reaches it."""
+
+    @classmethod
+    def client_hook(cls, extras: dict[str, AdapterState], args) -> ClientHook | None:
+        """On the client: how a local round trains with the `extras` the server sent (`client_extras`) and what it
+        sends back (`ClientHook`); `args` is the client's `FedGRPOConfig`. None when there is nothing to exchange."""
+        if extras:
+            raise ValueError(
+                f"The server sends {sorted(extras)[:3]}, which the aggregation {cls.__name__} does not take: give the "
+                "client the server's `aggregation`."
+            )
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"server_optimizer": self.server_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server_optimizer.load_state_dict(state["server_optimizer"])
+
+
+def refuse_extras(update: ClientUpdate) -> None:
+    """`ValueError` if `update` carries extras: what a strategy without per-client state takes back from a client."""
+    if update.extras:
+        raise ValueError(
+            f"it sends {sorted(map(str, update.extras))[:3]}, but the aggregation takes nothing but the adapter"
+        )
 
 
 def check_updates(
@@ -141,18 +215,25 @@ def check_updates(
         check_state(update.state, global_state, f"client {update.client_id!r}'s adapter", check_finite)
 
 
-def check_state(state: Any, reference: dict[str, torch.Tensor], name: str, check_finite: bool = True) -> None:
-    """Raise `ValueError` unless `state` has exactly `reference`'s keys and shapes and floating-point values, finite
-    (unless `check_finite=False`)."""
+def check_state(
+    state: Any, reference: dict[str, torch.Tensor], name: str, check_finite: bool = True, same_dtype: bool = False
+) -> None:
+    """Raise `ValueError` unless `state` has exactly `reference`'s keys and shapes and floating-point values (with
+    `same_dtype`, `reference`'s dtypes), finite (unless `check_finite=False`)."""
     if not isinstance(state, dict) or set(state) != set(reference):
         keys = set(state) if isinstance(state, dict) else set()
         raise ValueError(f"{name} must have the global adapter's keys (missing {sorted(set(reference) - keys)[:3]}, "
                          f"unexpected {sorted(map(str, keys - set(reference)))[:3]}).")
     for key, expected in reference.items():
         tensor = state[key]
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != expected.shape or not tensor.is_floating_point():
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.shape != expected.shape
+            or not (tensor.dtype == expected.dtype if same_dtype else tensor.is_floating_point())
+        ):
             described = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name}[{key!r}] is {described}, expected floating point {tuple(expected.shape)}.")
+            dtype = expected.dtype if same_dtype else "floating point"
+            raise ValueError(f"{name}[{key!r}] is {described}, expected {dtype} {tuple(expected.shape)}.")
         if check_finite and not is_finite(tensor):
             raise ValueError(f"{name}[{key!r}] holds NaN or Inf.")
 
@@ -186,6 +267,23 @@ def non_finite_entries(tree: Any, name: str) -> list[str]:
     if isinstance(tree, dict):
         return [path for key, value in tree.items() for path in non_finite_entries(value, f"{name}[{key!r}]")]
     return []
+
+
+def state_distance(state: AdapterState, reference: AdapterState) -> float:
+    """‖state − reference‖₂ over all entries (keys of `reference`)."""
+    return math.sqrt(sum(_norm(state[key].float() - value.float()) ** 2 for key, value in reference.items()))
+
+
+def state_norm(state: AdapterState) -> float:
+    """‖state‖₂ over all entries."""
+    return math.sqrt(sum(_norm(value.float()) ** 2 for value in state.values()))
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    """The 2-norm of a float32 tensor, recomputed in float64 where float32 overflows (finite values around 1e20
+    and up, a poisoned update's): then it is its true, large value, never Inf."""
+    norm = torch.linalg.vector_norm(tensor).item()
+    return norm if math.isfinite(norm) else torch.linalg.vector_norm(tensor.double()).item()
 
 
 def pseudo_gradient(

@@ -63,6 +63,23 @@ class RPGAggregator(Aggregator):
         self.last_gains: dict[str, float] = {}
         self.last_temperature: float | None = None
 
+    @classmethod
+    def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> RPGAggregator:
+        """RPG with the config's `rpg_*` settings."""
+        return cls(
+            lambda_base=args.rpg_lambda_base,
+            iota=args.rpg_iota,
+            sigma_min=args.rpg_sigma_min,
+            sigma_max=args.rpg_sigma_max,
+            tau_min=args.rpg_tau_min,
+            tau_max=args.rpg_tau_max,
+            lambda_anneal=args.rpg_lambda_anneal,
+            eps=args.rpg_eps,
+            h_max=args.rpg_h_max,
+            server_optimizer=server_optimizer,
+            combiner=combiner,
+        )
+
     def temperature(self, round_idx: int) -> float:
         """τ^{[t]}: from τ_max at t = 0 down towards τ_min."""
         return self.tau_min + (self.tau_max - self.tau_min) * math.exp(-self.lambda_anneal * round_idx)

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 import torch
 
-from .base import AggregationError, ClientUpdate, check_state, non_finite_entries
+from .base import (
+    AdapterState,
+    AggregationError,
+    ClientHook,
+    ClientUpdate,
+    check_state,
+    non_finite_entries,
+    state_norm,
+)
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
 
+logger = logging.getLogger(__name__)
+
+# The extras SCAFFOLD exchanges with a client: c and c_i down, Δc_i up.
+SERVER_CONTROL, CLIENT_CONTROL, CONTROL_DELTA = "server_control", "client_control", "control_delta"
+
 
 class ScaffoldAggregator(FedAvgAggregator):
-    """FedAvg on the adapters plus a server control variate c:
+    """FedAvg on the adapters plus control variates, the server's c and every client's c_i:
 
         θ^{[t+1]} = θ^{[t]} + η_g Σ_i ω_i (θ_i − θ^{[t]})     (ω_i = D_i / ΣD, as the paper's baselines weigh)
         c^{[t+1]} = c^{[t]} + (1 / N) Σ_{i reported} Δc_i
+        c_i⁺ = c_i + Δc_i                                     (for each accepted update)
 
-    with N the number of clients in the federation (SCAFFOLD's |S|/N scaling under partial participation). The
-    clients' own control variates c_i stay with the clients (see `local_trainer.ScaffoldCorrection`); each update
-    carries its Δc_i in `ClientUpdate.control_delta`.
+    with N the number of clients in the federation (SCAFFOLD's |S|/N scaling under partial participation). The server
+    keeps every c_i, by client id (`client_controls`): it receives every Δc_i anyway, so keeping their sum reveals
+    nothing new, survives a client's restart and is checkpointed; c then stays the mean of the clients' c_i. Each
+    round a client is sent c and its c_i (`client_extras`), trains with the correction c − c_i
+    (`local_trainer.ScaffoldCorrection`, through `client_hook`) and sends back Δc_i as its extra "control_delta".
     """
 
     def __init__(self, num_clients: int, server_optimizer: ServerOptimizer | None = None, combiner=None):
@@ -27,37 +45,105 @@ class ScaffoldAggregator(FedAvgAggregator):
         if num_clients < 1:
             raise ValueError(f"`num_clients` must be >= 1, got {num_clients}.")
         self.num_clients = num_clients
-        self.control: dict[str, torch.Tensor] = {}
+        self.control: AdapterState = {}
+        self.client_controls: dict[str, AdapterState] = {}
 
-    def server_control(self, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @classmethod
+    def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> ScaffoldAggregator:
+        """SCAFFOLD for a federation of `num_clients`, whose server step scales the controls by 1/N."""
+        return cls(num_clients=num_clients, server_optimizer=server_optimizer, combiner=combiner)
+
+    def server_control(self, global_state: AdapterState) -> AdapterState:
         """c, created as zeros shaped like the adapter on first use."""
         if not self.control:
             self.control = {key: torch.zeros_like(value, dtype=torch.float32) for key, value in global_state.items()}
         return self.control
 
+    def client_control(self, client_id: str, global_state: AdapterState) -> AdapterState:
+        """c_i of a client: zeros until its first accepted update."""
+        if client_id not in self.client_controls:
+            return {key: torch.zeros_like(value) for key, value in self.server_control(global_state).items()}
+        return self.client_controls[client_id]
+
+    # Per-client state ----------------------------------------------------------------------------------------
+
+    def client_extras(self, client_id: str, global_state: AdapterState) -> dict[str, AdapterState]:
+        return {
+            SERVER_CONTROL: self.server_control(global_state),
+            CLIENT_CONTROL: self.client_control(client_id, global_state),
+        }
+
+    def check_extras(self, update, global_state, norm_bound=None, norm_action="reject") -> None:
+        """Δc_i, the only extra, checked like the adapter; its unit for `norm_bound` is √d (d adapter coordinates):
+        Δc_i is a difference of mean Adam directions, whose coordinates are about 1 or less."""
+        if set(update.extras) != {CONTROL_DELTA}:
+            names = sorted(map(str, update.extras))[:3]
+            raise ValueError(f"SCAFFOLD needs its {CONTROL_DELTA} and nothing else, got {names}")
+        delta = update.extras[CONTROL_DELTA]
+        check_state(delta, global_state, CONTROL_DELTA)
+        if norm_bound is None:
+            return
+        bound = norm_bound * math.sqrt(sum(tensor.numel() for tensor in global_state.values()))
+        norm = state_norm(delta)
+        if norm > bound:
+            if norm_action == "reject":
+                raise ValueError(f"‖Δc_i‖ = {norm:.4g} exceeds the control bound ({bound:.4g})")
+            scale = bound / norm
+            logger.warning("Client %r: ‖Δc_i‖ = %.4g clipped to %.4g.", update.client_id, norm, bound)
+            update.extras[CONTROL_DELTA] = {key: value * scale for key, value in delta.items()}
+
+    def accept(self, update: ClientUpdate) -> None:
+        # c_i ← c_i⁺ = c_i + Δc_i, kept only with an accepted update: c then stays the mean of the clients' c_i.
+        delta = update.extras[CONTROL_DELTA]
+        control = self.client_control(update.client_id, delta)
+        self.client_controls[update.client_id] = {key: control[key] + value for key, value in delta.items()}
+
+    @classmethod
+    def client_hook(cls, extras: dict[str, AdapterState], args) -> ClientHook | None:
+        """SCAFFOLD's local correction with c and c_i (`local_trainer.ScaffoldCorrection`, `args.scaffold_correction`),
+        replying Δc_i; None for a train message without controls (a stock Flower strategy's)."""
+        if not extras:
+            return None
+        if set(extras) != {SERVER_CONTROL, CLIENT_CONTROL}:
+            raise ValueError(f"SCAFFOLD needs {SERVER_CONTROL} and {CLIENT_CONTROL}, the server sent {sorted(extras)}")
+        from ..local_trainer import ScaffoldCorrection
+
+        correction = ScaffoldCorrection(extras[SERVER_CONTROL], extras[CLIENT_CONTROL], args.scaffold_correction)
+        return ClientHook(correction, lambda: {CONTROL_DELTA: correction.control_delta})
+
+    # The round -----------------------------------------------------------------------------------------------
+
     def check_updates(self, global_state, updates: list[ClientUpdate], check_finite: bool = True) -> None:
         super().check_updates(global_state, updates, check_finite)
-        missing = [update.client_id for update in updates if update.control_delta is None]
+        missing = [update.client_id for update in updates if CONTROL_DELTA not in update.extras]
         if missing:
-            raise ValueError(f"SCAFFOLD updates need `control_delta`; missing for clients {missing}.")
+            raise ValueError(f"SCAFFOLD updates need `{CONTROL_DELTA}`; missing for clients {missing}.")
         for update in updates:
-            name = f"SCAFFOLD: client {update.client_id!r}'s control_delta"
-            check_state(update.control_delta, global_state, name, check_finite)
+            name = f"SCAFFOLD: client {update.client_id!r}'s {CONTROL_DELTA}"
+            check_state(update.extras[CONTROL_DELTA], global_state, name, check_finite)
 
     def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int, check_finite: bool = True):
         new_state = super().aggregate(global_state, updates, round_idx, check_finite)
         control = self.server_control(global_state)
         keys = list(control)
         for update in updates:  # one fused in-place pass per client, promoting bfloat16 deltas on the fly
-            deltas = [update.control_delta[key] for key in keys]
+            deltas = [update.extras[CONTROL_DELTA][key] for key in keys]
             torch._foreach_add_([control[key] for key in keys], deltas, alpha=1.0 / self.num_clients)
         if non_finite := non_finite_entries(control, "server control"):
             raise AggregationError(f"Round {round_idx}: SCAFFOLD's {non_finite[0]} is not finite; the round is refused.")
         return new_state
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "control": dict(self.control)}
+        return {
+            **super().state_dict(),
+            "control": dict(self.control),
+            "client_controls": {client_id: dict(control) for client_id, control in self.client_controls.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.control = {key: tensor.clone() for key, tensor in state["control"].items()}
+        self.client_controls = {
+            client_id: {key: tensor.clone() for key, tensor in control.items()}
+            for client_id, control in state["client_controls"].items()
+        }

@@ -20,10 +20,9 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOTrainer
 
-from ..adapters import AdapterState, get_adapter_state
+from ..adapters import AdapterState, get_adapter_state, with_federated_adapter
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
-from ..runner import with_federated_adapter
 from ..local_trainer import local_trainer
 from ..transport import WireFormat, freeze_lora_a
 from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
@@ -128,15 +127,14 @@ def make_client_app(
             update = train_local_round(
                 model, global_state, client_id, site.train_dataset, args, site.reward_funcs,
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
-                scaffold_controls=instruction.scaffold_controls,
-                reference_state=reference_adapter(model), trainer_class=trainer_class,
+                extras=instruction.extras, reference_state=reference_adapter(model), trainer_class=trainer_class,
+                wire=wire,  # the reply in the server's wire format
             )
             logger.info(
                 "Round %d, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
                 instruction.round_idx, client_id, len(update.metrics["step_rewards"]), update.num_samples,
                 update.reward, update.metrics["train_loss"], update.metrics["train_seconds"],
             )
-            update.state = wire.encode(update.state, global_state)  # what the server's wire format expects
         except Exception as error:  # reported to the server, which drops this client from the round
             kind, reason = describe_failure(error)
             logger.exception("Client %r failed its local round (%s)", client_id, kind)

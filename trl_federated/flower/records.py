@@ -9,8 +9,10 @@ Server → client, a "train" message (`TrainInstruction`):
                                     "num-clients" (N), from which the client takes its seed as the runner does;
                                     "lora-aggregation" and "transfer-dtype", the wire format of the reply; and any
                                     entry of the `train_config` given to `FederatedStrategy.start`
-    "server-control"  ArrayRecord   SCAFFOLD only: c
-    "client-control"  ArrayRecord   SCAFFOLD only: this client's c_i (the server keeps every c_i)
+    "extra/<name>"    ArrayRecord   one per extra the aggregation sends this client (`Aggregator.client_extras`;
+                                    SCAFFOLD: "extra/server_control" c, "extra/client_control" its c_i), which the
+                                    client trains with as the `aggregation` of its own `FedGRPOConfig` says
+                                    (`Aggregator.client_hook`)
 
 Client → server, the reply:
     "arrays"          ArrayRecord   the client's update as the wire format encodes it (`transport.WireFormat`):
@@ -19,7 +21,8 @@ Client → server, the reply:
                                     ("step_rewards", "train_loss", "train_seconds", TRL's per-step means)
     "client"          ConfigRecord  "client-id" and "client-index", the data owner the reply claims to speak for
                                     (checked against the server's own map of nodes to clients, never trusted)
-    "control-delta"   ArrayRecord   SCAFFOLD only: Δc_i
+    "extra/<name>"    ArrayRecord   one per extra the client sends back (`ClientUpdate.extras`; SCAFFOLD:
+                                    "extra/control_delta" Δc_i)
 or an error reply: `Error.reason` is JSON {"client-id", "kind" ("error" or "timeout"), "reason"} when the local
 round failed; any other error (a crashed ClientApp, a node the SuperLink reports unavailable) is Flower's own.
 
@@ -28,8 +31,8 @@ serves (its `--node-config` `partition-id`, `client-id`). A strategy with a `Cli
 
 Interoperability: the ClientApp also takes a stock Flower strategy's train message (`FedAvg`: "arrays" and a
 "config" with only "server-round"): it then reads N from its own `FedGRPOConfig` and replies in float32 with one
-ArrayRecord and one MetricRecord weighted by "num-examples", as `FedAvg` expects (SCAFFOLD aside, which needs this
-strategy). `FederatedStrategy` needs the reply records above from its ClientApps.
+ArrayRecord and one MetricRecord weighted by "num-examples", as `FedAvg` expects (an aggregation with extras, such
+as SCAFFOLD, needs this strategy). `FederatedStrategy` needs the reply records above from its ClientApps.
 
 Tensors go through NumPy's `.npy` format (Flower's `Array`), bit for bit; bfloat16, which NumPy lacks, travels as
 its int16 bit pattern under the dtype name "bfloat16".
@@ -44,7 +47,7 @@ the client's `InvalidUpdateError`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from io import BytesIO
 
 import numpy as np
@@ -59,16 +62,15 @@ ARRAYS = "arrays"
 CONFIG = "config"
 METRICS = "metrics"
 CLIENT = "client"
-SERVER_CONTROL = "server-control"
-CLIENT_CONTROL = "client-control"
-CONTROL_DELTA = "control-delta"
+EXTRA = "extra/"  # the prefix of the ArrayRecord of each extra, both ways
 # MetricRecord keys of the update itself; every other metric is the update's `metrics`.
 NUM_EXAMPLES = "num-examples"  # Flower's usual name for the data volume
 REWARD = "reward"
 
 
 def state_to_array_record(state: AdapterState) -> ArrayRecord:
-    """An adapter state (or a SCAFFOLD control variate) as an `ArrayRecord`, exactly."""
+    """An adapter state (or an extra shaped like it, such as a SCAFFOLD control variate) as an `ArrayRecord`,
+    exactly."""
     return ArrayRecord({key: _tensor_to_array(tensor) for key, tensor in state.items()})
 
 
@@ -136,7 +138,7 @@ class TrainInstruction:
     global_state: AdapterState  # the entries the wire format sends (all but LoRA A under freeze_a)
     round_idx: int
     num_clients: int | None = None  # None: a stock strategy's message, which does not say
-    scaffold_controls: tuple[AdapterState, AdapterState] | None = None  # (c, c_i)
+    extras: dict[str, AdapterState] = field(default_factory=dict)  # `Aggregator.client_extras`
     lora_aggregation: str = "separate"
     transfer_dtype: str = "float32"
 
@@ -152,10 +154,7 @@ class TrainInstruction:
         if self.num_clients is not None:
             entries["num-clients"] = self.num_clients
         content = RecordDict({ARRAYS: state_to_array_record(self.global_state), CONFIG: ConfigRecord(entries)})
-        if self.scaffold_controls is not None:
-            server_control, client_control = self.scaffold_controls
-            content[SERVER_CONTROL] = state_to_array_record(server_control)
-            content[CLIENT_CONTROL] = state_to_array_record(client_control)
+        add_extras(content, self.extras)
         return content
 
     @classmethod
@@ -173,20 +172,29 @@ class TrainInstruction:
         else:
             raise ValueError(f"The train message's {CONFIG!r} ConfigRecord names no round: it needs 'round-idx' "
                              "(0-based) or Flower's 'server-round' (1-based).")
-        scaffold_controls = None
-        if SERVER_CONTROL in content:
-            scaffold_controls = (
-                array_record_to_state(content[SERVER_CONTROL]),
-                array_record_to_state(content[CLIENT_CONTROL]),
-            )
         return cls(
             global_state=array_record_to_state(content[ARRAYS]),
             round_idx=round_idx,
             num_clients=int(config["num-clients"]) if "num-clients" in config else None,
-            scaffold_controls=scaffold_controls,
+            extras=read_extras(content),
             lora_aggregation=str(config.get("lora-aggregation", "separate")),
             transfer_dtype=str(config.get("transfer-dtype", "float32")),
         )
+
+
+def add_extras(content: RecordDict, extras: dict[str, AdapterState]) -> None:
+    """Put each extra into `content` as the ArrayRecord "extra/<name>"."""
+    for name, extra in extras.items():
+        content[EXTRA + name] = state_to_array_record(extra)
+
+
+def read_extras(content: RecordDict) -> dict[str, AdapterState]:
+    """The extras in `content`, by name (`add_extras`)."""
+    return {
+        key.removeprefix(EXTRA): array_record_to_state(record)
+        for key, record in content.array_records.items()
+        if key.startswith(EXTRA)
+    }
 
 
 def client_identity_record(client_id: str, client_index: int) -> ConfigRecord:
@@ -226,14 +234,13 @@ def update_to_content(update: ClientUpdate, client_index: int) -> RecordDict:
             CLIENT: client_identity_record(update.client_id, client_index),
         }
     )
-    if update.control_delta is not None:
-        content[CONTROL_DELTA] = state_to_array_record(update.control_delta)
+    add_extras(content, update.extras)
     return content
 
 
 def content_to_update(content: RecordDict) -> tuple[ClientUpdate, int]:
     """The `ClientUpdate` and client index a reply carries; `InvalidUpdateError`, naming what is missing, for a
-    reply that is not one (the values themselves are checked by `adapters.validate_update`)."""
+    reply that is not one (the values themselves are checked by `admission.UpdateGate`)."""
     client_id, client_index = read_client_identity(content)
     missing = [name for name, records in ((ARRAYS, content.array_records), (METRICS, content.metric_records))
                if name not in records]
@@ -241,13 +248,12 @@ def content_to_update(content: RecordDict) -> tuple[ClientUpdate, int]:
     missing += [f"{METRICS}[{key!r}]" for key in (NUM_EXAMPLES, REWARD) if key not in metrics]
     if missing:
         raise InvalidUpdateError(f"Update of client {client_id!r} rejected: its reply lacks {', '.join(missing)}.")
-    control_delta = content.array_records.get(CONTROL_DELTA)
     update = ClientUpdate(
         client_id=client_id,
         state=array_record_to_state(content[ARRAYS]),
         num_samples=metrics[NUM_EXAMPLES],
         reward=metrics[REWARD],
         metrics={key: value for key, value in metrics.items() if key not in (NUM_EXAMPLES, REWARD)},
-        control_delta=None if control_delta is None else array_record_to_state(control_delta),
+        extras=read_extras(content),
     )
     return update, client_index

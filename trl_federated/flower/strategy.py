@@ -16,12 +16,12 @@ from flwr.serverapp.strategy import Result, Strategy
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel
 
-from ..adapters import InvalidUpdateError
+from ..adapters import InvalidUpdateError, with_federated_adapter
 from ..admission import bounded_text
 from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from ..callbacks import RoundRecord, round_logs
+from ..callbacks import round_logs
 from ..config import FedGRPOConfig
-from ..runner import with_federated_adapter
+from ..round_record import RoundRecord
 from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .identity import Claim, ClientRegistry, NodeBinder
 from .records import TrainInstruction, array_record_to_state, content_to_update, read_client_identity, state_to_array_record
@@ -29,7 +29,8 @@ from .stream import show_package_logs
 
 logger = logging.getLogger(__name__)
 
-# A query message that asks a ClientApp which data owner it serves (SCAFFOLD addresses c_i to each client).
+# A query message that asks a ClientApp which data owner it serves (per-client state, such as SCAFFOLD's c_i, is
+# addressed to each client).
 IDENTIFY = f"{MessageType.QUERY}.identify"
 # Seconds a reply may take beyond `client_timeout`: a ClientApp process starts, imports and loads its model first.
 REPLY_SLACK = 300.0
@@ -231,16 +232,16 @@ class FederatedStrategy(ServerStateView, Strategy):
     ) -> Iterable[Message]:
         """One train message per connected SuperNode that serves a client of the federation, carrying the global
         adapter as the wire format sends it (kept here as tensors: `arrays` holds the same values), the round, the
-        wire format and `config`'s entries; under SCAFFOLD also c and that client's c_i."""
+        wire format and `config`'s entries, and the aggregator's extras for that client (SCAFFOLD: c and its c_i)."""
         round_idx = self._round_idx(server_round)
         self.server.begin_round(round_idx)
         node_ids = self._identify(grid, self._wait_for_nodes(grid, round_idx))
         self._sent = []
         for node_id in node_ids:
             client_id, client_index = self.binder.client_of(node_id)
-            sent, controls = self.server.broadcast(client_id)
+            sent, extras = self.server.broadcast(client_id)
             content = TrainInstruction(
-                sent, round_idx, self.args.num_clients, controls, self.args.lora_aggregation, self.args.transfer_dtype,
+                sent, round_idx, self.args.num_clients, extras, self.args.lora_aggregation, self.args.transfer_dtype,
             ).to_content(dict(config or {}))
             message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
             self._sent.append(_Sent(message, node_id, client_id, client_index, time.time()))

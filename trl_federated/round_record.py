@@ -1,0 +1,54 @@
+"""`RoundRecord`: what happened in one round, as the server records it, the checkpoints keep it and the reports,
+logs and callbacks read it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .adapters import state_nbytes
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round; `FederatedRunner.run()` returns one per round.
+
+    Per-client dicts are keyed by client id and hold only the clients whose updates were aggregated this round;
+    `dropped` holds the others (a client that raised, timed out or sent an invalid update) with the reason.
+    """
+
+    round_idx: int
+    rewards: dict[str, float] = field(default_factory=dict)  # R̄_i^{[t]}
+    gains: dict[str, float] = field(default_factory=dict)  # h_i^{[t]} (RPG only)
+    weights: dict[str, float] = field(default_factory=dict)  # ω_i^{[t]}
+    temperature: float | None = None  # τ^{[t]} (RPG only)
+    num_samples: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)  # global adapter sent to the client
+    bytes_sent: dict[str, int] = field(default_factory=dict)  # client update sent to the server
+    client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    evaluation: dict[str, Any] | None = None
+    wall_time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_aggregation(
+        cls, round_idx: int, aggregator, updates: list, dropped: dict[str, str], bytes_received: dict[str, int]
+    ) -> RoundRecord:
+        """The record of round `round_idx` right after `aggregator` aggregated `updates` (`ClientUpdate`s);
+        `bytes_received` is what each of their clients received. RPG's gains and temperature are left empty for an
+        aggregator that has none."""
+        return cls(
+            round_idx=round_idx,
+            rewards={update.client_id: update.reward for update in updates},
+            gains=dict(getattr(aggregator, "last_gains", {})),
+            weights=dict(aggregator.last_weights),
+            temperature=getattr(aggregator, "last_temperature", None),
+            num_samples={update.client_id: update.num_samples for update in updates},
+            bytes_received=dict(bytes_received),
+            bytes_sent={update.client_id: update.wire_bytes or state_nbytes(update.state) for update in updates},
+            client_metrics={update.client_id: update.metrics for update in updates},
+            dropped=dropped,
+        )
