@@ -102,7 +102,7 @@ def test_scaffold_client_correction_and_control_update_by_hand(tiny_model_dir, t
     """Constant learning rate η, K steps: check the correction of each step and c_i⁺ = c_i − c + (θ^t − θ_i)/(Kη)."""
     from peft import get_peft_model_state_dict
 
-    from trl_federated.local_trainer import ScaffoldCorrection
+    from trl_federated.aggregation.scaffold import ScaffoldCorrection
 
     lr, steps = 1e-2, 3
     args = fast_args(max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", disable_tqdm=True)

@@ -168,10 +168,13 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
         tensors = load_file(path / TENSORS_FILE)
+        aggregator = _join_tensors(state["aggregator"], tensors)
+        if state.get("client_controls"):  # written before SCAFFOLD's aggregator kept its c_i in its own state
+            aggregator["client_controls"] = _join_tensors(state["client_controls"], tensors)
         checkpoint = Checkpoint(
             round_idx=state["round_idx"],
             global_state=load_file(path / ADAPTER_FILE),
-            aggregator=_join_tensors(state["aggregator"], tensors),
+            aggregator=aggregator,
             history=[RoundRecord(**record) for record in state["history"]],
             evaluations={int(round_idx): results for round_idx, results in state["evaluations"].items()},
             identity=state["identity"],

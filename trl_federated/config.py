@@ -22,10 +22,10 @@ from trl import GRPOConfig
 
 from .admission import NORM_ACTIONS
 from .aggregation import AGGREGATIONS
+from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
 from .transport import DTYPES, LORA_AGGREGATIONS
 
 SERVER_OPTIMIZERS = ("adam", "sgd")
-SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")  # `local_trainer.ScaffoldCorrection`
 ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")  # `aggregation.robust.combiner_from_config`
 # Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
@@ -63,7 +63,7 @@ class ResultHelp(str):
 # them with other defaults (`loss_type`, `beta`, ...); the rest of TRL's fields (logging, saving, devices) do not
 # change the result.
 TRL_RESULT_FIELDS = (
-    "seed", "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay",
+    "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "optim", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size",
     "gradient_accumulation_steps", "num_generations", "steps_per_generation", "num_iterations",
     "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon", "epsilon_high", "loss_type",
@@ -854,10 +854,9 @@ CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOC
 def result_fields(config: FedGRPOConfig | type[FedGRPOConfig]) -> tuple[str, ...]:
     """The fields of `config` (an instance or a class) that change what a run computes from a checkpoint on, which a
     resumed run must keep unless `resume_allow_changes` names them: the federation's, whose help is a `ResultHelp`,
-    then TRL's (`TRL_RESULT_FIELDS`) that `config` has."""
-    names = {f.name: f for f in dataclasses.fields(config)}
-    federation = [name for name, f in names.items() if isinstance(f.metadata.get("help"), ResultHelp)]
-    return (*federation, *(name for name in TRL_RESULT_FIELDS if name in names))
+    then TRL's (`TRL_RESULT_FIELDS`)."""
+    federation = [f.name for f in dataclasses.fields(config) if isinstance(f.metadata.get("help"), ResultHelp)]
+    return (*federation, *TRL_RESULT_FIELDS)
 
 
 def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:

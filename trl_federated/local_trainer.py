@@ -1,7 +1,8 @@
 """The client side of FGRPO (Algorithm 1, lines 4-18) on any `trl.GRPOTrainer` subclass: what one client's trainer
 adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule,
-FedProx's proximal term) and the callbacks a client round attaches (FedProx, SCAFFOLD, the round deadline). The
-speed-ups a client trains with (shared prefix, gated-MLP recomputation) are any GRPO trainer's: `speedups.py`.
+FedProx's proximal term) and the callbacks a client round attaches (FedProx, the round deadline; SCAFFOLD's correction
+is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared prefix, gated-MLP
+recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
 on `LocalGRPOMixin` and adds federated `train()`, which drives `FederatedRunner`. The modules import downwards only:
@@ -17,11 +18,9 @@ from collections import defaultdict
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
-from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from .config import SCAFFOLD_CORRECTIONS
 from .distributed import from_main_process
 from .speedups import FastGRPOMixin, base_name
 
@@ -173,75 +172,6 @@ class ProximalTerm(TrainerCallback):
             torch._foreach_add_(
                 [param.grad for param in self.params], torch._foreach_sub(self.params, self.anchor), alpha=self.mu
             )
-
-
-class ScaffoldCorrection(TrainerCallback):
-    """The client side of SCAFFOLD (Karimireddy et al., ICML 2020) on the adapter, with a local Adam(W).
-
-    SCAFFOLD corrects every local step by (c − c_i) and afterwards re-estimates the client's control variate with
-    option II: c_i⁺ = c_i − c + (θ^{[t]} − θ_i) / (K η). SCAFFOLD was written for SGD; with Adam the two natural
-    placements of the correction are:
-
-    - `"decoupled"` (default): after each optimizer step, θ ← θ − η_k (c − c_i), outside Adam's normalisation,
-      as AdamW decouples weight decay. Then (θ^{[t]} − θ_i) / Σ_k η_k is the mean Adam direction plus the
-      correction, so option II measures c_i in the units the correction is applied in, and c_i⁺ is exactly the
-      client's mean Adam direction.
-    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD. Adam rescales it per
-      coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered for
-      comparison.
-
-    K η is taken as Σ_k η_k, the learning rates the scheduler actually used. Keys are those of
-    `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
-    """
-
-    def __init__(
-        self,
-        server_control: dict[str, torch.Tensor],
-        client_control: dict[str, torch.Tensor],
-        mode: str = "decoupled",
-    ):
-        if mode not in SCAFFOLD_CORRECTIONS:
-            raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
-        self.mode = mode
-        self.keys = list(server_control)
-        self.correction = [server_control[key] - client_control[key] for key in self.keys]  # c − c_i
-        self.server_control = [server_control[key] for key in self.keys]
-        self.control_delta: dict[str, torch.Tensor] | None = None
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        adapter = get_peft_model_state_dict(model)  # views that share storage with the adapter parameters
-        missing = [key for key in self.keys if key not in adapter]
-        if missing:
-            raise KeyError(f"Control variates have keys the adapter lacks: {missing[:5]}")
-        self.views = [adapter[key] for key in self.keys]
-        parameters = {param.data_ptr(): param for param in model.parameters()}
-        self.params = [parameters[view.data_ptr()] for view in self.views]
-        self.anchor = [view.detach().clone() for view in self.views]
-        self.correction = [c.to(view.device, view.dtype) for c, view in zip(self.correction, self.views)]
-        self.learning_rate_sum = 0.0
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.mode == "gradient":
-            for param in self.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            torch._foreach_add_([param.grad for param in self.params], self.correction)
-
-    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
-        learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
-        self.learning_rate_sum += learning_rate
-        if self.mode == "decoupled":
-            with torch.no_grad():
-                torch._foreach_add_(self.params, self.correction, alpha=-learning_rate)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.learning_rate_sum <= 0:
-            raise RuntimeError("SCAFFOLD needs at least one local step with a positive learning rate.")
-        with torch.no_grad():
-            moved = torch._foreach_sub(self.anchor, [view.detach() for view in self.views])  # θ^{[t]} − θ_i
-            torch._foreach_div_(moved, self.learning_rate_sum)
-            delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
-        self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}
 
 
 class Deadline(TrainerCallback):

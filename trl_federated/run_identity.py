@@ -17,9 +17,10 @@ import torch
 from datasets import Dataset
 from peft import PeftModel
 
+from .config import FedGRPOConfig, result_fields
+
 if TYPE_CHECKING:
     from .aggregation import Aggregator
-    from .config import FedGRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,30 +34,12 @@ class CheckpointMismatchError(ValueError):
     optimizer or training settings."""
 
 
-# Fields of `FedGRPOConfig` (GRPO's and the federation's) that change what a run computes from a checkpoint on: a
-# resumed run must keep them, unless `resume_allow_changes` names them. Absent fields (an older TRL) are skipped.
-RESULT_FIELDS = (
-    # the federation
-    "seed", "local_steps", "reward_window", "fedprox_mu", "scaffold_correction",
-    "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
-    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max",
-    "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
-    "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
-    # local training
-    "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay", "adam_beta1",
-    "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "num_generations", "steps_per_generation", "num_iterations", "max_completion_length", "temperature", "top_p",
-    "top_k", "beta", "epsilon", "epsilon_high", "loss_type", "importance_sampling_level", "scale_rewards",
-    "reward_weights", "mask_truncated_completions",
-)
-
-
 def run_identity(
     model: PeftModel, client_datasets: Mapping[str, Dataset], aggregator: Aggregator, args: FedGRPOConfig | None = None
 ) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it: the base model (its configuration and a
     fingerprint of its weights), the LoRA configuration, the clients (ids in order, rows, data fingerprint), the
-    aggregator and server optimizer classes and, from `args`, the wire format and every `RESULT_FIELDS` setting."""
+    aggregator and server optimizer classes and, from `args`, the wire format and every `config.result_fields` setting."""
     base = model.get_base_model()
     model_config = _jsonable(base.config.to_dict())
     lora_config = _jsonable(model.peft_config[model.active_adapter].to_dict())
@@ -76,20 +59,21 @@ def run_identity(
     }
     if args is not None:
         identity["wire"] = {"lora_aggregation": args.lora_aggregation, "transfer_dtype": args.transfer_dtype}
-        identity["training"] = _jsonable({name: getattr(args, name) for name in RESULT_FIELDS if hasattr(args, name)})
+        identity["training"] = _jsonable({name: getattr(args, name) for name in result_fields(args)})
     return identity
 
 
 def allowed_changes(args: FedGRPOConfig) -> set[str]:
-    """The `RESULT_FIELDS` that `args.resume_allow_changes` (comma-separated) lets a resumed run change; a name that
-    is not one is a `ValueError`: the structure of a run (model, LoRA, clients, aggregation, server optimizer,
+    """The `config.result_fields` that `args.resume_allow_changes` (comma-separated) lets a resumed run change; a name
+    that is not one is a `ValueError`: the structure of a run (model, LoRA, clients, aggregation, server optimizer,
     wire format) never changes."""
     names = {name.strip() for name in (getattr(args, "resume_allow_changes", None) or "").split(",") if name.strip()}
-    unknown = sorted(names - set(RESULT_FIELDS))
+    fields = result_fields(args)
+    unknown = sorted(names - set(fields))
     if unknown:
         raise ValueError(
             f"`resume_allow_changes` names {unknown}, which a resumed run cannot change; it may name only training "
-            f"settings: {', '.join(RESULT_FIELDS)}."
+            f"settings: {', '.join(fields)}."
         )
     return names
 

@@ -1,4 +1,5 @@
-"""SCAFFOLD's server (Karimireddy et al., ICML 2020, Algorithm 1 lines 16-17) over LoRA adapters."""
+"""SCAFFOLD (Karimireddy et al., ICML 2020) over LoRA adapters: the server (Algorithm 1 lines 16-17,
+`ScaffoldAggregator`) and the client's corrected local steps (lines 10-13, `ScaffoldCorrection`), in one file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 from typing import Any
 
 import torch
+from peft import get_peft_model_state_dict
+from transformers import TrainerCallback
 
 from .base import (
     AdapterState,
@@ -24,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 # The extras SCAFFOLD exchanges with a client: c and c_i down, Δc_i up.
 SERVER_CONTROL, CLIENT_CONTROL, CONTROL_DELTA = "server_control", "client_control", "control_delta"
+# Where the correction c − c_i meets a local Adam (`ScaffoldCorrection`; `FedGRPOConfig.scaffold_correction`).
+SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
 
 
 class ScaffoldAggregator(FedAvgAggregator):
@@ -37,7 +42,7 @@ class ScaffoldAggregator(FedAvgAggregator):
     keeps every c_i, by client id (`client_controls`): it receives every Δc_i anyway, so keeping their sum reveals
     nothing new, survives a client's restart and is checkpointed; c then stays the mean of the clients' c_i. Each
     round a client is sent c and its c_i (`client_extras`), trains with the correction c − c_i
-    (`local_trainer.ScaffoldCorrection`, through `client_hook`) and sends back Δc_i as its extra "control_delta".
+    (`ScaffoldCorrection`, through `client_hook`) and sends back Δc_i as its extra "control_delta".
     """
 
     def __init__(self, num_clients: int, server_optimizer: ServerOptimizer | None = None, combiner=None):
@@ -100,14 +105,12 @@ class ScaffoldAggregator(FedAvgAggregator):
 
     @classmethod
     def client_hook(cls, extras: dict[str, AdapterState], args) -> ClientHook | None:
-        """SCAFFOLD's local correction with c and c_i (`local_trainer.ScaffoldCorrection`, `args.scaffold_correction`),
+        """SCAFFOLD's local correction with c and c_i (`ScaffoldCorrection`, `args.scaffold_correction`),
         replying Δc_i; None for a train message without controls (a stock Flower strategy's)."""
         if not extras:
             return None
         if set(extras) != {SERVER_CONTROL, CLIENT_CONTROL}:
             raise ValueError(f"SCAFFOLD needs {SERVER_CONTROL} and {CLIENT_CONTROL}, the server sent {sorted(extras)}")
-        from ..local_trainer import ScaffoldCorrection
-
         correction = ScaffoldCorrection(extras[SERVER_CONTROL], extras[CLIENT_CONTROL], args.scaffold_correction)
         return ClientHook(correction, lambda: {CONTROL_DELTA: correction.control_delta})
 
@@ -147,3 +150,72 @@ class ScaffoldAggregator(FedAvgAggregator):
             client_id: {key: tensor.clone() for key, tensor in control.items()}
             for client_id, control in state["client_controls"].items()
         }
+
+
+class ScaffoldCorrection(TrainerCallback):
+    """The client side of SCAFFOLD (Karimireddy et al., ICML 2020) on the adapter, with a local Adam(W).
+
+    SCAFFOLD corrects every local step by (c − c_i) and afterwards re-estimates the client's control variate with
+    option II: c_i⁺ = c_i − c + (θ^{[t]} − θ_i) / (K η). SCAFFOLD was written for SGD; with Adam the two natural
+    placements of the correction are:
+
+    - `"decoupled"` (default): after each optimizer step, θ ← θ − η_k (c − c_i), outside Adam's normalisation,
+      as AdamW decouples weight decay. Then (θ^{[t]} − θ_i) / Σ_k η_k is the mean Adam direction plus the
+      correction, so option II measures c_i in the units the correction is applied in, and c_i⁺ is exactly the
+      client's mean Adam direction.
+    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD. Adam rescales it per
+      coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered for
+      comparison.
+
+    K η is taken as Σ_k η_k, the learning rates the scheduler actually used. Keys are those of
+    `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
+    """
+
+    def __init__(
+        self,
+        server_control: dict[str, torch.Tensor],
+        client_control: dict[str, torch.Tensor],
+        mode: str = "decoupled",
+    ):
+        if mode not in SCAFFOLD_CORRECTIONS:
+            raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
+        self.mode = mode
+        self.keys = list(server_control)
+        self.correction = [server_control[key] - client_control[key] for key in self.keys]  # c − c_i
+        self.server_control = [server_control[key] for key in self.keys]
+        self.control_delta: dict[str, torch.Tensor] | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        adapter = get_peft_model_state_dict(model)  # views that share storage with the adapter parameters
+        missing = [key for key in self.keys if key not in adapter]
+        if missing:
+            raise KeyError(f"Control variates have keys the adapter lacks: {missing[:5]}")
+        self.views = [adapter[key] for key in self.keys]
+        parameters = {param.data_ptr(): param for param in model.parameters()}
+        self.params = [parameters[view.data_ptr()] for view in self.views]
+        self.anchor = [view.detach().clone() for view in self.views]
+        self.correction = [c.to(view.device, view.dtype) for c, view in zip(self.correction, self.views)]
+        self.learning_rate_sum = 0.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.mode == "gradient":
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            torch._foreach_add_([param.grad for param in self.params], self.correction)
+
+    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
+        learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
+        self.learning_rate_sum += learning_rate
+        if self.mode == "decoupled":
+            with torch.no_grad():
+                torch._foreach_add_(self.params, self.correction, alpha=-learning_rate)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.learning_rate_sum <= 0:
+            raise RuntimeError("SCAFFOLD needs at least one local step with a positive learning rate.")
+        with torch.no_grad():
+            moved = torch._foreach_sub(self.anchor, [view.detach() for view in self.views])  # θ^{[t]} − θ_i
+            torch._foreach_div_(moved, self.learning_rate_sum)
+            delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
+        self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}
