@@ -22,10 +22,11 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    # ruff is the linter tests/test_lint.py runs; nbmake runs examples/notebooks; hypothesis drives the answer checker's property tests; tensorboard reads back
-    # what a federated run reports through `report_to`
+    # ruff is the linter tests/test_lint.py runs; nbmake runs examples/notebooks; hypothesis drives the answer checker's
+    # property tests; tensorboard reads back what a federated run reports through `report_to`
     "test": [
-        "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.15", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6", "tensorboard>=2.16",
+        "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.15", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6",
+        "tensorboard>=2.16",
     ],
     "deepspeed": ["deepspeed>=0.18.6"],
     "flower": ["flwr[simulation]>=1.41,<2"],

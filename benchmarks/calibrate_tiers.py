@@ -60,7 +60,9 @@ def candidate_items(tasks, items: int, seed: int):
         for label, config in levels.items():
             # One group per benchmark, so that overlapping candidates do not take each other's questions; a test
             # fraction just under 1 puts all but one item in the test split, which is the one measured.
-            splits = build_reasoning_benchmark({task: {label: config}}, size=items + 1, test_size=items / (items + 1), seed=seed)
+            splits = build_reasoning_benchmark(
+                {task: {label: config}}, size=items + 1, test_size=items / (items + 1), seed=seed
+            )
             parts.append(splits["test"].map(lambda row: {"group": f"{task}/{label}"}))
     return concatenate_datasets(parts)
 
@@ -80,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     by_group = evaluate_accuracy(model, tokenizer, dataset, label_column="group", batch_size=args.batch_size)
     report = {"items_per_group": args.items, "seed": args.seed, "default": args.default, "by_group": by_group}
     if args.default:
-        report["by_tier"] = evaluate_accuracy(model, tokenizer, dataset, label_column="difficulty", batch_size=args.batch_size)
+        report["by_tier"] = evaluate_accuracy(
+            model, tokenizer, dataset, label_column="difficulty", batch_size=args.batch_size
+        )
     report["seconds"] = time.perf_counter() - started
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2), encoding="utf-8")

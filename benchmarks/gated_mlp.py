@@ -66,7 +66,9 @@ def measure(model: str, repeats: int) -> dict:
             model_path = None  # the embedded SmolLM2-135M-Instruct
         trainer = build_trainer(model_path, f"{tmp}/run", micro_batch=4)
     trainer.args.shared_prefix = True
-    micro_batches = micro_batches_by_prompt(generation_batch(trainer, num_prompts=2, group_size=4, micro_batch=4, seed=0))
+    micro_batches = micro_batches_by_prompt(
+        generation_batch(trainer, num_prompts=2, group_size=4, micro_batch=4, seed=0)
+    )
     for recompute in (False, True):
         step(trainer, micro_batches, recompute)
     seconds, rises, gradients = {False: [], True: []}, {False: [], True: []}, {False: [], True: []}

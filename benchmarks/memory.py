@@ -23,7 +23,7 @@ def worker(num_clients: int, model: str) -> None:
     import torch
     from datasets import Dataset
 
-    from trl_federated import FedGRPOConfig, FederatedRunner
+    from trl_federated import FederatedRunner, FedGRPOConfig
     from trl_federated.testing import save_tiny_model
 
     torch.set_num_threads(1)
@@ -36,8 +36,13 @@ def worker(num_clients: int, model: str) -> None:
             per_device_train_batch_size=4, num_generations=4, max_completion_length=16, learning_rate=1e-3,
             num_rounds=rounds, local_steps=local_steps, reward_window=1, save_every_round=False,
         )
-        clients = [Dataset.from_dict({"prompt": [f"Client {c} question {i}" for i in range(8)]}) for c in range(num_clients)]
-        runner = FederatedRunner(model_path or "smollm2-135m-instruct", lambda completions, **_: [len(c) / 64 for c in completions], args, clients)
+        clients = [
+            Dataset.from_dict({"prompt": [f"Client {c} question {i}" for i in range(8)]}) for c in range(num_clients)
+        ]
+        runner = FederatedRunner(
+            model_path or "smollm2-135m-instruct", lambda completions, **_: [len(c) / 64 for c in completions], args,
+            clients,
+        )
         runner.run()
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"clients": num_clients, "peak_rss_mib": peak_mib, "local_steps": local_steps}))
@@ -64,7 +69,10 @@ def main() -> None:
     print("| clients | local steps each | peak RSS (MiB) | ratio to 1 client |")
     print("|---:|---:|---:|---:|")
     for result in results:
-        print(f"| {result['clients']} | {result['local_steps']} | {result['peak_rss_mib']:.0f} | {result['peak_rss_mib'] / base:.3f} |")
+        print(
+            f"| {result['clients']} | {result['local_steps']} | {result['peak_rss_mib']:.0f} | "
+            f"{result['peak_rss_mib'] / base:.3f} |"
+        )
 
 
 if __name__ == "__main__":

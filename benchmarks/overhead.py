@@ -216,7 +216,7 @@ def run_plain(setup: Setup, output_dir: Path) -> PhaseTimer:
 
 
 def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
-    from trl_federated import FedGRPOConfig, FederatedRunner
+    from trl_federated import FederatedRunner, FedGRPOConfig
 
     a = setup.args
     config = FedGRPOConfig(

@@ -2,16 +2,17 @@
 its server step follow?
 
 The sweep of the paper's Appendix D (Tables 10-11: τ_min ∈ {1.0, 2.0}, λ_base ∈ {0.6, 0.9}, the rest at Algorithm 1's
-defaults) and of the server learning rate α (Eq. model_update), run as FGRPO cells of the verdict grid (`benchmarks/verdict.py`)
-with one `rpg_*` or `server_*` field changed. Each cell is
-paired with the grid's default FGRPO cell of the same seed (same partition, same local budget), so the verdict grid
-must have run that seed first; the base model's evaluation is the grid's too (no cell here evaluates it again).
+defaults) and of the server learning rate α (Eq. model_update), run as FGRPO cells of the verdict grid
+(`benchmarks/verdict.py`) with one `rpg_*` or `server_*` field changed. Each cell is paired with the grid's default
+FGRPO cell of the same seed (same partition, same local budget), so the verdict grid must have run that seed first; the
+base model's evaluation is the grid's too (no cell here evaluates it again).
 
 It also reads the grid's FGRPO cells for why the weights move: with W local steps of B completions, a client's R̄
 is a success rate over W·B samples, whose sampling error alone is sqrt(R̄(1 − R̄)/(W·B)); RPG divides the change of
 R̄ by σ ≥ σ_min (Eq. rpg), so sampling noise of that size is already |h| ≈ SE/σ_min before any real progress. And the
-server's Adam step (Eq. model_update, no bias correction) moves every coordinate by about α whatever the size of the clients'
-mean change Δ: the ratio of the two, read from the cells' round checkpoints, says how much the server amplifies Δ.
+server's Adam step (Eq. model_update, no bias correction) moves every coordinate by about α whatever the size of the
+clients' mean change Δ: the ratio of the two, read from the cells' round checkpoints, says how much the server
+amplifies Δ.
 
     python benchmarks/rpg_sensitivity.py [--grid benchmarks/results/verdict] [--seeds 0 1 2]
         [--output_dir benchmarks/results/rpg-sensitivity] [--settings rpg_tau_min=1.0 ...] [--report_only]
@@ -131,7 +132,9 @@ def report(args: argparse.Namespace, grid: Path, root: Path) -> str:
     A setting's cells live in `root`/<field>=<value>, laid out as the grid's."""
     cell = functools.partial(fgrpo_cell, args)
     config = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
-    completions = config["reward_window"] * config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    completions = (
+        config["reward_window"] * config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    )
 
     def finished_seeds(folder: Path) -> list[int]:
         return sorted(int(path.parent.name.removeprefix("seed"))

@@ -8,8 +8,8 @@ server round; what runs outside them (setup, optimizer steps, checkpoints) is "o
 is the kernel's high-water mark (VmHWM), reset through /proc/self/clear_refs at every phase boundary, so it is the
 phase's own and exact however brief (the step profile's `PhaseMeter` method, over the whole run). A phase nested in
 another (evaluation inside the server round) counts for the inner one only. The table goes to stderr at the end
-(also after Ctrl-C or `kill`, for the phases run so far). The resets also reset the process's maximum that `getrusage` and
-`/usr/bin/time` report: under this script the table's largest peak is the run's, not theirs.
+(also after Ctrl-C or `kill`, for the phases run so far). The resets also reset the process's maximum that `getrusage`
+and `/usr/bin/time` report: under this script the table's largest peak is the run's, not theirs.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def generation_batch(trainer, num_prompts: int, group_size: int, micro_batch: in
         "advantages": torch.randn(rows, generator=generator),
     }
     micro_batches = [
-        {key: value[start : start + micro_batch] for key, value in batch.items()} for start in range(0, rows, micro_batch)
+        {key: value[start : start + micro_batch] for key, value in batch.items()}
+        for start in range(0, rows, micro_batch)
     ]
     for inputs in micro_batches:
         inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
@@ -142,7 +143,8 @@ def measure(model: str, group_sizes: list[int], num_prompts: int, micro_batch: i
         results.append({
             "group_size": group_size, **counts, "micro_batches": len(micro_batches),
             "standard_cpu_s": standard_s, "shared_cpu_s": shared_s, "cpu_ratio": shared_s / standard_s,
-            "gradient_relative_difference": ((gradients[True] - gradients[False]).norm() / gradients[False].norm()).item(),
+            "gradient_relative_difference":
+                ((gradients[True] - gradients[False]).norm() / gradients[False].norm()).item(),
         })  # fmt: skip
     assert not trainer.shared_prefix_stats.fallbacks, trainer.shared_prefix_stats.fallbacks
     return results
@@ -161,10 +163,11 @@ def main() -> None:
     results = measure(options.model, options.group_sizes, options.prompts, options.micro_batch, options.repeats)
     print(
         f"model={options.model} prompts={options.prompts} micro_batch={options.micro_batch} "
-        f"repeats={options.repeats} threads={options.threads}; prompt {PROMPT_LENGTH}, completion {COMPLETION_LENGTH} tokens"
+        f"repeats={options.repeats} threads={options.threads}; "
+        f"prompt {PROMPT_LENGTH}, completion {COMPLETION_LENGTH} tokens"
     )
-    print("| K | rows | micro-batches | prompt passes | model tokens std / shared (ratio) | head positions std / shared "
-          "(ratio) | CPU s std | CPU s shared | CPU ratio | gradient rel. diff |")
+    print("| K | rows | micro-batches | prompt passes | model tokens std / shared (ratio) "
+          "| head positions std / shared (ratio) | CPU s std | CPU s shared | CPU ratio | gradient rel. diff |")
     print("|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
     for r in results:
         print(

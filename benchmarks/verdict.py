@@ -114,9 +114,9 @@ def cell_metrics(result: dict) -> dict[str, float]:
 
 
 def with_shared_base(results: dict[Any, dict]) -> dict[Any, dict]:
-    """The finished cells (keyed by `Cell`, or by anything that names a cell), each with the base model's evaluation (round -1): the grid evaluates it in its first cell
-    only (the same model and test split in every cell), so a cell without one takes that cell's. Cells are left
-    out until a base evaluation exists."""
+    """The finished cells (keyed by `Cell`, or by anything that names a cell), each with the base model's evaluation
+    (round -1): the grid evaluates it in its first cell only (the same model and test split in every cell), so a cell
+    without one takes that cell's. Cells are left out until a base evaluation exists."""
     base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), None)
     if base is None:
         return {}
@@ -302,13 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     # Methods innermost: after each seed every method has a cell, so a partial grid is already a paired comparison.
     cells = [
         Cell(method, seed, num_clients, alpha)
-        for num_clients, alpha, seed, method in itertools.product(args.num_clients, args.dirichlet_alpha, args.seeds, args.methods)
+        for num_clients, alpha, seed, method in itertools.product(
+            args.num_clients, args.dirichlet_alpha, args.seeds, args.methods
+        )
     ]
     # The command that runs the grid: a --report_only rerun reports the same cells.
     command = "python benchmarks/verdict.py " + " ".join(arg for arg in argv if arg != "--report_only")
 
     def finished() -> dict[Cell, dict]:
-        results = {cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()}
+        results = {
+            cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()
+        }
         return with_shared_base(results)
 
     def report() -> str:

@@ -16,7 +16,7 @@ import tempfile
 import torch
 from datasets import Dataset
 
-from trl_federated import FedAvgAggregator, FedGRPOConfig, FederatedRunner, ServerSGD
+from trl_federated import FedAvgAggregator, FederatedRunner, FedGRPOConfig, ServerSGD
 from trl_federated.adapters import state_nbytes
 
 FORMATS = [("separate", "float32"), ("separate", "bfloat16"), ("freeze_a", "float32"), ("freeze_a", "bfloat16")]

@@ -222,7 +222,9 @@ class Hostile(FederatedRunner):
 
 
 def scale_delta(update, global_state, factor=1e6):
-    update.state = {key: global_state[key] + factor * (value - global_state[key]) for key, value in update.state.items()}
+    update.state = {
+        key: global_state[key] + factor * (value - global_state[key]) for key, value in update.state.items()
+    }
 
 
 def huge_values(update, global_state):

@@ -203,7 +203,10 @@ def test_blocked_server_step_matches_the_equations_on_a_multi_block_adapter():
     computed tensor by tensor."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(300, 1000), (1000, 300), (64, 2000), (2000, 64), (2, 3), (600, 600)]
-    adapter = lambda: {f"t{i}": torch.randn(*shape, generator=generator) for i, shape in enumerate(shapes)}
+
+    def adapter():
+        return {f"t{i}": torch.randn(*shape, generator=generator) for i, shape in enumerate(shapes)}
+
     theta = adapter()
     assert len(list(blocks(theta))) > 2 and sum(t.numel() * 4 for t in theta.values()) > 2 * BLOCK_BYTES
     aggregator = rpg(server_optimizer=ServerAdam(learning_rate=0.01, beta1=0.9, beta2=0.99, epsilon=1e-8))
@@ -288,7 +291,8 @@ COMMON_FAULTS = {
 def test_aggregators_validate_their_own_inputs(method, fault):
     from trl_federated.aggregation import ScaffoldAggregator
 
-    aggregator = {"fedavg": lambda: FedAvgAggregator(ServerAdam(0.1)), "rpg": lambda: rpg(server_optimizer=ServerAdam(0.1)),
+    aggregator = {"fedavg": lambda: FedAvgAggregator(ServerAdam(0.1)),
+                  "rpg": lambda: rpg(server_optimizer=ServerAdam(0.1)),
                   "scaffold": lambda: ScaffoldAggregator(2, ServerAdam(0.1))}[method]()
     aggregator.aggregate(GLOBAL, faulty(None), 0)
     before = copy.deepcopy(aggregator.state_dict())
@@ -328,7 +332,9 @@ def test_trimmed_mean_and_median_by_hand():
     # β = 0.2 of 5 clients: one trimmed at each end, per coordinate; the rest weighted by their renormalised ω
     delta = TrimmedMean(0.2).pseudo_gradient(theta, [u.state for u in updates], weights)
     # coordinate 0 keeps 2, 3, 4 (weights .2, .3, .2); coordinate 1 keeps 0, 1, 2 (weights .2, .3, .2)
-    torch.testing.assert_close(delta["w"], torch.tensor([(0.2 * 2 + 0.3 * 3 + 0.2 * 4) / 0.7, (0.3 * 1 + 0.2 * 2) / 0.7]))
+    torch.testing.assert_close(
+        delta["w"], torch.tensor([(0.2 * 2 + 0.3 * 3 + 0.2 * 4) / 0.7, (0.3 * 1 + 0.2 * 2) / 0.7])
+    )
     delta = CoordinateMedian().pseudo_gradient(theta, [u.state for u in updates[:4]], weights[:4])
     torch.testing.assert_close(delta["w"], torch.tensor([2.5, 0.5]))  # even n: the mean of the two middle values
     # β = 0 is the weighted mean

@@ -222,7 +222,9 @@ def test_clients_log_every_step_whatever_the_users_logging_steps(tiny_model_dir,
     assert step_rewards == pytest.approx(logged) and len(logged) == 6
 
 
-def test_window_that_only_sees_the_global_models_generations_is_warned(tiny_model_dir, tiny_tokenizer, fast_args, caplog):
+def test_window_that_only_sees_the_global_models_generations_is_warned(
+    tiny_model_dir, tiny_tokenizer, fast_args, caplog
+):
     common = dict(output_dir="unused", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4)
     blind = FedGSPOConfig(**common, local_steps=4, reward_window=2)
     (message,) = blind.federation_warnings()

@@ -63,7 +63,8 @@ def test_parses_from_yaml_and_command_line(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(
         yaml.safe_dump(
-            {"output_dir": str(tmp_path), "bf16": False, "num_rounds": 4, "aggregation": "fedavg", "dirichlet_alpha": "inf"}
+            {"output_dir": str(tmp_path), "bf16": False, "num_rounds": 4, "aggregation": "fedavg",
+             "dirichlet_alpha": "inf"}
         )
     )
     (args,) = TrlParser((FedGRPOConfig,)).parse_args_and_config(

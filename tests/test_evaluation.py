@@ -84,7 +84,9 @@ def test_batches_group_prompts_of_similar_length(model_and_tokenizer, eval_datas
         evaluate_accuracy(model, tokenizer, eval_dataset.select([i]), max_new_tokens=8, reward_funcs=single)
     assert batched.completions == single.completions
     # the label table is the mean of each row's own reward
-    results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_funcs=recording_reward())
+    results = evaluate_accuracy(
+        model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=8, reward_funcs=recording_reward()
+    )
     simple = [per_row[i]["accuracy"]["Total"] for i, label in enumerate(LABELS) if label == "simple"]
     assert results["accuracy"]["simple"] == pytest.approx(sum(simple) / len(simple))
 

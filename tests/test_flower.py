@@ -171,7 +171,9 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     rewards = {0: [0.2, 0.6], 1: [0.5, 0.4], 2: [0.0, 0.0], 3: [0.3, 0.9]}
 
     def client(index, round_idx):
-        return f"site-{index}", moved(reference_state, seed=10 * round_idx + index), 10 + index, rewards[index][round_idx]
+        return (
+            f"site-{index}", moved(reference_state, seed=10 * round_idx + index), 10 + index, rewards[index][round_idx]
+        )
 
     def respond(message, context):
         index = context.node_config["partition-id"]
@@ -220,11 +222,13 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     # A node that never identifies itself is sent nothing; one that stops replying is dropped as a timeout; too few
     # updates stop the run, the checkpoint intact.
     silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 of 1 clients .* node-7: did not identify its client"):
+    with pytest.raises(NotEnoughClientsError,
+                       match=r"Round 2: only 0 of 1 clients .* node-7: did not identify its client"):
         strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
     mute = LocalGrid(lambda message, context: respond(message, context) if message.metadata.message_type == IDENTIFY
                      else None, {8: {"partition-id": 0}})
-    with pytest.raises(NotEnoughClientsError, match=r"Round 2: only 0 of 1 clients .* site-0: no reply after 0 s \(reply timeout 5 s\)"):
+    with pytest.raises(NotEnoughClientsError,
+                       match=r"Round 2: only 0 of 1 clients .* site-0: no reply after 0 s \(reply timeout 5 s\)"):
         strategy.aggregate_train(3, mute.send_and_receive(strategy.configure_train(3, None, None, mute)))
     assert list_checkpoints(args.output_dir)[-1].name == "checkpoint-1"
 
@@ -253,7 +257,8 @@ def runner_result(model_dir, output_dir, aggregation, num_rounds=2, **wire):
     args = loopback_app.federation_args(str(output_dir), run_config)
     runner = FederatedRunner(
         AutoModelForCausalLM.from_pretrained(model_dir), loopback_app.length_reward, args,
-        dict(zip(["client_0", "client_1"], prompt_datasets())), processing_class=AutoTokenizer.from_pretrained(model_dir),
+        dict(zip(["client_0", "client_1"], prompt_datasets())),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
     runner.run()
     return runner
@@ -322,7 +327,8 @@ def test_a_node_that_dies_mid_round_is_one_drop_of_its_own_client(tiny_model_dir
     from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
 
     args = fast_args(num_clients=2, num_rounds=1, node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5,
+                                 report_header=None)
 
     def respond(message, context):
         index = context.node_config["partition-id"]
@@ -340,7 +346,9 @@ def test_a_node_that_dies_mid_round_is_one_drop_of_its_own_client(tiny_model_dir
     strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
     drops = events(args.output_dir, "client_dropped")
     assert [(drop["client_id"], drop["kind"]) for drop in drops] == [("client_1", "error")]
-    assert drops[0]["reason"].startswith(f"Flower error {ErrorCode.NODE_UNAVAILABLE} after 54 s: Error: Node Unavailable")
+    assert drops[0]["reason"].startswith(
+        f"Flower error {ErrorCode.NODE_UNAVAILABLE} after 54 s: Error: Node Unavailable"
+    )
     assert set(strategy.history[0].weights) == {"client_0"} and set(strategy.history[0].dropped) == {"client_1"}
 
 
@@ -510,8 +518,9 @@ class Loopback:
         }
         self.processes = Processes(self.env, tmp_path)
         superlink = self.processes.start(
-            "superlink", str(self.bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-            "--database", str(tmp_path / "state.db"), "--port", str(link_port),
+            "superlink", str(self.bin_dir / "flower-superlink"), "--insecure",
+            "--disable-runtime-dependency-installation", "--database", str(tmp_path / "state.db"),
+            "--port", str(link_port),
         )
         wait_for_port(link_port, superlink)
         self.supernodes = [
@@ -548,7 +557,9 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     started = time.perf_counter()
     loopback = Loopback(tmp_path, client_data_dirs)
     try:
-        run = loopback.flwr_run(f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2")
+        run = loopback.flwr_run(
+            f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2"
+        )
         stream, _ = run.communicate(timeout=400)
     finally:
         loopback.stop()
@@ -587,7 +598,9 @@ def test_loopback_supernode_killed_mid_round_is_one_drop_line(tmp_path, tiny_mod
     output_dir = tmp_path / "flower"
     loopback = Loopback(tmp_path, client_data_dirs)
     try:
-        run = loopback.flwr_run(f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=1")
+        run = loopback.flwr_run(
+            f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=1"
+        )
         deadline = time.monotonic() + 180
         while "Receiving: train message" not in loopback.log("supernode-1"):
             assert run.poll() is None and time.monotonic() < deadline, loopback.logs()
@@ -717,7 +730,8 @@ def test_fuzz_replies_never_raise_out_of_the_strategy(tiny_model_dir, fast_args,
             late.metadata.group_id = str(server_round - 2)
             replies.insert(0, late)
         elif extra == 3:  # a reply from a node that was never asked
-            stranger = Message(RecordDict(), dst_node_id=99, message_type=MessageType.TRAIN, group_id=str(server_round - 1))
+            stranger = Message(RecordDict(), dst_node_id=99, message_type=MessageType.TRAIN,
+                               group_id=str(server_round - 1))
             replies.append(Message(update_to_content(ClientUpdate("site-0", strategy.global_state, 8, 0.9), 0),
                                    reply_to=stranger))
         rng.shuffle(replies)
@@ -789,8 +803,8 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
     ]}))
     registry = ClientRegistry.from_file(tmp_path / "clients.json")
     args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, registry=registry,
-                                 report_header=None)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5,
+                                 registry=registry, report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.aggregator.client_controls["hospital-a"] = marked  # SCAFFOLD's c_i: only hospital-a's node may receive it
 
@@ -821,14 +835,16 @@ def test_a_registry_maps_nodes_to_clients_by_their_public_keys(tmp_path, tiny_mo
     assert set(record.weights) == {"hospital-a"} and record.num_samples == {"hospital-a": 10}  # the registered count
     assert "rejected: it speaks for client 'hospital-a' at index 0" in record.dropped["hospital-b"]
     assert record.dropped["hospital-c"] == "RuntimeError: boom (the report names client 'hospital-a')"
-    assert record.dropped["node-14"] == record.dropped["node-15"] == "its public key is not registered for this federation"
+    assert (record.dropped["node-14"] == record.dropped["node-15"]
+            == "its public key is not registered for this federation")
     kinds = {(e["client_id"], e["kind"]) for e in events(args.output_dir, "client_dropped")}
     assert kinds == {("hospital-b", "invalid_update"), ("hospital-c", "error")}
 
 
 def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_model_dir, fast_args, task_identity):
     args = fast_args(num_clients=3, aggregation="scaffold", node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5,
+                                 report_header=None)
     marked = {key: torch.full_like(value, 7.0) for key, value in strategy.global_state.items()}
     strategy.aggregator.client_controls["client_2"] = marked
 
@@ -880,7 +896,8 @@ def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir,
                                                                  reason):
     """Each of these raised out of `aggregate_train` and stopped the ServerApp, every round the client repeated it."""
     args = fast_args(num_clients=2, num_rounds=2, node_wait_timeout=0)
-    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5, report_header=None)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5,
+                                 report_header=None)
 
     def respond(message, context):
         index = context.node_config["partition-id"]
@@ -905,7 +922,9 @@ def test_each_malformed_reply_of_the_issue_drops_only_its_client(tiny_model_dir,
 
     grid = LocalGrid(respond, {11: {"partition-id": 0}, 12: {"partition-id": 1}})
     for server_round in (1, 2):  # repeated every round: the run goes on
-        strategy.aggregate_train(server_round, grid.send_and_receive(strategy.configure_train(server_round, None, None, grid)))
+        strategy.aggregate_train(
+            server_round, grid.send_and_receive(strategy.configure_train(server_round, None, None, grid))
+        )
         record = strategy.history[-1]
         assert set(record.weights) == {"site-0"} and set(record.dropped) == {"site-1"}
         assert re.search(reason, record.dropped["site-1"]), record.dropped["site-1"]

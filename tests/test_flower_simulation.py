@@ -121,8 +121,8 @@ def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, t
     assert [line["client_id"] for line in clients] == [f"client_{index}" for index in range(num_supernodes)]
     assert all(line["learning_rate"] == 0.001 and len(line["step_rewards"]) == 1 for line in clients)
     # Each client trained on its share of the benchmark split for num_supernodes clients.
-    args = FedGRPOConfig(output_dir=str(tmp_path / "unused"), use_cpu=True, bf16=False, num_clients=num_supernodes, seed=0,
-                         dirichlet_alpha=float("inf"))
+    args = FedGRPOConfig(output_dir=str(tmp_path / "unused"), use_cpu=True, bf16=False, num_clients=num_supernodes,
+                         seed=0, dirichlet_alpha=float("inf"))
     train, _ = load_benchmark(BenchmarkArguments(benchmark_size=BENCHMARK_SIZE))
     assert [line["num_samples"] for line in clients] == [len(share) for share in partition_clients(train, args)]
 

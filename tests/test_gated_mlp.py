@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trl_federated.gated_mlp import recomputed_gated_mlp
@@ -78,7 +77,8 @@ def test_other_mlps_and_gradient_checkpointing_are_left_alone():
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
 
 
 def allocated_bytes() -> int:

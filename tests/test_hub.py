@@ -79,7 +79,9 @@ class HubRecorder:
         monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
 
 
-def test_drop_in_pushes_the_global_adapter_and_its_card(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, monkeypatch):
+def test_drop_in_pushes_the_global_adapter_and_its_card(
+    tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, monkeypatch
+):
     hub = HubRecorder(monkeypatch)
     args = fast_args(
         num_clients=2, dirichlet_alpha=float("inf"), num_rounds=1, local_steps=1, reward_window=1,

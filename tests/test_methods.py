@@ -3,8 +3,13 @@
 import pytest
 
 from trl_federated.config import (
-    AGGREGATIONS, CONFIG_CLASSES, SERVER_OPTIMIZERS, FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
-)  # fmt: skip
+    AGGREGATIONS,
+    CONFIG_CLASSES,
+    SERVER_OPTIMIZERS,
+    FedDAPOConfig,
+    FedGRPOConfig,
+    FedGSPOConfig,
+)
 from trl_federated.hub import method_name
 from trl_federated.methods import ABLATIONS, METHODS
 

@@ -44,7 +44,9 @@ def test_no_module_imports_a_module_that_imports_it_back():
     paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {name: imported_modules(path, set(paths)) for name, path in paths.items()}
     # a package's __init__ re-exports its modules; importing one of them imports the package first, which is no cycle
-    graph = {name: {target for target in targets if not name.startswith(target + ".")} for name, targets in graph.items()}
+    graph = {
+        name: {target for target in targets if not name.startswith(target + ".")} for name, targets in graph.items()
+    }
     cycles = []
 
     def visit(name, stack):

@@ -21,7 +21,6 @@ from trl_federated.models import load_model_and_tokenizer
 from trl_federated.rewards import completion_text
 
 
-
 def lora():
     """A fresh LoRA configuration: PEFT writes the modules it resolved back into the one it is given."""
     return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -82,7 +81,8 @@ class Case:
 
 
 CASES = {
-    **{f"loss_type={loss}": Case(config={"loss_type": loss}) for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")},
+    **{f"loss_type={loss}": Case(config={"loss_type": loss})
+       for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")},
     "loss_type=luspo": Case(config={"loss_type": "luspo", "importance_sampling_level": "sequence"}),
     "importance_sampling_level=sequence": Case(config={"loss_type": "grpo", "importance_sampling_level": "sequence"}),
     "epsilon_high,mask_truncated_completions": Case(config={"epsilon_high": 0.28, "mask_truncated_completions": False}),
@@ -148,7 +148,8 @@ def trainer_inputs(case, tiny_model_dir, tiny_vlm_dir, tiny_tokenizer, tool_toke
     if case.peft == "config":
         kwargs["peft_config"] = lora()
     elif case.peft == "model":
-        set_seed(SEED)  # LoRA draws its initialisation from the global generator, as GRPOTrainer seeds it for peft_config
+        # LoRA draws its initialisation from the global generator, as GRPOTrainer seeds it for peft_config
+        set_seed(SEED)
         kwargs["model"] = model = get_peft_model(model, lora())
     if case.rewards == "model":
         kwargs["reward_processing_classes"] = [None, tiny_tokenizer]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import FAST_GRPO, length_reward
-from trl_federated import ClientUpdate, FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
+from trl_federated import ClientUpdate, FederatedRunner, FedGRPOConfig, FedGRPOTrainer, RoundCallback
 from trl_federated.adapters import InvalidUpdateError, default_lora_config, get_adapter_state
 from trl_federated.admission import UpdateGate
 from trl_federated.aggregation import ScaffoldAggregator
@@ -389,7 +389,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(tmp_path, t
     elif damage == "flipped byte":
         flip_byte(newest / "adapter_model.safetensors")
     elif damage == "edited json":
-        (newest / "federation.json").write_text((newest / "federation.json").read_text().replace('"round_idx": 1', '"round_idx": 0', 1))
+        (newest / "federation.json").write_text(
+            (newest / "federation.json").read_text().replace('"round_idx": 1', '"round_idx": 0', 1)
+        )
     elif damage == "no manifest":
         (newest / "manifest.json").unlink()
     elif damage == "missing file":

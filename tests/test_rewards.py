@@ -224,7 +224,9 @@ def test_real_format_answers_do_not_match(prediction, gold):
 
 _LETTERS = "ABCDE"
 # Pairs of spellings of one unit: the answer carries one, the gold the other.
-_UNIT_SPELLING_PAIRS = [("cm", "厘米"), ("米", "m"), ("cm^{2}", "平方厘米"), ("m²", "m^2"), ("°", "^{\\circ}"), ("度", "°")]
+_UNIT_SPELLING_PAIRS = [
+    ("cm", "厘米"), ("米", "m"), ("cm^{2}", "平方厘米"), ("m²", "m^2"), ("°", "^{\\circ}"), ("度", "°")
+]
 
 
 @st.composite

@@ -1,4 +1,5 @@
-"""benchmarks/rpg_sensitivity.py: settings paired with the verdict grid's default FGRPO cells, and the weight diagnostics."""
+"""benchmarks/rpg_sensitivity.py: settings paired with the verdict grid's default FGRPO cells, and the weight
+diagnostics."""
 
 import importlib.util
 import json
@@ -22,7 +23,8 @@ def _result(final_total, final_hard, rounds, base=True):
     if base:  # only the grid's first cell evaluates the base model
         evaluations["-1"] = {"accuracy": {"Total": 0.20, "hard": 0.10}}
     return {"evaluations": evaluations, "rounds": [
-        {"round_idx": t, "rewards": rewards, "gains": gains, "weights": weights} for t, (rewards, gains, weights) in enumerate(rounds)
+        {"round_idx": t, "rewards": rewards, "gains": gains, "weights": weights}
+        for t, (rewards, gains, weights) in enumerate(rounds)
     ]}
 
 

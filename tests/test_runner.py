@@ -14,7 +14,9 @@ from trl_federated.adapters import get_adapter_state
 
 def client_datasets(num_clients=3, per_client=6):
     return {
-        f"site-{c}": Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(per_client)]})
+        f"site-{c}": Dataset.from_dict(
+            {"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(per_client)]}
+        )
         for c in range(num_clients)
     }
 
@@ -62,7 +64,9 @@ def test_two_rounds_three_clients_end_to_end(tmp_path, tiny_model_dir, tiny_toke
 
     # callbacks: round and client hooks in order, and local-step events from the clients' trainers
     hooks = [event for event in recorder.events if event[0] != "step"]
-    assert hooks[:5] == [("begin", 0), ("client", 0, "site-0"), ("client", 0, "site-1"), ("client", 0, "site-2"), ("end", 0)]
+    assert hooks[:5] == [
+        ("begin", 0), ("client", 0, "site-0"), ("client", 0, "site-1"), ("client", 0, "site-2"), ("end", 0)
+    ]
     assert recorder.events.count(("step",)) == 2 * 3 * 2
 
     # metrics.jsonl: a line per client report and per round
@@ -85,7 +89,9 @@ def test_two_rounds_three_clients_end_to_end(tmp_path, tiny_model_dir, tiny_toke
     assert len(saved) == len(reloaded)
 
 
-def test_fedavg_sgd_global_adapter_is_data_weighted_average_of_clients(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+def test_fedavg_sgd_global_adapter_is_data_weighted_average_of_clients(
+    tmp_path, tiny_model_dir, tiny_tokenizer, fast_args
+):
     args = fast_args(num_rounds=1, local_steps=1, reward_window=1)
     clients = client_datasets(num_clients=2)
     clients["site-1"] = Dataset.from_dict({"prompt": [f"More data {i}" for i in range(18)]})
@@ -145,7 +151,9 @@ def test_colocated_vllm_is_refused_by_name(tiny_model, tiny_tokenizer, fast_args
         FederatedRunner(tiny_model, length_reward, args, client_datasets(), processing_class=tiny_tokenizer)
 
 
-def test_progress_bar_counts_local_steps_and_shows_the_client(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, capsys):
+def test_progress_bar_counts_local_steps_and_shows_the_client(
+    tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, capsys
+):
     args = fast_args(num_rounds=2, local_steps=2, reward_window=2)
     runner = FederatedRunner(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, args, client_datasets(),
@@ -168,8 +176,8 @@ def test_a_reward_model_given_by_id_is_loaded_once_per_run(tiny_model_dir, tiny_
 
     monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", counted_load)
     runner = FederatedRunner(
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tiny_model_dir), fast_args(local_steps=1, reward_window=1),
-        client_datasets(num_clients=2), processing_class=tiny_tokenizer,
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tiny_model_dir),
+        fast_args(local_steps=1, reward_window=1), client_datasets(num_clients=2), processing_class=tiny_tokenizer,
     )  # fmt: skip
     history = runner.run()
     assert len(history) == 2 and all(len(record.rewards) == 2 for record in history)

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer
 from trl import GRPOConfig, GRPOTrainer, SFTTrainer, TrlParser
 from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
@@ -14,13 +13,13 @@ from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
 from conftest import FAST_GRPO
 from test_cli import labelled_dataset
 from test_flower import LocalGrid, assert_states_equal, client_data_dirs, loopback_app, prompt_datasets, task_identity  # noqa: F401
-from trl_federated import FastGRPOMixin, FedGRPOConfig, FederatedRunner, FedGRPOTrainer, RoundCallback
+from trl_federated import FastGRPOMixin, FederatedRunner, FedGRPOConfig, FedGRPOTrainer, RoundCallback
 from trl_federated.adapters import default_lora_config, get_adapter_state
 from trl_federated.cli import config_class, import_class, main
 from trl_federated.config import federated_config
 from trl_federated.flower import make_client_app
+from trl_federated.local_trainer import local_trainer
 from trl_federated.rewards import completion_text
-from trl_federated.local_trainer import LocalGRPOMixin, local_trainer
 from trl_federated.trainer import FederatedGRPOMixin, federated
 
 
@@ -131,7 +130,7 @@ def test_federated_makes_one_class_per_trainer_and_refuses_others():
 
 
 def test_a_flower_client_app_trains_trainer_class_and_ends_where_the_runner_ends(
-    tmp_path, tiny_model_dir, tiny_tokenizer, client_data_dirs, task_identity, monkeypatch
+    tmp_path, tiny_model_dir, tiny_tokenizer, client_data_dirs, task_identity, monkeypatch  # noqa: F811
 ):
     losses = []
     gmpo_loss = GMPOTrainer._compute_loss
@@ -144,7 +143,8 @@ def test_a_flower_client_app_trains_trainer_class_and_ends_where_the_runner_ends
     run_config = {"model-dir": str(tiny_model_dir), "output-dir": str(tmp_path / "flower"), "aggregation": "rpg",
                   "num-rounds": 1}  # fmt: skip
     client_app = make_client_app(loopback_app.load_site, trainer_class=GMPOTrainer)
-    grid = LocalGrid(client_app, {11 + i: {"partition-id": i, "data-dir": path} for i, path in enumerate(client_data_dirs)},
+    grid = LocalGrid(client_app,
+                     {11 + i: {"partition-id": i, "data-dir": path} for i, path in enumerate(client_data_dirs)},
                      run_config)  # fmt: skip
     strategy = loopback_app.build_strategy(grid.contexts[11])
     strategy.run(grid)
@@ -239,7 +239,9 @@ def test_cli_names_a_trainer_class_that_cannot_be_used():
         config_class(["--trainer_config_class", "trl:SFTConfig"])
 
 
-def test_cli_run_federates_a_trainer_class_and_its_config_from_the_working_directory(tmp_path, tiny_model_dir, monkeypatch):
+def test_cli_run_federates_a_trainer_class_and_its_config_from_the_working_directory(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     (tmp_path / "my_trainers.py").write_text(
         "from dataclasses import dataclass, field\n"
         "from trl import GRPOConfig, GRPOTrainer\n\n"

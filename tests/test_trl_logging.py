@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import length_reward
 from test_cli import labelled_dataset
-from trl_federated import FedGRPOTrainer, FederatedRunner
+from trl_federated import FederatedRunner, FedGRPOTrainer
 from trl_federated.adapters import default_lora_config
 
 
@@ -69,7 +69,9 @@ def test_the_runner_alone_reports_to_report_to(tmp_path, monkeypatch, tiny_model
     assert [event.step for event in events.Scalars("train/client_1/weight")] == [1, 2]
 
 
-def test_round_metrics_plot_reads_what_the_rounds_logged(tmp_path, monkeypatch, tiny_model_dir, tiny_tokenizer, fast_args):
+def test_round_metrics_plot_reads_what_the_rounds_logged(
+    tmp_path, monkeypatch, tiny_model_dir, tiny_tokenizer, fast_args
+):
     """examples/scripts/plot_tensorboard.py reads R̄, h, ω per client and τ back from the event files, per round."""
     import importlib.util
 

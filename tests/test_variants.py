@@ -6,7 +6,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from conftest import FAST_GRPO, length_reward
-from trl_federated import FedGRPOConfig, FederatedRunner, FedGRPOTrainer
+from trl_federated import FederatedRunner, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.adapters import default_lora_config
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
 from trl_federated.config import FedDAPOConfig, FedGSPOConfig
@@ -63,7 +63,8 @@ def test_dapo_and_gspo_recipes():
 @pytest.mark.parametrize("aggregation", ["rpg", "fedavg"])
 def test_variant_trains_one_federated_round(tmp_path, tiny_model_dir, tiny_tokenizer, config_class, aggregation):
     args = config_class(
-        **FAST_GRPO, output_dir=str(tmp_path), num_rounds=1, local_steps=2, reward_window=2, aggregation=aggregation, server_optimizer="adam",
+        **FAST_GRPO, output_dir=str(tmp_path), num_rounds=1, local_steps=2, reward_window=2, aggregation=aggregation,
+        server_optimizer="adam",
     )
     clients = [PROMPTS.select(range(0, 8)), PROMPTS.select(range(8, 16))]
     runner = FederatedRunner(

@@ -31,7 +31,8 @@ def test_t_interval_and_its_reading():
     interval = verdict.t_interval([1.0, 2.0, 3.0])
     half = 4.303 * 1.0 / math.sqrt(3)  # stdev of 1, 2, 3 is 1
     assert interval["mean"] == 2.0 and interval["n"] == 3
-    assert interval["low"] == pytest.approx(2.0 - half, abs=1e-3) and interval["high"] == pytest.approx(2.0 + half, abs=1e-3)
+    assert (interval["low"] == pytest.approx(2.0 - half, abs=1e-3)
+            and interval["high"] == pytest.approx(2.0 + half, abs=1e-3))
     assert verdict.reading(interval).startswith("not resolved")  # 2 ± 2.48 holds 0
     assert verdict.reading(verdict.t_interval([3.0, 4.0, 5.0])) == "FGRPO better"
     assert verdict.reading(verdict.t_interval([-3.0, -4.0, -5.0])) == "baseline better"
@@ -92,7 +93,8 @@ def test_report_from_finished_cells_is_partial_and_paired_by_seed(tmp_path, caps
     assert summary["cpu_seconds"] == 7 * 600.0
 
     table = list(csv.reader((tmp_path / "verdict.csv").open()))
-    assert table[0][:3] == ["Setting", "Method", "Seeds"] and [row[1] for row in table[1:]] == ["fgrpo", "fedavg", "scaffold"]
+    assert (table[0][:3] == ["Setting", "Method", "Seeds"]
+            and [row[1] for row in table[1:]] == ["fgrpo", "fedavg", "scaffold"])
     assert table[1][5] == "+12.00 [+7.03, +16.97]"
     assert (tmp_path / "paired.csv").exists() and (tmp_path / "verdict.md").read_text().count("PARTIAL") == 1
     assert (tmp_path / "curves-N3-mu0.05.png").stat().st_size > 0

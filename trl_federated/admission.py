@@ -186,7 +186,9 @@ class UpdateGate:
             scale = self.max_update_norm / norm
             logger.warning("Client %r: ‖θ_i − θ‖ = %.4g clipped to %.4g.", update.client_id, norm, self.max_update_norm)
             update.state = {
-                key: (reference.double() + scale * (update.state[key].double() - reference.double())).to(reference.dtype)
+                key: (
+                    reference.double() + scale * (update.state[key].double() - reference.double())
+                ).to(reference.dtype)
                 for key, reference in self.global_state.items()
             }
 

@@ -119,7 +119,9 @@ def write_checkpoint(
     adapter_config.save_pretrained(str(staging))
     save_file(tensors, staging / TENSORS_FILE, metadata={"format": "pt"})
     (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-    manifest = {"round_idx": checkpoint.round_idx, "files": {name: _file_digest(staging / name) for name in CHECKPOINT_FILES}}
+    manifest = {
+        "round_idx": checkpoint.round_idx, "files": {name: _file_digest(staging / name) for name in CHECKPOINT_FILES}
+    }
     (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     for path in staging.iterdir():
         _fsync(path)
@@ -216,7 +218,9 @@ def _checkpoint_fault(checkpoint: Checkpoint, path: Path) -> str | None:
         return f"it holds round {round_idx}, but its folder names round {match.group(1)}"
     if checkpoint.history and checkpoint.history[-1].round_idx != round_idx:
         return f"its history ends with round {checkpoint.history[-1].round_idx}, not {round_idx}"
-    if not checkpoint.global_state or not all(isinstance(value, torch.Tensor) for value in checkpoint.global_state.values()):
+    if not checkpoint.global_state or not all(
+        isinstance(value, torch.Tensor) for value in checkpoint.global_state.values()
+    ):
         return "its global adapter holds no tensors"
     if not isinstance(checkpoint.aggregator, dict) or not isinstance(checkpoint.identity, dict):
         return "its aggregator state or run identity is not a mapping"
@@ -273,7 +277,10 @@ def latest_intact_checkpoint(output_dir: str | Path) -> Path:
 def clean_staging(output_dir: str | Path) -> list[str]:
     """Remove the staging folders a crashed checkpoint write left in `output_dir`; their names."""
     output_dir = Path(output_dir)
-    stale = sorted(path.name for path in output_dir.iterdir() if _STAGING_RE.fullmatch(path.name)) if output_dir.is_dir() else []
+    stale = (
+        sorted(path.name for path in output_dir.iterdir() if _STAGING_RE.fullmatch(path.name))
+        if output_dir.is_dir() else []
+    )
     for name in stale:
         shutil.rmtree(output_dir / name, ignore_errors=True)
     if stale:

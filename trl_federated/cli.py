@@ -337,7 +337,8 @@ def run(argv: list[str]) -> int:
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
         f"{args.num_clients} clients (Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
-        f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
+        f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, "
+        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
         f"{len(train)} train / {len(test)} test items."
     )
     # The runner's server writes summary.md and the plots after every round, and result.json at the end.

@@ -1,10 +1,10 @@
 """One client's local round (Algorithm 1, lines 4-18), shared by `FederatedRunner` and the Flower `ClientApp`.
 
 Whatever the transport, a client round is the same: load the global adapter into the client's `PeftModel`, train
-a fresh `local_trainer(trainer_class)` (`GRPOTrainer` by default) for `local_steps` steps on the client's data with the seed
-of (round, client), with what the aggregation exchanges besides the adapter (`Aggregator.client_hook`), and report a
-`ClientUpdate` as it goes on the wire. Keeping it in one function is what lets a Flower run end where the in-process
-runner ends.
+a fresh `local_trainer(trainer_class)` (`GRPOTrainer` by default) for `local_steps` steps on the client's data with the
+seed of (round, client), with what the aggregation exchanges besides the adapter (`Aggregator.client_hook`), and
+report a `ClientUpdate` as it goes on the wire. Keeping it in one function is what lets a Flower run end where the
+in-process runner ends.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class Cell:
 
     @property
     def setting(self) -> str:
-        parts = [f"N={self.num_clients}" if self.num_clients else "", f"mu={self.dirichlet_alpha}" if self.dirichlet_alpha else ""]
+        parts = [f"N={self.num_clients}" if self.num_clients else "",
+                 f"mu={self.dirichlet_alpha}" if self.dirichlet_alpha else ""]
         return ",".join(part for part in parts if part) or "base"
 
     def directory(self, root: Path) -> Path:
@@ -94,8 +95,11 @@ def table1(results: dict[Cell, dict]) -> tuple[str, list[list[str]]]:
         groups.setdefault((cell.setting, cell.method), []).append(final_accuracy(result))
     header = ["Setting", "Method", *labels, "Seeds"]
     rows = [
-        [setting, method, *[mean_std([acc.get(label, float("nan")) for acc in accs]) for label in labels], str(len(accs))]
-        for (setting, method), accs in sorted(groups.items(), key=lambda item: (item[0][0], list(METHODS).index(item[0][1])))
+        [setting, method, *[mean_std([acc.get(label, float("nan")) for acc in accs]) for label in labels],
+         str(len(accs))]
+        for (setting, method), accs in sorted(
+            groups.items(), key=lambda item: (item[0][0], list(METHODS).index(item[0][1]))
+        )
     ]
     return markdown(header, rows), [header, *rows]
 
@@ -112,7 +116,8 @@ def table3(results: dict[Cell, dict]) -> tuple[str, list[list[str]]]:
             if (setting, with_rpg) in totals or (setting, without_rpg) in totals:
                 rows.append([
                     setting, variant,
-                    *[mean_std(totals[(setting, m)]) if (setting, m) in totals else "-" for m in (with_rpg, without_rpg)],
+                    *[mean_std(totals[(setting, m)]) if (setting, m) in totals else "-"
+                      for m in (with_rpg, without_rpg)],
                 ])
     return markdown(header, rows), [header, *rows]
 
@@ -136,10 +141,12 @@ def plot(results: dict[Cell, dict], root: Path) -> None:
             if not cells:
                 continue
             rewards = [[statistics.mean(r["rewards"].values()) for r in results[c]["rounds"]] for c in cells]
-            reward_axis.plot(range(1, len(rewards[0]) + 1), [statistics.mean(v) for v in zip(*rewards)], marker="o", label=method)
+            reward_axis.plot(range(1, len(rewards[0]) + 1), [statistics.mean(v) for v in zip(*rewards)], marker="o",
+                             label=method)
             rounds = sorted(results[cells[0]]["evaluations"], key=int)
             accuracy = [[results[c]["evaluations"][r]["accuracy"]["Total"] for r in rounds] for c in cells]
-            accuracy_axis.plot([int(r) + 1 for r in rounds], [100 * statistics.mean(v) for v in zip(*accuracy)], marker="o", label=method)
+            accuracy_axis.plot([int(r) + 1 for r in rounds], [100 * statistics.mean(v) for v in zip(*accuracy)],
+                               marker="o", label=method)
         reward_axis.set(xlabel="round", ylabel="mean client R̄", title=f"Reward per round ({setting})")
         accuracy_axis.set(xlabel="round (0 = before training)", ylabel="test accuracy (%)", title="Accuracy per round")
         reward_axis.legend(fontsize="small")
@@ -192,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     cells = [
         Cell(method, seed, num_clients, alpha)
-        for num_clients, alpha, method, seed in itertools.product(args.num_clients, args.dirichlet_alpha, args.methods, args.seeds)
+        for num_clients, alpha, method, seed in itertools.product(
+            args.num_clients, args.dirichlet_alpha, args.methods, args.seeds
+        )
     ]
     results = {cell: load_result(run_cell(cell, args.config, root, extra)) for cell in cells}
     print(write_tables(results, root))

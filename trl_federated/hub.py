@@ -35,7 +35,7 @@ PAPER = {
             author       = {Pengyu Chen and Shaowei Li and Kai Wang and Yunsheng Yuan and Kai Han and Jun Luo and Feng Li},
             year         = 2026,
             note         = {Preprint},
-        }"""),
+        }"""),  # noqa: E501
 }
 # What the Hub repository receives: the final global adapter (PEFT layout) and its card.
 PUSHED_FILES = ["adapter_model.safetensors", "adapter_config.json", "README.md"]

@@ -52,7 +52,9 @@ def format_evaluations(evaluations: dict[int, dict[str, Any]]) -> str:
     Table 1 names them."""
     from .evaluation import format_accuracy_table
 
-    named = {("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())}
+    named = {
+        ("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())
+    }
     return format_accuracy_table(named)
 
 
@@ -211,7 +213,9 @@ class RunProgress(TrainerCallback):
         self.bar.close()
 
     def _show(self) -> None:
-        parts = [f"round {self.round_idx + 1}/{self.num_rounds}", self.client_id, f"step {self.steps}/{self.local_steps}"]
+        parts = [
+            f"round {self.round_idx + 1}/{self.num_rounds}", self.client_id, f"step {self.steps}/{self.local_steps}"
+        ]
         if self.reward is not None:
             parts.append(f"reward {self.reward:.3f}")
         if self.steps:

@@ -39,7 +39,8 @@ def run_identity(
 ) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it: the base model (its configuration and a
     fingerprint of its weights), the LoRA configuration, the clients (ids in order, rows, data fingerprint), the
-    aggregator and server optimizer classes and, from `args`, the wire format and every `config.result_fields` setting."""
+    aggregator and server optimizer classes and, from `args`, the wire format and every `config.result_fields`
+    setting."""
     base = model.get_base_model()
     model_config = _jsonable(base.config.to_dict())
     lora_config = _jsonable(model.peft_config[model.active_adapter].to_dict())
@@ -118,7 +119,8 @@ def check_identity(
         changed = [key for key in current_training if saved_training.get(key, "(unrecorded)") != current_training[key]]
         if refused := [key for key in changed if key not in allow_changes]:
             problems.append(
-                f"training settings differ in {_differences(saved_training, current_training, keys=refused, limit=len(refused))}"
+                "training settings differ in "
+                f"{_differences(saved_training, current_training, keys=refused, limit=len(refused))}"
                 " (`resume_allow_changes` may allow them)"
             )
         if allowed := [key for key in changed if key in allow_changes]:

@@ -35,13 +35,15 @@ class FederatedRunner(ServerStateView):
     the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh
     `local_trainer(trainer_class)` for `local_steps` steps on the client's data (seed
     `args.seed + round * num_clients + client_index`), and keeps only the client's adapter
-    (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy per client, never by a model. The server side of every round (admission, aggregation, records, evaluation,
-    checkpoints, reports) is `self.server`, the `server.FederatedServer` the Flower strategy drives too; the
-    runner trains the clients and delivers their updates to it.
+    (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy per client, never by a model. The
+    server side of every round (admission, aggregation, records, evaluation, checkpoints, reports) is `self.server`,
+    the `server.FederatedServer` the Flower strategy drives too; the runner trains the clients and delivers their
+    updates to it.
 
     Reliability: a client that raises, runs past `client_timeout` or reports an update that the server's
-    `admission.UpdateGate` rejects (malformed, non-finite, out of range, over `update_norm_bound`) is dropped from its round (a `client_dropped` line in metrics.jsonl) and the round aggregates the
-    others, if at least `min_clients_per_round` are left; the run stops with `NotEnoughClientsError` otherwise.
+    `admission.UpdateGate` rejects (malformed, non-finite, out of range, over `update_norm_bound`) is dropped from its
+    round (a `client_dropped` line in metrics.jsonl) and the round aggregates the others, if at least
+    `min_clients_per_round` are left; the run stops with `NotEnoughClientsError` otherwise.
     After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
     `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
 
@@ -264,8 +266,9 @@ class FederatedRunner(ServerStateView):
         another run, unless `args.overwrite_output_dir` (see `checkpoint.prepare_output_dir`).
         """
         # Everything alive now (the libraries, the model, the datasets) outlives the run, and `Trainer.train()` runs
-        # a full `gc.collect()` for every client round, as `client.release_trainer` does: with TRL imported that is ~0.2 s a
-        # collection, scanning ~400k long-lived objects. Frozen, they are skipped and a collection costs microseconds.
+        # a full `gc.collect()` for every client round, as `client.release_trainer` does: with TRL imported that is
+        # ~0.2 s a collection, scanning ~400k long-lived objects. Frozen, they are skipped and a collection costs
+        # microseconds.
         gc.freeze()
         try:
             if self.log_to is None:

@@ -57,8 +57,8 @@ class FederatedGRPOMixin(LocalGRPOMixin):
         if not isinstance(self.model, PeftModel):
             raise ValueError(
                 f"`num_clients={self.args.num_clients}` federates a LoRA adapter, but the model has none: pass "
-                "`peft_config` (e.g. `trl_federated.adapters.default_lora_config()`) or a `PeftModel`. Full fine-tuning "
-                "is not federated."
+                "`peft_config` (e.g. `trl_federated.adapters.default_lora_config()`) or a `PeftModel`. "
+                "Full fine-tuning is not federated."
             )
         optimizers = self._init_arguments.get("optimizers", (None, None))
         if any(item is not None for item in optimizers):

@@ -39,7 +39,9 @@ class WireFormat:
         `global_state`; `ValueError` for a dtype it does not know."""
         if transfer_dtype not in DTYPES:
             raise ValueError(f"transfer_dtype must be one of {list(DTYPES)}, got {transfer_dtype!r}.")
-        frozen = frozenset(key for key in global_state if is_lora_a(key)) if lora_aggregation == "freeze_a" else frozenset()
+        frozen = (
+            frozenset(key for key in global_state if is_lora_a(key)) if lora_aggregation == "freeze_a" else frozenset()
+        )
         return cls(dtype=DTYPES[transfer_dtype], frozen_keys=frozen)
 
     def sent(self, state: AdapterState) -> AdapterState:
@@ -62,7 +64,9 @@ class WireFormat:
         if self.dtype == torch.float32:
             received = payload
         else:
-            received = {key: (reference[key].float() + value.float()).to(reference[key].dtype) for key, value in payload.items()}
+            received = {
+                key: (reference[key].float() + value.float()).to(reference[key].dtype) for key, value in payload.items()
+            }
         return {key: received.get(key, value) for key, value in reference.items()}
 
 

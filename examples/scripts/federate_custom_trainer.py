@@ -39,7 +39,8 @@ def main(output_dir: str) -> None:
     model = build_tiny_model(tokenizer)
     levels = ("easy", "medium", "hard")
     dataset = Dataset.from_dict(
-        {"prompt": [f"Question {i}: what is {i} + {i % 7}?" for i in range(60)], "difficulty": [levels[i % 3] for i in range(60)]}
+        {"prompt": [f"Question {i}: what is {i} + {i % 7}?" for i in range(60)],
+         "difficulty": [levels[i % 3] for i in range(60)]}
     )
     args = FedGRPOConfig(
         output_dir=output_dir, overwrite_output_dir=True, report_to=["tensorboard"],

@@ -23,7 +23,14 @@ import sys
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, load_model, reward_functions, trainer_class
+from trl_federated.cli import (
+    BenchmarkArguments,
+    config_class,
+    load_benchmark,
+    load_model,
+    reward_functions,
+    trainer_class,
+)
 from trl_federated.reporting import ReportCallback
 
 

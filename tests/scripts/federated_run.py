@@ -11,13 +11,13 @@ import sys
 import zlib
 
 import torch
-from datasets import Dataset
 from accelerate import PartialState
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
 
-from trl_federated import FedGRPOConfig, FederatedRunner  # noqa: E402
+from trl_federated import FederatedRunner, FedGRPOConfig  # noqa: E402
 from trl_federated.distributed import shut_down  # noqa: E402
 
 NUM_GENERATIONS = 4

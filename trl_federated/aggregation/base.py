@@ -231,7 +231,9 @@ def check_state(
             or tensor.shape != expected.shape
             or not (tensor.dtype == expected.dtype if same_dtype else tensor.is_floating_point())
         ):
-            described = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            described = (
+                f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            )
             dtype = expected.dtype if same_dtype else "floating point"
             raise ValueError(f"{name}[{key!r}] is {described}, expected {dtype} {tuple(expected.shape)}.")
         if check_finite and not is_finite(tensor):

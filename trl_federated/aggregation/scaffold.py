@@ -133,7 +133,9 @@ class ScaffoldAggregator(FedAvgAggregator):
             deltas = [update.extras[CONTROL_DELTA][key] for key in keys]
             torch._foreach_add_([control[key] for key in keys], deltas, alpha=1.0 / self.num_clients)
         if non_finite := non_finite_entries(control, "server control"):
-            raise AggregationError(f"Round {round_idx}: SCAFFOLD's {non_finite[0]} is not finite; the round is refused.")
+            raise AggregationError(
+                f"Round {round_idx}: SCAFFOLD's {non_finite[0]} is not finite; the round is refused."
+            )
         return new_state
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,13 @@ converts between `ClientUpdate`s and Flower records; `run_config` reads a Flower
 
 from .apps import ClientSite, make_client_app, make_server_app, node_client_identity, simulated_federation_size
 from .identity import ClientRegistry, RegisteredClient
-from .records import TrainInstruction, array_record_to_state, content_to_update, state_to_array_record, update_to_content
+from .records import (
+    TrainInstruction,
+    array_record_to_state,
+    content_to_update,
+    state_to_array_record,
+    update_to_content,
+)
 from .run_config import FederationSizeError, federation_arguments
 from .strategy import FederatedStrategy
 

@@ -67,7 +67,8 @@ class ClientRegistry:
                 raise ValueError(f"Two registered clients share a {attribute.replace('_', ' ')}.")
         for client in self.clients:
             if client.num_samples is not None and (
-                isinstance(client.num_samples, bool) or not isinstance(client.num_samples, int) or client.num_samples < 1
+                isinstance(client.num_samples, bool) or not isinstance(client.num_samples, int)
+                or client.num_samples < 1
             ):
                 raise ValueError(f"Client {client.client_id!r}: num-samples must be a positive integer.")
         self._by_key = {client.public_key: client for client in self.clients}
@@ -90,9 +91,13 @@ class ClientRegistry:
             if not key.lstrip().startswith(("-----BEGIN", "ecdsa-", "ssh-")):  # a key file, not the key itself
                 key_file = path.parent / key
                 if not key_file.is_file():
-                    raise FileNotFoundError(f"{path}: the public key file {key_file} of {entry['client-id']!r} is missing.")
+                    raise FileNotFoundError(
+                        f"{path}: the public key file {key_file} of {entry['client-id']!r} is missing."
+                    )
                 key = key_file.read_bytes()
-            clients.append(RegisteredClient(str(entry["client-id"]), index, public_key_der(key), entry.get("num-samples")))
+            clients.append(
+                RegisteredClient(str(entry["client-id"]), index, public_key_der(key), entry.get("num-samples"))
+            )
         return cls(clients)
 
     def __len__(self) -> int:

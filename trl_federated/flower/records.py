@@ -84,7 +84,9 @@ def array_record_to_state(record: ArrayRecord) -> AdapterState:
         try:
             state[key] = _array_to_tensor(array)
         except Exception as error:  # numpy's and torch's own errors, whatever their type
-            raise ValueError(f"array {bounded_text(repr(key), 100)} cannot be decoded: {bounded_text(error, 200)}") from error
+            raise ValueError(
+                f"array {bounded_text(repr(key), 100)} cannot be decoded: {bounded_text(error, 200)}"
+            ) from error
     return state
 
 

@@ -24,7 +24,13 @@ from ..config import FedGRPOConfig
 from ..round_record import RoundRecord
 from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .identity import Claim, ClientRegistry, NodeBinder
-from .records import TrainInstruction, array_record_to_state, content_to_update, read_client_identity, state_to_array_record
+from .records import (
+    TrainInstruction,
+    array_record_to_state,
+    content_to_update,
+    read_client_identity,
+    state_to_array_record,
+)
 from .stream import show_package_logs
 
 logger = logging.getLogger(__name__)
@@ -181,9 +187,9 @@ class FederatedStrategy(ServerStateView, Strategy):
         show_package_logs()
         if num_rounds is not None and num_rounds != self.args.num_rounds:
             raise ValueError(
-                f"num_rounds={num_rounds}, but the federation's FedGRPOConfig.num_rounds is {self.args.num_rounds}: set "
-                "num_rounds there (the learning-rate schedule and the last evaluation follow it; a resumed run does "
-                "the rounds its checkpoint lacks), and leave num_rounds out or equal to it."
+                f"num_rounds={num_rounds}, but the federation's FedGRPOConfig.num_rounds is {self.args.num_rounds}: "
+                "set num_rounds there (the learning-rate schedule and the last evaluation follow it; a resumed run "
+                "does the rounds its checkpoint lacks), and leave num_rounds out or equal to it."
             )
         if initial_arrays is not None:
             self._set_initial_adapter(initial_arrays)
@@ -205,7 +211,9 @@ class FederatedStrategy(ServerStateView, Strategy):
         state = array_record_to_state(initial_arrays)
         check_state(state, self.server.global_state, "`initial_arrays`")
         server = self.server
-        if self.args.beta != 0 and any(not torch.equal(state[key], value) for key, value in server.global_state.items()):
+        if self.args.beta != 0 and any(
+            not torch.equal(state[key], value) for key, value in server.global_state.items()
+        ):
             raise ValueError(
                 "`initial_arrays` differ from the seeded adapter, but beta != 0: each ClientApp's KL reference π_ref "
                 "is its own seeded adapter θ^{[0]}, so the federation must start from it (leave initial_arrays out), "
@@ -279,7 +287,9 @@ class FederatedStrategy(ServerStateView, Strategy):
         it was asked for. An update counts only when it comes from that client's node; an error may come from the
         SuperLink (a node that died). Any other reply is logged and ignored."""
         try:
-            answers, group_id, node_id = reply.metadata.reply_to_message_id, reply.metadata.group_id, reply.metadata.src_node_id
+            answers, group_id, node_id = (
+                reply.metadata.reply_to_message_id, reply.metadata.group_id, reply.metadata.src_node_id
+            )
         except Exception as error:  # not a Message: nothing to attribute it to
             logger.warning("Round %d: ignored a reply without metadata (%s).", round_idx, type(error).__name__)
             return
@@ -361,7 +371,8 @@ class FederatedStrategy(ServerStateView, Strategy):
                 next_log = now + WAIT_LOG_INTERVAL
             time.sleep(min(2.0, max(0.0, deadline - now)))
         if ready < self.args.num_clients:
-            logger.warning("Round %d: %d of %d SuperNodes connected after %.0f s; the round goes on without the others.",
+            logger.warning("Round %d: %d of %d SuperNodes connected after %.0f s; "
+                           "the round goes on without the others.",
                            round_idx, ready, self.args.num_clients, time.monotonic() - started)
         if ready < self.args.min_clients_per_round:
             raise NotEnoughClientsError(

@@ -1,6 +1,6 @@
 """A ServerApp of one's own around `FederatedStrategy`, the way a Flower strategy is used: build it, then
-`start(grid, initial_arrays, ...)`. To run it instead of `server_app.py`, set `serverapp = "fgrpo_app.own_server_app:app"`
-in pyproject.toml; the ClientApp (`client_app.py`) is unchanged.
+`start(grid, initial_arrays, ...)`. To run it instead of `server_app.py`, set
+`serverapp = "fgrpo_app.own_server_app:app"` in pyproject.toml; the ClientApp (`client_app.py`) is unchanged.
 
 The strategy needs the model (it holds, evaluates and saves the global adapter) and the federation's
 `FedGRPOConfig`, here read from the app's config.yaml as the ClientApps read it, so that both sides agree on the
