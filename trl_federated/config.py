@@ -22,11 +22,11 @@ from trl import GRPOConfig
 
 from .admission import NORM_ACTIONS
 from .aggregation import AGGREGATIONS
+from .aggregation.robust import ROBUST_AGGREGATIONS
 from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
+from .aggregation.server_optim import SERVER_OPTIMIZERS
 from .transport import DTYPES, LORA_AGGREGATIONS
 
-SERVER_OPTIMIZERS = ("adam", "sgd")
-ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")  # `aggregation.robust.combiner_from_config`
 # Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
 # the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
 # its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.

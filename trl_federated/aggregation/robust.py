@@ -21,6 +21,9 @@ import math
 
 import torch
 
+# The values of `FedGRPOConfig.robust_aggregation` (`combiner_from_config`): 'none' is the weighted mean.
+ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")
+
 
 class TrimmedMean:
     """Per coordinate, the weighted mean of the clients left after trimming the k = ⌊β n⌋ lowest and highest."""

@@ -14,6 +14,9 @@ import torch
 
 from .blocks import blocks
 
+# The values of `FedGRPOConfig.server_optimizer` (`aggregation.server_optimizer_from_config`).
+SERVER_OPTIMIZERS = ("adam", "sgd")
+
 
 class ServerOptimizer(ABC):
     """Applies Δ to θ; subclasses keep their state explicit and serialisable.
