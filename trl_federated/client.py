@@ -134,7 +134,7 @@ def train_local_round(
             "when `beta` != 0: rename that adapter, or set `beta: 0`."
         )
     set_adapter_state(model, global_state)
-    trainer = None
+    trainer, patched = None, instance_forwards(model)
     try:
         trainer = local_trainer(trainer_class or GRPOTrainer)(
             model=model,
@@ -182,7 +182,36 @@ def train_local_round(
             update.extras = hook.reply()
     finally:
         release_trainer(model, trainer, drop_reference=args.beta != 0)
+        restore_forwards(model, patched)
     return update
+
+
+# Attributes by which a trainer patches a module's `forward` on the instance: TRL's fused LM head
+# (`trl.trainer.utils.add_fused_lm_head`, in every GRPOTrainer's constructor) and accelerate's mixed-precision wrapper.
+_FORWARD_ATTRIBUTES = ("forward", "_original_forward")
+
+
+def instance_forwards(model: PeftModel) -> dict[str, dict[str, Any]]:
+    """The `forward` each module of `model` holds on the instance (not its class's), by module name."""
+    return {
+        name: {attribute: vars(module)[attribute] for attribute in _FORWARD_ATTRIBUTES if attribute in vars(module)}
+        for name, module in model.named_modules()
+    }
+
+
+def restore_forwards(model: PeftModel, forwards: dict[str, dict[str, Any]]) -> None:
+    """Undo what a client trainer patched onto the shared model's forwards (`instance_forwards` before it was built).
+
+    Each GRPOTrainer wraps the forward it finds, so without this the forward of client-round k would run through k
+    nested wrappers: every step slower, and Python's recursion limit reached near a thousand client-rounds.
+    """
+    for name, module in model.named_modules():
+        before = forwards.get(name, {})
+        for attribute in _FORWARD_ATTRIBUTES:
+            if attribute in before:
+                setattr(module, attribute, before[attribute])
+            elif attribute in vars(module):
+                delattr(module, attribute)
 
 
 # The adapter TRL adds to a PeftModel for the KL reference when beta != 0 (GRPOTrainer.__init__).
