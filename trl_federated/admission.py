@@ -28,7 +28,7 @@ from numbers import Real
 
 from .adapters import AdapterState, InvalidUpdateError
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import check_state, refuse_extras, state_distance
+from .aggregation.base import check_state, norm_scale, refuse_extras, state_distance
 
 logger = logging.getLogger(__name__)
 
@@ -180,11 +180,12 @@ class UpdateGate:
         if self.max_update_norm is None:
             return
         norm = state_distance(update.state, self.global_state)
-        if norm > self.max_update_norm:
-            if self.norm_action == "reject":
-                reject(f"‖θ_i − θ‖ = {norm:.4g} exceeds update_norm_bound ({self.max_update_norm:.4g})")
-            scale = self.max_update_norm / norm
-            logger.warning("Client %r: ‖θ_i − θ‖ = %.4g clipped to %.4g.", update.client_id, norm, self.max_update_norm)
+        try:
+            scale = norm_scale(norm, self.max_update_norm, self.norm_action, "‖θ_i − θ‖", "update_norm_bound",
+                               update.client_id)
+        except ValueError as error:
+            reject(str(error))
+        if scale != 1.0:
             update.state = {
                 key: (
                     reference.double() + scale * (update.state[key].double() - reference.double())

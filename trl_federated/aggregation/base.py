@@ -3,6 +3,7 @@ hooks of a strategy that keeps state per client."""
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from ..config import FedGRPOConfig
 
 AdapterState = dict[str, torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -279,6 +282,17 @@ def state_distance(state: AdapterState, reference: AdapterState) -> float:
 def state_norm(state: AdapterState) -> float:
     """‖state‖₂ over all entries."""
     return math.sqrt(sum(_norm(value.float()) ** 2 for value in state.values()))
+
+
+def norm_scale(norm: float, bound: float, norm_action: str, measured: str, bound_name: str, client_id: str) -> float:
+    """The factor that brings a client's `measured` quantity (its norm `norm`) within `bound`: 1 when it is within;
+    over it, `ValueError` naming both with `norm_action="reject"`, else (`"clip"`) `bound / norm`, logged."""
+    if norm <= bound:
+        return 1.0
+    if norm_action == "reject":
+        raise ValueError(f"{measured} = {norm:.4g} exceeds {bound_name} ({bound:.4g})")
+    logger.warning("Client %r: %s = %.4g clipped to %.4g.", client_id, measured, norm, bound)
+    return bound / norm
 
 
 def _norm(tensor: torch.Tensor) -> float:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -18,12 +17,11 @@ from .base import (
     ClientUpdate,
     check_state,
     non_finite_entries,
+    norm_scale,
     state_norm,
 )
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
-
-logger = logging.getLogger(__name__)
 
 # The extras SCAFFOLD exchanges with a client: c and c_i down, Δc_i up.
 SERVER_CONTROL, CLIENT_CONTROL, CONTROL_DELTA = "server_control", "client_control", "control_delta"
@@ -89,12 +87,8 @@ class ScaffoldAggregator(FedAvgAggregator):
         if norm_bound is None:
             return
         bound = norm_bound * math.sqrt(sum(tensor.numel() for tensor in global_state.values()))
-        norm = state_norm(delta)
-        if norm > bound:
-            if norm_action == "reject":
-                raise ValueError(f"‖Δc_i‖ = {norm:.4g} exceeds the control bound ({bound:.4g})")
-            scale = bound / norm
-            logger.warning("Client %r: ‖Δc_i‖ = %.4g clipped to %.4g.", update.client_id, norm, bound)
+        scale = norm_scale(state_norm(delta), bound, norm_action, "‖Δc_i‖", "the control bound", update.client_id)
+        if scale != 1.0:
             update.extras[CONTROL_DELTA] = {key: value * scale for key, value in delta.items()}
 
     def accept(self, update: ClientUpdate) -> None:
