@@ -79,6 +79,15 @@ def test_two_processes_match_one(tmp_path, model_dir, aggregation):
     # ... which is a real comparison: training moved the adapter by far more than that tolerance.
     assert single["moved"] > 1e-2 and rank0["moved"] > 1e-2
 
+    # Every process evaluates (before training and after the last round), each half of the 12 rows' batches, and
+    # all hold the gathered result; before training (the same adapter in both runs) it is one process's, exactly.
+    assert list(single["evaluations"]) == list(rank0["evaluations"]) == ["-1", "1"]
+    assert single["evaluated_rows"] == 2 * 12
+    assert rank0["evaluated_rows"] == rank1["evaluated_rows"] == 12
+    assert rank0["evaluations"] == rank1["evaluations"]
+    assert rank0["evaluations"]["-1"] == single["evaluations"]["-1"]
+    assert single["evaluations"]["-1"]["count"] == {"simple": 4, "medium": 4, "hard": 4, "Total": 12}
+
     # Files are written once: the same set of outputs and one metrics line per event, as with one process.
     def listing(root):
         return sorted(str(path.relative_to(root)) for path in root.rglob("*") if "clients" not in path.parts)
@@ -119,8 +128,8 @@ def test_zero_2_is_accepted(monkeypatch):
 
 @pytest.mark.parametrize("eval_initial", ["true", "false"])  # fails before round 0, or inside the last round
 def test_a_failure_on_the_main_process_stops_every_process(tmp_path, model_dir, eval_initial):
-    """Only the main process evaluates: when that raises, the other process must stop too, with the main
-    process's error in the log, instead of waiting at the next collective for a result that never comes."""
+    """The evaluation raises on the main process only: the other process must stop too, with the main process's
+    error in the log, instead of waiting at the evaluation's gather for scores that never come."""
     overrides = [*CLIENT_SGD, "broken_evaluation=1", f"eval_initial={eval_initial}"]
     log = launch(tmp_path, "broken", 2, overrides, expect_failure=True)  # within launch's 300 s, or it times out
     assert "[rank0]: OSError: evaluation storage is gone" in log

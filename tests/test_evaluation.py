@@ -198,3 +198,39 @@ def test_accuracy_table_with_chosen_labels_and_missing_values():
 def test_accuracy_table_orders_geoqa_primitives_as_the_paper():
     results = {"Round 1": {"polygons": 0.5, "circles": 0.25, "lines": 0.75, "points": 1.0, "other": 0.0, "Total": 0.5}}
     assert format_accuracy_table(results).splitlines()[0] == "| | points | lines | circles | polygons | other | Total |"
+
+
+@pytest.mark.parametrize(
+    "use_cpu", [True, pytest.param(False, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+)
+def test_the_evaluation_before_training_runs_in_the_training_precision_and_device(
+    tiny_model, tiny_tokenizer, fast_args, eval_dataset, use_cpu
+):
+    """With `bf16`, `Trainer` runs the forward passes under accelerate's bf16 autocast, on CPU as on GPU: the round −1
+    evaluation does too, on the device accelerate gives the process, and the weights stay float32."""
+    from conftest import length_reward
+    from trl_federated import FederatedRunner
+
+    args = fast_args(bf16=True, use_cpu=use_cpu, max_completion_length=4)
+    clients = [Dataset.from_dict({"prompt": ["a b c"] * 4})] * 2
+    runner = FederatedRunner(
+        tiny_model, length_reward, args, clients, processing_class=tiny_tokenizer, eval_dataset=eval_dataset
+    )
+    activations = set()
+
+    def record(module, inputs, output):
+        activations.add((output.dtype, output.device))
+
+    hooks = [
+        module.register_forward_hook(record)
+        for module in runner.model.modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    try:
+        assert runner.server.start_run() == 0
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert runner.evaluations[-1]["count"]["Total"] == len(eval_dataset)
+    assert activations == {(torch.bfloat16, args.device)}  # where Trainer puts the model (PartialState)
+    assert {parameter.dtype for parameter in runner.model.parameters()} == {torch.float32}

@@ -2,9 +2,10 @@
 
 Every process runs the same rounds: each client's local steps are data-parallel over the processes (TRL's
 trainer wraps the shared model in DDP or DeepSpeed), so all processes end a client's round with the same adapter
-and the same gathered R̄. Decisions that rest on one process's view, such as the wall clock of a deadline, the
-server step and evaluation, are taken on the main process and broadcast, so that no two processes can ever
-disagree about which clients count or what the next global adapter is.
+and the same gathered R̄. Decisions that rest on one process's view, such as the wall clock of a deadline, and the
+server step are taken on the main process and broadcast, so that no two processes can ever disagree about which
+clients count or what the next global adapter is. Evaluation is shared: every process generates its share of the
+batches and the per-row scores are gathered (`evaluation.evaluate_accuracy`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ scores with `accuracy_reward` unless given `reward_funcs`; the federation's serv
 `FederatedStrategy`) passes the training reward functions, weighted as in training, unless given
 `eval_reward_funcs`, so what is reported is what is optimised; `trl-federated run` passes `eval_reward_funcs`
 (default: accuracy). Vision-language models are evaluated through their processor, with each row's `image` (or `images`)
-placed in its prompt as TRL does in training.
+placed in its prompt as TRL does in training. The server evaluates in the training's mixed precision, and under
+`accelerate launch` on every process, each generating its share of the batches.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
@@ -48,6 +52,9 @@ def check_eval_reward_funcs(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> 
         )
     return funcs
 
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtype `accelerate` autocasts a `Trainer`'s forward passes to under each `TrainingArguments.mixed_precision`."""
 
 ANSWER_STOP = ("</answer>",)
 """Where evaluation stops a completion by default: the closing tag of the paper's answer format."""
@@ -113,6 +120,8 @@ def evaluate_accuracy(
     reward_funcs: RewardFunc | Sequence[RewardFunc] = accuracy_reward,
     reward_weights: Sequence[float] | None = None,
     stop_strings: Sequence[str] = ANSWER_STOP,
+    mixed_precision: str = "no",
+    distributed: bool = False,
 ) -> dict[str, Any]:
     """Greedy-decode every prompt of `dataset` and report the mean reward, overall and per value of `label_column`.
 
@@ -142,6 +151,12 @@ def evaluate_accuracy(
         stop_strings: texts that end a completion (kept in it); empty to always generate `max_new_tokens`. With
             the default, the first complete answer is the one scored, also where `accuracy_reward` on a longer
             completion would score a later one.
+        mixed_precision: the training's `TrainingArguments.mixed_precision` ("no", "bf16" or "fp16"): generation
+            runs under `torch.autocast` to its dtype on the model's device, as `accelerate` runs a `Trainer`'s
+            forward passes (fp16 on an accelerator only, as there); the weights keep their dtype.
+        distributed: under `accelerate launch`, every process calls this together, with the same model and data:
+            process k of K generates and scores the batches k, k + K, ..., and the per-row scores are gathered, so
+            each batch is computed as one process computes it and every process returns one process's result.
 
     Returns:
         `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows},
@@ -161,21 +176,29 @@ def evaluate_accuracy(
 
     started = time.perf_counter()
     reward_columns = [column for column in dataset.column_names if column != "prompt"]
-    rewards: list[float] = [0.0] * len(dataset)
-    # Each function's mean skips the rows it returned None for, as TRL's `rewards/<name>/mean` does; TRL names a
-    # reward function by its `__name__`.
-    scored: dict[str, list[float]] = {func.__name__: [] for func in reward_funcs}
+    batches = _batches_by_length(dataset["prompt"], batch_size)
+    if distributed:
+        state = PartialState()
+        own_batches = batches[state.process_index :: state.num_processes]
+    else:
+        own_batches = batches
+    # Each row's value from each reward function (None: TRL's "not applicable"), for the rows this process scores.
+    row_values: list[tuple[int, list[float | None]]] = []
     was_training = model.training
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     padding_side = tokenizer.padding_side
+    autocast_dtype = AUTOCAST_DTYPES.get(mixed_precision)
+    if mixed_precision == "fp16" and model.device.type == "cpu":
+        autocast_dtype = None  # accelerate trains fp16 on a CPU without autocast
     model.eval()
     tokenizer.padding_side = "left"
     try:
-        for indices in _batches_by_length(dataset["prompt"], batch_size):
+        for indices in own_batches:
             batch = dataset[indices]
             inputs, conversational = _model_inputs(processing_class, batch)
             inputs = inputs.to(model.device)
-            with torch.inference_mode():
+            autocast = torch.autocast(model.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+            with torch.inference_mode(), autocast:
                 output_ids = model.generate(
                     **inputs,
                     do_sample=False,
@@ -187,16 +210,27 @@ def evaluate_accuracy(
             texts = tokenizer.batch_decode(output_ids[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
             columns = {column: batch[column] for column in reward_columns}
-            for func, weight in zip(reward_funcs, weights):
-                values = func(prompts=batch["prompt"], completions=completions, **columns)
-                for index, value in zip(indices, values, strict=True):
-                    if value is not None:
-                        rewards[index] += weight * float(value)
-                        scored[func.__name__].append(float(value))
+            per_function = [func(prompts=batch["prompt"], completions=completions, **columns) for func in reward_funcs]
+            for index, *values in zip(indices, *per_function, strict=True):
+                row_values.append((index, [None if value is None else float(value) for value in values]))
     finally:
         tokenizer.padding_side = padding_side
         if was_training:
             model.train()
+    if distributed:
+        row_values = gather_object(row_values)
+
+    # From here on, every sum runs in one process's order: rows in batch order, functions in their order.
+    values_of = dict(row_values)
+    rewards: list[float] = [0.0] * len(dataset)
+    # Each function's mean skips the rows it returned None for, as TRL's `rewards/<name>/mean` does; TRL names a
+    # reward function by its `__name__`.
+    scored: dict[str, list[float]] = {func.__name__: [] for func in reward_funcs}
+    for index in (index for indices in batches for index in indices):
+        for func, weight, value in zip(reward_funcs, weights, values_of[index]):
+            if value is not None:
+                rewards[index] += weight * value
+                scored[func.__name__].append(value)
 
     per_label: dict[str, list[float]] = defaultdict(list)
     if label_column in dataset.column_names:

@@ -101,8 +101,9 @@ class FederatedServer:
         dataset_name: The Hub id of the clients' data, for the model card.
         report_header: With a header (may be empty), the server also writes `summary.md` and the plots after every
             round (`reporting.ReportCallback`) and `result.json` when the run ends; None: neither.
-        is_main_process, num_processes: Under `accelerate launch`, the main process aggregates, evaluates and
-            writes; the others receive its results, so every process leaves a round identical.
+        is_main_process, num_processes: Under `accelerate launch`, the main process aggregates and writes; the
+            others receive its results, so every process leaves a round identical. Every process takes part in
+            each evaluation, generating its share of the batches (`evaluation.evaluate_accuracy`).
     """
 
     def __init__(
@@ -177,7 +178,7 @@ class FederatedServer:
         resume_from = prepare_output_dir(self.args, self.is_main_process)
         wait_for_everyone()  # the main process may just have cleared output_dir
         if resume_from is None:
-            if self.is_main_process and self.args.eval_initial:
+            if self.args.eval_initial:
                 self.evaluate(round_idx=-1)
             return 0
         first_round = self.load_checkpoint(resume_from) + 1
@@ -295,8 +296,6 @@ class FederatedServer:
                 for update in updates
             }
             record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, current.dropped, received)
-            if round_idx == args.num_rounds - 1 or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
-                record.evaluation = self.evaluate(round_idx)
         if self.num_processes > 1:
             # Every other process receives the new global adapter, the aggregator's state (SCAFFOLD's c and c_i steer
             # its next local steps) and the record, so that all processes leave the round identical.
@@ -304,6 +303,8 @@ class FederatedServer:
                 (self.global_state, self.aggregator.state_dict(), record)
             )
             self.aggregator.load_state_dict(aggregator_state)
+        if round_idx == args.num_rounds - 1 or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
+            record.evaluation = self.evaluate(round_idx)  # on every process, from the same global adapter
         record.wall_time = time.perf_counter() - current.started
         self.history.append(record)
         self._fire("on_round_end", record=record)
@@ -321,6 +322,7 @@ class FederatedServer:
         if self.eval_dataset is None:
             return None
         set_adapter_state(self.model, self.global_state)
+        to_training_device(self.model, self.args)
         results = evaluate_accuracy(
             self.model,
             self.processing_class,
@@ -330,6 +332,8 @@ class FederatedServer:
             max_new_tokens=self.args.max_completion_length,
             reward_funcs=self.eval_reward_funcs,
             reward_weights=self.eval_reward_weights,
+            mixed_precision=self.args.mixed_precision,
+            distributed=self.num_processes > 1,
         )
         release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results
@@ -370,6 +374,14 @@ class FederatedServer:
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
+
+
+def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
+    """Move `model` to `args.device`, where this process trains (accelerate's `PartialState` for `args`), as a
+    `Trainer` places its model when built, so that an evaluation before the first round runs there too; a model
+    placed when loaded (a `device_map`, quantized weights) stays where it is, as `Trainer` leaves it."""
+    if getattr(model, "hf_device_map", None) is None and getattr(model, "hf_quantizer", None) is None:
+        model.to(args.device)
 
 
 def format_round_log(record: RoundRecord, num_rounds: int) -> str:

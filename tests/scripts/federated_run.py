@@ -47,9 +47,21 @@ def deterministic_rollout(prompts, trainer):
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
+EVALUATED_ROWS = [0]  # the rows this process scored, over all evaluations
+
+
+def evaluation_reward(completions, answer, **kwargs):
+    """Varies with the row (its answer) as well as the completion, so that a row's score landing on another row
+    would show; counts the rows this process scores."""
+    EVALUATED_ROWS[0] += len(completions)
+    return [len(completion) / 64 + int(gold) / 100 for completion, gold in zip(completions, answer)]
+
+
 def broken_evaluation_reward(completions, **kwargs):
-    """An evaluation reward that fails: only the main process evaluates, so only it raises."""
-    raise OSError("evaluation storage is gone")
+    """An evaluation reward that fails on the main process only."""
+    if PartialState().is_main_process:
+        raise OSError("evaluation storage is gone")
+    return [0.0] * len(completions)
 
 
 def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
@@ -57,12 +69,12 @@ def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
         output_dir=output_dir, bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
         per_device_train_batch_size=int(per_device_batch), num_generations=NUM_GENERATIONS, max_completion_length=12,
         learning_rate=1e-2, logging_steps=1, num_rounds=2, local_steps=2, reward_window=2, seed=0,
-        aggregation="rpg", server_optimizer="adam", server_learning_rate=1e-2, per_device_eval_batch_size=4,
+        aggregation="rpg", server_optimizer="adam", server_learning_rate=1e-2, per_device_eval_batch_size=2,
     )
-    eval_reward_funcs = None
+    eval_reward_funcs = [evaluation_reward]
     for override in overrides:
         key, value = override.split("=", 1)
-        if key == "broken_evaluation":  # not a config field: the main process's evaluation raises
+        if key == "broken_evaluation":  # not a config field: the evaluation raises on the main process
             eval_reward_funcs = [broken_evaluation_reward]
             continue
         if value in ("true", "false"):
@@ -74,8 +86,13 @@ def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
         f"site-{c}": Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(8)]})
         for c in range(2)
     }
+    # 12 rows of different lengths in 6 batches of 2, over three labels: 3 batches for each of 2 processes.
     evaluation = Dataset.from_dict(
-        {"prompt": ["What is 2 + 2?", "What is 3 + 3?"], "answer": ["4", "6"], "difficulty": ["simple", "simple"]}
+        {
+            "prompt": [f"What is {i} + {'1 + ' * (i % 5)}{i}?" for i in range(12)],
+            "answer": [str(2 * i + i % 5) for i in range(12)],
+            "difficulty": [("simple", "medium", "hard")[i % 3] for i in range(12)],
+        }
     )
     runner = FederatedRunner(
         AutoModelForCausalLM.from_pretrained(model_dir), length_reward, args, clients,
@@ -94,6 +111,11 @@ def main(model_dir, output_dir, ranks_dir, per_device_batch, *overrides):
                 "global_state": {key: value.tolist() for key, value in runner.global_state.items()},
                 "rewards": [record.rewards for record in history],
                 "weights": [record.weights for record in history],
+                "evaluated_rows": EVALUATED_ROWS[0],
+                "evaluations": {
+                    str(round_idx): {key: value for key, value in results.items() if key != "seconds"}
+                    for round_idx, results in runner.evaluations.items()
+                },
             },
             handle,
         )
