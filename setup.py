@@ -29,11 +29,15 @@ EXTRAS = {
         "tensorboard>=2.16",
     ],
     "deepspeed": ["deepspeed>=0.18.6"],
+    # TRL's own vLLM extra (vllm>=0.22,<=0.31, requests, aiohttp), for `use_vllm` with `vllm_mode: server`: the GPU
+    # machine that runs `trl vllm-serve`, and every training process (TRL's VLLMClient imports vLLM)
+    "vllm": ["trl[vllm]==1.16.0"],
     "flower": ["flwr[simulation]>=1.41,<2"],
     "vlm": ["Pillow>=10", "num2words==0.5.14"],
     "notebooks": ["nbmake>=1.5", "ipykernel>=6"],
 }
-EXTRAS["dev"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+# Everything but vLLM, a GPU-only install of several hundred MB
+EXTRAS["dev"] = sorted({req for name, reqs in EXTRAS.items() if name != "vllm" for req in reqs})
 
 setup(
     name="trl-federated",

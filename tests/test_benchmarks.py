@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,23 @@ def test_gated_mlp_benchmark_gives_equal_gradients():
     result = load("gated_mlp").measure(model="tiny", repeats=1)
     assert result["gradients_equal"]
     assert result["autograd_cpu_s"] > 0 and result["recomputed_cpu_s"] > 0
+
+
+def test_gpu_check_runs_the_plain_path_on_cpu_and_builds_its_table(tmp_path):
+    """`benchmarks/gpu_check.py`'s CPU setting: the quickstart and one round of each method on the tiny model, in
+    this process (the DeepSpeed and concurrent parts need a GPU)."""
+    gpu_check = load("gpu_check")
+    argv = ["--device", "cpu", "--tiny", "--parts", "quickstart,plain", "--output_dir", str(tmp_path)]
+    assert gpu_check.main(argv) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text(encoding="utf-8"))
+    rows = result["rows"]
+    assert [(row["part"], row["run"]) for row in rows] == [
+        ("quickstart", "3 clients"), ("plain", "fgrpo"), ("plain", "fedprox"), ("plain", "scaffold")
+    ]
+    for row in rows:
+        assert 0 < row["step_s"] < row["round_s"] < row["wall_s"] and row["eval_s"] > 0
+        assert "peak_gpu_gib" not in row and "note" not in row
+    assert (tmp_path / "fgrpo" / "adapter_model.safetensors").exists()
+    assert gpu_check.max_abs_diff(tmp_path / "fgrpo", tmp_path / "fgrpo") == 0
+    table = (tmp_path / "gpu_check.md").read_text(encoding="utf-8")
+    assert "| part | run | wall_s |" in table and table.count("| plain |") == 3

@@ -143,14 +143,6 @@ def test_runner_rejects_empty_clients(tmp_path, tiny_model_dir, tiny_tokenizer, 
         )
 
 
-def test_colocated_vllm_is_refused_by_name(tiny_model, tiny_tokenizer, fast_args):
-    # Checked before any engine starts, so it needs no vLLM installed.
-    args = fast_args()
-    args.use_vllm, args.vllm_mode = True, "colocate"
-    with pytest.raises(ValueError, match="vllm_mode='server'"):
-        FederatedRunner(tiny_model, length_reward, args, client_datasets(), processing_class=tiny_tokenizer)
-
-
 def test_progress_bar_counts_local_steps_and_shows_the_client(
     tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, capsys
 ):

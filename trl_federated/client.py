@@ -28,6 +28,7 @@ from .config import FedGRPOConfig
 from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
 from .memory import ReleaseFreeMemory, release_free_memory
 from .transport import WireFormat
+from .vllm_server import reuse_vllm_client
 
 
 class ClientTimeoutError(TimeoutError):
@@ -136,15 +137,16 @@ def train_local_round(
     set_adapter_state(model, global_state)
     trainer, patched = None, instance_forwards(model)
     try:
-        trainer = local_trainer(trainer_class or GRPOTrainer)(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            processing_class=processing_class,
-            callbacks=list(callbacks or []),
-            **(trainer_kwargs or {}),
-        )
+        with reuse_vllm_client():  # vLLM server mode: one client and weight-sync group per process (`vllm_server`)
+            trainer = local_trainer(trainer_class or GRPOTrainer)(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
+                callbacks=list(callbacks or []),
+                **(trainer_kwargs or {}),
+            )
         if args.beta != 0:
             # π_ref stays θ^{[0]} in every round (see `reference_state`), not the θ^{[t]} TRL just copied.
             if reference_state is None:
@@ -221,15 +223,11 @@ REFERENCE_ADAPTER = "ref"
 def release_trainer(model: PeftModel, trainer: LocalGRPOMixin | None, drop_reference: bool = True) -> None:
     """Drop everything a finished (or failed) client trainer holds (optimizer state and, with `drop_reference`,
     the `ref` adapter TRL added for its KL term) so that memory stays flat in the number of clients. A `ref`
-    adapter of the user's own (a run with beta = 0) is left alone."""
+    adapter of the user's own (a run with beta = 0) is left alone. A vLLM client stays open for the next client's
+    trainer (`vllm_server.reuse_vllm_client`)."""
     if drop_reference and REFERENCE_ADAPTER in model.peft_config:
         model.delete_adapter(REFERENCE_ADAPTER)
         model.set_adapter("default")
-    vllm = getattr(trainer, "vllm_generation", None)
-    if getattr(vllm, "vllm_client", None) is not None:
-        # The vLLM server outlives the trainer: release this trainer's weight-sync channel to it, so that the next
-        # client's trainer can open its own.
-        vllm.vllm_client.close_communicator()
     if trainer is not None:
         trainer.accelerator.free_memory()
     del trainer

@@ -648,6 +648,37 @@ class FedGRPOConfig(GRPOConfig):
             raise ValueError(message)
         for message in self._robustness_errors():
             raise ValueError(message)
+        if self.num_clients > 1:
+            self.check_vllm()
+
+    def check_vllm(self, parallel_clients: bool = False) -> None:
+        """Refuse, by name, a vLLM setting that federated clients cannot generate with. Every entry point calls it
+        before it loads a model or starts an engine: this config when it declares a federation (`num_clients > 1`),
+        `FederatedRunner`, the federated `FedGRPOTrainer` and the Flower `ClientApp` (whose config may have been
+        changed since), and the Flower `ServerApp` under the Simulation Engine with `parallel_clients`: there the
+        ClientApps run in worker processes of their own, concurrently.
+
+        Supported: `use_vllm` with `vllm_mode="server"` (one vLLM server, `trl vllm-serve`), shared by the clients of
+        one process in turn, each client's trainer pushing its merged weights before it generates (see
+        `vllm_server`).
+        """
+        if not self.use_vllm:
+            return
+        if self.vllm_mode == "colocate":  # TRL's default mode
+            raise ValueError(
+                "`use_vllm` with `vllm_mode='colocate'` would start a vLLM engine, and load the base model into it, "
+                "for every client's trainer in every round. Use `vllm_mode='server'`: one `trl vllm-serve` engine "
+                "serves all clients and rounds, and TRL pushes each client's merged weights to it without reloading."
+            )
+        if parallel_clients:
+            raise ValueError(
+                "`use_vllm` with clients trained in parallel processes (Flower's Simulation Engine): a vLLM server "
+                "holds one set of weights, which each client's trainer overwrites with its own before it generates, "
+                "so concurrent clients would generate with each other's weights, and each process would open a "
+                "weight-sync group of its own to the server on `vllm_group_port`. Train the clients in one process "
+                "(`trl-federated run`, `FederatedRunner`, `FedGRPOTrainer`), or give each SuperNode of a Flower "
+                "deployment its own vLLM server."
+            )
 
     def federation_warnings(self, reward_range: tuple[float, float] | None = None) -> list[str]:
         """What about this configuration makes a federation learn something other than the user likely means, one

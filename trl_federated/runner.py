@@ -100,6 +100,7 @@ class FederatedRunner(ServerStateView):
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
+        args.check_vllm()  # before the model loads
         check_parameters_unsharded()
         self.trainer_class = local_trainer(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
         self.args = args
@@ -206,12 +207,6 @@ class FederatedRunner(ServerStateView):
             raise ValueError(
                 f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds the {num_clients} clients of the "
                 "federation: no round could ever aggregate."
-            )
-        if args.use_vllm and args.vllm_mode == "colocate":
-            raise ValueError(
-                "`use_vllm` with `vllm_mode='colocate'` would start a vLLM engine, and load the base model into it, "
-                "for every client's trainer in every round. Use `vllm_mode='server'`: one `trl vllm-serve` engine "
-                "serves all clients and rounds, and TRL pushes each client's merged weights to it without reloading."
             )
         # TRL's sampler draws generation_batch_size / num_generations distinct prompts per generation batch and
         # skips an incomplete batch, so a smaller client would never take a step.

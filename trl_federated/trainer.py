@@ -36,7 +36,8 @@ class FederatedGRPOMixin(LocalGRPOMixin):
     `eval_dataset` is scored with `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a
     single-client `train()` evaluates as `GRPOTrainer` does and ignores it. A federation exchanges a LoRA adapter and
     builds a fresh optimizer for every client round, so federated mode refuses a model without a PEFT adapter (pass
-    `peft_config`) and `optimizers`, by name, when the trainer is built.
+    `peft_config`) and `optimizers`, by name, when the trainer is built; a vLLM setting that clients cannot share
+    (`FedGRPOConfig.check_vllm`: `vllm_mode="colocate"`) is refused before the model loads.
     """
 
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
@@ -44,13 +45,16 @@ class FederatedGRPOMixin(LocalGRPOMixin):
         # (Named after the constructor of the class the mixins extend: the mixins' `__init__` take anything.)
         self._init_arguments = _named_arguments(super(FastGRPOMixin, self).__init__, args, kwargs)
         self.eval_reward_funcs = eval_reward_funcs
+        if _federating(self._init_arguments.get("args")):
+            # Before GRPOTrainer's constructor loads a model given by name and starts a colocated vLLM engine.
+            self._init_arguments["args"].check_vllm()
         super().__init__(*args, **kwargs)
         if self._federates:
             self._check_federated_arguments()
 
     @property
     def _federates(self) -> bool:
-        return isinstance(self.args, FedGRPOConfig) and self.args.num_clients > 1
+        return _federating(self.args)
 
     def _check_federated_arguments(self) -> None:
         """Refuse, by name, the arguments a federation cannot honour."""
@@ -164,6 +168,11 @@ def _named_arguments(init, args: tuple, kwargs: dict) -> dict:
         else:
             named[name] = value
     return named
+
+
+def _federating(args) -> bool:
+    """Whether a trainer with `args` runs a federation."""
+    return isinstance(args, FedGRPOConfig) and args.num_clients > 1
 
 
 _GRPO_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # after `self`

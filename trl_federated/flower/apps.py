@@ -98,7 +98,10 @@ def make_client_app(
     `client.train_local_round`, the runner's own code, from the received global adapter with the seed of
     (round, client index), and replies with the adapter in the server's wire format, R̄, the sample count and the
     training metrics. A local round that fails replies with an error naming the client, the kind of failure
-    ("timeout" past `client_timeout`, else "error") and the reason, which the server logs as a dropped client.
+    ("timeout" past `client_timeout`, else "error") and the reason, which the server logs as a dropped client; so
+    does a site config with a vLLM setting that clients cannot use (`FedGRPOConfig.check_vllm`:
+    `vllm_mode="colocate"`), before any trainer or engine is built. With `vllm_mode="server"`, give each SuperNode
+    its own vLLM server.
 
     It also answers the server's identity query (which client a node serves) from `identify(context)`, without
     loading anything. The messages both ways are documented in `flower.records`; a stock Flower strategy's train
@@ -119,6 +122,7 @@ def make_client_app(
             instruction = TrainInstruction.from_content(message.content)
             check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
             site = load_site(context)
+            site.args.check_vllm()  # before the site's model is wrapped or any trainer (or vLLM engine) is built
             model, global_state, wire = _prepare_site_model(site, instruction)
             args = local_training_args(
                 site.args, instruction.round_idx, client_index, instruction.num_clients or site.args.num_clients,
@@ -203,7 +207,8 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
     Under the Simulation Engine the ServerApp's `context.node_config` carries `num-partitions`, the number of
     simulated SuperNodes, as every simulated ClientApp's does, so that `build_strategy` can size the federation by
     it (`run_config.federation_arguments`); a strategy whose `num_clients` differs is refused before any round
-    (`FederationSizeError`, naming both numbers).
+    (`FederationSizeError`, naming both numbers), and so is `use_vllm`, whose one server cannot serve the concurrent
+    simulated clients (`FedGRPOConfig.check_vllm`).
     """
     app = ServerApp()
 
@@ -214,6 +219,8 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
             context.node_config[NUM_PARTITIONS] = federation_size
         strategy = build_strategy(context)
         check_federation_size(federation_size, strategy.args.num_clients)
+        if federation_size is not None:  # simulated ClientApps run in worker processes of their own
+            strategy.args.check_vllm(parallel_clients=True)
         strategy.run(grid)
 
     return app

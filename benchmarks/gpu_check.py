@@ -1,0 +1,222 @@
+"""The GPU check: the quickstart on one GPU, DeepSpeed ZeRO-2 against the plain path, two clients at once.
+
+    python benchmarks/gpu_check.py [--device cuda] [--parts quickstart,plain,deepspeed,concurrent] [--output_dir DIR]
+    python benchmarks/gpu_check.py --device cpu --tiny --parts quickstart,plain     # a quick check of the script
+
+Any other flag goes to every run as a `trl-federated run` flag (e.g. `--model_name_or_path /tmp/smollm2`).
+
+Parts (each `trl-federated run` on examples/configs/quickstart.yaml, 3 clients, bf16 on CUDA):
+- quickstart: the config as it is (3 rounds), in this process: seconds per local step and per round, evaluation
+  seconds, peak GPU memory (`torch.cuda.max_memory_allocated`).
+- plain: one round each of FGRPO (aggregation rpg), FedProx and SCAFFOLD, in this process.
+- deepspeed: the same rounds under `accelerate launch --config_file examples/accelerate/deepspeed_zero2.yaml
+  --num_processes 1`; each row gives the max abs difference of its global adapter from the plain path's.
+- concurrent: `flwr run examples/flower` on the Simulation Engine with 2 SuperNodes, one client at a time
+  (`num-gpus` 1 per client) and two at once (0.5); needs `trl-federated[flower]` (Ray).
+With `--tiny`, the tiny offline model (`trl_federated.testing`) and a small benchmark replace SmolLM2 and 400 items.
+The table is printed and written to `output_dir/gpu_check.md` and `gpu_check.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "configs" / "quickstart.yaml"
+ZERO2 = ROOT / "examples" / "accelerate" / "deepspeed_zero2.yaml"
+FLOWER_APP = ROOT / "examples" / "flower"
+PARTS = ("quickstart", "plain", "deepspeed", "concurrent")
+METHODS = {"fgrpo": "rpg", "fedprox": "fedprox", "scaffold": "scaffold"}
+# Flower's `--federation-config` for the concurrent part, by label: the Simulation Engine's SuperNodes and the share
+# of the GPU each simulated client takes (two at once at 0.5). Adjust here as Flower's keys change.
+FEDERATIONS = {
+    "sequential": "num-supernodes=2 client-resources-num-gpus=1 client-resources-num-cpus=4",
+    "concurrent": "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4",
+}
+COLUMNS = ("part", "run", "wall_s", "step_s", "round_s", "eval_s", "peak_gpu_gib", "max_abs_diff", "note")
+
+
+def run_flags(device: str, tiny_model: Path | None) -> list[str]:
+    """`trl-federated run` flags on top of the quickstart config for the device (bf16 on CUDA) and the tiny setting."""
+    flags = ["--config", str(CONFIG), "--overwrite_output_dir", "true"]
+    flags += ["--use_cpu", "false", "--bf16", "true"] if device == "cuda" else ["--use_cpu", "true", "--bf16", "false"]
+    if tiny_model is not None:
+        flags += ["--model_name_or_path", str(tiny_model), "--benchmark_size", "60", "--max_completion_length", "8",
+                  "--per_device_eval_batch_size", "8"]  # fmt: skip
+    return flags
+
+
+def timings(output_dir: Path) -> dict:
+    """Seconds per local step, per round and per evaluation, averaged over a run's `metrics.jsonl`."""
+    events = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+    def mean(values):
+        return sum(values) / len(values) if values else None
+
+    clients = [event for event in events if event["event"] == "client"]
+    return {
+        "step_s": mean([event["train_seconds"] / len(event["step_rewards"]) for event in clients]),
+        "round_s": mean([event["wall_time"] for event in events if event["event"] == "round"]),
+        "eval_s": mean([event["seconds"] for event in events if event["event"] == "evaluation"]),
+    }
+
+
+def run_here(flags: list[str], output_dir: Path, device: str) -> dict:
+    """One `trl-federated run` in this process: its wall time, timings and peak GPU memory."""
+    from trl_federated.cli import run
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    run([*flags, "--output_dir", str(output_dir)])
+    row = {"wall_s": time.perf_counter() - started, **timings(output_dir)}
+    if device == "cuda":
+        row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def run_launched(command: list[str], output_dir: Path, env: dict | None = None) -> dict:
+    """A command in a process of its own (its output in `output_dir.log`): its wall time and the run's timings."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(f"{output_dir}.log", "w", encoding="utf-8") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    row = {"wall_s": time.perf_counter() - started}
+    if code != 0 or not (output_dir / "metrics.jsonl").exists():
+        return {**row, "note": f"failed (exit {code}), see {output_dir}.log"}
+    return {**row, **timings(output_dir)}
+
+
+def max_abs_diff(a: Path, b: Path) -> float:
+    """The largest difference between two runs' final global adapters."""
+    first, second = (load_file(path / "adapter_model.safetensors") for path in (a, b))
+    return max((first[key].float() - second[key].float()).abs().max().item() for key in first)
+
+
+def environment() -> dict[str, str]:
+    """This process's environment with the checkout importable in child processes."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def quickstart_part(flags, output_dir, device):
+    return [{"part": "quickstart", "run": "3 clients", **run_here(flags, output_dir / "quickstart", device)}]
+
+
+def method_flags(flags: list[str], aggregation: str) -> list[str]:
+    return [*flags, "--aggregation", aggregation, "--num_rounds", "1", "--eval_initial", "false"]
+
+
+def plain_part(flags, output_dir, device):
+    return [{"part": "plain", "run": name, **run_here(method_flags(flags, aggregation), output_dir / name, device)}
+            for name, aggregation in METHODS.items()]  # fmt: skip
+
+
+def deepspeed_part(flags, output_dir, device):
+    rows = []
+    for name, aggregation in METHODS.items():
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2), "--num_processes",
+                  "1", "-m", "trl_federated.cli", "run", *method_flags(flags, aggregation)]  # fmt: skip
+        zero2 = output_dir / f"{name}-zero2"
+        row = {"part": "deepspeed", "run": name, **run_launched([*launch, "--output_dir", str(zero2)], zero2,
+                                                                 environment())}  # fmt: skip
+        if "note" not in row and (output_dir / name / "adapter_model.safetensors").exists():
+            row["max_abs_diff"] = max_abs_diff(output_dir / name, zero2)
+        rows.append(row)
+    return rows
+
+
+def concurrent_part(flags, output_dir, device):
+    """`flwr run examples/flower` with one simulated client at a time, then two at once."""
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        return [{"part": "concurrent", "run": "2 clients", "note": "skipped: flwr not installed"}]
+    options = dict(zip(flags[::2], flags[1::2], strict=True))
+    run_config = {key.removeprefix("--").replace("_", "-"): value for key, value in options.items()}
+    flwr_home = output_dir / "flwr-home"
+    env = {**environment(), "FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}  # fmt: skip
+    rows = []
+    try:
+        for label, federation in FEDERATIONS.items():
+            run_dir = output_dir / f"flower-{label}"
+            settings = {**run_config, "output-dir": str(run_dir), "num-clients": "2", "num-rounds": "1",
+                        "eval-initial": "false"}
+            command = [str(Path(sys.executable).parent / "flwr"), "run", str(FLOWER_APP), "--stream",
+                       "--federation-config", federation,
+                       "--run-config", " ".join(f"{key}='{value}'" for key, value in settings.items())]  # fmt: skip
+            rows.append({"part": "concurrent", "run": f"2 clients, {label}", **run_launched(command, run_dir, env)})
+    finally:
+        stop_local_superlinks(flwr_home)
+    return rows
+
+
+def stop_local_superlinks(flwr_home: Path) -> None:
+    """Stop the local SuperLink `flwr run` started, detached, for `flwr_home` (its command line names its log)."""
+    log_file = str(flwr_home / "local-superlink" / "superlink.log").encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and log_file in (entry / "cmdline").read_bytes().split(b"\0"):
+                os.killpg(int(entry.name), signal.SIGTERM)  # its own session: the SuperLink and its children
+        except (OSError, ProcessLookupError):
+            continue
+
+
+PART_RUNNERS = {"quickstart": quickstart_part, "plain": plain_part, "deepspeed": deepspeed_part,
+                "concurrent": concurrent_part}  # fmt: skip
+
+
+def markdown(rows: list[dict]) -> str:
+    def cell(value):
+        return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(row.get(column)) for column in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny offline model and a 60-item benchmark")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, among {', '.join(PARTS)}")
+    parser.add_argument("--output_dir", type=Path, default=ROOT / "outputs" / "gpu-check")
+    options, run_options = parser.parse_known_args(argv)
+    parts = options.parts.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose among {PARTS}")
+    if options.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    options.output_dir.mkdir(parents=True, exist_ok=True)
+    tiny_model = None
+    if options.tiny:
+        from trl_federated.testing import save_tiny_model
+
+        tiny_model = save_tiny_model(options.output_dir / "tiny-model")
+    flags = run_flags(options.device, tiny_model) + run_options
+    rows = [row for part in parts for row in PART_RUNNERS[part](flags, options.output_dir, options.device)]
+    device = torch.cuda.get_device_name() if options.device == "cuda" else "CPU"
+    result = {"device": device, "torch": torch.__version__, "tiny": options.tiny, "rows": rows}
+    (options.output_dir / "gpu_check.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    table = f"GPU check on {device} (torch {torch.__version__}{', tiny model' if options.tiny else ''})\n\n"
+    table += markdown(rows) + "\n"
+    (options.output_dir / "gpu_check.md").write_text(table, encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
