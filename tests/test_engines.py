@@ -14,7 +14,6 @@ from trl_federated.adapters import get_adapter_state, with_federated_adapter
 from trl_federated.aggregation import FedAvgAggregator, ScaffoldAggregator
 from trl_federated.aggregation.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL
 from trl_federated.client import local_training_args, train_local_round
-from trl_federated.local_trainer import ProximalTerm
 from trl_federated.master_weights import MasterWeightsError
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
@@ -127,23 +126,6 @@ def test_a_loss_term_adds_its_gradient_once_per_optimizer_step(tiny_model_dir, t
     for key, value in fedavg.state.items():
         correction = extras[SERVER_CONTROL][key] - extras[CLIENT_CONTROL][key]
         torch.testing.assert_close(scaffold.state[key] - value, -0.1 * correction, atol=1e-6, rtol=0)
-
-
-def test_the_proximal_term_is_mu_times_the_distance_to_the_round_start():
-    """μ (θ − θ^{[t]}) as a loss term: gradient exactly that, value 0 (the logged loss stays the GRPO loss)."""
-    model = torch.nn.Linear(3, 2)
-    term = ProximalTerm(mu=0.5)
-    term.on_train_begin(None, None, None, model=model)
-    start = [param.detach().clone() for param in model.parameters()]
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param))
-    term.on_step_begin(None, None, None)
-    loss = term.loss_term()
-    loss.backward()
-    assert loss.item() == 0.0
-    for param, theta0 in zip(model.parameters(), start):
-        torch.testing.assert_close(param.grad, 0.5 * (param.detach() - theta0), atol=0, rtol=0)
 
 
 def bfloat16_adapter(model_dir, seed=0):
