@@ -138,7 +138,8 @@ def train_local_round(
     set_adapter_state(model, global_state)
     if args.deepspeed_plugin is not None:
         # Each trainer hands its DeepSpeed plugin to a new `Accelerator`, which accelerate refuses once a DeepSpeed
-        # state exists in the process (the previous client round's): each round's trainer starts from a fresh one.
+        # state exists in the process (the previous client round's): each round's trainer starts from a fresh one,
+        # as `Trainer` does for the trials of a hyperparameter search.
         AcceleratorState._reset_state()
     trainer, patched = None, instance_forwards(model)
     try:

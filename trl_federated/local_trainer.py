@@ -1,7 +1,7 @@
 """The client side of FGRPO (Algorithm 1, lines 4-18) on any `trl.GRPOTrainer` subclass: what one client's trainer
-adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule,
-FedProx's proximal term) and the callbacks a client round attaches (FedProx, the round deadline; SCAFFOLD's correction
-is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared prefix, gated-MLP
+adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule, the
+loss terms of its callbacks) and the callbacks a client round attaches (FedProx, the round deadline; SCAFFOLD's
+correction is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared prefix, gated-MLP
 recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
@@ -33,7 +33,8 @@ class LocalGRPOMixin(FastGRPOMixin):
     On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the B prompts x K completions the
     step trained on, summed over reward functions with their weights, as TRL logs `reward`) in `step_rewards`, and
     `window_reward()` gives the client's report R̄^{[t]}: the mean of the last `reward_window` (W) steps. With a
-    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`) and, for a client of a federation
+    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`), the `loss_term()` of any callback that
+    has one (`compute_loss`) and, for a client of a federation
     (`federation_round` set), the learning-rate schedule of the whole federation. It builds on
     `speedups.FastGRPOMixin`, so a client trains with the speed-ups its config turns on (`shared_prefix`,
     `recompute_gated_mlp`).
