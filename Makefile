@@ -6,11 +6,11 @@ BIN := $(VENV)/bin
 .PHONY: install demo test test-slow test-flower gpu-wheels
 
 # torch==2.13.0 first: it is the CPU build, and pip keeps it; an unpinned torch would pull a multi-GB CUDA build.
-# The flower extra too: the Flower tests run with the suite.
+# The flower and deepspeed extras too: the Flower and DeepSpeed (ZeRO-2 on CPU) tests run with the suite.
 $(VENV)/.installed: setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,flower]"
+	$(BIN)/python -m pip install --quiet -e ".[test,flower,deepspeed]"
 	touch $@
 
 install: $(VENV)/.installed

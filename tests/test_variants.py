@@ -3,44 +3,34 @@
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FederatedRunner, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.adapters import default_lora_config
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
 from trl_federated.config import FedDAPOConfig, FedGSPOConfig
+from trl_federated.local_trainer import ProximalTerm
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
 
 
-class GradientProbe(TrainerCallback):
-    def __init__(self):
-        self.grads, self.params = [], []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        self.grads.append([p.grad.detach().clone() for p in trainable])
-        self.params.append([p.detach().clone() for p in trainable])
-
-
-def test_fedprox_adds_mu_times_distance_to_round_start(tiny_model_dir, tiny_tokenizer, fast_args):
-    mu = 0.5
-    args = fast_args(aggregation="fedprox", fedprox_mu=mu, max_steps=3, disable_tqdm=True)
-    before, after = GradientProbe(), GradientProbe()
-    trainer = FedGRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
-        train_dataset=PROMPTS, processing_class=tiny_tokenizer, peft_config=default_lora_config(), callbacks=[before],
-    )
-    trainer.add_callback(after)  # runs after the proximal term, `before` runs ahead of it
-    trainer.train()
-    start = before.params[0]
-    assert len(before.grads) == 3
-    for step in range(3):
-        for g0, g1, theta, theta0 in zip(before.grads[step], after.grads[step], after.params[step], start):
-            torch.testing.assert_close(g1 - g0, mu * (theta - theta0))
-    # the term is not vacuous: after the first step the adapter has moved away from the round start
-    assert any(not torch.equal(t, t0) for t, t0 in zip(after.params[2], start))
+def test_fedprox_term_is_mu_times_the_distance_to_the_round_start():
+    """μ (θ − θ^{[t]}) as a loss term: gradient exactly that, value 0 (the logged loss stays the GRPO loss); that it
+    reaches every engine's step once is `test_engines`'."""
+    model = torch.nn.Linear(3, 2)
+    term = ProximalTerm(mu=0.5)
+    term.on_train_begin(None, None, None, model=model)
+    start = [param.detach().clone() for param in model.parameters()]
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))
+    term.on_step_begin(None, None, None)
+    loss = term.loss_term()
+    loss.backward()
+    assert loss.item() == 0.0
+    for param, theta0 in zip(model.parameters(), start):
+        torch.testing.assert_close(param.grad, 0.5 * (param.detach() - theta0), atol=0, rtol=0)
 
 
 def test_fedprox_aggregates_like_fedavg(fast_args):
@@ -100,7 +90,7 @@ def test_scaffold_server_step_by_hand():
 
 @pytest.mark.parametrize("mode", ["decoupled", "gradient"])
 def test_scaffold_client_correction_and_control_update_by_hand(tiny_model_dir, tiny_tokenizer, fast_args, mode):
-    """Constant learning rate η, K steps: check the correction of each step and c_i⁺ = c_i − c + (θ^t − θ_i)/(Kη)."""
+    """Constant learning rate η, K steps: c_i⁺ = c_i − c + (θ^t − θ_i)/(Kη)."""
     from peft import get_peft_model_state_dict
 
     from trl_federated.aggregation.scaffold import ScaffoldCorrection
@@ -117,17 +107,11 @@ def test_scaffold_client_correction_and_control_update_by_hand(tiny_model_dir, t
     c = {k: 1e-3 * torch.randn(v.shape, generator=generator) for k, v in adapter.items()}
     c_i = {k: 1e-3 * torch.randn(v.shape, generator=generator) for k, v in adapter.items()}
     scaffold = ScaffoldCorrection(c, c_i, mode)
-    before, after = GradientProbe(), GradientProbe()
-    trainer.add_callback(before)
     trainer.add_callback(scaffold)
-    trainer.add_callback(after)
     trainer.train()
     final = {k: v.detach() for k, v in get_peft_model_state_dict(trainer.model).items()}
 
-    if mode == "gradient":  # grad ← grad + (c − c_i) before the optimizer step
-        correction = [c[k] - c_i[k] for k in scaffold.keys]
-        for g0, g1 in zip(before.grads[0], after.grads[0]):
-            assert any(torch.allclose(g1 - g0, corr) for corr in correction if corr.shape == g0.shape)
+    # The correction of each step: `test_engines.test_a_loss_term_adds_its_gradient_once_per_optimizer_step`.
     assert scaffold.learning_rate_sum == pytest.approx(steps * lr)
     for key in adapter:
         expected_delta = -c[key] + (adapter[key] - final[key]) / (steps * lr)  # c_i⁺ − c_i

@@ -15,17 +15,19 @@ import os
 import time
 from typing import Any
 
+from accelerate.state import AcceleratorState
 from datasets import Dataset
 from peft import PeftModel
-from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
-from .adapters import AdapterState, InvalidUpdateError, get_adapter_state, set_adapter_state
+from .adapters import AdapterState, InvalidUpdateError, set_adapter_state
 from .aggregation import AGGREGATIONS, Aggregator, ClientUpdate
 from .config import FedGRPOConfig
 from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
+from .master_weights import read_master_state, write_master_state
 from .memory import ReleaseFreeMemory, release_free_memory
 from .transport import WireFormat
 from .vllm_server import reuse_vllm_client
@@ -135,6 +137,11 @@ def train_local_round(
             "when `beta` != 0: rename that adapter, or set `beta: 0`."
         )
     set_adapter_state(model, global_state)
+    if args.deepspeed_plugin is not None:
+        # Each trainer hands its DeepSpeed plugin to a new `Accelerator`, which accelerate refuses once a DeepSpeed
+        # state exists in the process (the previous client round's): each round's trainer starts from a fresh one,
+        # as `Trainer` does for the trials of a hyperparameter search.
+        AcceleratorState._reset_state()
     trainer, patched = None, instance_forwards(model)
     try:
         with reuse_vllm_client():  # vLLM server mode: one client and weight-sync group per process (`vllm_server`)
@@ -144,7 +151,8 @@ def train_local_round(
                 args=args,
                 train_dataset=train_dataset,
                 processing_class=processing_class,
-                callbacks=list(callbacks or []),
+                # First: the callbacks that read the adapter when training begins (FedProx, SCAFFOLD) find θ^{[t]}.
+                callbacks=[LoadMasterWeights(global_state), *(callbacks or [])],
                 **(trainer_kwargs or {}),
             )
         if args.beta != 0:
@@ -170,7 +178,7 @@ def train_local_round(
             )
         update = ClientUpdate(
             client_id=client_id,
-            state=(wire or WireFormat()).encode(get_adapter_state(model), global_state),
+            state=(wire or WireFormat()).encode(read_master_state(model), global_state),
             num_samples=len(train_dataset),
             reward=trainer.window_reward(),
             metrics={
@@ -186,6 +194,21 @@ def train_local_round(
         release_trainer(model, trainer, drop_reference=args.beta != 0)
         restore_forwards(model, patched)
     return update
+
+
+class LoadMasterWeights(TrainerCallback):
+    """Loads the global adapter into the values the optimizer steps (`master_weights`) once the engine is built.
+
+    The adapter is loaded into the model before the trainer is built too, but an engine that keeps float32 copies
+    makes them from the module: DeepSpeed with bf16 first casts the module, so its copies would start from the
+    bf16-rounded adapter. A trainable parameter with no float32 values at all is refused here, before any step.
+    """
+
+    def __init__(self, adapter: AdapterState):
+        self.adapter = adapter
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        write_master_state(model, self.adapter)
 
 
 # Attributes by which a trainer patches a module's `forward` on the instance: TRL's fused LM head

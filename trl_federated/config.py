@@ -207,12 +207,14 @@ class FedGRPOConfig(GRPOConfig):
             up to 2 (accuracy + format), so the default changes nothing an honest run learns. `None`: unbounded.
         fedprox_mu (`float`, *optional*):
             FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ‖θ_i − θ^{[t]}‖² over the
-            adapter to its GRPO loss. `None`: 0.01 with `aggregation="fedprox"` (the middle of the range FedProx
-            sweeps; the paper gives none) and 0 (off) otherwise; any aggregation accepts a positive value.
+            adapter to its GRPO loss, so its gradient μ (θ_i − θ^{[t]}) is clipped (`max_grad_norm`) together with
+            the GRPO gradient, as in Flower's FedProx. `None`: 0.01 with `aggregation="fedprox"` (the middle of the
+            range FedProx sweeps; the paper gives none) and 0 (off) otherwise; any aggregation accepts a positive
+            value.
         scaffold_correction (`str`, *optional*, defaults to `"decoupled"`):
             How SCAFFOLD's correction c − c_i meets the local Adam: `"decoupled"` (applied to the parameters after
             each step, scaled by the learning rate, outside Adam) or `"gradient"` (added to the gradient before
-            Adam, as in SGD-SCAFFOLD).
+            Adam, as in SGD-SCAFFOLD, through the loss: clipped with the GRPO gradient).
 
         > Wire format
 
@@ -487,8 +489,9 @@ class FedGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": ResultHelp(
-                "FedProx proximal coefficient μ: each client adds μ/2 ||θ_i − θ^{[t]}||² to its GRPO loss. None: "
-                "0.01 with aggregation='fedprox', 0 (off) otherwise; any aggregation accepts a positive value."
+                "FedProx proximal coefficient μ: each client adds μ/2 ||θ_i − θ^{[t]}||² to its GRPO loss (its "
+                "gradient is clipped with the GRPO gradient, as in Flower's FedProx). None: 0.01 with "
+                "aggregation='fedprox', 0 (off) otherwise; any aggregation accepts a positive value."
             )
         },
     )

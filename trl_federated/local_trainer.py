@@ -1,7 +1,7 @@
 """The client side of FGRPO (Algorithm 1, lines 4-18) on any `trl.GRPOTrainer` subclass: what one client's trainer
-adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule,
-FedProx's proximal term) and the callbacks a client round attaches (FedProx, the round deadline; SCAFFOLD's correction
-is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared prefix, gated-MLP
+adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule, the
+loss terms of its callbacks) and the callbacks a client round attaches (FedProx, the round deadline; SCAFFOLD's
+correction is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared prefix, gated-MLP
 recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .distributed import from_main_process
+from .master_weights import read_master
 from .speedups import FastGRPOMixin, base_name
 
 
@@ -32,7 +33,8 @@ class LocalGRPOMixin(FastGRPOMixin):
     On top it records the mean reward R̄^{[t,e]} of every optimisation step (over the B prompts x K completions the
     step trained on, summed over reward functions with their weights, as TRL logs `reward`) in `step_rewards`, and
     `window_reward()` gives the client's report R̄^{[t]}: the mean of the last `reward_window` (W) steps. With a
-    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`) and, for a client of a federation
+    `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`), the `loss_term()` of any callback that
+    has one (`compute_loss`) and, for a client of a federation
     (`federation_round` set), the learning-rate schedule of the whole federation. It builds on
     `speedups.FastGRPOMixin`, so a client trains with the speed-ups its config turns on (`shared_prefix`,
     `recompute_gated_mlp`).
@@ -43,6 +45,23 @@ class LocalGRPOMixin(FastGRPOMixin):
         fedprox_mu = getattr(self.args, "fedprox_mu", 0.0)
         if fedprox_mu:
             self.add_callback(ProximalTerm(fedprox_mu))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """As the trainer's, plus the `loss_term()` of every callback that has one (FedProx's proximal term,
+        SCAFFOLD's gradient correction) while training. The terms are scaled as TRL scales the GRPO loss (divided
+        by the optimizer step's number of micro-batches, `loss_is_scaled_for_ga`), so that every engine adds their
+        gradient exactly once per optimizer step: plain, DDP (which averages it over identical processes) and
+        DeepSpeed (which steps inside `backward`, where a gradient edited before `optimizer.step()` comes too late).
+        """
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not model.training:
+            return loss
+        terms = [callback.loss_term() for callback in self.callback_handler.callbacks if hasattr(callback, "loss_term")]
+        if terms:
+            term = sum(terms)
+            loss = loss + (term / self.current_gradient_accumulation_steps if self.loss_is_scaled_for_ga else term)
+        return loss
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
         the whole federation, `num_rounds * local_steps` steps with its warmup, and starts at this round's first
@@ -151,27 +170,37 @@ class ProximalTerm(TrainerCallback):
     """FedProx (Li et al., MLSys 2020) on the trainable (adapter) parameters.
 
     The local objective gains μ/2 ||θ − θ^{[t]}||², where θ^{[t]} is the adapter the client started the round
-    from. Its gradient μ (θ − θ^{[t]}) is added to the GRPO gradient right before every optimizer step: exact
-    whatever the gradient accumulation, and, like the penalty itself, not subject to gradient clipping.
+    from. Its gradient μ (θ − θ^{[t]}), with θ the optimizer's float32 values (`master_weights`), joins the GRPO loss
+    as a `loss_term`, so it reaches the gradient once per optimizer step in every engine (gradient accumulation,
+    DDP, DeepSpeed) and, as in Flower's FedProx, is clipped together with the GRPO gradient.
     """
 
     def __init__(self, mu: float):
         self.mu = mu
         self.params: list[torch.Tensor] = []
         self.anchor: list[torch.Tensor] = []
+        self.pull: list[torch.Tensor] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.params = [param for param in model.parameters() if param.requires_grad]
-        self.anchor = [param.detach().clone() for param in self.params]
+        self.anchor = [read_master(param).clone() for param in self.params]
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        with torch.no_grad():
-            torch._foreach_add_(
-                [param.grad for param in self.params], torch._foreach_sub(self.params, self.anchor), alpha=self.mu
-            )
+    def on_step_begin(self, args, state, control, **kwargs):
+        # The optimizer step ahead pulls with μ (θ − θ^{[t]}) at the values it starts from.
+        masters = [read_master(param) for param in self.params]
+        self.pull = torch._foreach_mul(torch._foreach_sub(masters, self.anchor), self.mu)
+
+    def loss_term(self) -> torch.Tensor:
+        return linear_term(self.params, self.pull)
+
+
+def linear_term(params: list[torch.Tensor], gradient: list[torch.Tensor]) -> torch.Tensor:
+    """A loss term whose value is 0 and whose gradient with respect to `params` is `gradient` (cast to each
+    parameter's dtype): Σ ⟨g, θ − stopgrad(θ)⟩. Added to the training loss, it adds `gradient` to every engine's
+    gradient with the loss's own scaling, and leaves the logged loss as it is."""
+    return sum(
+        ((param - param.detach()) * grad.to(param.device, param.dtype)).sum() for param, grad in zip(params, gradient)
+    )
 
 
 class Deadline(TrainerCallback):

@@ -20,6 +20,7 @@ from .client import describe_failure, load_reward_models, local_training_args, t
 from .config import FedGRPOConfig
 from .distributed import check_parameters_unsharded, from_main_process
 from .local_trainer import local_trainer
+from .master_weights import check_float32_adapter
 from .reporting import RunProgress
 from .round_record import RoundRecord
 from .server import FederatedServer, NotEnoughClientsError, ServerStateView
@@ -131,6 +132,7 @@ class FederatedRunner(ServerStateView):
             callbacks.append(TrainerLogCallback(log_to, args.local_steps))
         if args.lora_aggregation == "freeze_a":
             freeze_lora_a(model)
+        check_float32_adapter(model)
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
         self._check_clients()
         # The runner knows each client's D_i itself: the server counts them, not the clients.

@@ -7,9 +7,10 @@ import math
 from typing import Any
 
 import torch
-from peft import get_peft_model_state_dict
 from transformers import TrainerCallback
 
+from ..local_trainer import linear_term
+from ..master_weights import adapter_parameters, read_master, write_master
 from .base import (
     AdapterState,
     AggregationError,
@@ -159,12 +160,15 @@ class ScaffoldCorrection(TrainerCallback):
       as AdamW decouples weight decay. Then (θ^{[t]} − θ_i) / Σ_k η_k is the mean Adam direction plus the
       correction, so option II measures c_i in the units the correction is applied in, and c_i⁺ is exactly the
       client's mean Adam direction.
-    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD. Adam rescales it per
-      coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered for
-      comparison.
+    - `"gradient"`: add (c − c_i) to the gradient before Adam, as in SGD-SCAFFOLD, through the training loss
+      (`loss_term`, so once per optimizer step in every engine, and clipped with the GRPO gradient). Adam rescales
+      it per coordinate, so a correction estimated in parameter-step units is applied in gradient units; offered
+      for comparison.
 
-    K η is taken as Σ_k η_k, the learning rates the scheduler actually used. Keys are those of
-    `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
+    θ is the optimizer's float32 values (`master_weights`: DeepSpeed's fp32 copy under bf16), which the decoupled
+    correction moves and Δc_i is measured on. K η is taken as Σ_k η_k, the learning rates the steps used (read as
+    each step begins: an engine that steps inside `backward` has stepped the scheduler by the step's end). Keys are
+    those of `get_peft_model_state_dict`; after training, `control_delta` holds Δc_i = c_i⁺ − c_i.
     """
 
     def __init__(
@@ -182,36 +186,33 @@ class ScaffoldCorrection(TrainerCallback):
         self.control_delta: dict[str, torch.Tensor] | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        adapter = get_peft_model_state_dict(model)  # views that share storage with the adapter parameters
-        missing = [key for key in self.keys if key not in adapter]
+        parameters = adapter_parameters(model)
+        missing = [key for key in self.keys if key not in parameters]
         if missing:
             raise KeyError(f"Control variates have keys the adapter lacks: {missing[:5]}")
-        self.views = [adapter[key] for key in self.keys]
-        parameters = {param.data_ptr(): param for param in model.parameters()}
-        self.params = [parameters[view.data_ptr()] for view in self.views]
-        self.anchor = [view.detach().clone() for view in self.views]
-        self.correction = [c.to(view.device, view.dtype) for c, view in zip(self.correction, self.views)]
+        self.params = [parameters[key] for key in self.keys]
+        self.anchor = [read_master(param).clone() for param in self.params]
+        self.correction = [c.to(anchor.device, anchor.dtype) for c, anchor in zip(self.correction, self.anchor)]
         self.learning_rate_sum = 0.0
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.mode == "gradient":
-            for param in self.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            torch._foreach_add_([param.grad for param in self.params], self.correction)
+    def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
 
-    def on_optimizer_step(self, args, state, control, lr_scheduler=None, **kwargs):
-        learning_rate = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else args.learning_rate
-        self.learning_rate_sum += learning_rate
+    def loss_term(self) -> torch.Tensor | int:
+        return linear_term(self.params, self.correction) if self.mode == "gradient" else 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # After the optimizer step, whichever engine took it (DeepSpeed steps inside `backward`).
+        self.learning_rate_sum += self.learning_rate
         if self.mode == "decoupled":
-            with torch.no_grad():
-                torch._foreach_add_(self.params, self.correction, alpha=-learning_rate)
+            for param, correction in zip(self.params, self.correction):
+                write_master(param, torch.add(read_master(param), correction, alpha=-self.learning_rate))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.learning_rate_sum <= 0:
             raise RuntimeError("SCAFFOLD needs at least one local step with a positive learning rate.")
         with torch.no_grad():
-            moved = torch._foreach_sub(self.anchor, [view.detach() for view in self.views])  # θ^{[t]} − θ_i
+            moved = torch._foreach_sub(self.anchor, [read_master(param) for param in self.params])  # θ^{[t]} − θ_i
             torch._foreach_div_(moved, self.learning_rate_sum)
             delta = torch._foreach_sub(moved, [c.to(m.device) for c, m in zip(self.server_control, moved)])
         self.control_delta = {key: value.to("cpu") for key, value in zip(self.keys, delta)}
