@@ -152,3 +152,21 @@ def test_an_adapter_without_float32_master_weights_is_refused_before_training(
         train_local_round(model, start, "client_0", PROMPTS, local_training_args(args, 0, 0, 1, "client_0"),
                           length_reward, tiny_tokenizer)
     assert max_difference(get_adapter_state(model), start) == 0.0
+
+
+def test_the_saved_adapter_holds_the_float32_global_state_of_a_model_an_engine_cast(tmp_path, tiny_model_dir):
+    """After a bf16 DeepSpeed round the shared model's LoRA is bf16; the adapter folder the run leaves (and pushes)
+    must still hold the exact float32 global adapter, not the module's rounded copy."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from trl_federated.adapters import save_adapter
+
+    model = bfloat16_adapter(tiny_model_dir)
+    state = {key: torch.randn_like(value, dtype=torch.float32) for key, value in get_adapter_state(model).items()}
+    save_adapter(model, state, tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert set(saved) == set(state)
+    assert all(saved[key].dtype == torch.float32 and torch.equal(saved[key], state[key]) for key in state)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
+    assert max_difference(get_adapter_state(loaded), state) == 0.0

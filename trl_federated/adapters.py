@@ -13,9 +13,14 @@ from peft import (
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
+from safetensors.torch import save_file
 from transformers import PreTrainedModel, set_seed
 
 from .aggregation.base import AdapterState
+
+# PEFT's adapter folder layout (what `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` reads).
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 class InvalidUpdateError(ValueError):
@@ -66,7 +71,17 @@ def state_nbytes(state: AdapterState) -> int:
 
 
 def save_adapter(model: PeftModel, state: AdapterState, path: str | Path) -> Path:
-    """Write `state` in the standard PEFT layout (`adapter_model.safetensors`, `adapter_config.json`)."""
+    """Load `state` into `model` and write it in the standard PEFT layout (`write_adapter`)."""
     set_adapter_state(model, state)
-    model.save_pretrained(str(path))
-    return Path(path)
+    return write_adapter(state, model.peft_config[model.active_adapter], path)
+
+
+def write_adapter(state: AdapterState, adapter_config: PeftConfig, path: str | Path) -> Path:
+    """Write `state` as a PEFT adapter folder (`adapter_model.safetensors`, `adapter_config.json`), its values as they
+    are: `PeftModel.save_pretrained` would write the module's, which an engine such as DeepSpeed bf16 keeps rounded."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {key: value.detach().to("cpu").contiguous() for key, value in state.items()}
+    save_file(tensors, path / ADAPTER_FILE, metadata={"format": "pt"})
+    adapter_config.save_pretrained(str(path))
+    return path

@@ -47,7 +47,7 @@ import torch
 from peft import PeftConfig
 from safetensors.torch import load_file, save_file
 
-from .adapters import AdapterState
+from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, write_adapter
 from .aggregation.base import non_finite_entries
 from .round_record import RoundRecord
 
@@ -56,8 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"  # what `PeftConfig.save_pretrained` writes
 TENSORS_FILE = "federation.safetensors"
 STATE_FILE = "federation.json"
 MANIFEST_FILE = "manifest.json"
@@ -115,8 +113,7 @@ def write_checkpoint(
         "history": [record.to_dict() for record in checkpoint.history],
         "evaluations": {str(round_idx): results for round_idx, results in checkpoint.evaluations.items()},
     }
-    save_file(_contiguous(checkpoint.global_state), staging / ADAPTER_FILE, metadata={"format": "pt"})
-    adapter_config.save_pretrained(str(staging))
+    write_adapter(checkpoint.global_state, adapter_config, staging)
     save_file(tensors, staging / TENSORS_FILE, metadata={"format": "pt"})
     (staging / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
     manifest = {
@@ -314,10 +311,6 @@ def _join_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, list):
         return [_join_tensors(value, tensors) for value in tree]
     return tree
-
-
-def _contiguous(state: AdapterState) -> AdapterState:
-    return {key: value.detach().to("cpu").contiguous() for key, value in state.items()}
 
 
 def _fsync(path: Path) -> None:
