@@ -24,8 +24,8 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -m slow
 
-# A real SuperLink and two SuperNodes on 127.0.0.1, and `flwr run examples/flower` on the Simulation Engine with 2 and
-# 4 simulated SuperNodes (marked slow: about a minute each on 2 CPU cores).
+# A real SuperLink and two SuperNodes on 127.0.0.1, and `flwr run` on the Simulation Engine: examples/flower with 2 and
+# 4 simulated SuperNodes, tests/flower_app with 2 clients in parallel (marked slow: about a minute each on 2 CPU cores).
 test-flower: install
 	$(BIN)/python -m pytest -m slow tests/test_flower.py tests/test_flower_simulation.py
 

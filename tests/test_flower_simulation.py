@@ -1,8 +1,11 @@
 """`flwr run examples/flower` on Flower's Simulation Engine, as the README's quick-try runs it (a managed local
 SuperLink, no runtime dependency installation), on the tiny model: the number of clients follows the simulated
 SuperNodes, run-config keys override the YAML on the server and on every client, and a `num-clients` that differs
-from the federation is refused before anything trains, in the `flwr run` output."""
+from the federation is refused before anything trains, in the `flwr run` output. With one CPU per client, two
+workers train a round's clients at the same time, each loading the model once, and the federation ends where the
+sequential in-process runner ends (tests/flower_app, whose reward gives the tiny model a gradient)."""
 
+import itertools
 import json
 import os
 import signal
@@ -17,7 +20,10 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.clientapp import ClientApp  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
+from test_flower import APP_DIR as LOOPBACK_APP_DIR  # noqa: E402
+from test_flower import assert_states_equal, prompt_datasets, runner_result  # noqa: E402
 from trl_federated import FedGRPOConfig  # noqa: E402
 from trl_federated.cli import BenchmarkArguments, load_benchmark  # noqa: E402
 from trl_federated.data import partition_clients  # noqa: E402
@@ -26,6 +32,9 @@ from trl_federated.flower import make_client_app  # noqa: E402
 ROOT = Path(__file__).parents[1]
 APP_DIR = ROOT / "examples" / "flower"
 BENCHMARK_SIZE = 40
+# The README's recipe on a 2-core machine: 2 Ray workers (the CPUs Ray is given over the CPUs each client takes), so
+# that 2 clients train at the same time; with Flower's default (2 CPUs a client), one worker trains them in turn.
+TWO_WORKERS = "client-resources-num-cpus=1 init-args-num-cpus=2"
 
 
 def free_port():
@@ -76,15 +85,17 @@ def flwr_env(tmp_path_factory):
         os.killpg(pid, signal.SIGKILL)
 
 
-def flwr_run(env, cwd, num_supernodes, run_config):
-    """`flwr run examples/flower --stream` with Flower's default local connection; its output."""
+def flwr_run(env, cwd, num_supernodes, run_config, resources="", app_dir=APP_DIR):
+    """`flwr run <app_dir> --stream` with Flower's default local connection, `resources` added to its federation
+    config; its output."""
     started = time.perf_counter()
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "flwr"), "run", str(APP_DIR), "--stream",
-         "--federation-config", f"num-supernodes={num_supernodes}", "--run-config", run_config],
+        [str(Path(sys.executable).parent / "flwr"), "run", str(app_dir), "--stream",
+         "--federation-config", f"num-supernodes={num_supernodes} {resources}", "--run-config", run_config],
         env=env, cwd=cwd, capture_output=True, text=True, timeout=400,
     )
-    print(f"flwr run with {num_supernodes} simulated SuperNodes: {time.perf_counter() - started:.1f} s")
+    print(f"flwr run with {num_supernodes} simulated SuperNodes ({resources or 'default resources'}): "
+          f"{time.perf_counter() - started:.1f} s")
     return result.stdout + result.stderr
 
 
@@ -102,6 +113,13 @@ def events(output_dir, name):
     return [line for line in lines if line["event"] == name]
 
 
+def overlap(clients) -> bool:
+    """Whether two of these client rounds (metrics.jsonl lines) ran at the same time."""
+    spans = [line["wall_clock"] for line in clients]
+    return any(a_start < b_end and b_start < a_end for (a_start, a_end), (b_start, b_end) in
+               itertools.combinations(spans, 2))
+
+
 def test_a_client_app_reaches_the_ray_actors():
     """The Simulation Engine's Ray backend sends the ClientApp to its actors by value (cloudpickle)."""
     cloudpickle = pytest.importorskip("ray.cloudpickle")
@@ -112,7 +130,7 @@ def test_a_client_app_reaches_the_ray_actors():
 @pytest.mark.parametrize("num_supernodes", [2, 4])
 def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes):
     output_dir = tmp_path / "outputs"
-    output = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir))
+    output = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS)
     assert (output_dir / "adapter_model.safetensors").exists(), output[-5000:]
 
     # num-rounds=1 overrides the YAML's 3; every client trained with learning-rate=0.001, not the YAML's 2e-4.
@@ -125,6 +143,37 @@ def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, t
                          seed=0, dirichlet_alpha=float("inf"))
     train, _ = load_benchmark(BenchmarkArguments(benchmark_size=BENCHMARK_SIZE))
     assert [line["num_samples"] for line in clients] == [len(share) for share in partition_clients(train, args)]
+    # Two workers: two clients trained at the same time, each worker on the model it loaded for its first client.
+    assert overlap(clients)
+
+
+@pytest.mark.slow  # about 40 s on 2 CPU cores
+def test_parallel_clients_load_the_model_once_per_worker_and_end_where_the_runner_ends(
+    flwr_env, tmp_path, tiny_model_dir
+):
+    """tests/flower_app on 2 simulated SuperNodes and 2 workers, 2 rounds of FGRPO: the clients of each round train
+    at the same time, each worker loads the model once for the 4 client rounds, and the final global adapter is the
+    sequential runner's, bit for bit, whichever worker trained which client in which round."""
+    output_dir, loads_file = tmp_path / "flower", tmp_path / "model-loads.txt"
+    for index, dataset in enumerate(prompt_datasets()):  # the runner's client datasets, one folder per SuperNode
+        dataset.save_to_disk(tmp_path / "data" / f"client_{index}")
+    run_config = (f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2 "
+                  f"data-root='{tmp_path / 'data'}' loads-file='{loads_file}'")
+    output = flwr_run(flwr_env, tmp_path, 2, run_config, TWO_WORKERS, app_dir=LOOPBACK_APP_DIR)
+    assert (output_dir / "adapter_model.safetensors").exists(), output[-5000:]
+
+    clients = events(output_dir, "client")
+    assert [line["client_id"] for line in clients] == ["client_0", "client_1"] * 2
+    assert overlap(clients[:2]) and overlap(clients[2:])
+    workers = loads_file.read_text().split()
+    assert len(workers) == len(set(workers)) == 2, f"model loads by process: {workers}"
+
+    started = time.perf_counter()
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", "rpg")
+    print(f"the sequential runner: {time.perf_counter() - started:.1f} s")
+    flower_state = load_file(output_dir / "adapter_model.safetensors")
+    assert_states_equal({key: flower_state[key] for key in runner.global_state}, runner.global_state)
+    assert [line["weights"] for line in events(output_dir, "round")] == [record.weights for record in runner.history]
 
 
 @pytest.mark.slow

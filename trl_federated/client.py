@@ -130,7 +130,7 @@ def train_local_round(
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
     """
-    started = time.perf_counter()
+    started, began = time.perf_counter(), time.time()
     if args.beta != 0 and REFERENCE_ADAPTER in model.peft_config:
         raise ValueError(
             f"The model already has an adapter named {REFERENCE_ADAPTER!r}, which TRL reserves for the KL reference "
@@ -185,6 +185,9 @@ def train_local_round(
                 "step_rewards": trainer.step_rewards,
                 "train_loss": output.training_loss,
                 "train_seconds": time.perf_counter() - start,
+                # When the round ran, in Unix seconds: clients training in parallel overlap (a list, so that round
+                # logs, which average a round's scalar metrics, leave it out).
+                "wall_clock": [began, time.time()],
                 **trainer.mean_step_metrics(),
             },
         )

@@ -1,15 +1,22 @@
 """The loopback test's Flower app: the settings of `FederatedRunner` in tests/test_flower.py, over the network.
 
 Each SuperNode's `--node-config` names its client (`partition-id`) and its own data (`data-dir`, a dataset saved
-with `save_to_disk`); the run config names the tiny model, the server's output folder and the aggregation.
+with `save_to_disk`; on the Simulation Engine, whose node config has no `data-dir`, the run config's
+`data-root`/client_<partition-id>); the run config names the tiny model, the server's output folder and the
+aggregation. Each process loads the model once (`load_once`), and appends its pid to the run config's
+`loads-file`, if any, when it does.
 """
+
+import os
+from pathlib import Path
 
 from datasets import load_from_disk
 from flwr.app import Context
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_federated import FedGRPOConfig
-from trl_federated.flower import ClientSite, FederatedStrategy, make_client_app, make_server_app
+from trl_federated.adapters import with_federated_adapter
+from trl_federated.flower import ClientSite, FederatedStrategy, load_once, make_client_app, make_server_app
 
 # tests/conftest.py's FAST_GRPO with 2 local steps: the test's in-process runner uses the same values.
 SETTINGS = dict(
@@ -32,15 +39,30 @@ def federation_args(output_dir: str, run_config) -> FedGRPOConfig:
     )
 
 
+def site_model(model_dir: str, args: FedGRPOConfig, loads_file: str):
+    def load():
+        if loads_file:
+            with open(loads_file, "a", encoding="utf-8") as loads:
+                loads.write(f"{os.getpid()}\n")
+        model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(model_dir), args.seed)
+        return model, AutoTokenizer.from_pretrained(model_dir)
+
+    return load_once((model_dir, args.seed, args.lora_aggregation), load)
+
+
 def load_site(context: Context) -> ClientSite:
     model_dir = context.run_config["model-dir"]
-    data_dir = context.node_config["data-dir"]
+    data_dir = context.node_config.get("data-dir") or str(
+        Path(context.run_config["data-root"]) / f"client_{context.node_config['partition-id']}"
+    )
+    args = federation_args(f"{data_dir}-scratch", context.run_config)
+    model, tokenizer = site_model(model_dir, args, context.run_config.get("loads-file", ""))
     return ClientSite(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        model=model,
+        processing_class=tokenizer,
         reward_funcs=length_reward,
         train_dataset=load_from_disk(data_dir),
-        args=federation_args(f"{data_dir}-scratch", context.run_config),
+        args=args,
     )
 
 

@@ -6,7 +6,14 @@ converts between `ClientUpdate`s and Flower records; `run_config` reads a Flower
 `trl-federated run`. See `examples/flower/` and the README section "Deploying across organisations".
 """
 
-from .apps import ClientSite, make_client_app, make_server_app, node_client_identity, simulated_federation_size
+from .apps import (
+    ClientSite,
+    load_once,
+    make_client_app,
+    make_server_app,
+    node_client_identity,
+    simulated_federation_size,
+)
 from .identity import ClientRegistry, RegisteredClient
 from .records import (
     TrainInstruction,
@@ -28,6 +35,7 @@ __all__ = [
     "array_record_to_state",
     "content_to_update",
     "federation_arguments",
+    "load_once",
     "make_client_app",
     "make_server_app",
     "node_client_identity",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import reprlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from datasets import Dataset
 from flwr.app import Context, Error, Message, RecordDict
@@ -45,6 +47,31 @@ def reference_adapter(model) -> AdapterState | None:
     return _initial_adapters.get(model)
 
 
+# What `load_once` has loaded in this process, by key.
+_loaded: dict[Hashable, Any] = {}
+T = TypeVar("T")
+
+
+def load_once(key: Hashable, load: Callable[[], T]) -> T:
+    """`load()` the first time this process asks for `key`; the same object every later time.
+
+    For `load_site` to keep its model across messages: a Simulation Engine worker (a Ray actor, one per
+    `client-resources` share of the machine) runs message after message, of any client, in one process, and would
+    otherwise load the model for each. The key must hold everything that determines the model (path, revision,
+    dtype, quantization, the LoRA configuration, the seed its A matrices are drawn with, and `lora_aggregation`,
+    since freeze_a freezes A in the model); give a `PeftModel` already wrapped in the federation's adapter
+    (`adapters.with_federated_adapter`), since `ClientSite` would wrap a base model again every message. Sharing the
+    model between clients is what `FederatedRunner` does too: every message loads the global adapter into it, and a
+    client round leaves nothing else behind (the trainer's forward wrappers and its `ref` adapter are undone, see
+    `client.train_local_round`). Under Flower's deployment runtime each message has a process of its own, and this
+    loads every time.
+    """
+    if key not in _loaded:
+        _loaded[key] = load()
+        logger.info("Process %d loaded %s, kept for its later messages.", os.getpid(), reprlib.repr(key))
+    return _loaded[key]
+
+
 @dataclass
 class ClientSite:
     """What one data owner trains with; the `load_site(context)` given to `make_client_app` builds it.
@@ -52,7 +79,7 @@ class ClientSite:
     Args:
         model: The base model, or a `PeftModel` with the federation's adapter. A base model is wrapped in
             `peft_config` (default: `default_lora_config`), which must be the server's: the global adapter is loaded
-            into it by key and shape.
+            into it by key and shape. A model kept across messages (`load_once`) must be the `PeftModel`.
         processing_class: Tokenizer or processor, as for `GRPOTrainer`.
         reward_funcs: As for `GRPOTrainer`.
         train_dataset: The site's own training set; it never leaves the site.
@@ -94,7 +121,8 @@ def make_client_app(
     """A `ClientApp` that runs one local round of federated GRPO per train message.
 
     For each train message it calls `load_site(context)` (model, tokenizer, rewards, the site's own data and
-    config; under Flower's deployment runtime every message starts a fresh ClientApp process), trains with
+    config; under Flower's deployment runtime every message starts a fresh ClientApp process, while a Simulation
+    Engine worker runs many: `load_once` keeps its model), trains with
     `client.train_local_round`, the runner's own code, from the received global adapter with the seed of
     (round, client index), and replies with the adapter in the server's wire format, R̄, the sample count and the
     training metrics. A local round that fails replies with an error naming the client, the kind of failure
