@@ -10,7 +10,7 @@ import pytest
 from conftest import length_reward
 from test_reliability import make_runner
 from trl_federated import RoundCallback
-from trl_federated.client import instance_forwards
+from trl_federated.client import module_patches
 
 
 def forward_depth(module) -> int:
@@ -36,24 +36,35 @@ class ForwardDepth(RoundCallback):
         self.step_seconds.append(update.metrics["train_seconds"])
 
 
-def run_federation(model_dir, output_dir, num_rounds):
+def run_federation(model_dir, output_dir, num_rounds, **overrides):
     probe = ForwardDepth()
     runner = make_runner(model_dir, output_dir, callbacks=[probe], num_rounds=num_rounds, save_every_round=False,
-                         save_total_limit=1, reward_funcs=length_reward)
+                         save_total_limit=1, reward_funcs=length_reward, **overrides)
     probe.model = runner.model
-    before = instance_forwards(runner.model)
+    before = module_patches(runner.model)
+    probe.hooks_before = hook_count(runner.model)
     runner.run()
     return runner, probe, before
 
 
-def test_client_rounds_leave_the_shared_models_forwards_as_they_were(tmp_path, tiny_model_dir):
-    runner, probe, before = run_federation(tiny_model_dir, tmp_path / "run", num_rounds=3)
+def hook_count(model) -> int:
+    """Forward and backward hooks on all modules of `model`."""
+    return sum(
+        len(hooks) for module in model.modules()
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks)
+    )
+
+
+def test_client_rounds_leave_the_shared_models_forwards_and_hooks_as_they_were(tmp_path, tiny_model_dir):
+    # Gradient checkpointing: every trainer also hooks the input embeddings (`enable_input_require_grads`).
+    runner, probe, before = run_federation(tiny_model_dir, tmp_path / "run", num_rounds=3, gradient_checkpointing=True)
     assert probe.depths == [0] * 6  # 3 rounds x 2 clients, each trainer's fused head undone after its round
-    after = instance_forwards(runner.model)
+    assert hook_count(runner.model) == probe.hooks_before  # and its input-grad hook removed
+    after = module_patches(runner.model)
     assert after.keys() == before.keys()
-    for name, forwards in before.items():
-        assert after[name].keys() == forwards.keys(), name
-        assert all(after[name][key] is value for key, value in forwards.items()), name
+    for name, patches in before.items():
+        assert after[name].keys() == patches.keys(), name
+        assert all(after[name][key] is value or after[name][key] == value for key, value in patches.items()), name
 
 
 def current_rss_mib() -> float:

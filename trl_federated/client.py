@@ -142,7 +142,7 @@ def train_local_round(
         # state exists in the process (the previous client round's): each round's trainer starts from a fresh one,
         # as `Trainer` does for the trials of a hyperparameter search.
         AcceleratorState._reset_state()
-    trainer, patched = None, instance_forwards(model)
+    trainer, patches = None, module_patches(model)
     try:
         with reuse_vllm_client():  # vLLM server mode: one client and weight-sync group per process (`vllm_server`)
             trainer = local_trainer(trainer_class or GRPOTrainer)(
@@ -195,7 +195,7 @@ def train_local_round(
             update.extras = hook.reply()
     finally:
         release_trainer(model, trainer, drop_reference=args.beta != 0)
-        restore_forwards(model, patched)
+        restore_module_patches(model, patches)
     return update
 
 
@@ -214,32 +214,47 @@ class LoadMasterWeights(TrainerCallback):
         write_master_state(model, self.adapter)
 
 
-# Attributes by which a trainer patches a module's `forward` on the instance: TRL's fused LM head
-# (`trl.trainer.utils.add_fused_lm_head`, in every GRPOTrainer's constructor) and accelerate's mixed-precision wrapper.
+# What a trainer patches onto a module of the model it is given. Attributes, set on the instance: `forward` and the
+# forward it wrapped, by TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, in every GRPOTrainer's
+# constructor) and accelerate's mixed-precision wrapper. Hooks, kept in the module's hook dicts: the input-grad hook
+# of gradient checkpointing (`enable_input_require_grads`, once per trainer), TRL's fp32 LM-head casts.
 _FORWARD_ATTRIBUTES = ("forward", "_original_forward")
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+)
 
 
-def instance_forwards(model: PeftModel) -> dict[str, dict[str, Any]]:
-    """The `forward` each module of `model` holds on the instance (not its class's), by module name."""
+def module_patches(model: PeftModel) -> dict[str, dict[str, Any]]:
+    """What each module of `model` holds on the instance that a trainer may patch, by module name: the `forward`
+    attributes (not its class's) and a copy of every forward/backward hook dict."""
     return {
-        name: {attribute: vars(module)[attribute] for attribute in _FORWARD_ATTRIBUTES if attribute in vars(module)}
+        name: {
+            **{attribute: vars(module)[attribute] for attribute in _FORWARD_ATTRIBUTES if attribute in vars(module)},
+            **{hooks: dict(getattr(module, hooks)) for hooks in _HOOK_DICTS},
+        }
         for name, module in model.named_modules()
     }
 
 
-def restore_forwards(model: PeftModel, forwards: dict[str, dict[str, Any]]) -> None:
-    """Undo what a client trainer patched onto the shared model's forwards (`instance_forwards` before it was built).
+def restore_module_patches(model: PeftModel, patches: dict[str, dict[str, Any]]) -> None:
+    """Undo what a client trainer patched onto the shared model (`module_patches` before it was built).
 
-    Each GRPOTrainer wraps the forward it finds, so without this the forward of client-round k would run through k
-    nested wrappers: every step slower, and Python's recursion limit reached near a thousand client-rounds.
+    Each GRPOTrainer wraps the forward it finds and adds its hooks, so without this the forward of client-round k would
+    run through k nested wrappers and k input-grad hooks: every step slower, and Python's recursion limit reached near
+    a thousand client-rounds.
     """
     for name, module in model.named_modules():
-        before = forwards.get(name, {})
+        before = patches.get(name, {})
         for attribute in _FORWARD_ATTRIBUTES:
             if attribute in before:
                 setattr(module, attribute, before[attribute])
             elif attribute in vars(module):
                 delattr(module, attribute)
+        for hooks in _HOOK_DICTS:
+            current = getattr(module, hooks)
+            for handle_id in [handle_id for handle_id in current if handle_id not in before.get(hooks, {})]:
+                del current[handle_id]
 
 
 # The adapter TRL adds to a PeftModel for the KL reference when beta != 0 (GRPOTrainer.__init__).
