@@ -75,7 +75,10 @@ def test_two_processes_match_one(tmp_path, model_dir, aggregation):
     assert rank0["rewards"] == single["rewards"]
     assert rank0["weights"] == single["weights"]
     for key, value in states(single).items():
-        torch.testing.assert_close(states(rank0)[key], value, atol=1e-4, rtol=1e-3)
+        # SCAFFOLD's Δc_i divides the round's movement by Σ lr and the next round multiplies c − c_i by lr again,
+        # which carries the noise of round 0 into round 1: 1.3e-4 in 1 of 1024 entries was seen.
+        torch.testing.assert_close(states(rank0)[key], value, atol=3e-4 if aggregation == "scaffold" else 1e-4,
+                                   rtol=1e-3)
     # ... which is a real comparison: training moved the adapter by far more than that tolerance.
     assert single["moved"] > 1e-2 and rank0["moved"] > 1e-2
 

@@ -214,11 +214,12 @@ class LoadMasterWeights(TrainerCallback):
         write_master_state(model, self.adapter)
 
 
-# What a trainer patches onto a module of the model it is given. Attributes, set on the instance: `forward` and the
+# What a client round patches onto the modules of the shared model. Attributes set on the instance: `forward` and the
 # forward it wrapped, by TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, in every GRPOTrainer's
-# constructor) and accelerate's mixed-precision wrapper. Hooks, kept in the module's hook dicts: the input-grad hook
-# of gradient checkpointing (`enable_input_require_grads`, once per trainer), TRL's fp32 LM-head casts.
-_FORWARD_ATTRIBUTES = ("forward", "_original_forward")
+# constructor) and accelerate's mixed-precision wrapper; transformers' flag that its output-capturing hooks are
+# installed. Hooks, in the module's hook dicts: the input-grad hook of gradient checkpointing
+# (`enable_input_require_grads`, several per trainer), TRL's fp32 LM-head casts, the output-capturing hooks.
+_INSTANCE_ATTRIBUTES = ("forward", "_original_forward", "_output_capturing_hooks_installed")
 _HOOK_DICTS = (
     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
@@ -226,11 +227,11 @@ _HOOK_DICTS = (
 
 
 def module_patches(model: PeftModel) -> dict[str, dict[str, Any]]:
-    """What each module of `model` holds on the instance that a trainer may patch, by module name: the `forward`
-    attributes (not its class's) and a copy of every forward/backward hook dict."""
+    """What each module of `model` holds on the instance that a client round may patch, by module name: the
+    attributes of `_INSTANCE_ATTRIBUTES` it has and a copy of every forward/backward hook dict."""
     return {
         name: {
-            **{attribute: vars(module)[attribute] for attribute in _FORWARD_ATTRIBUTES if attribute in vars(module)},
+            **{attribute: vars(module)[attribute] for attribute in _INSTANCE_ATTRIBUTES if attribute in vars(module)},
             **{hooks: dict(getattr(module, hooks)) for hooks in _HOOK_DICTS},
         }
         for name, module in model.named_modules()
@@ -238,15 +239,17 @@ def module_patches(model: PeftModel) -> dict[str, dict[str, Any]]:
 
 
 def restore_module_patches(model: PeftModel, patches: dict[str, dict[str, Any]]) -> None:
-    """Undo what a client trainer patched onto the shared model (`module_patches` before it was built).
+    """Leave the shared model's modules as `module_patches` found them before a client round: its trainer's forward
+    wrappers undone, every hook added since removed (with the flag of the hooks that install themselves once, so
+    that they install again).
 
     Each GRPOTrainer wraps the forward it finds and adds its hooks, so without this the forward of client-round k would
-    run through k nested wrappers and k input-grad hooks: every step slower, and Python's recursion limit reached near
-    a thousand client-rounds.
+    run through k nested wrappers and 3k input-grad hooks: every step slower, and Python's recursion limit reached
+    near a thousand client-rounds.
     """
     for name, module in model.named_modules():
         before = patches.get(name, {})
-        for attribute in _FORWARD_ATTRIBUTES:
+        for attribute in _INSTANCE_ATTRIBUTES:
             if attribute in before:
                 setattr(module, attribute, before[attribute])
             elif attribute in vars(module):
