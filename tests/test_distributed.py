@@ -121,6 +121,23 @@ def test_parameter_sharding_is_refused_by_name(monkeypatch, tiny_model, tiny_tok
         FederatedRunner(tiny_model, length_reward, args, clients, processing_class=tiny_tokenizer)
 
 
+@pytest.mark.parametrize(
+    "sharding, named",
+    [({"deepspeed": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}}, "ZeRO-3"),
+     ({"fsdp": True}, "FSDP")],
+)
+def test_parameter_sharding_in_the_training_arguments_is_refused_by_name(tiny_model, tiny_tokenizer, fast_args,
+                                                                         sharding, named):
+    from datasets import Dataset
+
+    from conftest import length_reward
+    from trl_federated import FederatedRunner
+
+    clients = [Dataset.from_dict({"prompt": ["a b c"] * 4})] * 2
+    with pytest.raises(ValueError, match=named):
+        FederatedRunner(tiny_model, length_reward, fast_args(**sharding), clients, processing_class=tiny_tokenizer)
+
+
 def test_zero_2_is_accepted(monkeypatch):
     from trl_federated.distributed import check_parameters_unsharded
 

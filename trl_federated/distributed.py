@@ -45,17 +45,21 @@ def shut_down() -> None:
         state.destroy_process_group()
 
 
-def check_parameters_unsharded() -> None:
-    """Refuse launch modes that shard the parameters themselves (DeepSpeed ZeRO-3, FSDP): the runner reads and
-    writes whole adapters between rounds, which there would need gathering it does not do yet. DDP and ZeRO-1/2
-    keep every parameter whole on every process and are supported."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-            raise ValueError(
-                "DeepSpeed ZeRO-3 shards the model's parameters, so the LoRA adapter cannot be read or loaded between "
-                "rounds. Use ZeRO-2 (examples/accelerate/deepspeed_zero2.yaml) or DDP (multi_gpu.yaml)."
-            )
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+def check_parameters_unsharded(args=None) -> None:
+    """Refuse launch modes that shard the parameters themselves (DeepSpeed ZeRO-3, FSDP), whether `accelerate launch`
+    (its environment) or the training arguments (`deepspeed`, `fsdp`) ask for them: the runner reads and writes whole
+    adapters between rounds, which there would need gathering it does not do yet. DDP and ZeRO-1/2 keep every
+    parameter whole on every process and are supported."""
+    launched_zero_3 = (
+        os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
+    if launched_zero_3 or getattr(getattr(args, "deepspeed_plugin", None), "zero_stage", None) == 3:
+        raise ValueError(
+            "DeepSpeed ZeRO-3 shards the model's parameters, so the LoRA adapter cannot be read or loaded between "
+            "rounds. Use ZeRO-2 (examples/accelerate/deepspeed_zero2.yaml) or DDP (multi_gpu.yaml)."
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or getattr(args, "fsdp", None):
         raise ValueError(
             "FSDP shards the model's parameters, so the LoRA adapter cannot be read or loaded between rounds. Use "
             "DDP (examples/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2 (deepspeed_zero2.yaml)."

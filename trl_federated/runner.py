@@ -102,7 +102,7 @@ class FederatedRunner(ServerStateView):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
         args.check_vllm()  # before the model loads
-        check_parameters_unsharded()
+        check_parameters_unsharded(args)
         self.trainer_class = local_trainer(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
