@@ -184,10 +184,11 @@ def test_aggregator_from_config(tmp_path):
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, FedAvgAggregator) and isinstance(aggregator.server_optimizer, ServerSGD)
     assert aggregator.server_optimizer.learning_rate == 1.0
-    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0)
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0, learning_rate=1e-4)
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, RPGAggregator) and isinstance(aggregator.server_optimizer, ServerAdam)
-    assert (aggregator.tau_min, aggregator.h_max, aggregator.server_optimizer.learning_rate) == (1.0, 3.0, 1e-3)
+    # the derived server rate: 0.5 x local_steps (10) x learning_rate
+    assert (aggregator.tau_min, aggregator.h_max, aggregator.server_optimizer.learning_rate) == (1.0, 3.0, 5e-4)
 
 
 def test_blocks_keep_key_order_and_stay_within_budget():
@@ -293,7 +294,7 @@ def test_aggregators_validate_their_own_inputs(method, fault):
 
     aggregator = {"fedavg": lambda: FedAvgAggregator(ServerAdam(0.1)),
                   "rpg": lambda: rpg(server_optimizer=ServerAdam(0.1)),
-                  "scaffold": lambda: ScaffoldAggregator(2, ServerAdam(0.1))}[method]()
+                  "scaffold": lambda: ScaffoldAggregator(ServerAdam(0.1))}[method]()
     aggregator.aggregate(GLOBAL, faulty(None), 0)
     before = copy.deepcopy(aggregator.state_dict())
     message = COMMON_FAULTS.get(fault) or {

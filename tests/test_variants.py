@@ -69,21 +69,35 @@ def test_variant_trains_one_federated_round(tmp_path, tiny_model_dir, tiny_token
 
 
 def test_scaffold_server_step_by_hand():
-    from trl_federated import ClientUpdate, ServerSGD
-    from trl_federated.aggregation import ScaffoldAggregator
+    """θ and c take the same data-volume weights: c = Σ_i p_i c_i, so Σ_i ω_i (c − c_i) = 0 after every round."""
+    from trl_federated import ClientUpdate, FedGRPOConfig
+    from trl_federated.aggregation import aggregator_from_config
 
-    aggregator = ScaffoldAggregator(num_clients=4, server_optimizer=ServerSGD(1.0))
+    args = FedGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, aggregation="scaffold", num_clients=4)
+    aggregator = aggregator_from_config(args)
     global_state = {"w": torch.tensor([0.0, 0.0])}
-    updates = [
-        ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0,
-                     extras={"control_delta": {"w": torch.tensor([0.4, 0.0])}}),
-        ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0,
-                     extras={"control_delta": {"w": torch.tensor([0.0, -0.8])}}),
-    ]
-    new = aggregator.aggregate(global_state, updates, 0)
-    torch.testing.assert_close(new["w"], torch.tensor([0.25, 0.75]))
-    # c = 0 + (1/N) Σ Δc_i with N = 4 clients in the federation, 2 of which reported
-    torch.testing.assert_close(aggregator.control["w"], torch.tensor([0.1, -0.2]))
+
+    def round_of(deltas):
+        updates = [
+            ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0, extras={"control_delta": {"w": deltas[0]}}),
+            ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0, extras={"control_delta": {"w": deltas[1]}}),
+        ]
+        for update in updates:  # as the server admits them: c_i ← c_i + Δc_i
+            aggregator.accept(update)
+        return aggregator.aggregate(global_state, updates, 0)
+
+    new = round_of([torch.tensor([0.4, 0.0]), torch.tensor([0.0, -0.8])])
+    torch.testing.assert_close(new["w"], torch.tensor([0.25, 0.75]))  # ω = (1/4, 3/4)
+    # c = 1/4 c_a + 3/4 c_b, whatever the federation's size (4 here, 2 of which reported)
+    torch.testing.assert_close(aggregator.control["w"], torch.tensor([0.1, -0.6]))
+    round_of([torch.tensor([-0.2, 0.6]), torch.tensor([0.2, 0.4])])
+    weights, control = aggregator.last_weights, aggregator.control["w"]
+    drift = sum(weights[client] * (control - aggregator.client_controls[client]["w"]) for client in weights)
+    torch.testing.assert_close(drift, torch.zeros(2))
+    # the checkpointed state carries the sizes; one written before them still loads, and learns them
+    restored = aggregator_from_config(args)
+    restored.load_state_dict({**aggregator.state_dict(), "client_sizes": {}})
+    assert restored.client_sizes == {} and aggregator.state_dict()["client_sizes"] == {"a": 1, "b": 3}
     with pytest.raises(ValueError, match="control_delta"):
         aggregator.aggregate(global_state, [ClientUpdate("a", {"w": torch.zeros(2)}, 1, 0.0)], 1)
 
