@@ -1,7 +1,11 @@
 """Baselines and GRPO-family variants on the tiny model: FedProx's gradient, DAPO/GSPO federated rounds."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
@@ -9,7 +13,7 @@ from conftest import FAST_GRPO, length_reward
 from trl_federated import FederatedRunner, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.adapters import default_lora_config
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
-from trl_federated.config import FedDAPOConfig, FedGSPOConfig
+from trl_federated.config import DEFAULT_FEDPROX_MU, FedDAPOConfig, FedGSPOConfig
 from trl_federated.local_trainer import ProximalTerm
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
@@ -35,9 +39,42 @@ def test_fedprox_term_is_mu_times_the_distance_to_the_round_start():
 
 def test_fedprox_aggregates_like_fedavg(fast_args):
     args = fast_args(aggregation="fedprox")
-    assert args.fedprox_mu == 0.01
+    assert args.fedprox_mu == DEFAULT_FEDPROX_MU
     assert isinstance(aggregator_from_config(args), FedAvgAggregator)
     assert fast_args().fedprox_mu == 0.0
+
+
+# FedProx's μ where a text states it: "μ = 0.1", "μ 0.1", "`fedprox_mu`, default 0.1", "None: 0.1 with ..." (not the
+# Dirichlet μ, which a text names as such).
+FEDPROX_MU_STATED = re.compile(
+    r"(?<!Dirichlet )(?<!Dirichlet\()(?:μ\s*=?\s*|fedprox_mu`?,? default |None`?: )(\d[\d.e-]*)"
+)
+
+
+def fedprox_statements(text: str) -> list[str]:
+    """The FedProx μ values stated on the lines of `text` about FedProx or its proximal term."""
+    return [value for line in text.splitlines() if re.search("fedprox|proximal", line, re.IGNORECASE)
+            for value in FEDPROX_MU_STATED.findall(line)]
+
+
+def test_fedprox_default_is_one_documented_value():
+    """The paper gives no μ: the config's default, its help and docstring, the paper recipe and every README line
+    about FedProx state one value."""
+    root = Path(__file__).resolve().parent.parent
+    docstring = FedGRPOConfig.__doc__.split("fedprox_mu (`float`")[1].split("scaffold_correction (")[0]
+    recipe_text = (root / "examples" / "configs" / "paper" / "fedprox.yaml").read_text()
+    readme = (root / "README.md").read_text()
+    help_text = FedGRPOConfig.__dataclass_fields__["fedprox_mu"].metadata["help"]
+    statements = {
+        "the field's help": FEDPROX_MU_STATED.findall(help_text),
+        "the docstring": FEDPROX_MU_STATED.findall(docstring),
+        "the recipe": [str(yaml.safe_load(recipe_text)["fedprox_mu"]), *fedprox_statements(recipe_text)],
+        "the README": fedprox_statements(readme),
+    }
+    for place, values in statements.items():
+        assert values, f"{place} states no FedProx μ"
+        assert {float(value.rstrip(".")) for value in values} == {DEFAULT_FEDPROX_MU}, (place, values)
+    assert FedGRPOConfig(output_dir="unused", bf16=False, aggregation="fedprox").fedprox_mu == DEFAULT_FEDPROX_MU
 
 
 def test_dapo_and_gspo_recipes():

@@ -31,8 +31,8 @@ from .transport import DTYPES, LORA_AGGREGATIONS
 # and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
 SERVER_ADAM_SCALE = 0.5
 SERVER_SGD_LEARNING_RATE = 1.0
-# FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help).
-DEFAULT_FEDPROX_MU = 0.01
+# FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
+DEFAULT_FEDPROX_MU = 0.1
 
 
 def _either(choices: tuple[str, ...]) -> str:
@@ -206,9 +206,12 @@ class FedGRPOConfig(GRPOConfig):
         fedprox_mu (`float`, *optional*):
             FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ‖θ_i − θ^{[t]}‖² over the
             adapter to its GRPO loss, so its gradient μ (θ_i − θ^{[t]}) is clipped (`max_grad_norm`) together with
-            the GRPO gradient, as in Flower's FedProx. `None`: 0.01 with `aggregation="fedprox"` (the middle of the
-            range FedProx sweeps; the paper gives none) and 0 (off) otherwise; any aggregation accepts a positive
-            value.
+            the GRPO gradient, as in Flower's FedProx. `None`: 0.1 with `aggregation="fedprox"` and 0 (off)
+            otherwise; any aggregation accepts a positive value. The paper gives no μ; 0.1 is the value of FedProx's
+            own sweep ({0.001, 0.01, 0.1, 1}) at which the term acts without dominating at the quickstart's budget:
+            there ‖μ (θ − θ^{[t]})‖ / ‖∇ GRPO‖ was 0.086 on the second local step (0.0086 at 0.01, which does nothing
+            measurable), and it grows with every further step as Adam moves each coordinate by about the
+            learning rate (`benchmarks/fedprox_mu.py`, `benchmarks/RESULTS.md`).
         scaffold_correction (`str`, *optional*, defaults to `"decoupled"`):
             How SCAFFOLD's correction c − c_i meets the local Adam: `"decoupled"` (applied to the parameters after
             each step, scaled by the learning rate, outside Adam) or `"gradient"` (added to the gradient before
@@ -495,8 +498,10 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": ResultHelp(
                 "FedProx proximal coefficient μ: each client adds μ/2 ||θ_i − θ^{[t]}||² to its GRPO loss (its "
-                "gradient is clipped with the GRPO gradient, as in Flower's FedProx). None: 0.01 with "
-                "aggregation='fedprox', 0 (off) otherwise; any aggregation accepts a positive value."
+                "gradient is clipped with the GRPO gradient, as in Flower's FedProx). None: 0.1 with "
+                "aggregation='fedprox' (the paper gives none; at the quickstart's budget its pull is ~9% of the GRPO "
+                "gradient on the second local step, 0.01's ~1%), 0 (off) otherwise; any aggregation accepts a "
+                "positive value."
             )
         },
     )
