@@ -176,12 +176,12 @@ def test_scaffold_federated_rounds_keep_client_controls(tmp_path, tiny_model_dir
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, args, clients,
         processing_class=tiny_tokenizer,
     )
-    assert runner.aggregator.num_clients == 2
     runner.run()
     client_controls = runner.aggregator.client_controls
     assert set(client_controls) == {"client_0", "client_1"}
+    assert runner.aggregator.client_sizes == {"client_0": 8, "client_1": 8}
     control = runner.aggregator.control
-    # c is the mean of the clients' c_i when every client reports every round (c = Σ Δc_i / N accumulated)
+    # c = Σ p_i c_i, p_i ∝ D_i: with equal data, the mean of the clients' c_i
     for key in control:
         mean = (client_controls["client_0"][key] + client_controls["client_1"][key]) / 2
         torch.testing.assert_close(control[key], mean)
