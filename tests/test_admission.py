@@ -72,7 +72,7 @@ def test_update_norm_bound_rejects_or_clips():
 
 def test_scaffold_control_delta_is_required_bounded_and_refused_elsewhere():
     control = {key: torch.full_like(value, 10.0) for key, value in GLOBAL.items()}  # ‖Δc‖ = 10·√10
-    scaffold = ScaffoldAggregator(num_clients=1)
+    scaffold = ScaffoldAggregator()
     bound = 1 / math.sqrt(10)  # update_norm_bound in SCAFFOLD's unit for Δc_i, √d: a bound of 1 on ‖Δc_i‖
     with pytest.raises(InvalidUpdateError, match="SCAFFOLD needs its control_delta"):
         gate(aggregator=scaffold).admit("site-0", lambda: update())
@@ -98,7 +98,7 @@ def test_update_norm_bound_from_config_is_in_units_of_adam_steps(fast_args):
     args = fast_args(local_steps=4, learning_rate=1e-2)
     unit = update_norm_unit(4, 1e-2, GLOBAL)
     assert unit == pytest.approx(4 * 1e-2 * math.sqrt(10))
-    admission = UpdateGate.from_config(args, GLOBAL, aggregator=ScaffoldAggregator(num_clients=1))
+    admission = UpdateGate.from_config(args, GLOBAL, aggregator=ScaffoldAggregator())
     assert admission.max_update_norm == pytest.approx(10 * unit)  # the default update_norm_bound, 10 U
     # SCAFFOLD bounds ‖Δc_i‖ by update_norm_bound in its own unit, √d: 10 √10
     assert admission.extras_norm_bound == 10

@@ -184,10 +184,11 @@ def test_aggregator_from_config(tmp_path):
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, FedAvgAggregator) and isinstance(aggregator.server_optimizer, ServerSGD)
     assert aggregator.server_optimizer.learning_rate == 1.0
-    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0)
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0, learning_rate=1e-4)
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, RPGAggregator) and isinstance(aggregator.server_optimizer, ServerAdam)
-    assert (aggregator.tau_min, aggregator.h_max, aggregator.server_optimizer.learning_rate) == (1.0, 3.0, 1e-3)
+    # the derived server rate: 0.5 x local_steps (10) x learning_rate
+    assert (aggregator.tau_min, aggregator.h_max, aggregator.server_optimizer.learning_rate) == (1.0, 3.0, 5e-4)
 
 
 def test_blocks_keep_key_order_and_stay_within_budget():
@@ -293,7 +294,7 @@ def test_aggregators_validate_their_own_inputs(method, fault):
 
     aggregator = {"fedavg": lambda: FedAvgAggregator(ServerAdam(0.1)),
                   "rpg": lambda: rpg(server_optimizer=ServerAdam(0.1)),
-                  "scaffold": lambda: ScaffoldAggregator(2, ServerAdam(0.1))}[method]()
+                  "scaffold": lambda: ScaffoldAggregator(ServerAdam(0.1))}[method]()
     aggregator.aggregate(GLOBAL, faulty(None), 0)
     before = copy.deepcopy(aggregator.state_dict())
     message = COMMON_FAULTS.get(fault) or {
@@ -378,3 +379,27 @@ def test_check_finite_false_skips_only_the_value_pass():
         aggregator.aggregate(GLOBAL, faulty("shape"), 0, check_finite=False)
     with pytest.raises(AggregationError, match=r"non-finite values in global adapter\['w'\]"):
         aggregator.aggregate(GLOBAL, faulty("nan"), 0, check_finite=False)
+
+
+def test_server_step_geometry_over_blocks():
+    """`last_step`: ‖Δ‖, the step's size and each client's update norm and cosine with Δ, accumulated over blocks;
+    FedAvg's step is Δ (ratio 1), server Adam's first step is α per coordinate whatever Δ."""
+    count, e = BLOCK_BYTES // 4, 2.0**-10  # a block's worth of float32 values per tensor; a step exact in float32
+    global_state = {"a": torch.zeros(count), "b": torch.ones(count)}
+    up = {"a": torch.full((count,), e), "b": torch.full((count,), 1.0 + e)}  # moves every coordinate by +e
+    back = {"a": torch.full((count,), -e), "b": torch.ones(count)}  # moves only "a", by −e
+    updates = [ClientUpdate("up", up, 3, 0.0), ClientUpdate("back", back, 1, 0.0)]
+    assert len(list(blocks(global_state))) == 2
+    aggregator = FedAvgAggregator(ServerSGD(1.0))
+    aggregator.aggregate(global_state, updates, 0)
+    step = aggregator.last_step
+    # Δ = 3/4 up + 1/4 back: e/2 on "a", 3e/4 on "b"
+    delta_norm = math.sqrt(count) * e * math.sqrt(0.5**2 + 0.75**2)
+    assert step.delta_norm == pytest.approx(delta_norm, rel=1e-6) and step.ratio == pytest.approx(1.0, rel=1e-6)
+    norms = {"up": math.sqrt(2 * count) * e, "back": math.sqrt(count) * e}
+    assert step.update_norms == pytest.approx(norms, rel=1e-6)
+    assert step.cosines["up"] == pytest.approx(1.25 * count * e * e / (norms["up"] * delta_norm), rel=1e-6)
+    assert step.cosines["back"] == pytest.approx(-0.5 * count * e * e / (norms["back"] * delta_norm), rel=1e-6)
+    adam = FedAvgAggregator(ServerAdam(learning_rate=1e-2))
+    adam.aggregate(global_state, updates, 0)
+    assert adam.last_step.step_norm == pytest.approx(1e-2 * math.sqrt(2 * count), rel=1e-4)

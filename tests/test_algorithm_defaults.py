@@ -152,10 +152,13 @@ def test_a_users_adapter_named_ref_is_kept(tiny_model_dir, tiny_tokenizer, fast_
 
 @pytest.mark.parametrize(
     ("aggregation", "optimizer", "learning_rate"),
-    [("rpg", ServerAdam, 1e-3), ("fedavg", ServerSGD, 1.0), ("fedprox", ServerSGD, 1.0), ("scaffold", ServerSGD, 1.0)],
+    [("rpg", ServerAdam, 5e-4), ("fedavg", ServerSGD, 1.0), ("fedprox", ServerSGD, 1.0), ("scaffold", ServerSGD, 1.0)],
 )
 def test_server_optimizer_follows_the_method(aggregation, optimizer, learning_rate, caplog):
-    args = FedGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, aggregation=aggregation, num_clients=2)
+    """Each method's server step; Adam's rate is derived from the local budget (0.5 x 10 steps x 1e-4)."""
+    args = FedGRPOConfig(
+        output_dir="unused", use_cpu=True, bf16=False, aggregation=aggregation, num_clients=2, learning_rate=1e-4
+    )
     with caplog.at_level(logging.INFO, logger="trl_federated.aggregation"):
         aggregator = aggregator_from_config(args)
     assert type(aggregator.server_optimizer) is optimizer
@@ -167,7 +170,7 @@ def test_without_rpg_ablation_stays_selectable():
     args = FedGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, aggregation="fedavg", server_optimizer="adam")
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, FedAvgAggregator) and isinstance(aggregator.server_optimizer, ServerAdam)
-    assert aggregator.server_optimizer.learning_rate == 1e-3
+    assert aggregator.server_optimizer.learning_rate == args.derived_server_learning_rate() == 5e-6
     rpg = aggregator_from_config(FedGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, server_optimizer="sgd"))
     assert isinstance(rpg, RPGAggregator) and isinstance(rpg.server_optimizer, ServerSGD)
 

@@ -20,8 +20,12 @@ def test_defaults_are_the_papers(tmp_path):
     assert (args.rpg_sigma_min, args.rpg_sigma_max, args.rpg_lambda_anneal) == (0.05, 0.2, 0.1)
     assert (args.server_beta1, args.server_beta2, args.server_epsilon) == (0.9, 0.99, 1e-8)
     assert args.aggregation == "rpg" and args.server_optimizer == "adam"
-    assert args.server_learning_rate == 1e-3
+    # the server rates are derived: 0.5 x local_steps x learning_rate for Adam, 1 for SGD; an explicit one is kept
+    assert args.server_learning_rate == pytest.approx(0.5 * args.local_steps * args.learning_rate)
+    assert args.server_learning_rate_derived
     assert make(tmp_path, server_optimizer="sgd").server_learning_rate == 1.0
+    explicit = make(tmp_path, server_learning_rate=1e-3)
+    assert explicit.server_learning_rate == 1e-3 and not explicit.server_learning_rate_derived
 
 
 def test_every_federated_field_has_help():

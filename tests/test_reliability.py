@@ -202,7 +202,7 @@ def test_checkpoint_with_scaffold_client_controls_beside_the_aggregator_state_re
     assert set(loaded["client_controls"]) == {"site-0", "site-1"}
     for client_id, control in controls.items():
         assert_states_equal(loaded["client_controls"][client_id], control)
-    scaffold = ScaffoldAggregator(num_clients=2)
+    scaffold = ScaffoldAggregator()
     scaffold.load_state_dict(loaded)
     assert_states_equal(scaffold.client_controls["site-1"], controls["site-1"])
 
@@ -621,7 +621,7 @@ def test_validate_update_accepts_a_valid_update():
 def admit(update, reward_range):
     """`update` through a SCAFFOLD federation's admission gate: `admission.validate_update` checks the adapter, D_i
     and R̄, `ScaffoldAggregator.check_extras` the control_delta."""
-    gate = UpdateGate(reward_range=reward_range, aggregator=ScaffoldAggregator(num_clients=1))
+    gate = UpdateGate(reward_range=reward_range, aggregator=ScaffoldAggregator())
     gate.open_round(GLOBAL)
     return gate.admit(update.client_id, lambda: update)
 

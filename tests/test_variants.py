@@ -1,7 +1,11 @@
 """Baselines and GRPO-family variants on the tiny model: FedProx's gradient, DAPO/GSPO federated rounds."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
@@ -9,7 +13,7 @@ from conftest import FAST_GRPO, length_reward
 from trl_federated import FederatedRunner, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.adapters import default_lora_config
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
-from trl_federated.config import FedDAPOConfig, FedGSPOConfig
+from trl_federated.config import DEFAULT_FEDPROX_MU, FedDAPOConfig, FedGSPOConfig
 from trl_federated.local_trainer import ProximalTerm
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
@@ -35,9 +39,42 @@ def test_fedprox_term_is_mu_times_the_distance_to_the_round_start():
 
 def test_fedprox_aggregates_like_fedavg(fast_args):
     args = fast_args(aggregation="fedprox")
-    assert args.fedprox_mu == 0.01
+    assert args.fedprox_mu == DEFAULT_FEDPROX_MU
     assert isinstance(aggregator_from_config(args), FedAvgAggregator)
     assert fast_args().fedprox_mu == 0.0
+
+
+# FedProx's μ where a text states it: "μ = 0.1", "μ 0.1", "`fedprox_mu`, default 0.1", "None: 0.1 with ..." (not the
+# Dirichlet μ, which a text names as such).
+FEDPROX_MU_STATED = re.compile(
+    r"(?<!Dirichlet )(?<!Dirichlet\()(?:μ\s*=?\s*|fedprox_mu`?,? default |None`?: )(\d[\d.e-]*)"
+)
+
+
+def fedprox_statements(text: str) -> list[str]:
+    """The FedProx μ values stated on the lines of `text` about FedProx or its proximal term."""
+    return [value for line in text.splitlines() if re.search("fedprox|proximal", line, re.IGNORECASE)
+            for value in FEDPROX_MU_STATED.findall(line)]
+
+
+def test_fedprox_default_is_one_documented_value():
+    """The paper gives no μ: the config's default, its help and docstring, the paper recipe and every README line
+    about FedProx state one value."""
+    root = Path(__file__).resolve().parent.parent
+    docstring = FedGRPOConfig.__doc__.split("fedprox_mu (`float`")[1].split("scaffold_correction (")[0]
+    recipe_text = (root / "examples" / "configs" / "paper" / "fedprox.yaml").read_text()
+    readme = (root / "README.md").read_text()
+    help_text = FedGRPOConfig.__dataclass_fields__["fedprox_mu"].metadata["help"]
+    statements = {
+        "the field's help": FEDPROX_MU_STATED.findall(help_text),
+        "the docstring": FEDPROX_MU_STATED.findall(docstring),
+        "the recipe": [str(yaml.safe_load(recipe_text)["fedprox_mu"]), *fedprox_statements(recipe_text)],
+        "the README": fedprox_statements(readme),
+    }
+    for place, values in statements.items():
+        assert values, f"{place} states no FedProx μ"
+        assert {float(value.rstrip(".")) for value in values} == {DEFAULT_FEDPROX_MU}, (place, values)
+    assert FedGRPOConfig(output_dir="unused", bf16=False, aggregation="fedprox").fedprox_mu == DEFAULT_FEDPROX_MU
 
 
 def test_dapo_and_gspo_recipes():
@@ -69,21 +106,35 @@ def test_variant_trains_one_federated_round(tmp_path, tiny_model_dir, tiny_token
 
 
 def test_scaffold_server_step_by_hand():
-    from trl_federated import ClientUpdate, ServerSGD
-    from trl_federated.aggregation import ScaffoldAggregator
+    """θ and c take the same data-volume weights: c = Σ_i p_i c_i, so Σ_i ω_i (c − c_i) = 0 after every round."""
+    from trl_federated import ClientUpdate, FedGRPOConfig
+    from trl_federated.aggregation import aggregator_from_config
 
-    aggregator = ScaffoldAggregator(num_clients=4, server_optimizer=ServerSGD(1.0))
+    args = FedGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, aggregation="scaffold", num_clients=4)
+    aggregator = aggregator_from_config(args)
     global_state = {"w": torch.tensor([0.0, 0.0])}
-    updates = [
-        ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0,
-                     extras={"control_delta": {"w": torch.tensor([0.4, 0.0])}}),
-        ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0,
-                     extras={"control_delta": {"w": torch.tensor([0.0, -0.8])}}),
-    ]
-    new = aggregator.aggregate(global_state, updates, 0)
-    torch.testing.assert_close(new["w"], torch.tensor([0.25, 0.75]))
-    # c = 0 + (1/N) Σ Δc_i with N = 4 clients in the federation, 2 of which reported
-    torch.testing.assert_close(aggregator.control["w"], torch.tensor([0.1, -0.2]))
+
+    def round_of(deltas):
+        updates = [
+            ClientUpdate("a", {"w": torch.tensor([1.0, 0.0])}, 1, 0.0, extras={"control_delta": {"w": deltas[0]}}),
+            ClientUpdate("b", {"w": torch.tensor([0.0, 1.0])}, 3, 0.0, extras={"control_delta": {"w": deltas[1]}}),
+        ]
+        for update in updates:  # as the server admits them: c_i ← c_i + Δc_i
+            aggregator.accept(update)
+        return aggregator.aggregate(global_state, updates, 0)
+
+    new = round_of([torch.tensor([0.4, 0.0]), torch.tensor([0.0, -0.8])])
+    torch.testing.assert_close(new["w"], torch.tensor([0.25, 0.75]))  # ω = (1/4, 3/4)
+    # c = 1/4 c_a + 3/4 c_b, whatever the federation's size (4 here, 2 of which reported)
+    torch.testing.assert_close(aggregator.control["w"], torch.tensor([0.1, -0.6]))
+    round_of([torch.tensor([-0.2, 0.6]), torch.tensor([0.2, 0.4])])
+    weights, control = aggregator.last_weights, aggregator.control["w"]
+    drift = sum(weights[client] * (control - aggregator.client_controls[client]["w"]) for client in weights)
+    torch.testing.assert_close(drift, torch.zeros(2))
+    # the checkpointed state carries the sizes; one written before them still loads, and learns them
+    restored = aggregator_from_config(args)
+    restored.load_state_dict({**aggregator.state_dict(), "client_sizes": {}})
+    assert restored.client_sizes == {} and aggregator.state_dict()["client_sizes"] == {"a": 1, "b": 3}
     with pytest.raises(ValueError, match="control_delta"):
         aggregator.aggregate(global_state, [ClientUpdate("a", {"w": torch.zeros(2)}, 1, 0.0)], 1)
 
@@ -125,12 +176,12 @@ def test_scaffold_federated_rounds_keep_client_controls(tmp_path, tiny_model_dir
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward, args, clients,
         processing_class=tiny_tokenizer,
     )
-    assert runner.aggregator.num_clients == 2
     runner.run()
     client_controls = runner.aggregator.client_controls
     assert set(client_controls) == {"client_0", "client_1"}
+    assert runner.aggregator.client_sizes == {"client_0": 8, "client_1": 8}
     control = runner.aggregator.control
-    # c is the mean of the clients' c_i when every client reports every round (c = Σ Δc_i / N accumulated)
+    # c = Σ p_i c_i, p_i ∝ D_i: with equal data, the mean of the clients' c_i
     for key in control:
         mean = (client_controls["client_0"][key] + client_controls["client_1"][key]) / 2
         torch.testing.assert_close(control[key], mean)

@@ -47,11 +47,14 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     """One round as a flat log entry named as TRL names its step logs.
 
     Each client's values are under `<client_id>/`: R̄ (`reward_window`), h (`rpg_gain`), ω (`weight`),
-    `bytes_sent`, and its scalar metrics (`loss`, `seconds`, and the means over its local steps of TRL's step
-    metrics: `completions/mean_length`, `kl`, ...). Their means over the aggregated clients keep TRL's own names
-    (`reward` is the mean R̄), so the curves overlay a `GRPOTrainer` run's; then the round's totals, τ, and the
-    evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations show
-    them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
+    `bytes_sent`, its update's norm ‖θ_i − θ^{[t]}‖ (`update_norm`) and cosine with the clients' mean change Δ
+    (`update_cosine`), and its scalar metrics (`loss`, `seconds`, and the means over its local steps of TRL's step
+    metrics: `completions/mean_length`, `kl`, `frac_reward_zero_std` (its GRPO groups whose rewards were all equal),
+    ...). Their means over the aggregated clients keep TRL's own names (`reward` is the mean R̄), so the curves
+    overlay a `GRPOTrainer` run's; then the round's totals, τ, the server step (`delta_norm` ‖Δ‖,
+    `server_step_norm` ‖θ^{[t+1]} − θ^{[t]}‖ and their ratio `server_step_ratio`), and the evaluation if the round
+    had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations show them as `train/reward`,
+    `train/client_0/weight`, `eval/accuracy/Total`, ...
     """
     logs: dict[str, float] = {"round": record.round_idx, "num_clients": len(record.rewards)}
     if record.rewards:
@@ -67,8 +70,9 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     for name in sorted({name for scalars in client_scalars.values() for name in scalars}):
         values = [scalars[name] for scalars in client_scalars.values() if name in scalars]
         logs[name] = sum(values) / len(values)
-    if record.temperature is not None:
-        logs["temperature"] = record.temperature
+    for name in ("temperature", "delta_norm", "server_step_norm", "server_step_ratio"):
+        if getattr(record, name) is not None:
+            logs[name] = getattr(record, name)
     logs["bytes_sent"] = sum(record.bytes_sent.values())
     logs["bytes_received"] = sum(record.bytes_received.values())
     logs["num_dropped"] = len(record.dropped)
@@ -77,10 +81,13 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         "rpg_gain": record.gains,
         "weight": record.weights,
         "bytes_sent": record.bytes_sent,
+        "update_norm": record.update_norms,
+        "update_cosine": record.update_cosines,
     }
     for name, values in per_client.items():
         for client_id, value in values.items():
-            logs[f"{client_id}/{name}"] = value
+            if value is not None:  # a cosine with a zero vector
+                logs[f"{client_id}/{name}"] = value
     for client_id, scalars in client_scalars.items():
         for name, value in scalars.items():
             logs[f"{client_id}/{name}"] = value

@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(optimizers) > 1 and _sets_server_learning_rate(args.config, extra):
         parser.error(
             f"the methods use different server optimizers ({', '.join(optimizers)}), but `server_learning_rate` is "
-            f"set (in {args.config} or a flag): one rate cannot suit both (Adam's default is 1e-3, SGD's 1.0, plain "
-            "averaging). Remove it so each method gets its optimizer's default, or compare one optimizer at a time."
+            f"set (in {args.config} or a flag): one rate cannot suit both (Adam's default is 0.5 x local_steps x "
+            "learning_rate, SGD's 1.0, plain averaging). Remove it so each method gets its optimizer's default, or "
+            "compare one optimizer at a time."
         )
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)

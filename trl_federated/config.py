@@ -27,14 +27,12 @@ from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
 from .aggregation.server_optim import SERVER_OPTIMIZERS
 from .transport import DTYPES, LORA_AGGREGATIONS
 
-# Server learning rates when `server_learning_rate` is left unset. SGD with lr 1 applies the weighted average of
-# the client models (FedAvg). Adam without bias correction moves every coordinate by about `lr` per round, so
-# its default matches what ~10 local Adam steps at lr 1e-4 move a LoRA coordinate.
-DEFAULT_SERVER_LEARNING_RATE = {"sgd": 1.0, "adam": 1e-3}
-# FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset. The paper gives none; 0.01 is the middle of
-# the range FedProx (Li et al., 2020) sweeps ({0.001, 0.01, 0.1, 1}) and keeps the proximal gradient well below
-# the GRPO gradient of a LoRA adapter over ~10 local steps.
-DEFAULT_FEDPROX_MU = 0.01
+# Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
+# and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
+SERVER_ADAM_SCALE = 0.5
+SERVER_SGD_LEARNING_RATE = 1.0
+# FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
+DEFAULT_FEDPROX_MU = 0.1
 
 
 def _either(choices: tuple[str, ...]) -> str:
@@ -208,9 +206,12 @@ class FedGRPOConfig(GRPOConfig):
         fedprox_mu (`float`, *optional*):
             FedProx proximal coefficient μ (not the Dirichlet μ): each client adds μ/2 ‖θ_i − θ^{[t]}‖² over the
             adapter to its GRPO loss, so its gradient μ (θ_i − θ^{[t]}) is clipped (`max_grad_norm`) together with
-            the GRPO gradient, as in Flower's FedProx. `None`: 0.01 with `aggregation="fedprox"` (the middle of the
-            range FedProx sweeps; the paper gives none) and 0 (off) otherwise; any aggregation accepts a positive
-            value.
+            the GRPO gradient, as in Flower's FedProx. `None`: 0.1 with `aggregation="fedprox"` and 0 (off)
+            otherwise; any aggregation accepts a positive value. The paper gives no μ; 0.1 is the value of FedProx's
+            own sweep ({0.001, 0.01, 0.1, 1}) at which the term acts without dominating at the quickstart's budget:
+            there ‖μ (θ − θ^{[t]})‖ / ‖∇ GRPO‖ was 0.086 on the second local step (0.0086 at 0.01, which does nothing
+            measurable), and it grows with every further step as Adam moves each coordinate by about the
+            learning rate (`benchmarks/fedprox_mu.py`, `benchmarks/RESULTS.md`).
         scaffold_correction (`str`, *optional*, defaults to `"decoupled"`):
             How SCAFFOLD's correction c − c_i meets the local Adam: `"decoupled"` (applied to the parameters after
             each step, scaled by the learning rate, outside Adam) or `"gradient"` (added to the gradient before
@@ -236,10 +237,17 @@ class FedGRPOConfig(GRPOConfig):
             the step of `aggregation`'s method as its paper defines it, `"adam"` for `"rpg"` (FGRPO) and `"sgd"`
             with learning rate 1, plain (weighted) model averaging, for the others.
         server_learning_rate (`float`, *optional*):
-            Server learning rate α (Eq. model_update). `None`: 1.0 for `"sgd"` (the weighted average) and 1e-3 for
-            `"adam"`, which is ours: the paper gives none. Adam moves every adapter coordinate by about α per round
-            whatever the size of the clients' mean change Δ, so α should match how far local training moves a
-            coordinate in a round (~10 local Adam steps at 1e-4 for the default).
+            Server learning rate α (Eq. model_update); an explicit value is used as given. `None` derives it once,
+            when the config is made: 1.0 for `"sgd"` (the weighted average) and, for `"adam"`, α = 0.5 ×
+            `local_steps` × `learning_rate` (`SERVER_ADAM_SCALE` × E × lr; the paper gives no value). Adam without
+            bias correction moves every coordinate by exactly α in its first step (β1 = 0.9, β2 = 0.99: m / √v =
+            0.1 Δ / (0.1 |Δ|)), whatever the size of the clients' mean change Δ, and by up to 2.13 α per round along
+            a direction that persists (rounds 10-20), while a local Adam step moves a coordinate by about lr, so
+            E × lr is the most a client moves one in a round. The paper's Theorem 1 ties the rates the same way,
+            α = L E α_i (α = T^(-1/4), α_i = 1 / (E L T^(1/4))), with a smoothness constant L that no run knows;
+            0.5 takes its place, so that the server's largest step stays about E × lr (2.13 × 0.5 ≈ 1) and its
+            first is half of that. Every round logs ‖server step‖ / ‖Δ‖ (`server_step_ratio`) and warns, naming
+            these fields, when it exceeds 5. A resumed run keeps the derived value its checkpoint recorded.
         server_beta1 (`float`, *optional*, defaults to `0.9`):
             Server Adam first-moment decay β1.
         server_beta2 (`float`, *optional*, defaults to `0.99`):
@@ -490,8 +498,10 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": ResultHelp(
                 "FedProx proximal coefficient μ: each client adds μ/2 ||θ_i − θ^{[t]}||² to its GRPO loss (its "
-                "gradient is clipped with the GRPO gradient, as in Flower's FedProx). None: 0.01 with "
-                "aggregation='fedprox', 0 (off) otherwise; any aggregation accepts a positive value."
+                "gradient is clipped with the GRPO gradient, as in Flower's FedProx). None: 0.1 with "
+                "aggregation='fedprox' (the paper gives none; at the quickstart's budget its pull is ~9% of the GRPO "
+                "gradient on the second local step, 0.01's ~1%), 0 (off) otherwise; any aggregation accepts a "
+                "positive value."
             )
         },
     )
@@ -540,9 +550,11 @@ class FedGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": ResultHelp(
-                "Server learning rate α (Eq. model_update). None: 1.0 for 'sgd' (the weighted average) and 1e-3 for "
-                "'adam' (ours; the paper gives none). Adam moves every coordinate by about α per round, so α should "
-                "match how far local training moves a coordinate in a round."
+                "Server learning rate α (Eq. model_update); an explicit value is used as given. None derives it once: "
+                "1.0 for 'sgd' (the weighted average) and 0.5 x local_steps x learning_rate for 'adam', whose first "
+                "step moves every coordinate by α whatever the clients' change: half of the most E local Adam steps "
+                "move one, as the paper's Theorem 1 ties α to E x the local rate. A resumed run keeps the derived "
+                "value of its checkpoint."
             )
         },
     )
@@ -645,14 +657,24 @@ class FedGRPOConfig(GRPOConfig):
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
         if self.server_optimizer is None and self.aggregation in AGGREGATIONS:  # each method's own server step
             self.server_optimizer = AGGREGATIONS[self.aggregation].server_optimizer
-        if self.server_learning_rate is None and self.server_optimizer in DEFAULT_SERVER_LEARNING_RATE:
-            self.server_learning_rate = DEFAULT_SERVER_LEARNING_RATE[self.server_optimizer]
+        # Whether `server_learning_rate` was derived (`derived_server_learning_rate`): a resumed run then takes the
+        # value its checkpoint recorded (`FederatedServer.load_checkpoint`). Copies of the config keep it.
+        self.server_learning_rate_derived = self.server_learning_rate is None
+        if self.server_learning_rate is None and self.server_optimizer in SERVER_OPTIMIZERS:
+            self.server_learning_rate = self.derived_server_learning_rate()
         for message in self._federation_errors():
             raise ValueError(message)
         for message in self._robustness_errors():
             raise ValueError(message)
         if self.num_clients > 1:
             self.check_vllm()
+
+    def derived_server_learning_rate(self) -> float:
+        """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help): 1.0 for
+        server SGD, `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for server Adam."""
+        if self.server_optimizer == "sgd":
+            return SERVER_SGD_LEARNING_RATE
+        return float(f"{SERVER_ADAM_SCALE * self.local_steps * self.learning_rate:.6g}")  # 5e-05, not 4.9999e-05
 
     def check_vllm(self, parallel_clients: bool = False) -> None:
         """Refuse, by name, a vLLM setting that federated clients cannot generate with. Every entry point calls it
@@ -776,7 +798,10 @@ class FedGRPOConfig(GRPOConfig):
         for name in ("rpg_sigma_min", "rpg_tau_min", "rpg_eps", "server_learning_rate", "server_epsilon"):
             value = getattr(self, name)
             if not value > 0:
-                yield f"`{name}` must be > 0, got {value}."
+                derived = name == "server_learning_rate" and self.server_learning_rate_derived
+                yield f"`{name}` must be > 0, got {value}" + (
+                    f" (derived from `learning_rate` {self.learning_rate}: set one of them)." if derived else "."
+                )
         if self.rpg_sigma_min > self.rpg_sigma_max:
             yield f"`rpg_sigma_min` ({self.rpg_sigma_min}) must not exceed `rpg_sigma_max` ({self.rpg_sigma_max})."
         if self.rpg_tau_min > self.rpg_tau_max:

@@ -14,7 +14,9 @@ class RoundRecord:
     """What happened in one round; `FederatedRunner.run()` returns one per round.
 
     Per-client dicts are keyed by client id and hold only the clients whose updates were aggregated this round;
-    `dropped` holds the others (a client that raised, timed out or sent an invalid update) with the reason.
+    `dropped` holds the others (a client that raised, timed out or sent an invalid update) with the reason. A
+    client's `client_metrics` hold the means over its local steps of TRL's step metrics, `frac_reward_zero_std`
+    among them: the fraction of its GRPO groups whose K rewards were all equal, which carry no learning signal.
     """
 
     round_idx: int
@@ -26,6 +28,11 @@ class RoundRecord:
     bytes_received: dict[str, int] = field(default_factory=dict)  # global adapter sent to the client
     bytes_sent: dict[str, int] = field(default_factory=dict)  # client update sent to the server
     client_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    update_norms: dict[str, float] = field(default_factory=dict)  # ‖θ_i − θ^{[t]}‖
+    update_cosines: dict[str, float | None] = field(default_factory=dict)  # cos(θ_i − θ^{[t]}, Δ)
+    delta_norm: float | None = None  # ‖Δ‖, the clients' weighted mean change
+    server_step_norm: float | None = None  # ‖θ^{[t+1]} − θ^{[t]}‖
+    server_step_ratio: float | None = None  # ‖θ^{[t+1]} − θ^{[t]}‖ / ‖Δ‖
     dropped: dict[str, str] = field(default_factory=dict)
     evaluation: dict[str, Any] | None = None
     wall_time: float = 0.0
@@ -39,7 +46,8 @@ class RoundRecord:
     ) -> RoundRecord:
         """The record of round `round_idx` right after `aggregator` aggregated `updates` (`ClientUpdate`s);
         `bytes_received` is what each of their clients received. RPG's gains and temperature are left empty for an
-        aggregator that has none."""
+        aggregator that has none; the geometry of the step is the aggregator's `last_step` (`ServerStep`)."""
+        step = aggregator.last_step
         return cls(
             round_idx=round_idx,
             rewards={update.client_id: update.reward for update in updates},
@@ -50,5 +58,10 @@ class RoundRecord:
             bytes_received=dict(bytes_received),
             bytes_sent={update.client_id: update.wire_bytes or state_nbytes(update.state) for update in updates},
             client_metrics={update.client_id: update.metrics for update in updates},
+            update_norms=dict(step.update_norms),
+            update_cosines=dict(step.cosines),
+            delta_norm=step.delta_norm,
+            server_step_norm=step.step_norm,
+            server_step_ratio=step.ratio,
             dropped=dropped,
         )

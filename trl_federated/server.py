@@ -61,6 +61,9 @@ from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
 
+# A round whose server step moves the adapter more than this many times the clients' mean change Δ is warned about.
+SERVER_STEP_RATIO_WARNING = 5.0
+
 
 class NotEnoughClientsError(RuntimeError):
     """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
@@ -311,8 +314,26 @@ class FederatedServer:
         if self.is_main_process:
             self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
             logger.info("%s", format_round_log(record, args.num_rounds))
+            self.check_server_step(record)
         self._round = None
         return record
+
+    def check_server_step(self, record: RoundRecord) -> None:
+        """Warn, naming the fields that set it, when the round's server step moved the adapter far more than the
+        clients' mean change Δ (`server_step_ratio` above `SERVER_STEP_RATIO_WARNING`)."""
+        ratio, args = record.server_step_ratio, self.args
+        if ratio is None or ratio <= SERVER_STEP_RATIO_WARNING:
+            return
+        logger.warning(
+            "Round %d: the server step moved the global adapter %.1fx as far as the clients' mean change Δ "
+            "(‖θ^{t+1} − θ^t‖ = %.3g, ‖Δ‖ = %.3g). `server_optimizer` %r with `server_learning_rate` %g (%s) for "
+            "`local_steps` %d at `learning_rate` %g: server Adam moves every coordinate by about the server learning "
+            "rate whatever Δ's size. Lower `server_learning_rate`, or leave it unset to derive it from the local "
+            "budget; metrics.jsonl records the ratio of every round (`server_step_ratio`).",
+            record.round_idx, ratio, record.server_step_norm, record.delta_norm, args.server_optimizer,
+            args.server_learning_rate, "derived" if args.server_learning_rate_derived else "set", args.local_steps,
+            args.learning_rate,
+        )
 
     # Evaluation and checkpoints ----------------------------------------------------------------------------
 
@@ -362,6 +383,7 @@ class FederatedServer:
         wire format and training settings, up to `args.resume_allow_changes`; else `CheckpointMismatchError`);
         returns its round."""
         checkpoint = read_checkpoint(path)
+        self.keep_server_learning_rate(checkpoint.identity)
         check_identity(checkpoint.identity, self.identity, path, allow_changes=allowed_changes(self.args))
         try:
             check_state(checkpoint.global_state, self.global_state, "the global adapter")
@@ -374,6 +396,23 @@ class FederatedServer:
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
+
+    def keep_server_learning_rate(self, saved_identity: dict[str, Any]) -> None:
+        """A derived server learning rate (`server_learning_rate` left unset) is resolved once per run: resumed, the
+        run takes the value its checkpoint recorded, that of a checkpoint written before the rate was derived from
+        the local budget included, even where the fields it derives from have changed since
+        (`resume_allow_changes`). An explicit value is checked against the checkpoint as any training setting."""
+        saved = saved_identity.get("training", {}).get("server_learning_rate")
+        current = self.args.server_learning_rate
+        same_optimizer = saved_identity.get("server_optimizer") == self.identity["server_optimizer"]
+        if not (self.args.server_learning_rate_derived and same_optimizer) or saved is None or saved == current:
+            return
+        logger.warning(
+            "Resuming with the checkpoint's server_learning_rate %g, resolved when the run began (left unset, this "
+            "configuration would derive %g now).", saved, current,
+        )
+        self.args.server_learning_rate = self.aggregator.server_optimizer.learning_rate = saved
+        self.identity["training"]["server_learning_rate"] = saved
 
 
 def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
@@ -388,15 +427,18 @@ def format_round_log(record: RoundRecord, num_rounds: int) -> str:
     """A finished round in a few log lines: each aggregated client's R̄, h, ω and traffic, τ, the drops and the
     evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
     temperature = "" if record.temperature is None else f", τ = {record.temperature:.3f}"
+    step = "" if record.server_step_ratio is None else f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
     lines = [
         f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated, {len(record.dropped)} "
-        f"dropped{temperature}, {record.wall_time:.1f} s"
+        f"dropped{temperature}{step}, {record.wall_time:.1f} s"
     ]
     for client_id, reward in record.rewards.items():
-        gain = record.gains.get(client_id)
+        gain, cosine = record.gains.get(client_id), record.update_cosines.get(client_id)
         lines.append(
             f"  {client_id}: R̄ = {reward:.4f}" + ("" if gain is None else f", h = {gain:+.4f}")
-            + f", ω = {record.weights[client_id]:.4f}, sent {record.bytes_sent[client_id]:,} B, "
+            + f", ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}"
+            + ("" if cosine is None else f", cos(u, Δ) = {cosine:+.3f}")
+            + f", sent {record.bytes_sent[client_id]:,} B, "
             f"received {record.bytes_received[client_id]:,} B"
         )
     for client_id, reason in record.dropped.items():

@@ -61,7 +61,7 @@ register_aggregation("scaffold", ScaffoldAggregator)
 
 def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) -> Aggregator:
     """The aggregator a `FedGRPOConfig` describes (`aggregation` + `server_optimizer` fields, see `AGGREGATIONS`);
-    `num_clients` (default `args.num_clients`) is the size of the federation, which SCAFFOLD's server step needs."""
+    `num_clients` (default `args.num_clients`) is the size of the federation, for a strategy that needs it."""
     server_optimizer = server_optimizer_from_config(args)
     combiner = combiner_from_config(args)  # robust_aggregation: None for the weighted mean
     # `server_optimizer` may have been resolved from `aggregation` (FedGRPOConfig.__post_init__): say which it is.

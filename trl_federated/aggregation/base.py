@@ -58,6 +58,54 @@ class ClientHook(NamedTuple):
     reply: Callable[[], dict[str, AdapterState]]
 
 
+@dataclass
+class ServerStep:
+    """The geometry of one aggregation: ‖Δ‖, the size of the server's step ‖θ^{[t+1]} − θ^{[t]}‖, and each
+    client's update u_i = θ_i − θ^{[t]} against Δ (its norm and cos(u_i, Δ)), by client id. A norm of 0 leaves
+    the cosine and the ratio undefined (None)."""
+
+    delta_norm: float
+    step_norm: float
+    update_norms: dict[str, float]
+    cosines: dict[str, float | None]
+
+    @property
+    def ratio(self) -> float | None:
+        """‖server step‖ / ‖Δ‖: 1 for FedAvg's step (SGD, learning rate 1); server Adam's first step is α per
+        coordinate whatever Δ, so its ratio says how far it amplifies (or damps) the clients' mean change."""
+        return self.step_norm / self.delta_norm if self.delta_norm > 0 else None
+
+
+class _StepGeometry:
+    """Accumulates `ServerStep` one block of the adapter at a time (`Aggregator.aggregate`), while the block is in
+    cache: per tensor in float32, as the aggregation computes, summed in float64. Each client's update θ_i − θ is
+    formed tensor by tensor in one reused buffer: a fresh one per tensor would cost a page fault per page, several
+    times the arithmetic."""
+
+    def __init__(self, num_clients: int, global_state: AdapterState):
+        self.delta_sq = self.step_sq = 0.0
+        self.update_sq = [0.0] * num_clients
+        self.dots = [0.0] * num_clients
+        self.buffer = torch.empty(max((value.numel() for value in global_state.values()), default=0))
+
+    def add(self, block: AdapterState, client_states: list[AdapterState], delta: AdapterState, new: AdapterState):
+        self.delta_sq += state_norm(delta) ** 2
+        self.step_sq += state_distance(new, block) ** 2
+        for index, state in enumerate(client_states):
+            for key, value in block.items():
+                update = self.buffer[: value.numel()]
+                torch.sub(state[key].view(-1), value.view(-1), out=update)
+                self.update_sq[index] += _norm(update) ** 2
+                self.dots[index] += torch.dot(update, delta[key].view(-1)).item()
+
+    def result(self, client_ids: list[str]) -> ServerStep:
+        delta_norm, norms = math.sqrt(self.delta_sq), [math.sqrt(value) for value in self.update_sq]
+        cosines = [dot / (norm * delta_norm) if norm > 0 and delta_norm > 0 else None
+                   for dot, norm in zip(self.dots, norms)]
+        return ServerStep(delta_norm, math.sqrt(self.step_sq), dict(zip(client_ids, norms)),
+                          dict(zip(client_ids, cosines)))
+
+
 class AggregationError(ArithmeticError):
     """The aggregation produced a non-finite global adapter, server optimizer state or client weights. The round's
     result is refused; the aggregator's state is then no longer that of a finished round: restore it from the last
@@ -87,6 +135,7 @@ class Aggregator(ABC):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.last_weights: dict[str, float] = {}
+        self.last_step: ServerStep | None = None  # the geometry of the last aggregation
 
     @classmethod
     def from_config(
@@ -111,6 +160,9 @@ class Aggregator(ABC):
         """θ^{[t+1]} from θ^{[t]} and the clients that reported in round `round_idx` (0-based); `ValueError`, with
         no state changed, for updates that cannot be aggregated; `AggregationError` for a non-finite result.
 
+        `last_weights` and `last_step` (`ServerStep`: ‖Δ‖, the server step's size, each client's update norm and
+        its cosine with Δ) describe the aggregation after it.
+
         `check_finite=False` skips the one pass over every client's values that finds NaN and Inf (as
         `scipy.linalg` offers), for a caller that checked them already: the runner and the Flower strategy admit
         only updates `admission.UpdateGate` checked. Everything else is checked either way.
@@ -128,10 +180,12 @@ class Aggregator(ABC):
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
         self.server_optimizer.start_step()
+        geometry = _StepGeometry(len(updates), global_state)
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}
-            new_block = self.server_optimizer.step_block(block, combine(block, client_states, weights))
+            delta = combine(block, client_states, weights)
+            new_block = self.server_optimizer.step_block(block, delta)
             # Checked while the block is in cache: the new adapter and the optimizer state it moved.
             non_finite = non_finite_entries(new_block, "global adapter") + non_finite_entries(
                 self.server_optimizer.block_state(keys), "server optimizer"
@@ -141,7 +195,9 @@ class Aggregator(ABC):
                     f"Round {round_idx}: the aggregation produced non-finite values in {', '.join(non_finite[:3])}; "
                     "the round is refused."
                 )
+            geometry.add(block, client_states, delta, new_block)
             new_state.update(new_block)
+        self.last_step = geometry.result([update.client_id for update in updates])
         return new_state
 
     def check_updates(

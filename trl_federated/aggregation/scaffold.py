@@ -31,31 +31,38 @@ SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
 
 
 class ScaffoldAggregator(FedAvgAggregator):
-    """FedAvg on the adapters plus control variates, the server's c and every client's c_i:
+    """FedAvg on the adapters plus control variates, the server's c and every client's c_i, all weighed by data
+    volume:
 
-        θ^{[t+1]} = θ^{[t]} + η_g Σ_i ω_i (θ_i − θ^{[t]})     (ω_i = D_i / ΣD, as the paper's baselines weigh)
-        c^{[t+1]} = c^{[t]} + (1 / N) Σ_{i reported} Δc_i
-        c_i⁺ = c_i + Δc_i                                     (for each accepted update)
+        θ^{[t+1]} = θ^{[t]} + η_g Σ_{i reported} ω_i (θ_i − θ^{[t]})     ω_i = D_i / Σ_{i' reported} D_{i'}
+        c_i⁺ = c_i + Δc_i                                                 (for each accepted update)
+        c^{[t+1]} = Σ_i p_i c_i                                           p_i = D_i / Σ_{i'} D_{i'}
 
-    with N the number of clients in the federation (SCAFFOLD's |S|/N scaling under partial participation). The server
-    keeps every c_i, by client id (`client_controls`): it receives every Δc_i anyway, so keeping their sum reveals
-    nothing new, survives a client's restart and is checkpointed; c then stays the mean of the clients' c_i. Each
-    round a client is sent c and its c_i (`client_extras`), trains with the correction c − c_i
-    (`ScaffoldCorrection`, through `client_hook`) and sends back Δc_i as its extra "control_delta".
+    the last sum over every client the server holds a c_i for. SCAFFOLD (Karimireddy et al., ICML 2020) minimises
+    the uniform mean of the clients' objectives, so its paper averages both x and c with 1/N; the paper's objective
+    F = Σ_i ω_i F_i weighs the clients by data volume, as FedAvg's baseline does, and c estimates ∇F = Σ_i ω_i ∇F_i
+    only with the same weights: then Σ_i ω_i (c − c_i) = 0 and the clients' corrections c − c_i cancel in Δ, which
+    is what lets SCAFFOLD remove client drift without biasing the global step. (Averaging θ by data volume and c
+    by 1/N, as this class did before, leaves Σ_i ω_i (c − c_i) ≠ 0 with unequal D_i, a drift every round adds to.)
+    With every client reporting, p_i = ω_i and the identity holds exactly; with equal D_i it is SCAFFOLD's 1/N.
+
+    The server keeps every c_i and D_i, by client id (`client_controls`, `client_sizes`): it receives every Δc_i
+    anyway, so keeping their sum reveals nothing new, survives a client's restart and is checkpointed. A client that
+    has not reported yet holds no c_i and has no weight in c (SCAFFOLD's 1/N counts it as a zero c_i). Each round a
+    client is sent c and its c_i (`client_extras`), trains with the correction c − c_i (`ScaffoldCorrection`, through
+    `client_hook`) and sends back Δc_i as its extra "control_delta".
     """
 
-    def __init__(self, num_clients: int, server_optimizer: ServerOptimizer | None = None, combiner=None):
+    def __init__(self, server_optimizer: ServerOptimizer | None = None, combiner=None):
         super().__init__(server_optimizer, combiner)
-        if num_clients < 1:
-            raise ValueError(f"`num_clients` must be >= 1, got {num_clients}.")
-        self.num_clients = num_clients
         self.control: AdapterState = {}
         self.client_controls: dict[str, AdapterState] = {}
+        self.client_sizes: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> ScaffoldAggregator:
-        """SCAFFOLD for a federation of `num_clients`, whose server step scales the controls by 1/N."""
-        return cls(num_clients=num_clients, server_optimizer=server_optimizer, combiner=combiner)
+        """SCAFFOLD; its weights are the clients' data volumes, so the size of the federation plays no part."""
+        return cls(server_optimizer=server_optimizer, combiner=combiner)
 
     def server_control(self, global_state: AdapterState) -> AdapterState:
         """c, created as zeros shaped like the adapter on first use."""
@@ -93,10 +100,11 @@ class ScaffoldAggregator(FedAvgAggregator):
             update.extras[CONTROL_DELTA] = {key: value * scale for key, value in delta.items()}
 
     def accept(self, update: ClientUpdate) -> None:
-        # c_i ← c_i⁺ = c_i + Δc_i, kept only with an accepted update: c then stays the mean of the clients' c_i.
+        # c_i ← c_i⁺ = c_i + Δc_i and D_i, kept only with an accepted update: c is their data-weighted mean.
         delta = update.extras[CONTROL_DELTA]
         control = self.client_control(update.client_id, delta)
         self.client_controls[update.client_id] = {key: control[key] + value for key, value in delta.items()}
+        self.client_sizes[update.client_id] = update.num_samples
 
     @classmethod
     def client_hook(cls, extras: dict[str, AdapterState], args) -> ClientHook | None:
@@ -122,11 +130,15 @@ class ScaffoldAggregator(FedAvgAggregator):
 
     def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int, check_finite: bool = True):
         new_state = super().aggregate(global_state, updates, round_idx, check_finite)
-        control = self.server_control(global_state)
-        keys = list(control)
-        for update in updates:  # one fused in-place pass per client, promoting bfloat16 deltas on the fly
-            deltas = [update.extras[CONTROL_DELTA][key] for key in keys]
-            torch._foreach_add_([control[key] for key in keys], deltas, alpha=1.0 / self.num_clients)
+        keys = list(self.server_control(global_state))
+        # c = Σ_i p_i c_i over the clients whose D_i is known (a checkpoint from before `client_sizes` learns each
+        # client's at its next report): one fused in-place pass per client into a fresh c.
+        sizes = {client_id: size for client_id, size in self.client_sizes.items() if client_id in self.client_controls}
+        total = sum(sizes.values())
+        control = torch._foreach_mul([self.control[key] for key in keys], 0.0)
+        for client_id, size in sizes.items():
+            torch._foreach_add_(control, [self.client_controls[client_id][key] for key in keys], alpha=size / total)
+        self.control = control = dict(zip(keys, control))
         if non_finite := non_finite_entries(control, "server control"):
             raise AggregationError(
                 f"Round {round_idx}: SCAFFOLD's {non_finite[0]} is not finite; the round is refused."
@@ -138,6 +150,7 @@ class ScaffoldAggregator(FedAvgAggregator):
             **super().state_dict(),
             "control": dict(self.control),
             "client_controls": {client_id: dict(control) for client_id, control in self.client_controls.items()},
+            "client_sizes": dict(self.client_sizes),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,6 +160,7 @@ class ScaffoldAggregator(FedAvgAggregator):
             client_id: {key: tensor.clone() for key, tensor in control.items()}
             for client_id, control in state["client_controls"].items()
         }
+        self.client_sizes = {client_id: int(size) for client_id, size in state.get("client_sizes", {}).items()}
 
 
 class ScaffoldCorrection(TrainerCallback):
