@@ -500,8 +500,8 @@ class FedGRPOConfig(GRPOConfig):
                 "FedProx proximal coefficient μ: each client adds μ/2 ||θ_i − θ^{[t]}||² to its GRPO loss (its "
                 "gradient is clipped with the GRPO gradient, as in Flower's FedProx). None: 0.1 with "
                 "aggregation='fedprox' (the paper gives none; at the quickstart's budget its pull is ~9 percent of the "
-                "GRPO gradient on the second local step, 0.01's ~1 percent), 0 (off) otherwise; any aggregation accepts a "
-                "positive value."
+                "GRPO gradient on the second local step, 0.01's ~1 percent), 0 (off) otherwise; any aggregation "
+                "accepts a positive value."
             )
         },
     )
