@@ -60,7 +60,7 @@ class ProximalProbe(RoundCallback):
 
 
 def main(argv: list[str]) -> None:
-    from trl_federated.cli import load_benchmark, load_model, lora_config, parse_run_args, reward_functions
+    from trl_federated.cli import load_benchmark, load_model, lora_config, parse_run_args, training_rewards
     from trl_federated.data import partition_clients
     from trl_federated.runner import FederatedRunner
 
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
     model, processing_class = load_model(model_args, args)
     probe = ProximalProbe()
     runner = FederatedRunner(
-        model, reward_functions(data_args.reward_funcs), args, clients, processing_class=processing_class,
+        model, training_rewards(data_args), args, clients, processing_class=processing_class,
         peft_config=lora_config(model_args), callbacks=[probe],
     )
     initial = {key: value.clone() for key, value in runner.global_state.items()}

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import ModelConfig, TrlParser, get_peft_config
 
     from trl_federated.adapters import default_lora_config, with_federated_adapter
-    from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, reward_functions
+    from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, training_rewards
     from trl_federated.client import local_training_args
     from trl_federated.data import partition_clients
     from trl_federated.evaluation import evaluate_accuracy
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             meter.step = state.global_step + 1
 
     trainer = FedGRPOTrainer(
-        model=model, reward_funcs=reward_functions(data_args.reward_funcs), args=local, train_dataset=client_data,
+        model=model, reward_funcs=training_rewards(data_args), args=local, train_dataset=client_data,
         processing_class=tokenizer, callbacks=[StepPhases()],
     )
     meter.wrap(trainer, "_generate_and_score_completions", "generation + scoring")

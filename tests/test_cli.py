@@ -17,12 +17,15 @@ from trl_federated import FedGRPOTrainer
 from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
 from trl_federated.cli import (
     BenchmarkArguments,
+    check_reward_columns,
+    closest_key_hint,
     load_benchmark,
     load_model,
     lora_config,
     main,
     parse_run_args,
     reward_functions,
+    training_rewards,
 )
 
 
@@ -171,10 +174,82 @@ def test_paper_benchmarks_read_their_source():
 CPU_FLAGS = ["--output_dir", "unused", "--bf16", "false", "--use_cpu", "true"]
 
 
-def test_cli_refuses_flag_prefixes(tmp_path):
-    with pytest.raises(ValueError, match="--num_round"):  # argparse would take it for --num_rounds
+def test_cli_refuses_flag_prefixes(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse would take it for --num_rounds
         main(["run", "--output_dir", str(tmp_path), "--model_name_or_path", str(tmp_path / "absent"), "--bf16",
               "false", "--num_round", "3"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "trl-federated run: error: unknown flag `--num_round`. Did you mean `--num_rounds`?\n"
+    )
+
+
+def test_cli_names_a_misspelled_yaml_key_and_the_closest_valid_one_in_one_line(tmp_path, capsys):
+    # TRL's parser raised "Unknown arguments from config file: ['--num_round', '2']" after a traceback
+    config = tmp_path / "run.yaml"
+    config.write_text("num_round: 2\nlearning_rate: 1.0e-4\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run_args(["--config", str(config), *CPU_FLAGS])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"trl-federated run: error: unknown key `num_round` in {config}. Did you mean `num_rounds`?\n"
+    )
+    config.write_text("dataset_streaming: true\n", encoding="utf-8")  # TRL's script argument: its equivalent
+    with pytest.raises(SystemExit):
+        parse_run_args(["--config", str(config), *CPU_FLAGS])
+    assert "cannot stream the dataset" in capsys.readouterr().err
+
+
+def test_the_flower_run_config_and_the_yaml_share_one_hint():
+    from trl_federated.flower import run_config
+
+    assert run_config.closest_key_hint is closest_key_hint
+    assert closest_key_hint("num-roundz", ["num-rounds", "local-steps"]) == " Did you mean `num-rounds`?"
+    assert closest_key_hint("zzz", ["num-rounds"]) == ""
+
+
+def test_cli_takes_trl_grpo_reward_names_dotted_paths_and_a_reward_model(tiny_model_dir):
+    from trl.rewards import accuracy_reward as trl_accuracy_reward
+    from trl.rewards import think_format_reward
+
+    from trl_federated.rewards import accuracy_reward
+
+    assert reward_functions(["accuracy_reward", "think_format_reward"]) == [trl_accuracy_reward, think_format_reward]
+    assert reward_functions(["trl_federated.rewards.accuracy_reward"]) == [accuracy_reward]
+    assert callable(reward_functions(["get_soft_overlong_punishment"])[0])
+    with pytest.raises(ValueError, match="reward_funcs.*cannot import module 'no_such_pkg.rewards'"):
+        reward_functions(["no_such_pkg.rewards.mine"])
+    with pytest.raises(ValueError, match="Did you mean `accuracy_reward`"):
+        reward_functions(["acuracy_reward"])
+    # `trl grpo`'s --reward_model_name_or_path comes first; alone, it replaces the default `accuracy`
+    _, _, data_args = parse_run_args([*CPU_FLAGS, "--reward_model_name_or_path", str(tiny_model_dir)])
+    assert training_rewards(data_args) == [str(tiny_model_dir)]
+    _, _, data_args = parse_run_args([*CPU_FLAGS, "--reward_model_name_or_path", str(tiny_model_dir),
+                                      "--reward_funcs", "format"])
+    assert training_rewards(data_args)[0] == str(tiny_model_dir) and len(training_rewards(data_args)) == 2
+    _, _, data_args = parse_run_args(CPU_FLAGS)
+    assert training_rewards(data_args) == [accuracy_reward]
+
+
+def test_cli_refuses_a_trl_reward_whose_column_the_data_lacks_naming_the_equivalent():
+    from trl_federated.rewards import accuracy_reward
+
+    rows = Dataset.from_dict({"prompt": ["1+1?"], "answer": ["2"]})
+    check_reward_columns([accuracy_reward, "org/reward-model"], rows)
+    with pytest.raises(ValueError, match=r"accuracy_reward \(trl\.rewards.*\['solution'\].*`accuracy` is this"):
+        check_reward_columns(reward_functions(["accuracy_reward"]), rows)
+
+
+def test_cli_passes_dataset_config_to_load_dataset(monkeypatch):
+    import datasets
+
+    calls = []
+    splits = {"train": Dataset.from_dict({"prompt": ["a"]}), "test": Dataset.from_dict({"prompt": ["b"]})}
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append(args) or splits)
+    load_benchmark(BenchmarkArguments(dataset_name="org/data", dataset_config="main"))
+    assert calls == [("org/data", "main")]
+    with pytest.raises(ValueError, match="dataset_config"):
+        load_benchmark(BenchmarkArguments(dataset_name="reasoning_gym", dataset_config="main"))
 
 
 @pytest.mark.parametrize("attn_implementation, dtype", [("eager", torch.bfloat16), ("sdpa", torch.float32)])

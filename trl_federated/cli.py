@@ -6,13 +6,17 @@ Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import logging
+import re
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +29,101 @@ from .config import CONFIG_CLASSES, FedGRPOConfig, federated_config
 logger = logging.getLogger("trl_federated")
 
 REWARD_FUNCTIONS = ("accuracy", "format")
+# TRL's `trl grpo` reward names (`trl/scripts/grpo.py`), with the values that script gives them: TRL's functions, which
+# read the dataset's `solution` column, as in `trl grpo`.
+TRL_REWARD_FUNCTIONS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward",
+                        "get_soft_overlong_punishment")  # fmt: skip
+# Arguments of TRL's scripts (`ScriptArguments`, `DatasetMixtureConfig`) that this package does not take, with what to
+# use instead: an unknown key or flag of that name gets this advice rather than the closest spelling.
+TRL_SCRIPT_EQUIVALENTS = {
+    "dataset_streaming": "A federation partitions every client's rows before training, so it cannot stream the "
+    "dataset: drop `dataset_streaming`.",
+    "datasets": "TRL's dataset mixtures are not supported: give one dataset as `dataset_name` (with "
+    "`dataset_config` and the `dataset_*_split` fields).",
+    "streaming": "A federation partitions every client's rows before training, so it cannot stream the dataset.",
+    "test_split_size": "Give the evaluation rows as a split of `dataset_name`, named by `dataset_test_split`.",
+}
+
+
+def closest_key_hint(key: str, candidates: Iterable[str]) -> str:
+    """What to say after "unknown key `key`": for an argument of TRL's scripts that this package does not take, its
+    equivalent (`TRL_SCRIPT_EQUIVALENTS`); else " Did you mean `<the closest candidate>`?" (difflib), or "" when none
+    is close. One helper for the YAML keys and flags of `trl-federated run` and for a Flower app's run-config keys."""
+    equivalent = TRL_SCRIPT_EQUIVALENTS.get(key.lstrip("-").replace("-", "_"))
+    if equivalent is not None:
+        return f" {equivalent}"
+    close = difflib.get_close_matches(key, list(candidates), n=1)
+    return f" Did you mean `{close[0]}`?" if close else ""
+
+
+class ArgumentParser(TrlParser):
+    """TRL's `TrlParser` (a YAML `--config`, then `--key value` flags, never abbreviated) as a newcomer needs it:
+
+    - `--help` lists the flags in one argument group per dataclass, as `HfArgumentParser` groups a dataclass that
+      names one (`_argument_group_name`); a federated config's own fields form a group apart from the TRL config's.
+    - A YAML key or flag that no dataclass has is refused in one line that names it and the closest valid one (or
+      TRL's equivalent, `closest_key_hint`), before any dataclass is built; TRL raises "Unknown arguments" after a
+      traceback, and argparse would print the whole usage (hundreds of flags) before its error line.
+    """
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+
+    @staticmethod
+    def _groups(dtype) -> list[tuple[str, str, list[dataclasses.Field]]]:
+        """(title, description, fields) of each argument group of `dtype`: one, or for a federated config the TRL
+        config's fields, then the federation's."""
+        from trl import GRPOConfig
+
+        fields = [item for item in dataclasses.fields(dtype) if item.init]
+        if not issubclass(dtype, FedGRPOConfig):
+            return [(dtype.__name__, _first_line(dtype), fields)]
+        trl_config = next(c for c in dtype.__mro__ if issubclass(c, GRPOConfig) and not issubclass(c, FedGRPOConfig))
+        federation = {item.name for item in dataclasses.fields(FedGRPOConfig)} - {
+            item.name for item in dataclasses.fields(GRPOConfig)
+        }
+        return [
+            (f"{trl_config.__name__} (TRL)", _first_line(trl_config), [f for f in fields if f.name not in federation]),
+            (f"{dtype.__name__}: the federation", _first_line(dtype), [f for f in fields if f.name in federation]),
+        ]
+
+    def _add_dataclass_arguments(self, dtype):
+        from typing import get_type_hints
+
+        type_hints = get_type_hints(dtype)
+        for title, description, fields in self._groups(dtype):
+            group = self.add_argument_group(title, description)
+            for item in fields:
+                item.type = type_hints[item.name]
+                self._parse_dataclass_field(group, item)
+
+    def error(self, message: str):
+        """One line, `prog: error: message`, exit status 2: argparse's usage line would list every flag."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs):
+        args = list(sys.argv[1:] if args is None else args)
+        flags = args
+        if "--config" in args[:-1]:
+            at = args.index("--config")
+            path, flags = args[at + 1], args[:at] + args[at + 2 :]
+            with open(path, encoding="utf-8") as stream:
+                values = yaml.safe_load(stream)
+            fields = [action.dest for action in self._actions if action.option_strings] + ["env"]
+            for key in values if isinstance(values, dict) else ():
+                if key not in fields:
+                    self.error(f"unknown key `{key}` in {path}.{closest_key_hint(key, fields)}")
+        options = [option for action in self._actions for option in action.option_strings]
+        for token in flags:
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--") and flag not in options:
+                self.error(f"unknown flag `{flag}`.{closest_key_hint(flag, options)}")
+        return super().parse_args_and_config(args, **kwargs)
+
+
+def _first_line(cls) -> str:
+    """The first line of a class's docstring, without the doc markup of cross references ([`~trl.GRPOConfig`])."""
+    return re.sub(r"\[`~?([\w.]+)`\]", r"\1", (cls.__doc__ or "").strip().split("\n", 1)[0])
 
 
 @dataclass
@@ -53,6 +152,13 @@ class BenchmarkArguments:
             "help": "For 'open_r1' and 'geoqa': the largest image area in pixels; a larger figure is scaled down to "
             "it when the benchmark loads, keeping its aspect ratio (as `max_pixels` in R1-V and EasyR1). None: "
             "figures as stored."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "For a `datasets.load_dataset` name: its configuration name (`load_dataset`'s `name`), as in "
+            "`trl grpo`."
         },
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Training split of `dataset_name`."})
@@ -93,11 +199,20 @@ class BenchmarkArguments:
             "replaces `algorithm`'s recipe, so it needs algorithm 'grpo'. None: the config `algorithm` names."
         },
     )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["accuracy"],
+    reward_model_name_or_path: str | None = field(
+        default=None,
         metadata={
-            "help": f"Reward functions, among {REWARD_FUNCTIONS} ('accuracy' is the paper's binary reward), or reward "
-            "models by Hub id or local folder (`AutoModelForSequenceClassification`, loaded once per run)."
+            "help": "A reward model's Hub id or local folder (`AutoModelForSequenceClassification`, loaded once per "
+            "run), trained on before `reward_funcs`, as in `trl grpo`."
+        },
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": f"Reward functions: this package's {REWARD_FUNCTIONS} ('accuracy' is the paper's binary reward on "
+            f"the `answer` column), TRL's {TRL_REWARD_FUNCTIONS} (as `trl grpo` configures them; they read a "
+            "`solution` column), a function's dotted import path ('my_lib.rewards.custom_reward'), or reward models "
+            "by Hub id or local folder. None: ['accuracy'], or only `reward_model_name_or_path` when it is set."
         },
     )
     eval_reward_funcs: list[str] = field(
@@ -136,6 +251,13 @@ def load_benchmark(data_args: BenchmarkArguments):
                 f"`{name}` is read only by the paper benchmarks {list(paper_benchmarks)}, not by "
                 f"dataset_name={data_args.dataset_name!r}."
             )
+    saved = (Path(data_args.dataset_name) / "dataset_dict.json").is_file()  # a `save_to_disk` folder
+    generated = data_args.dataset_name in ("reasoning_gym", *paper_benchmarks)
+    if data_args.dataset_config is not None and (saved or generated):
+        raise ValueError(
+            f"`dataset_config` names a configuration of a `datasets.load_dataset` dataset; "
+            f"dataset_name={data_args.dataset_name!r} has none."
+        )
     if data_args.dataset_name == "reasoning_gym":
         splits = build_reasoning_benchmark(size=data_args.benchmark_size, seed=data_args.benchmark_seed)
     elif data_args.dataset_name in paper_benchmarks:
@@ -143,10 +265,10 @@ def load_benchmark(data_args: BenchmarkArguments):
         splits = build(
             data_args.benchmark_source or hub_id, seed=data_args.benchmark_seed, max_pixels=data_args.max_pixels
         )
-    elif Path(data_args.dataset_name).is_dir() and (Path(data_args.dataset_name) / "dataset_dict.json").exists():
+    elif saved:
         splits = load_from_disk(data_args.dataset_name)
     else:
-        splits = load_dataset(data_args.dataset_name)
+        splits = load_dataset(data_args.dataset_name, data_args.dataset_config)
     train, test = splits[data_args.dataset_train_split], splits[data_args.dataset_test_split]
     if data_args.max_eval_samples is not None:
         test = test.select(range(min(data_args.max_eval_samples, len(test))))
@@ -164,34 +286,110 @@ def hub_dataset_id(data_args: BenchmarkArguments) -> str | None:
     return None if name == "reasoning_gym" or Path(name).exists() else name
 
 
+def trl_reward_function(name: str):
+    """TRL's reward function `name` (`TRL_REWARD_FUNCTIONS`), configured as `trl grpo` configures it."""
+    from trl import rewards
+
+    if name == "get_soft_overlong_punishment":
+        return rewards.get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)
+    return getattr(rewards, name)
+
+
 def reward_functions(names: list[str], field_name: str = "reward_funcs") -> list:
-    """The reward functions named among `REWARD_FUNCTIONS`; any other entry must be a reward model's Hub id
-    (`org/name`) or local folder, kept as such for `FederatedRunner` to load once (`client.load_reward_models`)."""
+    """The reward functions `names` gives, as `trl grpo` reads its `reward_funcs`: this package's `REWARD_FUNCTIONS`,
+    TRL's (`TRL_REWARD_FUNCTIONS`), and any function by dotted import path (`my_lib.rewards.custom_reward`,
+    importable from the working directory); an entry with a `/` or naming a folder is a reward model's Hub id or local
+    folder, kept as such for `FederatedRunner` to load once (`client.load_reward_models`)."""
     from .rewards import accuracy_reward, format_reward
 
     available = {"accuracy": accuracy_reward, "format": format_reward}
-    unknown = [name for name in names if name not in available and "/" not in name and not Path(name).is_dir()]
-    if unknown:
-        raise ValueError(
-            f"Unknown `{field_name}` {unknown}; choose among {REWARD_FUNCTIONS}, or give a reward model's Hub id "
-            "(`org/name`) or local folder."
-        )
-    return [available.get(name, name) for name in names]
+    functions = []
+    for name in names:
+        if name in available:
+            functions.append(available[name])
+        elif name in TRL_REWARD_FUNCTIONS:
+            functions.append(trl_reward_function(name))
+        elif "/" in name or Path(name).is_dir():
+            functions.append(name)
+        elif "." in name:
+            functions.append(import_object(name, field_name))
+        else:
+            raise ValueError(
+                f"Unknown `{field_name}` {name!r}; choose among {REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS}, a "
+                "function's dotted import path (`my_lib.rewards.custom_reward`), or a reward model's Hub id "
+                f"(`org/name`) or local folder.{closest_key_hint(name, REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS)}"
+            )
+    return functions
 
 
-def import_class(path: str, base: type, field_name: str) -> type:
-    """The class `path` names, 'package.module:Class' or 'package.module.Class', which must subclass `base`; any
-    failure is a ValueError naming `field_name` and the path."""
-    module_name, _, class_name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not class_name:
-        raise ValueError(f"`{field_name}` must be 'package.module:Class' or 'package.module.Class', got {path!r}.")
+def training_rewards(data_args: BenchmarkArguments) -> list:
+    """The training rewards, as `trl grpo` assembles them: `reward_model_name_or_path` first, then `reward_funcs`;
+    `reward_funcs` left unset is the paper's `accuracy` alone, or nothing beside a reward model."""
+    names = [data_args.reward_model_name_or_path] if data_args.reward_model_name_or_path else []
+    if data_args.reward_funcs is not None:
+        names += data_args.reward_funcs
+    elif not names:
+        names = ["accuracy"]
+    return reward_functions(names)
+
+
+# What TRL's GRPOTrainer passes every reward function besides the dataset's columns (`_calculate_rewards`).
+TRAINER_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                            "environments")  # fmt: skip
+
+
+def check_reward_columns(reward_funcs: list, dataset, field_name: str = "reward_funcs") -> None:
+    """Refuse, naming the function and the column, a reward function whose required arguments are columns that
+    `dataset` lacks (TRL passes every column to the reward functions by name, and a missing one fails only at the
+    first training step)."""
+    import inspect
+
+    for function in reward_funcs:
+        if not callable(function) or isinstance(function, torch.nn.Module):
+            continue
+        parameters = inspect.signature(function).parameters.values()
+        required = [
+            parameter.name for parameter in parameters
+            if parameter.default is inspect.Parameter.empty
+            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            and parameter.name not in TRAINER_REWARD_ARGUMENTS
+        ]  # fmt: skip
+        missing = [name for name in required if name not in dataset.column_names]
+        if missing:
+            name = getattr(function, "__name__", repr(function))
+            advice = (
+                " TRL's rewards score a `solution` column; `accuracy` is this package's binary reward on the "
+                "`answer` column (the embedded and paper benchmarks)."
+                if getattr(function, "__module__", "").startswith("trl.")
+                else ""
+            )
+            raise ValueError(
+                f"`{field_name}`: {name} ({function.__module__}) reads the column(s) {missing}, which the data lacks "
+                f"(columns: {dataset.column_names}).{advice}"
+            )
+
+
+def import_object(path: str, field_name: str, kind: str = "name"):
+    """The object `path` names, 'package.module:name' or 'package.module.name', importable from the working directory
+    (as `trl grpo` imports its dotted reward paths); any failure is a ValueError naming `field_name` and the path."""
+    module_name, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"`{field_name}` must be 'package.module:{kind}' or 'package.module.{kind}', got {path!r}.")
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(f"`{field_name}` {path!r}: cannot import module {module_name!r} ({error}).") from error
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ValueError(f"`{field_name}` {path!r}: module {module_name!r} has no attribute {class_name!r}.")
+    if not hasattr(module, name):
+        raise ValueError(f"`{field_name}` {path!r}: module {module_name!r} has no attribute {name!r}.")
+    return getattr(module, name)
+
+
+def import_class(path: str, base: type, field_name: str) -> type:
+    """The class `path` names (`import_object`), which must subclass `base`; any failure is a ValueError naming
+    `field_name` and the path."""
+    cls = import_object(path, field_name, kind="Class")
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ValueError(f"`{field_name}` {path!r} is {cls!r}, not a subclass of `{base.__module__}.{base.__name__}`.")
     return cls
@@ -244,14 +442,15 @@ def trainer_class(data_args: BenchmarkArguments):
 def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
     """The three argument groups of `trl-federated run` from `--config` and `--key value` flags.
 
-    Flags are never abbreviated (argparse's `allow_abbrev` is off): `--num_round` is an unknown flag, not
-    `--num_rounds`. A federation always trains a LoRA adapter, so `use_peft` is on and ModelConfig's LoRA fields
-    default to `default_lora_config()`'s values: `--lora_r 4` alone changes the adapter.
+    Flags are never abbreviated: `--num_round` is an unknown flag, not `--num_rounds`, refused in one line that names
+    the closest flag, as is an unknown YAML key (`ArgumentParser`). A federation always trains a LoRA adapter, so
+    `use_peft` is on and ModelConfig's LoRA fields default to `default_lora_config()`'s values: `--lora_r 4` alone
+    changes the adapter.
     """
     from .adapters import default_lora_config
 
-    parser = TrlParser(
-        (config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run", allow_abbrev=False
+    parser = ArgumentParser(
+        (config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run", description=RUN_DESCRIPTION
     )
     lora = default_lora_config()
     parser.set_defaults(
@@ -328,9 +527,11 @@ def run(argv: list[str]) -> int:
     # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
     prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
-    rewards = reward_functions(data_args.reward_funcs)
+    rewards = training_rewards(data_args)
     eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     train, test = load_benchmark(data_args)
+    check_reward_columns(rewards, train)
+    check_reward_columns(eval_rewards, test, "eval_reward_funcs")
     clients = partition_clients(train, args)
     model, processing_class = load_model(model_args, args)
     header = (
@@ -369,18 +570,46 @@ def compare(argv: list[str]) -> int:
     return compare_main(argv)
 
 
-COMMANDS = {"run": run, "compare": compare}
+COMMANDS = {
+    "run": (run, "one federated run (FGRPO, FedAvg, FedProx, SCAFFOLD; GRPO, DAPO, GSPO or your trainer locally) "
+            "from a YAML --config and --key value flags"),
+    "compare": (compare, "a resumable grid of methods x seeds, each cell a `run`, and the paper's tables"),
+}  # fmt: skip
+RUN_DESCRIPTION = (
+    "Federated GRPO-family RL fine-tuning of a LoRA adapter. Arguments parse like TRL's scripts: a YAML `--config`, "
+    "then `--key value` flags, which override it. The groups below are the dataclasses they fill."
+)
+
+
+def command_parser() -> argparse.ArgumentParser:
+    """`trl-federated`'s own parser: its commands, one line each (each command parses its own arguments)."""
+    parser = argparse.ArgumentParser(
+        prog="trl-federated",
+        description="Federated GRPO-family RL fine-tuning (FGRPO, FedAvg, FedProx, SCAFFOLD) on Hugging Face TRL.",
+        epilog="`trl-federated COMMAND --help` lists a command's flags.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (_, help_text) in COMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: trl-federated {{{','.join(COMMANDS)}}} --config CONFIG.yaml [--key value ...]", file=sys.stderr)
+        parser = command_parser()
+        if argv and argv[0] in ("-h", "--help"):
+            parser.print_help()
+            return 0
+        parser.print_usage(sys.stderr)
+        if argv:
+            print(f"trl-federated: error: unknown command `{argv[0]}`.{closest_key_hint(argv[0], COMMANDS)}",
+                  file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     # TRL 1.16's own defaults trigger transformers' rename notice for gradient checkpointing on every config.
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing` is deprecated", category=FutureWarning)
-    return COMMANDS[argv[0]](argv[1:])
+    return COMMANDS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":

@@ -179,14 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     # No abbreviations: `--method` must not pass for `--methods`, nor, forwarded to each cell, `--num_round` for
     # `--num_rounds`.
     parser = argparse.ArgumentParser(
-        prog="trl-federated compare", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        prog="trl-federated compare", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Any other `--key value` flag goes to every cell's `trl-federated run` (`trl-federated run --help` "
+        "lists them), after the config and before the cell's method and seed.",
     )
-    parser.add_argument("--config", required=True, help="Base YAML config shared by every cell.")
-    parser.add_argument("--output_dir", required=True, help="Grid folder; cells already finished there are skipped.")
-    parser.add_argument("--methods", nargs="+", default=["fgrpo", "fedavg"], choices=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--num_clients", nargs="+", type=int, default=[None], help="e.g. 3 5 10")
-    parser.add_argument("--dirichlet_alpha", nargs="+", default=[None], help="e.g. 0.05 1 inf")
+    grid = parser.add_argument_group("the grid", "Cells are methods x seeds (x clients x Dirichlet mu).")
+    grid.add_argument("--config", required=True, help="Base YAML config shared by every cell.")
+    grid.add_argument("--output_dir", required=True, help="Grid folder; cells already finished there are skipped.")
+    grid.add_argument("--methods", nargs="+", default=["fgrpo", "fedavg"], choices=list(METHODS), metavar="METHOD",
+                      help=f"Methods among {', '.join(METHODS)} (default: fgrpo fedavg).")
+    grid.add_argument("--seeds", nargs="+", type=int, default=[0], help="Seeds, one cell each.")
+    grid.add_argument("--num_clients", nargs="+", type=int, default=[None],
+                      help="Federation sizes, e.g. 3 5 10 (default: the config's).")
+    grid.add_argument("--dirichlet_alpha", nargs="+", default=[None],
+                      help="Dirichlet concentrations, e.g. 0.05 1 inf (default: the config's).")
     args, extra = parser.parse_known_args(argv)
     optimizers = sorted({METHODS[method].server_optimizer for method in args.methods})
     if len(optimizers) > 1 and _sets_server_learning_rate(args.config, extra):

@@ -7,7 +7,7 @@ your model, tokenizer, data and reward): 3 clients with a non-IID split, 8 round
     python examples/scripts/plot_tensorboard.py outputs/custom-trainer docs/round_metrics.png
 """
 
-import sys
+import argparse
 
 from datasets import Dataset
 from trl import GRPOTrainer
@@ -57,4 +57,7 @@ def main(output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "outputs/custom-trainer")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir", nargs="?", default="outputs/custom-trainer",
+                        help="Where the run writes its adapters and TensorBoard events (default: %(default)s).")
+    main(parser.parse_args().output_dir)

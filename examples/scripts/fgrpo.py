@@ -21,22 +21,26 @@ Any key of the YAML can be overridden with `--key value`; `python examples/scrip
 
 import sys
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from trl_federated.cli import (
+    ArgumentParser,
     BenchmarkArguments,
+    check_reward_columns,
     config_class,
     load_benchmark,
     load_model,
     reward_functions,
     trainer_class,
+    training_rewards,
 )
 from trl_federated.reporting import ReportCallback
 
 
 def main(training_args, model_args, data_args):
-    # Reward functions: the paper's binary accuracy on the `<answer>` tag, optionally a format reward
-    reward_funcs = reward_functions(data_args.reward_funcs)
+    # Reward functions: the paper's binary accuracy on the `<answer>` tag by default; TRL's names (`accuracy_reward`,
+    # ...), dotted import paths and `reward_model_name_or_path` as in `trl grpo`
+    reward_funcs = training_rewards(data_args)
     # The accuracy table scores accuracy alone, whichever rewards train (`eval_reward_funcs`)
     eval_reward_funcs = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
 
@@ -45,6 +49,8 @@ def main(training_args, model_args, data_args):
 
     # Dataset: train split for the clients, test split for the accuracy table before and after training
     train_dataset, eval_dataset = load_benchmark(data_args)
+    check_reward_columns(reward_funcs, train_dataset)  # e.g. TRL's accuracy_reward needs a `solution` column
+    check_reward_columns(eval_reward_funcs, eval_dataset, "eval_reward_funcs")
 
     # Initialise the federated GRPO trainer: FedGRPOTrainer, or `--trainer_class` federated (`trainer.federated`)
     trainer = trainer_class(data_args)(
@@ -65,9 +71,14 @@ def main(training_args, model_args, data_args):
 
 
 def make_parser(argv):
-    # `--algorithm dapo|gspo` (or `algorithm:` in the YAML) picks FedDAPOConfig / FedGSPOConfig and their defaults
-    # No flag abbreviations: `--num_round` must be an error, not `--num_rounds`
-    return TrlParser((config_class(argv), ModelConfig, BenchmarkArguments), allow_abbrev=False)
+    # `--algorithm dapo|gspo` (or `algorithm:` in the YAML) picks FedDAPOConfig / FedGSPOConfig and their defaults.
+    # TRL's TrlParser, with `--help` grouped by dataclass and a one-line error naming an unknown key or flag and the
+    # closest valid one (never abbreviated: `--num_round` is an error, not `--num_rounds`)
+    return ArgumentParser(
+        (config_class(argv), ModelConfig, BenchmarkArguments),
+        description="Federated GRPO shaped like TRL's grpo.py: a YAML --config, then --key value flags, which override "
+        "it. Example: python examples/scripts/fgrpo.py --config examples/configs/paper/fgrpo.yaml",
+    )
 
 
 if __name__ == "__main__":

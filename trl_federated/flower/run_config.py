@@ -16,9 +16,9 @@ with the closest key suggested.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
-import difflib
 import io
 import re
 import typing
@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 from trl import ModelConfig
 
-from ..cli import BenchmarkArguments, parse_run_args
+from ..cli import BenchmarkArguments, closest_key_hint, parse_run_args
 from ..config import FedGRPOConfig
 
 # The run-config key of the YAML base, relative to the app folder or absolute; "" for none.
@@ -71,11 +71,10 @@ def _field_of(key: str, fields: Mapping[str, dataclasses.Field]) -> str:
     if name in fields and run_config_key(name) == key:  # `num_rounds` is no key: Flower's keys are kebab-case
         return name
     candidates = [run_config_key(field_name) for field_name in fields] + list(ALIASES)
-    close = difflib.get_close_matches(key, candidates, n=1)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
     raise ValueError(
         f"Unknown run-config key `{key}`: it is no field of FedGRPOConfig, ModelConfig or BenchmarkArguments "
-        f"(keys are the field names in kebab-case, e.g. `num-rounds`, `learning-rate`, `lora-r`).{hint}"
+        f"(keys are the field names in kebab-case, e.g. `num-rounds`, `learning-rate`, `lora-r`)."
+        f"{closest_key_hint(key, candidates)}"
     )
 
 
@@ -183,4 +182,8 @@ def pyproject_lines() -> list[str]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        prog="python -m trl_federated.flower.run_config",
+        description="Print the [tool.flwr.app.config] lines of every run-config key, each left to the YAML base.",
+    ).parse_args()
     print("\n".join(pyproject_lines()))

@@ -6,7 +6,7 @@ from flwr.app import Context
 from trl import ModelConfig
 
 from trl_federated import FedGRPOConfig
-from trl_federated.cli import BenchmarkArguments, reward_functions
+from trl_federated.cli import BenchmarkArguments, training_rewards
 from trl_federated.flower.run_config import NUM_PARTITIONS, federation_arguments
 
 APP_DIR = Path(__file__).resolve().parents[1]
@@ -24,4 +24,4 @@ def read_config(context: Context) -> tuple[FedGRPOConfig, ModelConfig, Benchmark
 
 
 def rewards(data_args: BenchmarkArguments):
-    return reward_functions(data_args.reward_funcs)
+    return training_rewards(data_args)
