@@ -128,8 +128,11 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
         assert (output_dir / name).exists(), name
     assert (output_dir / "round-1" / "adapter_model.safetensors").exists()
     summary = (output_dir / "summary.md").read_text()
-    assert "Before training" in summary and "Round 2" in summary and "Total" in summary
-    assert "| 2 |" in summary  # the per-round table counts rounds from 1
+    assert "Before training" in summary and "Total" in summary
+    # "Round t" and the per-round table's t are the global adapters' round-<t>/ folders (0-based)
+    assert re.findall(r"^\| Round (\d+) \|", summary, re.MULTILINE) == ["0", "1"]
+    assert sorted(path.name for path in output_dir.glob("round-*")) == ["round-0", "round-1"]
+    assert "| 1 |" in summary and "| 2 |" not in summary
     assert re.search(r"Evaluation: \d+ rows, greedy, [\d.]+ s per pass \(2 passes", summary)
     # Table 4's quantity: one adapter up and one down per client and round
     adapter = load_file(output_dir / "adapter_model.safetensors")

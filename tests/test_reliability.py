@@ -747,7 +747,7 @@ def test_cli_output_dir_guard_resume_and_overwrite(tmp_path, tiny_model_dir):
     assert [r["round_idx"] for r in result["rounds"]] == [0, 1] and set(result["evaluations"]) == {"-1", "0", "1"}
     assert [e["event"] for e in events(output_dir)].count("resumed") == 1
     summary = (output_dir / "summary.md").read_text()
-    assert "| 1 |" in summary and "| 2 |" in summary  # the report kept the first run's round
+    assert "| 0 |" in summary and "| 1 |" in summary  # the report kept the first run's round (0-based, as round-<t>/)
 
     assert main(["run", "--config", str(config), "--overwrite_output_dir", "true"]) == 0
     assert [e["event"] for e in events(output_dir)] == ["evaluation", "client", "client", "evaluation", "round"]

@@ -12,10 +12,17 @@ from transformers import TrainerCallback
 from .callbacks import RoundCallback
 from .round_record import RoundRecord
 
+# How summary.md numbers rounds: as the files of the run do.
+ROUND_NUMBERING = (
+    "Rounds are numbered t = 0, 1, ..., as the global adapters `round-<t>/`, the checkpoints `checkpoint-<t>/` and "
+    "`round` in metrics.jsonl: \"Round t\" is the global adapter after round t."
+)
+
 
 def format_round_table(history: list[RoundRecord]) -> str:
     """Markdown table of every client's R̄, h, ω and traffic, round by round, and of the clients dropped (their
-    reasons are in metrics.jsonl); rounds count from 1 (the paper's t, which sets τ^{[t]}, is the round minus 1)."""
+    reasons are in metrics.jsonl); rounds are numbered t = 0, 1, ... (`ROUND_NUMBERING`), the paper's t that sets
+    τ^{[t]}."""
     lines = [
         "| Round | τ | Client | R̄ | h | ω | Sent (bytes) | Received (bytes) |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -25,12 +32,12 @@ def format_round_table(history: list[RoundRecord]) -> str:
         for client_id, reward in record.rewards.items():
             gain = record.gains.get(client_id)
             lines.append(
-                f"| {record.round_idx + 1} | {temperature} | {client_id} | {reward:.3f} | "
+                f"| {record.round_idx} | {temperature} | {client_id} | {reward:.3f} | "
                 f"{'-' if gain is None else f'{gain:+.3f}'} | {record.weights[client_id]:.3f} | "
                 f"{record.bytes_sent[client_id]:,} | {record.bytes_received[client_id]:,} |"
             )
         for client_id in record.dropped:
-            lines.append(f"| {record.round_idx + 1} | {temperature} | {client_id} | dropped | - | - | - | - |")
+            lines.append(f"| {record.round_idx} | {temperature} | {client_id} | dropped | - | - | - | - |")
     return "\n".join(lines)
 
 
@@ -49,11 +56,11 @@ def format_communication(history: list[RoundRecord]) -> str:
 
 def format_evaluations(evaluations: dict[int, dict[str, Any]]) -> str:
     """The accuracy table of a run's evaluations (round index -1: before training), rows named as the paper's
-    Table 1 names them."""
+    Table 1 names them, "Round t" for the global adapter `round-<t>/` (`ROUND_NUMBERING`)."""
     from .evaluation import format_accuracy_table
 
     named = {
-        ("Before training" if idx < 0 else f"Round {idx + 1}"): result for idx, result in sorted(evaluations.items())
+        ("Before training" if idx < 0 else f"Round {idx}"): result for idx, result in sorted(evaluations.items())
     }
     return format_accuracy_table(named)
 
@@ -66,7 +73,7 @@ def write_summary(
 ) -> Path:
     """`summary.md`: accuracy before/after (paper's Table 1 layout), the communication per client and round (Table 4),
     then the per-round table."""
-    sections = ["# Federated run summary", header]
+    sections = ["# Federated run summary", header, ROUND_NUMBERING if evaluations or history else ""]
     if evaluations:
         sections += ["## Accuracy (%)", format_evaluations(evaluations)]
         timed = [result["seconds"] for result in evaluations.values() if "seconds" in result]
@@ -114,8 +121,8 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
     axis = figure.subplots()
     for client_id in client_ids:
         points = [(r.round_idx, r.weights[client_id]) for r in history if client_id in r.weights]
-        axis.plot([p[0] + 1 for p in points], [p[1] for p in points], marker="o", label=client_id)
-    axis.set(xlabel="round", ylabel="aggregation weight ω", title="Aggregation weights per round")
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=client_id)
+    axis.set(xlabel="round t (as round-<t>/)", ylabel="aggregation weight ω", title="Aggregation weights per round")
     axis.xaxis.get_major_locator().set_params(integer=True)
     axis.legend(fontsize="small")
     written.append(_save(figure, output_dir / "weights.png"))
@@ -127,13 +134,15 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
         labels = list(evaluations[rounds[0]]["accuracy"])
         for label in labels:
             axis.plot(
-                [idx + 1 for idx in rounds],
+                rounds,
                 [100 * evaluations[idx]["accuracy"].get(label, float("nan")) for idx in rounds],
                 marker="o",
                 linewidth=2.5 if label == "Total" else 1.0,
                 label=label,
             )
-        axis.set(xlabel="round (0 = before training)", ylabel="accuracy (%)", title="Test accuracy per round")
+        axis.set(xlabel="round t (as round-<t>/; -1: before training)", ylabel="accuracy (%)",
+                 title="Test accuracy per round")
+        axis.xaxis.get_major_locator().set_params(integer=True)
         axis.legend(fontsize="small")
         written.append(_save(figure, output_dir / "accuracy.png"))
     return written
