@@ -5,11 +5,20 @@ BIN := $(VENV)/bin
 
 .PHONY: install demo test test-slow test-flower gpu-wheels
 
-# torch==2.13.0 first: it is the CPU build, and pip keeps it; an unpinned torch would pull a multi-GB CUDA build.
-# The flower and deepspeed extras too: the Flower and DeepSpeed (ZeRO-2 on CPU) tests run with the suite.
+# torch first, so that pip keeps the build installed here when it installs the package. `TORCH` is the requirement,
+# `TORCH_INDEX` (empty: pip's own configuration, PyPI by default) the index it comes from. On Linux, PyPI's
+# torch==2.13.0 is the default build, with CUDA: several GB, and it runs on CPU too; it is the CPU build only where pip
+# is configured to find one (a local wheel folder, pip's `find-links`). The CPU-only build (about 200 MB) from PyTorch's
+# index, on a fresh clone (or after `rm -rf .venv`):
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# PyTorch's index serves torch alone: everything else still comes from PyPI. The flower and deepspeed extras too: the
+# Flower and DeepSpeed (ZeRO-2 on CPU) tests run with the suite.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+
 $(VENV)/.installed: setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[test,flower,deepspeed]"
 	touch $@
 

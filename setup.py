@@ -2,8 +2,9 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# torch is a plain dependency on purpose: install `torch==2.13.0` (CPU build) first, as `.ci/run` and the
-# README do, and pip then keeps it; an unpinned fresh install would pull a multi-GB CUDA build.
+# torch is a plain dependency on purpose: install the torch build you want first (the Makefile's `TORCH` and
+# `TORCH_INDEX`; the README's "Installing"), and pip then keeps it; left to pip, a fresh install on Linux takes PyPI's
+# default build, with CUDA (several GB).
 INSTALL_REQUIRES = [
     "torch>=2.6",
     "trl==1.16.0",
