@@ -102,7 +102,18 @@ def test_a_reply_that_is_no_update_is_an_invalid_update():
     with pytest.raises(InvalidUpdateError, match="client 'site' rejected: its reply lacks metrics"):
         content_to_update(content)
     with pytest.raises(InvalidUpdateError, match="The reply names no client"):
-        content_to_update(RecordDict({"config": ConfigRecord({"client-id": "x"})}))
+        content_to_update(RecordDict({"client": ConfigRecord({"client-id": "x"}), "arrays": content["arrays"]}))
+
+
+def test_a_flowertune_style_reply_is_told_everything_it_must_add():
+    # FlowerTune's ClientApp replies with the adapter and {"num-examples"} only: one refusal names all that is missing
+    content = update_to_content(ClientUpdate("site", {"a": torch.zeros(2)}, 3, 0.5), client_index=0)
+    reply = RecordDict({"arrays": content["arrays"], "metrics": MetricRecord({"num-examples": 3, "train_loss": 0.1})})
+    with pytest.raises(InvalidUpdateError) as error:
+        content_to_update(reply)
+    message = str(error.value)
+    assert "lacks metrics['reward'], a 'client' ConfigRecord ('client-id', 'client-index')" in message
+    assert "make_client_app" in message and "FlowerTune" in message
 
 
 # The strategy, with a grid that delivers messages in this process ------------------------------------------

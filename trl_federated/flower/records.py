@@ -242,13 +242,23 @@ def update_to_content(update: ClientUpdate, client_index: int) -> RecordDict:
 
 
 def content_to_update(content: RecordDict) -> tuple[ClientUpdate, int]:
-    """The `ClientUpdate` and client index a reply carries; `InvalidUpdateError`, naming what is missing, for a
-    reply that is not one (the values themselves are checked by `admission.UpdateGate`)."""
-    client_id, client_index = read_client_identity(content)
+    """The `ClientUpdate` and client index a reply carries; `InvalidUpdateError`, naming everything a reply lacks,
+    for one that is not an update: a FlowerTune-style ClientApp's reply ("arrays" and "metrics" with "num-examples"
+    alone) is told to add the "client" record and R̄ (the values themselves are checked by `admission.UpdateGate`)."""
     missing = [name for name, records in ((ARRAYS, content.array_records), (METRICS, content.metric_records))
                if name not in records]
     metrics = content.metric_records.get(METRICS, {})
     missing += [f"{METRICS}[{key!r}]" for key in (NUM_EXAMPLES, REWARD) if key not in metrics]
+    if CLIENT not in content.config_records:
+        missing.append(f"a {CLIENT!r} ConfigRecord ('client-id', 'client-index')")
+        raise InvalidUpdateError(
+            f"The reply is no FederatedStrategy update: it lacks {', '.join(missing)}. A stock or FlowerTune-style "
+            f"ClientApp replies with {ARRAYS!r} and {METRICS!r} only: add {METRICS}[{REWARD!r}] (R̄, the client's "
+            f"mean reward over its last `reward_window` local steps) and the {CLIENT!r} record naming the client "
+            "(`records.update_to_content` writes them all), or build the ClientApp with "
+            "`trl_federated.flower.make_client_app`."
+        )
+    client_id, client_index = read_client_identity(content)
     if missing:
         raise InvalidUpdateError(f"Update of client {client_id!r} rejected: its reply lacks {', '.join(missing)}.")
     update = ClientUpdate(
