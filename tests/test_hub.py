@@ -43,7 +43,7 @@ def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_mode
     assert "| Reward window W | 3 |" in text
     assert "| LoRA | r=16, α=32, target modules down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj |" in text
     assert "fine-tuned version of a local model" in text  # the tiny model is no Hub model
-    assert "| Before training | 0.00 | 25.00 | 12.50 |" in text and "| Round 4 | 50.00 | 75.00 | 62.50 |" in text
+    assert "| Before training | 0.00 | 25.00 | 12.50 |" in text and "| Round 3 | 50.00 | 75.00 | 62.50 |" in text
     assert text.index("\n### Federated training") < text.index("### Framework versions")
 
     args = fast_args(aggregation="fedavg")

@@ -22,7 +22,7 @@ from trl.trainer.utils import generate_model_card, get_config_model_id
 from .config import CONFIG_CLASSES, FedGRPOConfig
 from .methods import METHODS
 from .models import base_model_hub_id
-from .reporting import format_evaluations
+from .reporting import ROUND_NUMBERING, format_evaluations
 
 TAG_NAMES = ["trl", "grpo", "trl-federated", "federated-learning", "fgrpo"]
 PAPER = {
@@ -93,7 +93,7 @@ def federation_section(
         *(f"| {name} | {value} |" for name, value in rows),
     ]
     if evaluations:
-        lines += ["", "#### Accuracy (%)", "", format_evaluations(evaluations)]
+        lines += ["", "#### Accuracy (%)", "", format_evaluations(evaluations), "", ROUND_NUMBERING]
     return "\n".join(lines)
 
 
