@@ -164,3 +164,16 @@ def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
         make(tmp_path, scaffold_correction="x")
     with pytest.raises(ValueError, match="`robust_aggregation` must be 'none', 'trimmed_mean' or 'median', got 'x'"):
         make(tmp_path, robust_aggregation="x")
+
+
+def test_an_unset_bf16_does_not_stop_a_machine_without_an_accelerator(tmp_path):
+    """TRL turns bf16 on unless fp16 is; TrainingArguments then refuses a machine with no bf16 accelerator unless
+    `use_cpu` is set. A federation with nothing said about precision must start (in float32) on such a machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has an accelerator")
+    args = FedGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2)
+    assert args.bf16 is False
+    assert FedGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                         use_cpu=True).bf16 is True  # as TRL: bf16 autocast on a CPU, when asked to train there

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from transformers.trainer_utils import IntervalStrategy
+from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from .admission import NORM_ACTIONS
@@ -84,8 +85,10 @@ class FedGRPOConfig(GRPOConfig):
     partitions with a Dirichlet(`dirichlet_alpha`) distribution over `partition_column` and runs the federation.
 
     This class lists only the federation's parameters and the GRPO parameters whose defaults it changes; every
-    other parameter is [`~trl.GRPOConfig`]'s. Using [`~transformers.HfArgumentParser`] or [`~trl.TrlParser`] we can
-    turn it into command-line arguments and read it from a YAML file.
+    other parameter is [`~trl.GRPOConfig`]'s, except that an unset `bf16` (TRL: on unless `fp16`) is off on a
+    machine without a bf16 accelerator when `use_cpu` is not set, where TRL's default refuses to start. Using
+    [`~transformers.HfArgumentParser`] or [`~trl.TrlParser`] we can turn it into command-line arguments and read it
+    from a YAML file.
 
     Parameters:
         > Rounds and local work
@@ -646,6 +649,8 @@ class FedGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and not self.use_cpu and not is_torch_bf16_gpu_available():
+            self.bf16 = False  # TRL's default (bf16 unless fp16) stops TrainingArguments with no accelerator
         super().__post_init__()
         # YAML hands "inf" over as a string.
         if isinstance(self.dirichlet_alpha, str):
