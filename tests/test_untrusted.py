@@ -1,0 +1,133 @@
+"""Issue 26: untrusted clients. Everything a client sends, and everything the server keeps for it, is bounded.
+
+Each test drives the server core a Flower deployment uses (`FederatedServer`: broadcast, admission through
+`UpdateGate`, accept, aggregation, callbacks, checkpoints), with replies made up as an adversary would send them,
+so no client trains: the attacks cost milliseconds."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from trl_federated import ClientUpdate
+from trl_federated.adapters import InvalidUpdateError, with_federated_adapter
+from trl_federated.aggregation import aggregator_from_config
+from trl_federated.checkpoint import OutputDirLockedError, _file_digest, read_checkpoint
+from trl_federated.server import FederatedServer
+
+
+def length_reward(completions, **kwargs):
+    return [len(completion) / 64 for completion in completions]
+
+
+length_reward.reward_range = (0.0, 1.0)
+
+
+def make_server(model_dir, fast_args, **overrides) -> FederatedServer:
+    args = fast_args(**{"num_clients": 3, "num_rounds": 4, **overrides})
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(model_dir), args.seed)
+    return FederatedServer(model, args, aggregator_from_config(args), [length_reward], report_header="")
+
+
+def unit(server) -> float:
+    """U = E · η · √d, the unit of `update_norm_bound`."""
+    args = server.args
+    return args.local_steps * args.learning_rate * math.sqrt(sum(t.numel() for t in server.global_state.values()))
+
+
+def moved(server, direction: float, size: float = 0.5) -> dict:
+    """An adapter `size` U from the global adapter (every coordinate moved alike)."""
+    d = sum(t.numel() for t in server.global_state.values())
+    step = direction * size * unit(server) / math.sqrt(d)
+    return {key: value + step for key, value in server.global_state.items()}
+
+
+def reply(server, client_id, state=None, reward=0.5, num_samples=10, metrics=None, extras=None):
+    """Deliver a reply as it comes off the wire; the admitted update joins the round, or the client is dropped."""
+    state = moved(server, 1.0) if state is None else state
+    sent = ClientUpdate(client_id, server.wire.encode(state, server.global_state), num_samples, reward,
+                        metrics if metrics is not None else {}, extras or {})
+    try:
+        update = server.admit(client_id, lambda: sent)
+    except InvalidUpdateError as error:
+        server.drop(client_id, "invalid_update", str(error))
+        return None
+    server.accept(update)
+    return update
+
+
+def honest_round(server, round_idx, client_ids=("a", "b", "c"), **replies):
+    """Round `round_idx`: every client in `client_ids` replies honestly unless `replies` gives its reply's fields."""
+    server.begin_round(round_idx)
+    for client_id in client_ids:
+        server.broadcast(client_id)
+        reply(server, client_id, **replies.get(client_id, {}))
+    return server.end_round()
+
+
+# 3. One writer per output folder ------------------------------------------------------------------------------
+
+
+def test_a_second_writer_of_an_output_folder_is_refused_by_name(tmp_path, tiny_model_dir, fast_args):
+    output_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from trl_federated import FedGRPOConfig
+            from trl_federated.checkpoint import prepare_output_dir
+            prepare_output_dir(FedGRPOConfig(output_dir={str(output_dir)!r}, bf16=False, use_cpu=True,
+                                             report_to="none"))
+            print("started", flush=True)
+            time.sleep(120)
+        """)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "started"
+        # Even when told to overwrite it, a second run never touches a folder another process writes.
+        server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), overwrite_output_dir=True)
+        with pytest.raises(OutputDirLockedError, match=rf"output_dir {output_dir} is being written by another run "
+                                                       rf"\(pid {holder.pid} on host "):
+            server.start_run()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The lock died with its process: no stale lock to clear by hand.
+    assert server.start_run() == 0
+    server.close()
+
+
+# 6. Checkpoints and names -------------------------------------------------------------------------------------
+
+
+def test_a_server_moment_of_the_wrong_shape_is_a_damaged_checkpoint_and_the_run_falls_back(
+    tmp_path, tiny_model_dir, fast_args, caplog
+):
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))
+    server.start_run()
+    for round_idx in range(2):
+        honest_round(server, round_idx)
+    server.close()
+    newest = tmp_path / "run" / "checkpoint-1"
+    tensors = load_file(newest / "federation.safetensors")
+    name = next(key for key in tensors if key.startswith("aggregator/server_optimizer/m/"))
+    tensors[name] = torch.zeros(tensors[name].numel() + 1)  # one coordinate too many
+    save_file(tensors, newest / "federation.safetensors", metadata={"format": "pt"})
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["federation.safetensors"] = _file_digest(newest / "federation.safetensors")
+    (newest / "manifest.json").write_text(json.dumps(manifest))  # damage the checksums cannot see
+
+    with pytest.raises(ValueError, match=r"is damaged: aggregator\['server_optimizer'\]\['m'\]\[.*\] is "
+                                         r"torch.float32 \(\d+,\), expected floating point"):
+        read_checkpoint(newest)
+    resumed = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), resume_from_checkpoint="true")
+    assert resumed.start_run() == 1  # after checkpoint-0, the newest intact one
+    assert f"Checkpoint {newest} is damaged" in caplog.text
+    honest_round(resumed, 1)  # and the resumed server aggregates
+    resumed.close()
