@@ -131,3 +131,24 @@ def test_a_server_moment_of_the_wrong_shape_is_a_damaged_checkpoint_and_the_run_
     assert f"Checkpoint {newest} is damaged" in caplog.text
     honest_round(resumed, 1)  # and the resumed server aggregates
     resumed.close()
+
+
+UNSAFE_CLIENT_IDS = ["../x", "a/b", "a\\b", "", "..", "a\x00b", "x" * 257]
+
+
+@pytest.mark.parametrize("client_id", UNSAFE_CLIENT_IDS)
+def test_client_ids_that_are_not_safe_path_components_are_refused(tmp_path, tiny_model_dir, fast_args, client_id):
+    from flwr.app import RecordDict
+
+    from trl_federated.flower.identity import ClientRegistry, RegisteredClient
+    from trl_federated.flower.records import client_identity_record, content_to_update
+
+    args = fast_args(num_clients=1)
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    with pytest.raises(ValueError, match="client id"):  # configuration: the runner's clients are the server's
+        FederatedServer(model, args, aggregator_from_config(args), num_samples={client_id: 5})
+    with pytest.raises(ValueError, match="client id"):  # registration
+        ClientRegistry([RegisteredClient(client_id, 0, b"key")])
+    content = RecordDict({"client": client_identity_record(client_id, 0)})
+    with pytest.raises(InvalidUpdateError, match="The reply names no client"):  # a reply, or a node's claim
+        content_to_update(content)

@@ -33,6 +33,20 @@ from .aggregation.base import check_state, norm_scale, refuse_extras, state_dist
 logger = logging.getLogger(__name__)
 
 NORM_ACTIONS = ("reject", "clip")
+# A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)
+# and report rows: it must be safe as one path component, and short enough for a log line.
+MAX_CLIENT_ID_LENGTH = 256
+
+
+def check_client_id(client_id) -> None:
+    """`ValueError` unless `client_id` can name a client: a str of 1 to `MAX_CLIENT_ID_LENGTH` characters that is
+    safe as a path component (no '/' or '\\', not '.' or '..', no NUL or other control character)."""
+    if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH:
+        raise ValueError(f"a client id must be a str of 1 to {MAX_CLIENT_ID_LENGTH} characters, got "
+                         f"{bounded_text(repr(client_id), 100)}")
+    if client_id in (".", "..") or any(char in "/\\" or ord(char) < 32 or ord(char) == 127 for char in client_id):
+        raise ValueError(f"client id {bounded_text(repr(client_id), 100)} is not safe as a path component (no '/', "
+                         "'\\', control characters, '.' or '..')")
 
 
 def bounded_text(text: str, limit: int = 500) -> str:

@@ -37,7 +37,7 @@ from datasets import Dataset
 from peft import PeftModel
 
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
-from .admission import UpdateGate
+from .admission import UpdateGate, check_client_id
 from .aggregation import Aggregator, ClientUpdate
 from .aggregation.base import check_state
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
@@ -129,6 +129,8 @@ class FederatedServer:
         num_processes: int = 1,
     ):
         client_datasets = dict(client_datasets or {})
+        for client_id in [*client_datasets, *(num_samples or {})]:
+            check_client_id(client_id)
         self.args = args
         self.model = model
         self.aggregator = aggregator
