@@ -152,3 +152,61 @@ def test_client_ids_that_are_not_safe_path_components_are_refused(tmp_path, tiny
     content = RecordDict({"client": client_identity_record(client_id, 0)})
     with pytest.raises(InvalidUpdateError, match="The reply names no client"):  # a reply, or a node's claim
         content_to_update(content)
+
+
+# 2. Client metrics are untrusted input --------------------------------------------------------------------------
+
+
+def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or_a_resume(
+    tmp_path, tiny_model_dir, fast_args, caplog
+):
+    from trl_federated.callbacks import round_logs
+
+    output_dir = tmp_path / "run"
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir))
+    server.start_run()
+    hostile = {
+        "step_rewards": 5,  # not a list: the reward plot iterated it
+        "round": "x",  # read back as the line's round on resume
+        "event": "client_dropped", "client_id": "b", "reason": "forged",  # another client's drop line
+        "weight": 0.99, "b/weight": 0.0, "num_clients": 1000.0,  # the round log's own entries
+        "eval_accuracy/Total": 1.0,  # an evaluation that never ran
+        "kl": [1.0, "x"], "bad name\n": 1.0, "loss": math.inf,
+        "b/entropy": 9.0,  # a valid name, which must not read as b's entropy
+        "entropy": 0.25,
+    }
+    flood = {"step_rewards": [0.5] * 100_000}  # more step rewards than local steps, kept in every checkpoint
+    sizes = []
+    for round_idx in range(3):
+        record = honest_round(server, round_idx, a={"metrics": dict(hostile)}, c={"metrics": dict(flood)})
+        sizes.append((output_dir / f"checkpoint-{round_idx}" / "federation.json").stat().st_size)
+    server.close()
+
+    assert record.client_metrics["a"] == {"b/entropy": 9.0, "entropy": 0.25} and record.client_metrics["c"] == {}
+    assert "Client 'a': metrics dropped: 'step_rewards' (not a list of at most 2 numbers)" in caplog.text
+    logs = round_logs(record)
+    assert logs["a/weight"] == record.weights["a"] and logs["b/weight"] == record.weights["b"]
+    assert (logs["num_clients"], logs["round"], logs["a/entropy"], logs["entropy"]) == (3, 2, 0.25, 0.25)
+    assert logs["a/b/entropy"] == 9.0 and "b/entropy" not in logs
+    assert not any(name.startswith("eval_") for name in logs)
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["event"] for line in lines if line["event"] != "evaluation"] == ["client"] * 3 + ["round"] + [
+        "client"] * 3 + ["round"] + ["client"] * 3 + ["round"]
+    assert lines[0]["client_id"] == "a" and lines[0]["metrics"] == {"b/entropy": 9.0, "entropy": 0.25} and lines[0]["round"] == 0
+    # the checkpoint grows by the same few kilobytes a round, whatever the clients send
+    assert sizes[2] - sizes[1] < 20_000 and abs((sizes[2] - sizes[1]) - (sizes[1] - sizes[0])) < 1_000
+    resumed = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), resume_from_checkpoint="true")
+    assert resumed.start_run() == 3
+    resumed.close()
+
+
+def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_args):
+    from trl_federated.admission import MAX_CLIENT_METRICS
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))
+    server.start_run()
+    metrics = {f"m{index}": 1.0 for index in range(MAX_CLIENT_METRICS + 1)}
+    record = honest_round(server, 0, a={"metrics": metrics})
+    assert record.dropped == {"a": f"Update of client 'a' rejected: it sends {MAX_CLIENT_METRICS + 1} metrics, more "
+                                   f"than the {MAX_CLIENT_METRICS} a client may send."}
+    server.close()
