@@ -210,3 +210,45 @@ def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_arg
     assert record.dropped == {"a": f"Update of client 'a' rejected: it sends {MAX_CLIENT_METRICS + 1} metrics, more "
                                    f"than the {MAX_CLIENT_METRICS} a client may send."}
     server.close()
+
+
+# 1. Accumulated state -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_clients_rejected(
+    tmp_path, tiny_model_dir, fast_args, action
+):
+    from trl_federated.aggregation.base import state_norm
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="scaffold",
+                         num_rounds=6, update_norm_action=action)
+    server.start_run()
+    args, keys = server.args, list(server.global_state)
+    d = sum(tensor.numel() for tensor in server.global_state.values())
+    control_bound = args.update_norm_bound * math.sqrt(d)  # update_norm_bound in units of √d
+    budget = args.local_steps * args.learning_rate  # Σ_k η_k of a round
+    for round_idx in range(args.num_rounds):
+        server.begin_round(round_idx)
+        for index, client_id in enumerate(["a", "b", "m"]):
+            _, extras = server.broadcast(client_id)
+            c, c_i = extras["server_control"], extras["client_control"]
+            if client_id == "m":
+                # Each round's Δc_m just inside the bound, always the same way, and all of the data weight: c ≈ c_m.
+                delta = {key: torch.full_like(value, 0.999 * args.update_norm_bound) for key, value in c.items()}
+                reply(server, "m", state=dict(server.global_state), num_samples=10**6,
+                      extras={"control_delta": delta})
+                continue
+            # An honest client with a decoupled correction (`ScaffoldCorrection`): E steps of its mean Adam
+            # direction g, which turns from round to round, plus η (c − c_i) each; then c_i⁺ = g.
+            g = {key: torch.full_like(value, 0.5 * (-1) ** (round_idx + index)) for key, value in c.items()}
+            state = {key: server.global_state[key] - budget * (g[key] + c[key] - c_i[key]) for key in keys}
+            reply(server, client_id, state=state, extras={"control_delta": {key: g[key] - c_i[key] for key in keys}})
+        record = server.end_round()
+        assert set(record.weights) >= {"a", "b"}, record.dropped  # the honest clients are never rejected
+        controls = server.aggregator.client_controls
+        assert state_norm(controls["m"]) <= control_bound * (1 + 1e-5)
+        assert state_norm(server.aggregator.control) <= control_bound * (1 + 1e-5)
+        if round_idx > 0 and action == "reject":
+            assert "‖c_i + Δc_i‖" in record.dropped["m"] and "exceeds the control bound" in record.dropped["m"]
+    server.close()

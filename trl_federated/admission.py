@@ -148,6 +148,8 @@ class UpdateGate:
         extras_norm_bound: `update_norm_bound`, which the aggregator applies to those extras in its own unit (None:
             no bound).
         local_steps: E, the local steps of a round: the most step rewards a client reports (None: not bounded).
+        learning_rate: η, the local learning rate (its peak, under a schedule): E · η times the correction the
+            aggregator's extras prescribe (`Aggregator.correction_norm`) is allowed on top of `max_update_norm`.
         reward_window: W: R̄ must be the mean of the last W step rewards a client reports (None: not checked).
     """
 
@@ -162,6 +164,7 @@ class UpdateGate:
         extras_norm_bound: float | None = None,
         local_steps: int | None = None,
         reward_window: int | None = None,
+        learning_rate: float | None = None,
     ):
         if norm_action not in NORM_ACTIONS:
             raise ValueError(f"`norm_action` must be one of {NORM_ACTIONS}, got {norm_action!r}.")
@@ -170,7 +173,7 @@ class UpdateGate:
         self.num_samples = dict(num_samples or {})
         self.max_client_samples = max_client_samples
         self.aggregator, self.extras_norm_bound = aggregator, extras_norm_bound
-        self.local_steps, self.reward_window = local_steps, reward_window
+        self.local_steps, self.reward_window, self.learning_rate = local_steps, reward_window, learning_rate
         self.global_state: AdapterState = {}
         self.admitted: set[str] = set()
 
@@ -197,6 +200,7 @@ class UpdateGate:
             extras_norm_bound=bound,
             local_steps=args.local_steps,
             reward_window=args.reward_window,
+            learning_rate=args.learning_rate,
         )
 
     def open_round(self, global_state: AdapterState) -> None:
@@ -269,10 +273,17 @@ class UpdateGate:
     def _bound_norm(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
         if self.max_update_norm is None:
             return
+        bound, name = self.max_update_norm, "update_norm_bound"
+        if self.aggregator is not None and self.local_steps is not None and self.learning_rate is not None:
+            # The correction the server's extras prescribe is the server's doing, not the client's (see
+            # `Aggregator.correction_norm`): it is allowed on top, at most E·η times its norm per unit step.
+            correction = self.aggregator.correction_norm(update.client_id, self.global_state)
+            if correction > 0:
+                bound += self.local_steps * self.learning_rate * correction
+                name += " + the prescribed correction"
         norm = state_distance(update.state, self.global_state)
         try:
-            scale = norm_scale(norm, self.max_update_norm, self.norm_action, "‖θ_i − θ‖", "update_norm_bound",
-                               update.client_id)
+            scale = norm_scale(norm, bound, self.norm_action, "‖θ_i − θ‖", name, update.client_id)
         except ValueError as error:
             reject(str(error))
         if scale != 1.0:
