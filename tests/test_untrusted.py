@@ -192,7 +192,8 @@ def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or
     lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["event"] for line in lines if line["event"] != "evaluation"] == ["client"] * 3 + ["round"] + [
         "client"] * 3 + ["round"] + ["client"] * 3 + ["round"]
-    assert lines[0]["client_id"] == "a" and lines[0]["metrics"] == {"b/entropy": 9.0, "entropy": 0.25} and lines[0]["round"] == 0
+    assert (lines[0]["client_id"], lines[0]["round"]) == ("a", 0)
+    assert lines[0]["metrics"] == {"b/entropy": 9.0, "entropy": 0.25}
     # the checkpoint grows by the same few kilobytes a round, whatever the clients send
     assert sizes[2] - sizes[1] < 20_000 and abs((sizes[2] - sizes[1]) - (sizes[1] - sizes[0])) < 1_000
     resumed = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), resume_from_checkpoint="true")
@@ -251,4 +252,24 @@ def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_client
         assert state_norm(server.aggregator.control) <= control_bound * (1 + 1e-5)
         if round_idx > 0 and action == "reject":
             assert "‖c_i + Δc_i‖" in record.dropped["m"] and "exceeds the control bound" in record.dropped["m"]
+    server.close()
+
+
+# 4. Robust options that act -----------------------------------------------------------------------------------
+
+
+def test_trimmed_mean_trims_one_client_at_each_end_of_a_small_federation_or_is_refused(
+    tmp_path, tiny_model_dir, fast_args
+):
+    with pytest.raises(ValueError, match=r"trimmed_mean'` trims at least one client at each end .* set "
+                                         r"`min_clients_per_round` to 3 or more \(it is 1\)"):
+        fast_args(num_clients=3, robust_aggregation="trimmed_mean")
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="fedavg",
+                         robust_aggregation="trimmed_mean", min_clients_per_round=3)  # default fraction 0.2
+    server.start_run()
+    honest = moved(server, 1.0)  # where both honest clients move (FedAvg's step is their mean)
+    # One client of three pulls every coordinate 9 U the other way, within update_norm_bound (10 U).
+    honest_round(server, 0, c={"state": moved(server, -1.0, size=9.0)})
+    for key, value in server.global_state.items():  # c trimmed at the low end, an honest one at the high end
+        torch.testing.assert_close(value, honest[key])
     server.close()
