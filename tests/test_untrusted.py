@@ -273,3 +273,32 @@ def test_trimmed_mean_trims_one_client_at_each_end_of_a_small_federation_or_is_r
     for key, value in server.global_state.items():  # c trimmed at the low end, an honest one at the high end
         torch.testing.assert_close(value, honest[key])
     server.close()
+
+
+# 5. The liar, measured ------------------------------------------------------------------------------------------
+
+
+def test_a_reward_that_is_not_the_mean_of_the_step_rewards_sent_with_it_is_refused(tmp_path, tiny_model_dir,
+                                                                                      fast_args):
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))  # W = 2 of E = 2 steps
+    server.start_run()
+    record = honest_round(server, 0, a={"reward": 0.9, "metrics": {"step_rewards": [0.5, 0.5]}},
+                          b={"reward": 0.5, "metrics": {"step_rewards": [0.25, 0.75]}})
+    assert record.dropped == {"a": "Update of client 'a' rejected: R̄ = 0.9 is not the mean of its last 2 step "
+                                   "rewards (0.5)."}
+    assert set(record.weights) == {"b", "c"}  # c sent no step rewards: nothing to check R̄ against
+    server.close()
+
+
+def test_the_liar_benchmark_reaches_the_analytic_peak():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "rpg_liar.py"
+    spec = importlib.util.spec_from_file_location("rpg_liar", path)
+    liar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(liar)
+    # Rewards spanning 2: h reaches h_max = 10 in one round; spanning 1: h = 1 / (ι σ_min + (1 − ι) · 1).
+    assert liar.peak(3, 2.5, 0.0, 2.0) == pytest.approx(math.exp(4) / (math.exp(4) + 2))
+    h = 1 / (0.9 * 0.05 + 0.1)
+    assert liar.peak(10, 1.5, 0.0, 1.0) == pytest.approx(math.exp(h / 1.5) / (math.exp(h / 1.5) + 9), rel=1e-6)
