@@ -357,16 +357,16 @@ class OutputDirLockedError(FileExistsError):
 _HELD_LOCKS: dict[Path, Any] = {}
 
 
-def lock_output_dir(output_dir: str | Path) -> None:
+def lock_output_dir(output_dir: str | Path) -> bool:
     """Make this process the one writer of `output_dir`: an exclusive `fcntl.flock` on `output_dir/.trl-federated.lock`,
     which records this process's PID and host. Another process holding it is an `OutputDirLockedError` naming the
-    folder and the holder; this process taking it again is a no-op. The operating system releases the lock when the
-    process exits, however it ends (a crash, SIGKILL), so a dead run's lock never needs clearing by hand; a live one
-    is released by `unlock_output_dir`."""
+    folder and the holder; this process taking it again is a no-op (False: it was held already). The operating system
+    releases the lock when the process exits, however it ends (a crash, SIGKILL), so a dead run's lock never needs
+    clearing by hand; a live one is released by `unlock_output_dir`."""
     output_dir = Path(output_dir)
     key = output_dir.resolve()
     if key in _HELD_LOCKS:
-        return
+        return False
     output_dir.mkdir(parents=True, exist_ok=True)
     stream = (output_dir / LOCK_FILE).open("a+", encoding="utf-8")
     try:
@@ -385,6 +385,7 @@ def lock_output_dir(output_dir: str | Path) -> None:
     stream.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     stream.flush()
     _HELD_LOCKS[key] = stream
+    return True
 
 
 def unlock_output_dir(output_dir: str | Path) -> None:
@@ -416,10 +417,21 @@ def prepare_output_dir(
     anything there; a run another process is writing is an `OutputDirLockedError`, even with `overwrite_output_dir`
     or `resume_from_checkpoint`. The lock is held until `unlock_output_dir` (the run's end) or the process's exit.
     """
+    if not is_main_process:
+        return _prepare_output_dir(args, False, setting)
+    locked = lock_output_dir(args.output_dir)
+    try:
+        return _prepare_output_dir(args, True, setting)
+    except BaseException:
+        if locked:  # a run refused here leaves the folder as it found it
+            unlock_output_dir(args.output_dir)
+        raise
+
+
+def _prepare_output_dir(args: FedGRPOConfig, is_main_process: bool, setting: Callable[[str, str], str] | None):
     setting = setting or _field_setting
     output_dir = Path(args.output_dir)
     if is_main_process:
-        lock_output_dir(output_dir)
         clean_staging(output_dir)
     value = args.resume_from_checkpoint
     if isinstance(value, str) and value.strip().lower() in ("true", "false", ""):

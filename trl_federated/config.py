@@ -281,9 +281,10 @@ class FedGRPOConfig(GRPOConfig):
             the adapter's number of coordinates: the norm of E steps that each move every coordinate by the learning
             rate. An Adam-family local optimizer (TRL's default) moves a coordinate by about lr per step or less (at
             most (1 − β1) / √(1 − β2), about 3.2, under extreme gradient sparsity), so honest updates stay near or
-            below 1 U (SCAFFOLD's decoupled correction adds at most ~2 U); the default leaves a wide margin. SCAFFOLD's
-            ‖Δc_i‖ is bounded by the same number, in units of √d. Set it explicitly for a non-Adam local optimizer.
-            `None`: no bound.
+            below 1 U; the default leaves a wide margin. Under SCAFFOLD the correction the server sends a client is
+            allowed on top (`local_steps` × `learning_rate` × ‖c − c_i‖), and the control the server keeps for a
+            client, ‖c_i + Δc_i‖, is bounded by the same number in units of √d, so every c_i and c stay within it
+            over the whole run. Set it explicitly for a non-Adam local optimizer. `None`: no bound.
         update_norm_action (`str`, *optional*, defaults to `"reject"`):
             What happens to an update over `update_norm_bound`: `"reject"` drops it from the round (an invalid
             update), `"clip"` scales θ_i − θ back onto the bound.
@@ -591,8 +592,9 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": ResultHelp(
                 "Bound on each client's update norm ||θ_i − θ||, in units of local_steps x learning_rate x sqrt(d) "
-                "(d: the adapter's coordinates), near which honest Adam-family updates stay; also bounds SCAFFOLD's "
-                "||Δc_i|| in units of sqrt(d). Set it for a non-Adam local optimizer. None: no bound."
+                "(d: the adapter's coordinates), near which honest Adam-family updates stay (SCAFFOLD: plus the "
+                "correction the server sent); also bounds the control SCAFFOLD keeps for a client, ||c_i + Δc_i||, "
+                "in units of sqrt(d). Set it for a non-Adam local optimizer. None: no bound."
             )
         },
     )
