@@ -19,7 +19,8 @@ Client → server, the reply:
                                     θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16; without A under freeze_a
     "metrics"         MetricRecord  "num-examples" (D_i), "reward" (R̄_i^{[t]}) and the update's other metrics
                                     ("step_rewards", "train_loss", "train_seconds", "wall_clock", TRL's
-                                    per-step means)
+                                    per-step means), of which the server keeps only finite numbers and those two
+                                    lists, bounded (`admission.bound_metrics`)
     "client"          ConfigRecord  "client-id" and "client-index", the data owner the reply claims to speak for
                                     (checked against the server's own map of nodes to clients, never trusted)
     "extra/<name>"    ArrayRecord   one per extra the client sends back (`ClientUpdate.extras`; SCAFFOLD:
