@@ -196,9 +196,14 @@ def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or
     assert lines[0]["metrics"] == {"b/entropy": 9.0, "entropy": 0.25}
     # the checkpoint grows by the same few kilobytes a round, whatever the clients send
     assert sizes[2] - sizes[1] < 20_000 and abs((sizes[2] - sizes[1]) - (sizes[1] - sizes[0])) < 1_000
+    # a line an earlier version wrote with a client's metric as its round is dropped on resume, not a crash
+    with (output_dir / "metrics.jsonl").open("a") as stream:
+        stream.write(json.dumps({"event": "client", "round": "x", "client_id": "a"}) + "\n")
     resumed = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), resume_from_checkpoint="true")
     assert resumed.start_run() == 3
     resumed.close()
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    assert '"x"' not in "".join(lines) and json.loads(lines[-1]) == {"event": "resumed", "checkpoint_round": 2}
 
 
 def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_args):

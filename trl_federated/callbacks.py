@@ -208,13 +208,18 @@ def _json_safe(value):
 
 
 def _round_of(line: str) -> float:
-    """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore."""
+    """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore (or whose
+    round is no number: a client's metric named `round`, which a version before this one wrote into its line)."""
     try:
         event = json.loads(line)
     except json.JSONDecodeError:
         return math.inf
+    if not isinstance(event, dict):
+        return math.inf
     value = event.get("round", event.get("round_idx"))
-    return -math.inf if value is None else value
+    if value is None:
+        return -math.inf
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
 
 
 class MetricsLoggerCallback(RoundCallback):
