@@ -65,7 +65,8 @@ def timings(output_dir: Path) -> dict:
 
     clients = [event for event in events if event["event"] == "client"]
     return {
-        "step_s": mean([event["train_seconds"] / len(event["step_rewards"]) for event in clients]),
+        "step_s": mean([event["metrics"]["train_seconds"] / len(event["metrics"]["step_rewards"])
+                        for event in clients]),
         "round_s": mean([event["wall_time"] for event in events if event["event"] == "round"]),
         "eval_s": mean([event["seconds"] for event in events if event["event"] == "evaluation"]),
     }

@@ -73,12 +73,12 @@ def test_update_norm_bound_rejects_or_clips():
 def test_scaffold_control_delta_is_required_bounded_and_refused_elsewhere():
     control = {key: torch.full_like(value, 10.0) for key, value in GLOBAL.items()}  # ‖Δc‖ = 10·√10
     scaffold = ScaffoldAggregator()
-    bound = 1 / math.sqrt(10)  # update_norm_bound in SCAFFOLD's unit for Δc_i, √d: a bound of 1 on ‖Δc_i‖
+    bound = 1 / math.sqrt(10)  # update_norm_bound in SCAFFOLD's unit, √d: a bound of 1 on ‖c_i + Δc_i‖ (c_i = 0 here)
     with pytest.raises(InvalidUpdateError, match="SCAFFOLD needs its control_delta"):
         gate(aggregator=scaffold).admit("site-0", lambda: update())
     with pytest.raises(InvalidUpdateError, match=r"sends \['control_delta'\], but the aggregation takes nothing but"):
         gate().admit("site-0", lambda: update(extras={"control_delta": control}))
-    with pytest.raises(InvalidUpdateError, match=r"‖Δc_i‖ = 31.62 exceeds the control bound"):
+    with pytest.raises(InvalidUpdateError, match=r"‖c_i \+ Δc_i‖ = 31.62 exceeds the control bound"):
         gate(aggregator=scaffold, extras_norm_bound=bound).admit(
             "site-0", lambda: update(extras={"control_delta": dict(control)}))
     clipped = gate(aggregator=scaffold, extras_norm_bound=bound, norm_action="clip").admit(
@@ -275,6 +275,8 @@ def test_self_reported_sample_counts_and_rewards_are_bounded(tmp_path, tiny_mode
     def lie(update, global_state):
         update.num_samples = 2**62  # all of FedAvg's weight, if believed
         update.reward = 1e9  # all of RPG's weight without a declared reward range, if h were unbounded
+        # R̄ must be the mean of the step rewards sent with it: a consistent liar makes those up too
+        update.metrics["step_rewards"] = [1e9] * len(update.metrics["step_rewards"])
 
     fedavg = hostile_runner(tmp_path / "fedavg", tiny_model_dir, tiny_tokenizer, fast_args, lie, aggregation="fedavg",
                             output_dir=str(tmp_path / "fedavg"))

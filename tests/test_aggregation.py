@@ -338,9 +338,13 @@ def test_trimmed_mean_and_median_by_hand():
     )
     delta = CoordinateMedian().pseudo_gradient(theta, [u.state for u in updates[:4]], weights[:4])
     torch.testing.assert_close(delta["w"], torch.tensor([2.5, 0.5]))  # even n: the mean of the two middle values
-    # β = 0 is the weighted mean
-    torch.testing.assert_close(TrimmedMean(0.0).pseudo_gradient(theta, [u.state for u in updates], weights)["w"],
-                               pseudo_gradient(theta, [u.state for u in updates], weights)["w"])
+    # ⌊β n⌋ = 0 still trims one at each end: 4 clients at β = 0.2 keep the middle two per coordinate
+    delta = TrimmedMean(0.2).pseudo_gradient(theta, [u.state for u in updates[:4]], weights[:4])
+    torch.testing.assert_close(delta["w"], torch.tensor([(0.2 * 2 + 0.3 * 3) / 0.5, (0.2 * 0 + 0.3 * 1) / 0.5]))
+    with pytest.raises(ValueError, match="needs at least 3 clients for it; this aggregation has 2"):
+        TrimmedMean(0.2).pseudo_gradient(theta, [u.state for u in updates[:2]], weights[:2])
+    with pytest.raises(ValueError, match=r"must lie in \(0, 0.5\)"):
+        TrimmedMean(0.0)
 
 
 @pytest.mark.parametrize("aggregation", ["rpg", "fedavg", "fedprox", "scaffold"])
@@ -349,7 +353,8 @@ def test_robust_aggregation_is_selectable_for_every_method(tmp_path, aggregation
     from trl_federated import FedGRPOConfig
 
     args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, aggregation=aggregation, server_optimizer="sgd",
-                         robust_aggregation=robust, robust_trim_fraction=0.25, num_clients=4)
+                         robust_aggregation=robust, robust_trim_fraction=0.25, num_clients=4,
+                         min_clients_per_round=3)
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator.combiner, TrimmedMean if robust == "trimmed_mean" else CoordinateMedian)
     # one client far off in every coordinate: both robust combinations ignore it

@@ -115,7 +115,7 @@ def events(output_dir, name):
 
 def overlap(clients) -> bool:
     """Whether two of these client rounds (metrics.jsonl lines) ran at the same time."""
-    spans = [line["wall_clock"] for line in clients]
+    spans = [line["metrics"]["wall_clock"] for line in clients]
     return any(a_start < b_end and b_start < a_end for (a_start, a_end), (b_start, b_end) in
                itertools.combinations(spans, 2))
 
@@ -137,7 +137,8 @@ def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, t
     assert [line["round_idx"] for line in events(output_dir, "round")] == [0]
     clients = events(output_dir, "client")
     assert [line["client_id"] for line in clients] == [f"client_{index}" for index in range(num_supernodes)]
-    assert all(line["learning_rate"] == 0.001 and len(line["step_rewards"]) == 1 for line in clients)
+    assert all(line["metrics"]["learning_rate"] == 0.001 and len(line["metrics"]["step_rewards"]) == 1
+               for line in clients)
     # Each client trained on its share of the benchmark split for num_supernodes clients.
     args = FedGRPOConfig(output_dir=str(tmp_path / "unused"), use_cpu=True, bf16=False, num_clients=num_supernodes,
                          seed=0, dirichlet_alpha=float("inf"))

@@ -454,10 +454,12 @@ def test_round_adapter_is_published_inside_the_atomic_checkpoint_step(tmp_path, 
     assert list_checkpoints(tmp_path) == []
     (tmp_path / ".round-3.tmp").mkdir()  # another crash's leftovers
     prepare_output_dir(FedGRPOConfig(output_dir=str(tmp_path), bf16=False, overwrite_output_dir=True))
-    assert list(tmp_path.iterdir()) == []  # staging folders cleaned on start (and the old run's round-0 overwritten)
+    checkpoint_module.unlock_output_dir(tmp_path)
+    # staging folders cleaned on start (and the old run's round-0 overwritten); the writers' lock file stays
+    assert [path.name for path in tmp_path.iterdir()] == [checkpoint_module.LOCK_FILE]
 
     write_checkpoint(checkpoint_of(0, 0.5), tmp_path, lora, round_adapter=True)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-0", "round-0"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [checkpoint_module.LOCK_FILE, "checkpoint-0", "round-0"]
     assert torch.equal(load_file(tmp_path / "round-0" / "adapter_model.safetensors")["w"], torch.full((2,), 0.5))
     assert (tmp_path / "round-0" / "adapter_config.json").is_file()
 

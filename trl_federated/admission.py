@@ -7,8 +7,9 @@ against what the server itself knows, and bounded before any server state sees i
 2. identity: the update must speak for the client the server asked (the server's map, not the reply's claim),
    and only once per round;
 3. values: `validate_update` (the adapter's keys, shapes, dtypes and finite values, the sample count, R̄ in
-   `reward_range`), and what the client sends besides its adapter, which the aggregator checks and bounds
-   (`Aggregator.check_extras`: SCAFFOLD's Δc_i);
+   `reward_range`), what the client sends besides its adapter, which the aggregator checks and bounds
+   (`Aggregator.check_extras`: SCAFFOLD's Δc_i), and its metrics (`bound_metrics`: typed, size-bounded, never
+   named like the server's own log entries; R̄ the mean of its last W step rewards when it sends them);
 4. sample count: the server's own count D_i where it has one, else the client's report capped at
    `max_client_samples`;
 5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`), else the update is rejected or clipped
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import reprlib
 from collections.abc import Callable, Mapping
 from numbers import Real
@@ -29,16 +31,94 @@ from numbers import Real
 from .adapters import AdapterState, InvalidUpdateError
 from .aggregation import Aggregator, ClientUpdate
 from .aggregation.base import check_state, norm_scale, refuse_extras, state_distance
+from .callbacks import is_reserved_metric
 
 logger = logging.getLogger(__name__)
 
 NORM_ACTIONS = ("reject", "clip")
+# A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)
+# and report rows: it must be safe as one path component, and short enough for a log line.
+MAX_CLIENT_ID_LENGTH = 256
+
+
+def check_client_id(client_id) -> None:
+    """`ValueError` unless `client_id` can name a client: a str of 1 to `MAX_CLIENT_ID_LENGTH` characters that is
+    safe as a path component (no '/' or '\\', not '.' or '..', no NUL or other control character)."""
+    if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH:
+        raise ValueError(f"a client id must be a str of 1 to {MAX_CLIENT_ID_LENGTH} characters, got "
+                         f"{bounded_text(repr(client_id), 100)}")
+    if client_id in (".", "..") or any(char in "/\\" or ord(char) < 32 or ord(char) == 127 for char in client_id):
+        raise ValueError(f"client id {bounded_text(repr(client_id), 100)} is not safe as a path component (no '/', "
+                         "'\\', control characters, '.' or '..')")
 
 
 def bounded_text(text: str, limit: int = 500) -> str:
     """`text` (chosen by a client: an error message, a reason) cut to `limit` characters for logs and records."""
     text = str(text)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
+# What a client's metrics may hold (`bound_metrics`). They are logged, averaged into the round log and kept in every
+# checkpoint's history, so their number and size are bounded. TRL logs about 25 metrics a step plus 2 per reward
+# function and the client adds 4: 128 leaves room for 50 reward functions.
+MAX_CLIENT_METRICS = 128
+# Long enough for TRL's longest names (`rewards/<reward model's name>/mean`), short enough for a log line.
+MAX_METRIC_NAME_LENGTH = 128
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.:@+-]+(/[A-Za-z0-9_.:@+-]+)*")
+# The lists a client sends (`client.train_local_round`), by name, with their largest length: R̄ of each local step
+# (one per step: `local_steps`, known to the server) and the round's start and end in Unix seconds.
+STEP_REWARDS, WALL_CLOCK = "step_rewards", "wall_clock"
+
+
+def bound_metrics(metrics: dict, client_id: str, local_steps: int | None = None) -> dict:
+    """The metrics of client `client_id` the server keeps: finite numbers (as floats), under names of at most
+    `MAX_METRIC_NAME_LENGTH` characters of `METRIC_NAME`'s alphabet that are not the round log's own
+    (`callbacks.is_reserved_metric`), and the two lists a client sends: `step_rewards`, at most `local_steps` numbers
+    (NaN marks a step whose rewards scored nothing; no ±Inf), and `wall_clock`, two finite numbers. Anything else is
+    dropped, with one warning naming each and why; more than `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
+    if len(metrics) > MAX_CLIENT_METRICS:
+        raise ValueError(f"it sends {len(metrics)} metrics, more than the {MAX_CLIENT_METRICS} a client may send")
+    lengths = {STEP_REWARDS: local_steps, WALL_CLOCK: 2}
+    kept, dropped = {}, []
+    for name, value in metrics.items():
+        if len(name) > MAX_METRIC_NAME_LENGTH or not METRIC_NAME.fullmatch(name):
+            dropped.append(f"{bounded_text(repr(name), 60)} (not a metric name)")
+        elif is_reserved_metric(name):
+            dropped.append(f"{name!r} (a name of the server's round log)")
+        elif name in lengths:
+            limit = lengths[name]
+            if not isinstance(value, (list, tuple)) or (limit is not None and len(value) > limit) or not all(
+                _is_number(item) and not math.isinf(item) and (name == STEP_REWARDS or math.isfinite(item))
+                for item in value
+            ):
+                dropped.append(f"{name!r} (not a list of at most {limit} numbers)")
+            else:
+                kept[name] = [float(item) for item in value]
+        elif _is_number(value) and math.isfinite(value):
+            kept[name] = float(value)
+        else:
+            dropped.append(f"{name!r} (a {type(value).__name__}, not a finite number)")
+    if dropped:
+        logger.warning("Client %r: metrics dropped: %s.", client_id, bounded_text(", ".join(dropped)))
+    return kept
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def check_window_reward(update: ClientUpdate, reward_window: int) -> None:
+    """`ValueError` unless R̄ is the mean of the last `reward_window` (W) step rewards the client sends with it, as
+    `LocalGRPOMixin.window_reward` computes it (float32 step means: within 1e-6 relative). This checks that a
+    report is self-consistent, not that it is true: a client can send step rewards made up to match its R̄. Without
+    `step_rewards` there is nothing to check against."""
+    window = update.metrics.get(STEP_REWARDS, [])[-reward_window:]
+    if not window:
+        return
+    mean = math.fsum(window) / len(window)
+    if not math.isclose(mean, update.reward, rel_tol=1e-6, abs_tol=1e-6):
+        raise ValueError(f"R̄ = {update.reward:.6g} is not the mean of its last {len(window)} step rewards "
+                         f"({mean:.6g})")
 
 
 def update_norm_unit(local_steps: int, learning_rate: float, global_state: AdapterState) -> float:
@@ -67,6 +147,10 @@ class UpdateGate:
             (`Aggregator.check_extras`); None: a client sends nothing else.
         extras_norm_bound: `update_norm_bound`, which the aggregator applies to those extras in its own unit (None:
             no bound).
+        local_steps: E, the local steps of a round: the most step rewards a client reports (None: not bounded).
+        learning_rate: η, the local learning rate (its peak, under a schedule): E · η times the correction the
+            aggregator's extras prescribe (`Aggregator.correction_norm`) is allowed on top of `max_update_norm`.
+        reward_window: W: R̄ must be the mean of the last W step rewards a client reports (None: not checked).
     """
 
     def __init__(
@@ -78,6 +162,9 @@ class UpdateGate:
         max_client_samples: int | None = None,
         aggregator: Aggregator | None = None,
         extras_norm_bound: float | None = None,
+        local_steps: int | None = None,
+        reward_window: int | None = None,
+        learning_rate: float | None = None,
     ):
         if norm_action not in NORM_ACTIONS:
             raise ValueError(f"`norm_action` must be one of {NORM_ACTIONS}, got {norm_action!r}.")
@@ -86,6 +173,7 @@ class UpdateGate:
         self.num_samples = dict(num_samples or {})
         self.max_client_samples = max_client_samples
         self.aggregator, self.extras_norm_bound = aggregator, extras_norm_bound
+        self.local_steps, self.reward_window, self.learning_rate = local_steps, reward_window, learning_rate
         self.global_state: AdapterState = {}
         self.admitted: set[str] = set()
 
@@ -110,6 +198,9 @@ class UpdateGate:
             max_client_samples=args.max_client_samples,
             aggregator=aggregator,
             extras_norm_bound=bound,
+            local_steps=args.local_steps,
+            reward_window=args.reward_window,
+            learning_rate=args.learning_rate,
         )
 
     def open_round(self, global_state: AdapterState) -> None:
@@ -155,6 +246,9 @@ class UpdateGate:
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
         try:
+            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps)
+            if self.reward_window is not None:
+                check_window_reward(update, self.reward_window)
             if self.aggregator is None:
                 refuse_extras(update)
             else:
@@ -179,10 +273,17 @@ class UpdateGate:
     def _bound_norm(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
         if self.max_update_norm is None:
             return
+        bound, name = self.max_update_norm, "update_norm_bound"
+        if self.aggregator is not None and self.local_steps is not None and self.learning_rate is not None:
+            # The correction the server's extras prescribe is the server's doing, not the client's (see
+            # `Aggregator.correction_norm`): it is allowed on top, at most E·η times its norm per unit step.
+            correction = self.aggregator.correction_norm(update.client_id, self.global_state)
+            if correction > 0:
+                bound += self.local_steps * self.learning_rate * correction
+                name += " + the prescribed correction"
         norm = state_distance(update.state, self.global_state)
         try:
-            scale = norm_scale(norm, self.max_update_norm, self.norm_action, "‖θ_i − θ‖", "update_norm_bound",
-                               update.client_id)
+            scale = norm_scale(norm, bound, self.norm_action, "‖θ_i − θ‖", name, update.client_id)
         except ValueError as error:
             reject(str(error))
         if scale != 1.0:

@@ -43,6 +43,32 @@ class RoundCallback(TrainerCallback):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
 
 
+# The round log's own entries (`round_logs`): the server's, and under `<client_id>/` each client's, with the
+# evaluation's `eval_` entries. A client's metrics never take these names (`admission.UpdateGate` drops such a
+# metric, and `round_logs` writes the server's entries last).
+ROUND_LOG_NAMES = frozenset({
+    "round", "num_clients", "reward", "temperature", "delta_norm", "server_step_norm", "server_step_ratio",
+    "bytes_sent", "bytes_received", "num_dropped", "step", "epoch",
+})
+CLIENT_LOG_NAMES = frozenset({"reward_window", "rpg_gain", "weight", "bytes_sent", "update_norm", "update_cosine"})
+EVALUATION_LOG_PREFIX = "eval_"
+
+
+def metric_log_name(name: str) -> str:
+    """The round log's name for a client metric: TRL's (`train_loss` is `loss`)."""
+    return name.removeprefix("train_")
+
+
+def is_reserved_metric(name: str) -> bool:
+    """Whether a client metric named `name` would take the name of one of the round log's own entries: the server's,
+    an evaluation's, or a client's (`weight`, and `<any client>/weight`)."""
+    name = metric_log_name(name)
+    return (
+        name in ROUND_LOG_NAMES or name.rsplit("/", 1)[-1] in CLIENT_LOG_NAMES
+        or name.startswith(EVALUATION_LOG_PREFIX)
+    )
+
+
 def round_logs(record: RoundRecord) -> dict[str, float]:
     """One round as a flat log entry named as TRL names its step logs.
 
@@ -56,20 +82,28 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations show them as `train/reward`,
     `train/client_0/weight`, `eval/accuracy/Total`, ...
     """
-    logs: dict[str, float] = {"round": record.round_idx, "num_clients": len(record.rewards)}
-    if record.rewards:
-        logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
+    # A client's scalar metrics, under its own name and averaged over the clients; a mean that would read as
+    # another client's entry (`<client_id>/...`) or as the server's is left out: the server's entries come last.
     client_scalars = {
         client_id: {
-            name.removeprefix("train_"): value
+            metric_log_name(name): value
             for name, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not is_reserved_metric(name)
         }
         for client_id, metrics in record.client_metrics.items()
     }
+    clients = {*record.rewards, *record.dropped, *record.client_metrics}
+    logs: dict[str, float] = {}
     for name in sorted({name for scalars in client_scalars.values() for name in scalars}):
-        values = [scalars[name] for scalars in client_scalars.values() if name in scalars]
-        logs[name] = sum(values) / len(values)
+        if name.split("/", 1)[0] not in clients:
+            values = [scalars[name] for scalars in client_scalars.values() if name in scalars]
+            logs[name] = sum(values) / len(values)
+    for client_id, scalars in client_scalars.items():
+        for name, value in scalars.items():
+            logs[f"{client_id}/{name}"] = value
+    logs.update({"round": record.round_idx, "num_clients": len(record.rewards)})
+    if record.rewards:
+        logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
     for name in ("temperature", "delta_norm", "server_step_norm", "server_step_ratio"):
         if getattr(record, name) is not None:
             logs[name] = getattr(record, name)
@@ -88,9 +122,6 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         for client_id, value in values.items():
             if value is not None:  # a cosine with a zero vector
                 logs[f"{client_id}/{name}"] = value
-    for client_id, scalars in client_scalars.items():
-        for name, value in scalars.items():
-            logs[f"{client_id}/{name}"] = value
     if record.evaluation is not None:
         logs.update(evaluation_logs(record.evaluation))
     return logs
@@ -177,17 +208,23 @@ def _json_safe(value):
 
 
 def _round_of(line: str) -> float:
-    """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore."""
+    """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore (or whose
+    round is no number: a client's metric named `round`, which a version before this one wrote into its line)."""
     try:
         event = json.loads(line)
     except json.JSONDecodeError:
         return math.inf
+    if not isinstance(event, dict):
+        return math.inf
     value = event.get("round", event.get("round_idx"))
-    return -math.inf if value is None else value
+    if value is None:
+        return -math.inf
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
 
 
 class MetricsLoggerCallback(RoundCallback):
-    """Appends one JSON line per client report, dropped client, round and evaluation to `output_dir/metrics.jsonl`.
+    """Appends one JSON line per client report (its metrics under "metrics"), dropped client, round and evaluation
+    to `output_dir/metrics.jsonl`.
 
     On resume it first removes the lines of the rounds after the checkpoint, which the interrupted run may have
     begun and the resumed run repeats, so the log reads like an uninterrupted run's plus a `resumed` line.
@@ -202,6 +239,7 @@ class MetricsLoggerCallback(RoundCallback):
             stream.write(json.dumps(_json_safe({"event": event, **payload})) + "\n")
 
     def on_client_end(self, args, round_idx, update, **kwargs):
+        # The client's metrics under their own key: whatever their names, they never read as the line's fields.
         self._write(
             "client",
             {
@@ -209,7 +247,7 @@ class MetricsLoggerCallback(RoundCallback):
                 "client_id": update.client_id,
                 "reward": update.reward,
                 "num_samples": update.num_samples,
-                **update.metrics,
+                "metrics": update.metrics,
             },
         )
 

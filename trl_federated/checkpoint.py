@@ -32,12 +32,14 @@ warning, to the newest intact one, and refuses when none is.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +50,7 @@ from peft import PeftConfig
 from safetensors.torch import load_file, save_file
 
 from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, write_adapter
-from .aggregation.base import non_finite_entries
+from .aggregation.base import check_state, non_finite_entries
 from .round_record import RoundRecord
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 # What a run leaves in output_dir besides the files every run rewrites (final adapter, summary, plots).
 _RUN_FILES = ("metrics.jsonl", "result.json")
 _RUN_FOLDER_RE = re.compile(r"(checkpoint|round)-\d+")
+# The lock file of the run writing to an output folder (`lock_output_dir`); it holds the writer's PID and host.
+LOCK_FILE = ".trl-federated.lock"
 
 
 class CorruptCheckpointError(ValueError):
@@ -226,6 +230,24 @@ def _checkpoint_fault(checkpoint: Checkpoint, path: Path) -> str | None:
     )
     if non_finite:
         return f"non-finite values in {', '.join(non_finite[:3])}"
+    return _adapter_shaped_fault(checkpoint.aggregator, checkpoint.global_state, "aggregator")
+
+
+def _adapter_shaped_fault(tree: Any, global_state: AdapterState, name: str) -> str | None:
+    """The first tensor map in the aggregator state `tree` keyed like the global adapter (server Adam's m and v,
+    SCAFFOLD's c and each c_i) that does not have exactly its keys and shapes (`check_state`), or None: such a state
+    would be read back, then fail at the next aggregation instead of here."""
+    if not isinstance(tree, dict):
+        return None
+    if any(isinstance(value, torch.Tensor) and key in global_state for key, value in tree.items()):
+        try:
+            check_state(tree, global_state, name, check_finite=False)
+        except ValueError as error:
+            return str(error).rstrip(".")
+        return None
+    for key, value in tree.items():
+        if fault := _adapter_shaped_fault(value, global_state, f"{name}[{key!r}]"):
+            return fault
     return None
 
 
@@ -327,6 +349,53 @@ def _fsync(path: Path) -> None:
 # Where a run starts --------------------------------------------------------------------------------------
 
 
+class OutputDirLockedError(FileExistsError):
+    """Another process is writing a run to the output folder (`lock_output_dir`)."""
+
+
+# The output folders this process writes to, by resolved path: their open, flock-ed lock files.
+_HELD_LOCKS: dict[Path, Any] = {}
+
+
+def lock_output_dir(output_dir: str | Path) -> bool:
+    """Make this process the one writer of `output_dir`: an exclusive `fcntl.flock` on `output_dir/.trl-federated.lock`,
+    which records this process's PID and host. Another process holding it is an `OutputDirLockedError` naming the
+    folder and the holder; this process taking it again is a no-op (False: it was held already). The operating system
+    releases the lock when the process exits, however it ends (a crash, SIGKILL), so a dead run's lock never needs
+    clearing by hand; a live one is released by `unlock_output_dir`."""
+    output_dir = Path(output_dir)
+    key = output_dir.resolve()
+    if key in _HELD_LOCKS:
+        return False
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stream = (output_dir / LOCK_FILE).open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        stream.seek(0)
+        holder = stream.read(200).strip()
+        stream.close()
+        raise OutputDirLockedError(
+            f"output_dir {output_dir} is being written by another run ({holder or 'holder not recorded'}): two runs "
+            "writing one folder would mix their logs and replace each other's checkpoints. Wait for it to end, stop "
+            "it, or choose another output_dir."
+        ) from None
+    stream.seek(0)
+    stream.truncate()
+    stream.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    stream.flush()
+    _HELD_LOCKS[key] = stream
+    return True
+
+
+def unlock_output_dir(output_dir: str | Path) -> None:
+    """Release this process's lock on `output_dir` (`lock_output_dir`), if it holds it."""
+    stream = _HELD_LOCKS.pop(Path(output_dir).resolve(), None)
+    if stream is not None:
+        fcntl.flock(stream, fcntl.LOCK_UN)
+        stream.close()
+
+
 def _field_setting(name: str, value: str) -> str:
     return f"`{name}={value}`"
 
@@ -343,7 +412,23 @@ def prepare_output_dir(
     is an error, since the new run would append to that run's log and mix with its checkpoints, unless
     `overwrite_output_dir` is set: then the main process deletes those first. `setting(field, value)` spells how to
     set a field in that error's advice (default: `field=value`, as YAML and `trl-federated run` take it).
+
+    The main process first makes itself the folder's one writer (`lock_output_dir`), before it removes or reads
+    anything there; a run another process is writing is an `OutputDirLockedError`, even with `overwrite_output_dir`
+    or `resume_from_checkpoint`. The lock is held until `unlock_output_dir` (the run's end) or the process's exit.
     """
+    if not is_main_process:
+        return _prepare_output_dir(args, False, setting)
+    locked = lock_output_dir(args.output_dir)
+    try:
+        return _prepare_output_dir(args, True, setting)
+    except BaseException:
+        if locked:  # a run refused here leaves the folder as it found it
+            unlock_output_dir(args.output_dir)
+        raise
+
+
+def _prepare_output_dir(args: FedGRPOConfig, is_main_process: bool, setting: Callable[[str, str], str] | None):
     setting = setting or _field_setting
     output_dir = Path(args.output_dir)
     if is_main_process:

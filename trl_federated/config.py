@@ -23,7 +23,7 @@ from trl import GRPOConfig
 
 from .admission import NORM_ACTIONS
 from .aggregation import AGGREGATIONS
-from .aggregation.robust import ROBUST_AGGREGATIONS
+from .aggregation.robust import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS
 from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
 from .aggregation.server_optim import SERVER_OPTIMIZERS
 from .transport import DTYPES, LORA_AGGREGATIONS
@@ -284,9 +284,10 @@ class FedGRPOConfig(GRPOConfig):
             the adapter's number of coordinates: the norm of E steps that each move every coordinate by the learning
             rate. An Adam-family local optimizer (TRL's default) moves a coordinate by about lr per step or less (at
             most (1 − β1) / √(1 − β2), about 3.2, under extreme gradient sparsity), so honest updates stay near or
-            below 1 U (SCAFFOLD's decoupled correction adds at most ~2 U); the default leaves a wide margin. SCAFFOLD's
-            ‖Δc_i‖ is bounded by the same number, in units of √d. Set it explicitly for a non-Adam local optimizer.
-            `None`: no bound.
+            below 1 U; the default leaves a wide margin. Under SCAFFOLD the correction the server sends a client is
+            allowed on top (`local_steps` × `learning_rate` × ‖c − c_i‖), and the control the server keeps for a
+            client, ‖c_i + Δc_i‖, is bounded by the same number in units of √d, so every c_i and c stay within it
+            over the whole run. Set it explicitly for a non-Adam local optimizer. `None`: no bound.
         update_norm_action (`str`, *optional*, defaults to `"reject"`):
             What happens to an update over `update_norm_bound`: `"reject"` drops it from the round (an invalid
             update), `"clip"` scales θ_i − θ back onto the bound.
@@ -296,8 +297,9 @@ class FedGRPOConfig(GRPOConfig):
             client values, then the weighted mean of the rest with their weights renormalised) or `"median"` (the
             unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).
         robust_trim_fraction (`float`, *optional*, defaults to `0.2`):
-            Fraction of clients trimmed at each end by `robust_aggregation="trimmed_mean"`, in [0, 0.5): the floor of
-            the fraction × the number of clients that reported, as Flower's FedTrimmedAvg.
+            Fraction of clients trimmed at each end by `robust_aggregation="trimmed_mean"`, in (0, 0.5): the floor of
+            the fraction × the number of clients that reported, as Flower's FedTrimmedAvg, but at least one (so
+            `min_clients_per_round` must be 3 or more).
         max_client_samples (`int` or `None`, *optional*, defaults to `1000000`):
             Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), used only
             where the server does not know the count itself (the runner always does; a Flower deployment does for
@@ -593,8 +595,9 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": ResultHelp(
                 "Bound on each client's update norm ||θ_i − θ||, in units of local_steps x learning_rate x sqrt(d) "
-                "(d: the adapter's coordinates), near which honest Adam-family updates stay; also bounds SCAFFOLD's "
-                "||Δc_i|| in units of sqrt(d). Set it for a non-Adam local optimizer. None: no bound."
+                "(d: the adapter's coordinates), near which honest Adam-family updates stay (SCAFFOLD: plus the "
+                "correction the server sent); also bounds the control SCAFFOLD keeps for a client, ||c_i + Δc_i||, "
+                "in units of sqrt(d). Set it for a non-Adam local optimizer. None: no bound."
             )
         },
     )
@@ -624,7 +627,8 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": ResultHelp(
                 "Fraction of the reporting clients trimmed at each end by robust_aggregation='trimmed_mean' "
-                "(rounded down, as Flower's FedTrimmedAvg), in [0, 0.5)."
+                "(rounded down, as Flower's FedTrimmedAvg, but at least one: min_clients_per_round must be 3 or "
+                "more), in (0, 0.5)."
             )
         },
     )
@@ -835,8 +839,14 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`update_norm_action` must be {_either(NORM_ACTIONS)}, got {self.update_norm_action!r}."
         if self.robust_aggregation not in ROBUST_AGGREGATIONS:
             yield f"`robust_aggregation` must be {_either(ROBUST_AGGREGATIONS)}, got {self.robust_aggregation!r}."
-        if not 0 <= self.robust_trim_fraction < 0.5:
-            yield f"`robust_trim_fraction` must lie in [0, 0.5), got {self.robust_trim_fraction}."
+        if not 0 < self.robust_trim_fraction < 0.5:
+            yield f"`robust_trim_fraction` must lie in (0, 0.5), got {self.robust_trim_fraction}."
+        if self.robust_aggregation == "trimmed_mean" and self.min_clients_per_round < MIN_TRIMMED_CLIENTS:
+            yield (
+                f"`robust_aggregation='trimmed_mean'` trims at least one client at each end of every coordinate, so "
+                f"every round needs at least {MIN_TRIMMED_CLIENTS} clients: set `min_clients_per_round` to "
+                f"{MIN_TRIMMED_CLIENTS} or more (it is {self.min_clients_per_round}), or use 'median' or 'none'."
+            )
         if self.max_client_samples is not None and (
             isinstance(self.max_client_samples, bool) or not isinstance(self.max_client_samples, int)
             or self.max_client_samples < 1

@@ -288,23 +288,26 @@ class FederatedRunner(ServerStateView):
 
     def _run(self) -> list[RoundRecord]:
         args, server = self.args, self.server
-        first_round = server.start_run()
-        client_ids = list(self.client_datasets)
-        self.progress = RunProgress(
-            args.num_rounds, client_ids, args.local_steps, first_round, disable=not self.is_main_process
-        )
-        for round_idx in range(first_round, args.num_rounds):
-            server.begin_round(round_idx)
-            for client_index, client_id in enumerate(client_ids):
-                self.progress.start_client(round_idx, client_id)
-                update = self._collect(round_idx, client_index, client_id)
-                self.progress.end_client()
-                if update is not None:
-                    server.accept(update)
-            server.end_round()
-        self.progress.close()
-        self.progress = None
-        server.finish_run()
+        try:
+            first_round = server.start_run()
+            client_ids = list(self.client_datasets)
+            self.progress = RunProgress(
+                args.num_rounds, client_ids, args.local_steps, first_round, disable=not self.is_main_process
+            )
+            for round_idx in range(first_round, args.num_rounds):
+                server.begin_round(round_idx)
+                for client_index, client_id in enumerate(client_ids):
+                    self.progress.start_client(round_idx, client_id)
+                    update = self._collect(round_idx, client_index, client_id)
+                    self.progress.end_client()
+                    if update is not None:
+                        server.accept(update)
+                server.end_round()
+            self.progress.close()
+            self.progress = None
+            server.finish_run()
+        finally:
+            server.close()
         return self.history
 
     def _collect(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate | None:

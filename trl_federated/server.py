@@ -15,8 +15,9 @@ server happens here, once:
     end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
                             the atomic checkpoint, and the round's summary in the log
 
-plus `start_run` (output folder, resume or the evaluation before training) and `finish_run` (the final adapter,
-its model card, `result.json`, the Hub). The per-client state of an aggregation is the aggregator's own (see
+plus `start_run` (output folder, which this process then writes alone, resume or the evaluation before training),
+`finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close` (the output folder's lock,
+however the run ended). The per-client state of an aggregation is the aggregator's own (see
 `aggregation.Aggregator`): this module names no method. Traffic is counted per client and round in both directions,
 everything that crosses the wire: the adapter entries the wire format sends, and the extras (SCAFFOLD's c and c_i
 down, Δc_i up).
@@ -36,7 +37,7 @@ from datasets import Dataset
 from peft import PeftModel
 
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
-from .admission import UpdateGate
+from .admission import UpdateGate, check_client_id
 from .aggregation import Aggregator, ClientUpdate
 from .aggregation.base import check_state
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
@@ -46,6 +47,7 @@ from .checkpoint import (
     list_checkpoints,
     prepare_output_dir,
     read_checkpoint,
+    unlock_output_dir,
     write_checkpoint,
 )
 from .config import FedGRPOConfig
@@ -127,6 +129,8 @@ class FederatedServer:
         num_processes: int = 1,
     ):
         client_datasets = dict(client_datasets or {})
+        for client_id in [*client_datasets, *(num_samples or {})]:
+            check_client_id(client_id)
         self.args = args
         self.model = model
         self.aggregator = aggregator
@@ -187,6 +191,12 @@ class FederatedServer:
         first_round = self.load_checkpoint(resume_from) + 1
         logger.info("Resumed from %s: continuing with round %d of %d.", resume_from, first_round, self.args.num_rounds)
         return first_round
+
+    def close(self) -> None:
+        """Release the output folder that `start_run` locked (`checkpoint.lock_output_dir`); drivers call it however
+        the run ends (the process's exit releases it too)."""
+        if self.is_main_process:
+            unlock_output_dir(self.args.output_dir)
 
     def finish_run(self) -> None:
         """Save the final global adapter in `output_dir` (PEFT layout, with its model card) and `result.json` (with a
@@ -390,7 +400,11 @@ class FederatedServer:
         except ValueError as error:
             raise CorruptCheckpointError(path, str(error).rstrip(".")) from error
         self.global_state = checkpoint.global_state
-        self.aggregator.load_state_dict(checkpoint.aggregator)
+        try:
+            self.aggregator.load_state_dict(checkpoint.aggregator)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise CorruptCheckpointError(path, f"its aggregator state does not load ({type(error).__name__}: "
+                                              f"{error})") from error
         self.history = checkpoint.history
         self.evaluations = checkpoint.evaluations
         set_adapter_state(self.model, self.global_state)

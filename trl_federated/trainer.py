@@ -8,6 +8,7 @@ The top of the package's layers: federated `train()` drives `FederatedRunner`, w
 from __future__ import annotations
 
 import inspect
+import math
 import time
 
 from peft import PeftModel
@@ -111,10 +112,11 @@ class FederatedGRPOMixin(LocalGRPOMixin):
         history = runner.run()
         self.model = self.model_wrapped = runner.model
         updates = [metrics for record in history for metrics in record.client_metrics.values()]
-        total_steps = sum(len(metrics["step_rewards"]) for metrics in updates)
+        # A metric the server did not keep (`admission.bound_metrics`: a non-finite loss) counts as missing.
+        total_steps = sum(len(metrics.get("step_rewards", ())) for metrics in updates)
         return TrainOutput(
             global_step=total_steps,
-            training_loss=sum(metrics["train_loss"] for metrics in updates) / len(updates),
+            training_loss=sum(metrics.get("train_loss", math.nan) for metrics in updates) / len(updates),
             metrics={
                 "train_runtime": time.perf_counter() - start,
                 "num_rounds": len(history),

@@ -122,7 +122,8 @@ class Aggregator(ABC):
 
     A strategy that keeps state per client (SCAFFOLD's c_i) exchanges "extras" with each client besides the adapter,
     named adapter-shaped states: `client_extras` is what the server sends a client, `client_hook` what the client
-    trains with them and sends back, `check_extras` how the admission gate checks and bounds that reply, and
+    trains with them and sends back, `check_extras` how the admission gate checks and bounds that reply (and the
+    per-client state it would commit), `correction_norm` how far the extras sent move the client's adapter, and
     `accept` commits an admitted update's per-client state. By default a strategy exchanges nothing else.
 
     `combiner` (see `robust`) replaces the weighted mean in Δ by a coordinate-wise trimmed mean or median.
@@ -225,6 +226,14 @@ class Aggregator(ABC):
         (`update_norm_bound`, in the strategy's own unit; None: no bound) bounds their size, and an extra over it is
         refused or, with `norm_action="clip"`, scaled back onto it. The admission gate calls it on every reply."""
         refuse_extras(update)
+
+    def correction_norm(self, client_id: str, global_state: AdapterState) -> float:
+        """The norm of the change per unit of learning rate that the extras the server sends `client_id` make each of
+        its local steps add (SCAFFOLD's decoupled correction c − c_i; 0 for a strategy without extras). It is set by
+        the server's state, other clients' contributions included, not by the client: the admission gate allows its
+        E · η times on top of `update_norm_bound`, so that a client is bounded by what it controls and never
+        rejected for a correction others induced."""
+        return 0.0
 
     def accept(self, update: ClientUpdate) -> None:
         """Commit the per-client state of an admitted update that joins the round (SCAFFOLD: c_i ← c_i + Δc_i); an

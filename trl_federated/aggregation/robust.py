@@ -5,7 +5,9 @@ By default the pseudo-gradient is Δ = Σ_i ω_i θ_i − θ (Eq. model_diff, `b
 can move arbitrarily far within the update-norm bound. A combiner replaces the weighted mean, coordinate by
 coordinate, over the n clients that reported:
 
-    TrimmedMean(β)   sort the n values; drop the k = ⌊β n⌋ smallest and the k largest;
+    TrimmedMean(β)   sort the n values; drop the k = max(1, ⌊β n⌋) smallest and the k largest (at least one:
+                     Flower's ⌊β n⌋ alone trims nothing with n < 1/β, 5 clients at β = 0.2, and silently
+                     leaves the plain mean; so n ≥ 3 is required);
                      C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (the method's weights, renormalised)
     CoordinateMedian C = the median of the n values (the mean of the two middle ones for even n); ω is ignored
 
@@ -25,19 +27,29 @@ import torch
 ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")
 
 
+# The fewest clients a trimmed mean combines: one trimmed at each end and one kept.
+MIN_TRIMMED_CLIENTS = 3
+
+
 class TrimmedMean:
-    """Per coordinate, the weighted mean of the clients left after trimming the k = ⌊β n⌋ lowest and highest."""
+    """Per coordinate, the weighted mean of the clients left after trimming the k = max(1, ⌊β n⌋) lowest and highest;
+    `ValueError` for fewer than `MIN_TRIMMED_CLIENTS` clients, which leave nothing to trim."""
 
     def __init__(self, trim_fraction: float = 0.2):
-        if not 0 <= trim_fraction < 0.5:
-            raise ValueError(f"`trim_fraction` must lie in [0, 0.5), got {trim_fraction}.")
+        if not 0 < trim_fraction < 0.5:
+            raise ValueError(f"`trim_fraction` must lie in (0, 0.5), got {trim_fraction}.")
         self.trim_fraction = trim_fraction
 
     def pseudo_gradient(
         self, global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> dict[str, torch.Tensor]:
         n = len(client_states)
-        k = math.floor(self.trim_fraction * n)
+        if n < MIN_TRIMMED_CLIENTS:
+            raise ValueError(
+                f"robust_aggregation='trimmed_mean' trims at least one client at each end, and needs at least "
+                f"{MIN_TRIMMED_CLIENTS} clients for it; this aggregation has {n}."
+            )
+        k = max(1, math.floor(self.trim_fraction * n))  # ⌊β n⌋ < n / 2, so one client is kept at least
         delta = {}
         for key, reference in global_state.items():
             values = torch.stack([state[key].float() for state in client_states])  # n × shape

@@ -85,8 +85,12 @@ class ScaffoldAggregator(FedAvgAggregator):
         }
 
     def check_extras(self, update, global_state, norm_bound=None, norm_action="reject") -> None:
-        """Δc_i, the only extra, checked like the adapter; its unit for `norm_bound` is √d (d adapter coordinates):
-        Δc_i is a difference of mean Adam directions, whose coordinates are about 1 or less."""
+        """Δc_i, the only extra, checked like the adapter. `norm_bound` bounds what the server would keep for the
+        client, c_i⁺ = c_i + Δc_i, in units of √d (d adapter coordinates): c_i⁺ is the client's mean Adam direction
+        (`ScaffoldCorrection`), whose coordinates are about 1 or less. Bounding c_i⁺ rather than each Δc_i bounds
+        every c_i over the whole run, and with them c, their weighted mean: no sequence of admitted updates takes
+        either past the bound. Over it, the update is refused, or (`norm_action="clip"`) Δc_i is replaced by the one
+        that puts c_i⁺ on the bound."""
         if set(update.extras) != {CONTROL_DELTA}:
             names = sorted(map(str, update.extras))[:3]
             raise ValueError(f"SCAFFOLD needs its {CONTROL_DELTA} and nothing else, got {names}")
@@ -95,9 +99,18 @@ class ScaffoldAggregator(FedAvgAggregator):
         if norm_bound is None:
             return
         bound = norm_bound * math.sqrt(sum(tensor.numel() for tensor in global_state.values()))
-        scale = norm_scale(state_norm(delta), bound, norm_action, "‖Δc_i‖", "the control bound", update.client_id)
+        control = self.client_control(update.client_id, global_state)
+        kept = {key: control[key] + value.float() for key, value in delta.items()}  # c_i⁺
+        scale = norm_scale(state_norm(kept), bound, norm_action, "‖c_i + Δc_i‖", "the control bound",
+                           update.client_id)
         if scale != 1.0:
-            update.extras[CONTROL_DELTA] = {key: value * scale for key, value in delta.items()}
+            update.extras[CONTROL_DELTA] = {key: scale * value - control[key] for key, value in kept.items()}
+
+    def correction_norm(self, client_id: str, global_state: AdapterState) -> float:
+        """‖c − c_i‖, the decoupled correction each local step applies per unit of learning rate."""
+        control = self.client_control(client_id, global_state)
+        server_control = self.server_control(global_state)
+        return state_norm({key: server_control[key] - control[key] for key in server_control})
 
     def accept(self, update: ClientUpdate) -> None:
         # c_i ← c_i⁺ = c_i + Δc_i and D_i, kept only with an accepted update: c is their data-weighted mean.

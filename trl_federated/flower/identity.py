@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import serialization
 
+from ..admission import check_client_id
+
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
 
@@ -66,6 +68,7 @@ class ClientRegistry:
             if len(set(values)) != len(values):
                 raise ValueError(f"Two registered clients share a {attribute.replace('_', ' ')}.")
         for client in self.clients:
+            check_client_id(client.client_id)
             if client.num_samples is not None and (
                 isinstance(client.num_samples, bool) or not isinstance(client.num_samples, int)
                 or client.num_samples < 1

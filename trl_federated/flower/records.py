@@ -19,7 +19,8 @@ Client → server, the reply:
                                     θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16; without A under freeze_a
     "metrics"         MetricRecord  "num-examples" (D_i), "reward" (R̄_i^{[t]}) and the update's other metrics
                                     ("step_rewards", "train_loss", "train_seconds", "wall_clock", TRL's
-                                    per-step means)
+                                    per-step means), of which the server keeps only finite numbers and those two
+                                    lists, bounded (`admission.bound_metrics`)
     "client"          ConfigRecord  "client-id" and "client-index", the data owner the reply claims to speak for
                                     (checked against the server's own map of nodes to clients, never trusted)
     "extra/<name>"    ArrayRecord   one per extra the client sends back (`ClientUpdate.extras`; SCAFFOLD:
@@ -56,7 +57,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from ..adapters import AdapterState, InvalidUpdateError
-from ..admission import bounded_text
+from ..admission import MAX_CLIENT_ID_LENGTH, bounded_text, check_client_id
 from ..aggregation import ClientUpdate
 
 ARRAYS = "arrays"
@@ -204,24 +205,24 @@ def client_identity_record(client_id: str, client_index: int) -> ConfigRecord:
     return ConfigRecord({"client-id": client_id, "client-index": client_index})
 
 
-MAX_CLIENT_ID_LENGTH = 256
-
-
 def read_client_identity(content: RecordDict) -> tuple[str, int]:
-    """(client id, client index) a reply claims; `InvalidUpdateError` unless it names one: a non-empty `client-id`
-    string and an integer `client-index`. What it claims is checked against the server's own map of nodes to
-    clients (`FederatedStrategy`), never taken on trust."""
+    """(client id, client index) a reply claims; `InvalidUpdateError` unless it names one: a `client-id` that can
+    name a client (`admission.check_client_id`: 1 to 256 characters, safe as a path component) and an integer
+    `client-index`. What it claims is checked against the server's own map of nodes to clients (`FederatedStrategy`),
+    never taken on trust."""
     record = content.config_records.get(CLIENT)
     client_id = None if record is None else record.get("client-id")
     client_index = None if record is None else record.get("client-index")
-    if (
-        not isinstance(client_id, str)
-        or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH
-        or isinstance(client_index, bool)
-        or not isinstance(client_index, int)
-    ):
+    try:
+        check_client_id(client_id)
+    except ValueError as error:
+        fault = str(error)
+    else:
+        fault = None if isinstance(client_index, int) and not isinstance(client_index, bool) else "no int client-index"
+    if fault is not None:
         raise InvalidUpdateError(f"The reply names no client: it needs a {CLIENT!r} ConfigRecord with 'client-id' "
-                                 f"(a str of 1 to {MAX_CLIENT_ID_LENGTH} characters) and 'client-index' (int).")
+                                 f"(a str of 1 to {MAX_CLIENT_ID_LENGTH} characters, safe as a path component) and "
+                                 f"'client-index' (int); {fault}.")
     return client_id, client_index
 
 

@@ -193,16 +193,19 @@ class FederatedStrategy(ServerStateView, Strategy):
             )
         if initial_arrays is not None:
             self._set_initial_adapter(initial_arrays)
-        self.first_round = self.server.start_run()
-        remaining = self.args.num_rounds - self.first_round
-        result = Result(arrays=state_to_array_record(self.global_state))
-        if remaining > 0:
-            result = super().start(
-                grid, state_to_array_record(self.global_state), num_rounds=remaining,
-                timeout=self.reply_timeout if timeout is None else timeout, train_config=train_config,
-                evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
-            )
-        self.server.finish_run()
+        try:
+            self.first_round = self.server.start_run()
+            remaining = self.args.num_rounds - self.first_round
+            result = Result(arrays=state_to_array_record(self.global_state))
+            if remaining > 0:
+                result = super().start(
+                    grid, state_to_array_record(self.global_state), num_rounds=remaining,
+                    timeout=self.reply_timeout if timeout is None else timeout, train_config=train_config,
+                    evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
+                )
+            self.server.finish_run()
+        finally:
+            self.server.close()
         return result
 
     def _set_initial_adapter(self, initial_arrays: ArrayRecord) -> None:

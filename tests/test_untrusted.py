@@ -1,0 +1,309 @@
+"""Issue 26: untrusted clients. Everything a client sends, and everything the server keeps for it, is bounded.
+
+Each test drives the server core a Flower deployment uses (`FederatedServer`: broadcast, admission through
+`UpdateGate`, accept, aggregation, callbacks, checkpoints), with replies made up as an adversary would send them,
+so no client trains: the attacks cost milliseconds."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from trl_federated import ClientUpdate
+from trl_federated.adapters import InvalidUpdateError, with_federated_adapter
+from trl_federated.aggregation import aggregator_from_config
+from trl_federated.checkpoint import OutputDirLockedError, _file_digest, read_checkpoint
+from trl_federated.server import FederatedServer
+
+
+def length_reward(completions, **kwargs):
+    return [len(completion) / 64 for completion in completions]
+
+
+length_reward.reward_range = (0.0, 1.0)
+
+
+def make_server(model_dir, fast_args, **overrides) -> FederatedServer:
+    args = fast_args(**{"num_clients": 3, "num_rounds": 4, **overrides})
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(model_dir), args.seed)
+    return FederatedServer(model, args, aggregator_from_config(args), [length_reward], report_header="")
+
+
+def unit(server) -> float:
+    """U = E · η · √d, the unit of `update_norm_bound`."""
+    args = server.args
+    return args.local_steps * args.learning_rate * math.sqrt(sum(t.numel() for t in server.global_state.values()))
+
+
+def moved(server, direction: float, size: float = 0.5) -> dict:
+    """An adapter `size` U from the global adapter (every coordinate moved alike)."""
+    d = sum(t.numel() for t in server.global_state.values())
+    step = direction * size * unit(server) / math.sqrt(d)
+    return {key: value + step for key, value in server.global_state.items()}
+
+
+def reply(server, client_id, state=None, reward=0.5, num_samples=10, metrics=None, extras=None):
+    """Deliver a reply as it comes off the wire; the admitted update joins the round, or the client is dropped."""
+    state = moved(server, 1.0) if state is None else state
+    sent = ClientUpdate(client_id, server.wire.encode(state, server.global_state), num_samples, reward,
+                        metrics if metrics is not None else {}, extras or {})
+    try:
+        update = server.admit(client_id, lambda: sent)
+    except InvalidUpdateError as error:
+        server.drop(client_id, "invalid_update", str(error))
+        return None
+    server.accept(update)
+    return update
+
+
+def honest_round(server, round_idx, client_ids=("a", "b", "c"), **replies):
+    """Round `round_idx`: every client in `client_ids` replies honestly unless `replies` gives its reply's fields."""
+    server.begin_round(round_idx)
+    for client_id in client_ids:
+        server.broadcast(client_id)
+        reply(server, client_id, **replies.get(client_id, {}))
+    return server.end_round()
+
+
+# 3. One writer per output folder ------------------------------------------------------------------------------
+
+
+def test_a_second_writer_of_an_output_folder_is_refused_by_name(tmp_path, tiny_model_dir, fast_args):
+    output_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from trl_federated import FedGRPOConfig
+            from trl_federated.checkpoint import prepare_output_dir
+            prepare_output_dir(FedGRPOConfig(output_dir={str(output_dir)!r}, bf16=False, use_cpu=True,
+                                             report_to="none"))
+            print("started", flush=True)
+            time.sleep(120)
+        """)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "started"
+        # Even when told to overwrite it, a second run never touches a folder another process writes.
+        server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), overwrite_output_dir=True)
+        with pytest.raises(OutputDirLockedError, match=rf"output_dir {output_dir} is being written by another run "
+                                                       rf"\(pid {holder.pid} on host "):
+            server.start_run()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The lock died with its process: no stale lock to clear by hand.
+    assert server.start_run() == 0
+    server.close()
+
+
+# 6. Checkpoints and names -------------------------------------------------------------------------------------
+
+
+def test_a_server_moment_of_the_wrong_shape_is_a_damaged_checkpoint_and_the_run_falls_back(
+    tmp_path, tiny_model_dir, fast_args, caplog
+):
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))
+    server.start_run()
+    for round_idx in range(2):
+        honest_round(server, round_idx)
+    server.close()
+    newest = tmp_path / "run" / "checkpoint-1"
+    tensors = load_file(newest / "federation.safetensors")
+    name = next(key for key in tensors if key.startswith("aggregator/server_optimizer/m/"))
+    tensors[name] = torch.zeros(tensors[name].numel() + 1)  # one coordinate too many
+    save_file(tensors, newest / "federation.safetensors", metadata={"format": "pt"})
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["federation.safetensors"] = _file_digest(newest / "federation.safetensors")
+    (newest / "manifest.json").write_text(json.dumps(manifest))  # damage the checksums cannot see
+
+    with pytest.raises(ValueError, match=r"is damaged: aggregator\['server_optimizer'\]\['m'\]\[.*\] is "
+                                         r"torch.float32 \(\d+,\), expected floating point"):
+        read_checkpoint(newest)
+    resumed = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), resume_from_checkpoint="true")
+    assert resumed.start_run() == 1  # after checkpoint-0, the newest intact one
+    assert f"Checkpoint {newest} is damaged" in caplog.text
+    honest_round(resumed, 1)  # and the resumed server aggregates
+    resumed.close()
+
+
+UNSAFE_CLIENT_IDS = ["../x", "a/b", "a\\b", "", "..", "a\x00b", "x" * 257]
+
+
+@pytest.mark.parametrize("client_id", UNSAFE_CLIENT_IDS)
+def test_client_ids_that_are_not_safe_path_components_are_refused(tmp_path, tiny_model_dir, fast_args, client_id):
+    from flwr.app import RecordDict
+
+    from trl_federated.flower.identity import ClientRegistry, RegisteredClient
+    from trl_federated.flower.records import client_identity_record, content_to_update
+
+    args = fast_args(num_clients=1)
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    with pytest.raises(ValueError, match="client id"):  # configuration: the runner's clients are the server's
+        FederatedServer(model, args, aggregator_from_config(args), num_samples={client_id: 5})
+    with pytest.raises(ValueError, match="client id"):  # registration
+        ClientRegistry([RegisteredClient(client_id, 0, b"key")])
+    content = RecordDict({"client": client_identity_record(client_id, 0)})
+    with pytest.raises(InvalidUpdateError, match="The reply names no client"):  # a reply, or a node's claim
+        content_to_update(content)
+
+
+# 2. Client metrics are untrusted input --------------------------------------------------------------------------
+
+
+def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or_a_resume(
+    tmp_path, tiny_model_dir, fast_args, caplog
+):
+    from trl_federated.callbacks import round_logs
+
+    output_dir = tmp_path / "run"
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir))
+    server.start_run()
+    hostile = {
+        "step_rewards": 5,  # not a list: the reward plot iterated it
+        "round": "x",  # read back as the line's round on resume
+        "event": "client_dropped", "client_id": "b", "reason": "forged",  # another client's drop line
+        "weight": 0.99, "b/weight": 0.0, "num_clients": 1000.0,  # the round log's own entries
+        "eval_accuracy/Total": 1.0,  # an evaluation that never ran
+        "kl": [1.0, "x"], "bad name\n": 1.0, "loss": math.inf,
+        "b/entropy": 9.0,  # a valid name, which must not read as b's entropy
+        "entropy": 0.25,
+    }
+    flood = {"step_rewards": [0.5] * 100_000}  # more step rewards than local steps, kept in every checkpoint
+    sizes = []
+    for round_idx in range(3):
+        record = honest_round(server, round_idx, a={"metrics": dict(hostile)}, c={"metrics": dict(flood)})
+        sizes.append((output_dir / f"checkpoint-{round_idx}" / "federation.json").stat().st_size)
+    server.close()
+
+    assert record.client_metrics["a"] == {"b/entropy": 9.0, "entropy": 0.25} and record.client_metrics["c"] == {}
+    assert "Client 'a': metrics dropped: 'step_rewards' (not a list of at most 2 numbers)" in caplog.text
+    logs = round_logs(record)
+    assert logs["a/weight"] == record.weights["a"] and logs["b/weight"] == record.weights["b"]
+    assert (logs["num_clients"], logs["round"], logs["a/entropy"], logs["entropy"]) == (3, 2, 0.25, 0.25)
+    assert logs["a/b/entropy"] == 9.0 and "b/entropy" not in logs
+    assert not any(name.startswith("eval_") for name in logs)
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["event"] for line in lines if line["event"] != "evaluation"] == ["client"] * 3 + ["round"] + [
+        "client"] * 3 + ["round"] + ["client"] * 3 + ["round"]
+    assert (lines[0]["client_id"], lines[0]["round"]) == ("a", 0)
+    assert lines[0]["metrics"] == {"b/entropy": 9.0, "entropy": 0.25}
+    # the checkpoint grows by the same few kilobytes a round, whatever the clients send
+    assert sizes[2] - sizes[1] < 20_000 and abs((sizes[2] - sizes[1]) - (sizes[1] - sizes[0])) < 1_000
+    # a line an earlier version wrote with a client's metric as its round is dropped on resume, not a crash
+    with (output_dir / "metrics.jsonl").open("a") as stream:
+        stream.write(json.dumps({"event": "client", "round": "x", "client_id": "a"}) + "\n")
+    resumed = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), resume_from_checkpoint="true")
+    assert resumed.start_run() == 3
+    resumed.close()
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    assert '"x"' not in "".join(lines) and json.loads(lines[-1]) == {"event": "resumed", "checkpoint_round": 2}
+
+
+def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_args):
+    from trl_federated.admission import MAX_CLIENT_METRICS
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))
+    server.start_run()
+    metrics = {f"m{index}": 1.0 for index in range(MAX_CLIENT_METRICS + 1)}
+    record = honest_round(server, 0, a={"metrics": metrics})
+    assert record.dropped == {"a": f"Update of client 'a' rejected: it sends {MAX_CLIENT_METRICS + 1} metrics, more "
+                                   f"than the {MAX_CLIENT_METRICS} a client may send."}
+    server.close()
+
+
+# 1. Accumulated state -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_clients_rejected(
+    tmp_path, tiny_model_dir, fast_args, action
+):
+    from trl_federated.aggregation.base import state_norm
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="scaffold",
+                         num_rounds=6, update_norm_action=action)
+    server.start_run()
+    args, keys = server.args, list(server.global_state)
+    d = sum(tensor.numel() for tensor in server.global_state.values())
+    control_bound = args.update_norm_bound * math.sqrt(d)  # update_norm_bound in units of √d
+    budget = args.local_steps * args.learning_rate  # Σ_k η_k of a round
+    for round_idx in range(args.num_rounds):
+        server.begin_round(round_idx)
+        for index, client_id in enumerate(["a", "b", "m"]):
+            _, extras = server.broadcast(client_id)
+            c, c_i = extras["server_control"], extras["client_control"]
+            if client_id == "m":
+                # Each round's Δc_m just inside the bound, always the same way, and all of the data weight: c ≈ c_m.
+                delta = {key: torch.full_like(value, 0.999 * args.update_norm_bound) for key, value in c.items()}
+                reply(server, "m", state=dict(server.global_state), num_samples=10**6,
+                      extras={"control_delta": delta})
+                continue
+            # An honest client with a decoupled correction (`ScaffoldCorrection`): E steps of its mean Adam
+            # direction g, which turns from round to round, plus η (c − c_i) each; then c_i⁺ = g.
+            g = {key: torch.full_like(value, 0.5 * (-1) ** (round_idx + index)) for key, value in c.items()}
+            state = {key: server.global_state[key] - budget * (g[key] + c[key] - c_i[key]) for key in keys}
+            reply(server, client_id, state=state, extras={"control_delta": {key: g[key] - c_i[key] for key in keys}})
+        record = server.end_round()
+        assert set(record.weights) >= {"a", "b"}, record.dropped  # the honest clients are never rejected
+        controls = server.aggregator.client_controls
+        assert state_norm(controls["m"]) <= control_bound * (1 + 1e-5)
+        assert state_norm(server.aggregator.control) <= control_bound * (1 + 1e-5)
+        if round_idx > 0 and action == "reject":
+            assert "‖c_i + Δc_i‖" in record.dropped["m"] and "exceeds the control bound" in record.dropped["m"]
+    server.close()
+
+
+# 4. Robust options that act -----------------------------------------------------------------------------------
+
+
+def test_trimmed_mean_trims_one_client_at_each_end_of_a_small_federation_or_is_refused(
+    tmp_path, tiny_model_dir, fast_args
+):
+    with pytest.raises(ValueError, match=r"trimmed_mean'` trims at least one client at each end .* set "
+                                         r"`min_clients_per_round` to 3 or more \(it is 1\)"):
+        fast_args(num_clients=3, robust_aggregation="trimmed_mean")
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="fedavg",
+                         robust_aggregation="trimmed_mean", min_clients_per_round=3)  # default fraction 0.2
+    server.start_run()
+    honest = moved(server, 1.0)  # where both honest clients move (FedAvg's step is their mean)
+    # One client of three pulls every coordinate 9 U the other way, within update_norm_bound (10 U).
+    honest_round(server, 0, c={"state": moved(server, -1.0, size=9.0)})
+    for key, value in server.global_state.items():  # c trimmed at the low end, an honest one at the high end
+        torch.testing.assert_close(value, honest[key])
+    server.close()
+
+
+# 5. The liar, measured ------------------------------------------------------------------------------------------
+
+
+def test_a_reward_that_is_not_the_mean_of_the_step_rewards_sent_with_it_is_refused(tmp_path, tiny_model_dir,
+                                                                                      fast_args):
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))  # W = 2 of E = 2 steps
+    server.start_run()
+    record = honest_round(server, 0, a={"reward": 0.9, "metrics": {"step_rewards": [0.5, 0.5]}},
+                          b={"reward": 0.5, "metrics": {"step_rewards": [0.25, 0.75]}})
+    assert record.dropped == {"a": "Update of client 'a' rejected: R̄ = 0.9 is not the mean of its last 2 step "
+                                   "rewards (0.5)."}
+    assert set(record.weights) == {"b", "c"}  # c sent no step rewards: nothing to check R̄ against
+    server.close()
+
+
+def test_the_liar_benchmark_reaches_the_analytic_peak():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "rpg_liar.py"
+    spec = importlib.util.spec_from_file_location("rpg_liar", path)
+    liar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(liar)
+    # Rewards spanning 2: h reaches h_max = 10 in one round; spanning 1: h = 1 / (ι σ_min + (1 − ι) · 1).
+    assert liar.peak(3, 2.5, 0.0, 2.0) == pytest.approx(math.exp(4) / (math.exp(4) + 2))
+    h = 1 / (0.9 * 0.05 + 0.1)
+    assert liar.peak(10, 1.5, 0.0, 1.0) == pytest.approx(math.exp(h / 1.5) / (math.exp(h / 1.5) + 9), rel=1e-6)
