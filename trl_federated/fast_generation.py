@@ -32,8 +32,9 @@ import logging
 import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
+from transformers.masking_utils import eager_mask
 
 from .shared_prefix import SharedPrefixStats, has_full_attention_cache
 
@@ -89,6 +90,30 @@ def unsupported_reason(model: PreTrainedModel | PeftModel) -> str | None:
     return None
 
 
+def grouped_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Transformers' eager attention (`eager_attention_forward`: fp32 softmax over an additive mask), with each
+    group of query heads attending its key/value head as one matrix product instead of over a copy of the keys and
+    values per query head: at one query row per decode step, those copies of the whole cache were most of the
+    attention's time. The same sums in the same order; no dropout (generation is in eval mode)."""
+    batch, heads, length, dim = query.shape
+    kv_heads = key.size(1)
+    scores = torch.matmul(query.reshape(batch, kv_heads, heads // kv_heads * length, dim), key.transpose(2, 3))
+    scores = scores * scaling
+    if attention_mask is not None:  # (batch, 1, length, keys), the same for every head
+        scores = (scores.view(batch, kv_heads, -1, length, key.size(2)) + attention_mask[:, :, None]).flatten(2, 3)
+    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    output = torch.matmul(weights, value).view(batch, heads, length, dim)
+    return output.transpose(1, 2).contiguous(), None
+
+
+GROUPED_EAGER = "trl_federated_grouped_eager"
+AttentionInterface.register(GROUPED_EAGER, grouped_eager_attention)
+AttentionMaskInterface.register(GROUPED_EAGER, eager_mask)
+# Decoders whose attention is plain scaled dot-product over their (grouped) heads: no logit soft-capping, sinks or
+# extra terms that the function above would drop.
+_GROUPED_EAGER_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+
 class MergedGenerationModel:
     """A plain copy of a (PEFT-wrapped) causal LM for generation: the same architecture without adapters, in
     `dtype`, its parameters refreshed from the source by `refresh()` with each active LoRA adapter merged in.
@@ -101,7 +126,9 @@ class MergedGenerationModel:
         self.source = model
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         # Eager attention on CPU: the fused kernel is several times slower for one query row (decode), in bf16 most.
-        attn_implementation = "eager" if base.device.type == "cpu" else base.config._attn_implementation
+        attn_implementation = base.config._attn_implementation
+        if base.device.type == "cpu":
+            attn_implementation = GROUPED_EAGER if base.config.model_type in _GROUPED_EAGER_MODEL_TYPES else "eager"
         with no_init_weights():
             self.model = type(base)._from_config(
                 copy.deepcopy(base.config), dtype=dtype, attn_implementation=attn_implementation
