@@ -5,10 +5,10 @@
         [--decode_tokens 32] [--eval_rows 32] [--generation_dtype auto] [--tiny] [any `trl-federated run` flag]
 
 Floors, measured on this machine at the start: the read bandwidth (sum of a 512 MiB tensor) and the matrix-product
-throughput (float32 and bfloat16, the best of a prefill's MLP shape and a larger product). A decode step must read every weight once: its floor is
-weight bytes / bandwidth, in each dtype. Prefill and loss are compute-bound: their floors are FLOPs / throughput
-(2 per weight and token forward, 2 more backward for the input gradients; the frozen base needs no weight
-gradients), for the tokens each path computes.
+throughput (float32 and bfloat16, the best of a prefill's MLP shape and a larger product). A decode step must read
+every weight once: its floor is weight bytes / bandwidth, in each dtype. Prefill and loss are compute-bound: their
+floors are FLOPs / throughput (2 per weight and token forward, 2 more backward for the input gradients; the frozen
+base needs no weight gradients), for the tokens each path computes.
 
 Both paths run alternately, on the same adapter (reset before every run) and seed, in this process:
 - decode and prefill: `_generate_single_turn` on the first generation batch of the largest client (its prompts
