@@ -144,3 +144,18 @@ def test_gpu_check_runs_the_plain_path_on_cpu_and_builds_its_table(tmp_path):
     assert gpu_check.max_abs_diff(tmp_path / "fgrpo", tmp_path / "fgrpo") == 0
     table = (tmp_path / "gpu_check.md").read_text(encoding="utf-8")
     assert "| part | run | wall_s |" in table and table.count("| plain |") == 3
+
+
+def test_local_step_speed_benchmark_times_both_paths_against_the_floors(tmp_path):
+    """`benchmarks/local_step_speed.py --tiny`: the quickstart's rows on the tiny model, both paths, every figure."""
+    speed = load("local_step_speed")
+    config = str(BENCHMARKS.parent / "examples" / "configs" / "quickstart.yaml")
+    argv = ["--config", config, "--tiny", "--steps", "1", "--repeats", "1", "--decode_tokens", "3", "--eval_rows", "4"]
+    results = speed.main([*argv, "--output_dir", str(tmp_path)])
+    assert results["setting"]["rows"] == 8 and results["setting"]["distinct_prompts"] == 2  # 2 prompts x 4
+    assert all(value > 0 for value in [*results["floors"].values(), *results["floor"].values()])
+    names = {"decode_ms", "prefill_s", "generation_s", "loss_s", "rest_s", "step_s", "evaluation_s", "eval_accuracy"}
+    for path in ("today", "fast"):
+        assert set(results[path]) == names
+        # decode_ms is a difference of two timings: on the tiny model, noise can outweigh it
+        assert all(results[path][name] > 0 for name in names - {"eval_accuracy", "rest_s", "decode_ms"})

@@ -26,6 +26,7 @@ from .aggregation import AGGREGATIONS
 from .aggregation.robust import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS
 from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
 from .aggregation.server_optim import SERVER_OPTIMIZERS
+from .fast_generation import GENERATION_DTYPE_CHOICES
 from .transport import DTYPES, LORA_AGGREGATIONS
 
 # Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
@@ -276,6 +277,23 @@ class FedGRPOConfig(GRPOConfig):
             recompute silu(g) and silu(g)·u there: two intermediate-size tensors fewer per token and layer, the same
             gradients up to float rounding. Off by default: it costs CPU time on the loss step and lowers the peak
             memory only where MLP activations dominate it (long completions, large batches).
+
+        > Fast generation: the local step's sampling and the greedy evaluation, at float rounding (bf16: its weights)
+
+        fast_generation (`bool`, *optional*, defaults to `False`):
+            Generate (TRL's transformers path, and the server's greedy evaluation) from a plain copy of the weights
+            with LoRA merged in, refreshed before each generation, with eager attention on CPU, each distinct prompt
+            prefilled once and its cache shared by its K completions; decoding, sampling and stopping are
+            `generate`'s own under TRL's generation config. What merging changes is float rounding: in float32
+            greedy completions are TRL's but at near-ties, sampled ones follow the same distribution. vLLM,
+            continuous batching, images, sharded models, non-LoRA adapters or active dropout use TRL's generation,
+            counted and logged once.
+        generation_dtype (`str`, *optional*, defaults to `"auto"`):
+            The dtype of the weights `fast_generation` generates with: `"float32"`, `"bfloat16"`, or `"auto"`:
+            bfloat16 where the device computes it natively (AVX512-BF16 or AMX CPUs, bf16 CUDA devices), half the
+            bytes per decode step, else float32. In bfloat16 the completions are sampled from the bf16-rounded
+            policy (per-token log-probabilities within ~1e-2 of float32's, as a vLLM sampler's); the loss still
+            scores them with the trained weights.
 
         > Robustness: what the server bounds in every client update, and how it combines them
 
@@ -588,6 +606,24 @@ class FedGRPOConfig(GRPOConfig):
             "rounding. Off by default: it costs CPU and pays only where MLP activations dominate memory."
         },
     )
+    fast_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate (local steps and the greedy evaluation) from a copy of the weights with LoRA merged, "
+            "refreshed before each generation, each distinct prompt prefilled once for its K completions, under "
+            "TRL's generation config: float rounding changes only (in float32, greedy completions are TRL's but at "
+            "near-ties). vLLM, images, sharded models, non-LoRA adapters use TRL's generation."
+        },
+    )
+    generation_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Weights dtype of `fast_generation`: 'auto' (bfloat16 where the device has native bf16, else "
+            "float32), 'float32' or 'bfloat16'. bf16 halves the bytes per decode step and samples from the "
+            "bf16-rounded policy (log-probabilities within ~1e-2 of float32's); the loss keeps the trained weights.",
+            "choices": list(GENERATION_DTYPE_CHOICES),
+        },
+    )
 
     # Robustness: what the server bounds in every client update (see `admission.UpdateGate`), how it combines them
     update_norm_bound: float | None = field(
@@ -819,6 +855,8 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`scaffold_correction` must be {_either(SCAFFOLD_CORRECTIONS)}, got {self.scaffold_correction!r}."
         if self.fedprox_mu < 0:
             yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
+        if self.generation_dtype not in GENERATION_DTYPE_CHOICES:
+            yield f"`generation_dtype` must be {_either(GENERATION_DTYPE_CHOICES)}, got {self.generation_dtype!r}."
         for name in ("beta", "max_grad_norm"):  # TRL's fields, with this config's help: 0 turns each off
             if getattr(self, name) < 0:
                 yield f"`{name}` must be >= 0, got {getattr(self, name)}."

@@ -365,6 +365,8 @@ class FederatedServer:
             reward_weights=self.eval_reward_weights,
             mixed_precision=self.args.mixed_precision,
             distributed=self.num_processes > 1,
+            fast_generation=self.args.fast_generation,
+            generation_dtype=self.args.generation_dtype,
         )
         release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results

@@ -46,10 +46,11 @@ class SharedPrefixStats:
     rows: int = 0
     prompt_rows: int = 0
     fallbacks: Counter = field(default_factory=Counter)
+    fallback_message = "Shared-prefix log-probabilities fall back to the standard forward: %s."
 
     def record_fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
-            logger.warning("Shared-prefix log-probabilities fall back to the standard forward: %s.", reason)
+            logger.warning(self.fallback_message, reason)
         self.fallbacks[reason] += 1
 
 
@@ -78,18 +79,23 @@ def unsupported_reason(model, prompt_length: int, compute_aux_loss: bool, extra_
         isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing for module in model.modules()
     ):
         return "gradient checkpointing"
+    if not has_full_attention_cache(model):
+        return "model without a full-attention key/value cache"
+    return None
+
+
+def has_full_attention_cache(model) -> bool:
+    """Whether `model` (a `PreTrainedModel` or a `PeftModel`), a decoder-only model, keeps every past key and value
+    of every layer in a `DynamicCache`: a sliding-window, linear-attention or recurrent layer keeps something else."""
     config = model.config.get_text_config(decoder=True)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     is_supported_cache = getattr(model, "_supports_default_dynamic_cache", lambda: False)()
-    if (
-        config.is_encoder_decoder
-        or not is_supported_cache
-        or layer_types != {"full_attention"}
-        or getattr(config, "sliding_window", None) is not None
-    ):
-        # A sliding-window, linear-attention or recurrent layer keeps something else than every past key/value.
-        return "model without a full-attention key/value cache"
-    return None
+    return (
+        not config.is_encoder_decoder
+        and is_supported_cache
+        and layer_types == {"full_attention"}
+        and getattr(config, "sliding_window", None) is None
+    )
 
 
 def shared_prefix_logps_and_entropies(

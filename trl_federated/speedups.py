@@ -1,5 +1,6 @@
-"""Speed-ups of any `trl.GRPOTrainer` that leave its results unchanged, federated or not: the shared-prefix
-log-probabilities (`shared_prefix.py`) and the gated-MLP recomputation (`gated_mlp.py`), as one mixin.
+"""Speed-ups of any `trl.GRPOTrainer`, federated or not: the shared-prefix log-probabilities (`shared_prefix.py`)
+and the gated-MLP recomputation (`gated_mlp.py`), which leave its results unchanged, and fast generation
+(`fast_generation.py`), which changes float rounding (and in bf16 the sampling policy's weights), as one mixin.
 
     class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer): ...
 
@@ -15,8 +16,13 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
+from trl.trainer.utils import pad
 
+from . import fast_generation
+from .fast_generation import FastGenerationStats, MergedGenerationModel, shared_prefill_generate
 from .gated_mlp import recomputed_gated_mlp
 from .shared_prefix import (
     REGROUPABLE_LOSS_TYPES,
@@ -36,13 +42,18 @@ class FastGRPOMixin:
       forward), and where that leaves the optimizer step's gradient unchanged (one optimizer step per generation
       batch, `num_iterations` 1, a loss in `REGROUPABLE_LOSS_TYPES`, GRPOTrainer's own loss and batching), the
       micro-batches of a generation batch are cut by prompt (`shared_prefix.micro_batches_by_prompt`);
-    - `recompute_gated_mlp`: SiLU-gated MLPs keep half their activations for the backward (`gated_mlp.py`).
+    - `recompute_gated_mlp`: SiLU-gated MLPs keep half their activations for the backward (`gated_mlp.py`);
+    - `fast_generation`: TRL's transformers generation (`_generate_single_turn`, not vLLM or continuous batching)
+      runs on a merged copy of the weights in `generation_dtype`, each distinct prompt prefilled once
+      (`fast_generation.py`); `fast_generation_stats` counts what it did and the calls it left to TRL's path.
 
-    It relies on two of GRPOTrainer's private methods and one attribute, all used as TRL uses them:
+    It relies on three of GRPOTrainer's private methods and one attribute, all used as TRL uses them:
     `_get_per_token_logps_and_entropies`, through which TRL computes every log-probability (a class that overrides
     it below this mixin is refused with `shared_prefix`, which would bypass that override); `_prepare_inputs` and the
     list `_buffered_inputs`, where TRL keeps the micro-batches it cut from a generation batch and hands out one per
-    call: the one place the micro-batches of a step exist together before the loss sees them.
+    call: the one place the micro-batches of a step exist together before the loss sees them;
+    `_generate_single_turn`, which turns a list of prompt token ids into completion token ids (and log-probabilities,
+    None on the transformers path).
     """
 
     def __init__(self, *args, **kwargs):
@@ -52,7 +63,14 @@ class FastGRPOMixin:
                 f"`shared_prefix` replaces `_get_per_token_logps_and_entropies`, which {base_name(type(self))} "
                 "overrides: set `shared_prefix=False` to keep that override."
             )
+        if getattr(self.args, "fast_generation", False) and _overrides(type(self), "_generate_single_turn"):
+            raise ValueError(
+                f"`fast_generation` replaces `_generate_single_turn`, which {base_name(type(self))} overrides: set "
+                "`fast_generation=False` to keep that override."
+            )
         self.shared_prefix_stats = SharedPrefixStats()
+        self.fast_generation_stats = FastGenerationStats()
+        self._merged_generation_model: MergedGenerationModel | None = None
         # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
         # one optimizer step, once, and GRPOTrainer's own loss normalises each independently of which rows it holds;
         # a custom loss or batching may not, so it keeps TRL's micro-batches.
@@ -101,6 +119,54 @@ class FastGRPOMixin:
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **extra_inputs,
             )  # fmt: skip
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """With `fast_generation`, TRL's transformers generation runs on a merged copy of the weights in
+        `generation_dtype`, each distinct prompt prefilled once (`fast_generation.py`), under TRL's own
+        `generation_config`; calls it does not cover go to TRL's path, counted in `fast_generation_stats`."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        reason = None
+        if getattr(self.args, "fast_generation", False):
+            reason = self._fast_generation_unsupported_reason(unwrapped, prompt_ids, images, multimodal_fields)
+            if reason is not None:
+                self.fast_generation_stats.record_fallback(reason)
+        if reason is not None or not getattr(self.args, "fast_generation", False):
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )  # fmt: skip
+        device = self.accelerator.device
+        # Left-padded as TRL pads them
+        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
+        padding = {"padding_side": "left", "pad_to_multiple_of": self.pad_to_multiple_of}
+        input_ids = pad(prompt_tensors, padding_value=self._tokenizer.pad_token_id, **padding).to(device)
+        attention_mask = pad([torch.ones_like(ids) for ids in prompt_tensors], padding_value=0, **padding).to(device)
+        dtype = fast_generation.resolve_generation_dtype(getattr(self.args, "generation_dtype", "auto"), device)
+        if self._merged_generation_model is None or self._merged_generation_model.model.dtype != dtype:
+            self._merged_generation_model = MergedGenerationModel(unwrapped, dtype)
+        with profiling_context(self, "transformers.generate"), torch.no_grad():
+            prompt_completion_ids = shared_prefill_generate(
+                self._merged_generation_model.refresh(), input_ids, attention_mask, self.generation_config,
+                stats=self.fast_generation_stats,
+            )  # fmt: skip
+        completion_ids = prompt_completion_ids[:, input_ids.size(1) :]
+        return fast_generation.completions_up_to_eos(completion_ids, self.eos_token_ids), None
+
+    def _fast_generation_unsupported_reason(self, unwrapped, prompt_ids, images, multimodal_fields) -> str | None:
+        """Why `fast_generation` leaves this `_generate_single_turn` call to TRL's path, or None."""
+        if self.use_vllm:
+            return "vLLM generation"
+        if self.use_transformers_continuous_batching:
+            return "transformers continuous batching"
+        if images is not None or multimodal_fields:
+            return "multimodal inputs"
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        if self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3):
+            return "sharded parameters (FSDP, DeepSpeed ZeRO-3)"
+        if self.generation_config.cache_implementation is not None:
+            return f"cache_implementation={self.generation_config.cache_implementation!r}"
+        if max(len(ids) for ids in prompt_ids) < 2:
+            return "prompts of fewer than 2 tokens"
+        return fast_generation.unsupported_reason(unwrapped)
 
 
 def base_name(trainer_class: type) -> str:

@@ -1,0 +1,308 @@
+"""A local step at the machine's limit: the machine's floors, and today's path against fast generation
+(`fast_generation=True`, `generation_dtype` as asked), on the quickstart's rows, in one run.
+
+    python benchmarks/local_step_speed.py --config examples/configs/quickstart.yaml [--steps 2] [--repeats 2] \
+        [--decode_tokens 32] [--eval_rows 32] [--generation_dtype auto] [--tiny] [any `trl-federated run` flag]
+
+Floors, measured on this machine at the start: the read bandwidth (sum of a 512 MiB tensor) and the matrix-product
+throughput (float32 and bfloat16, the best of a prefill's MLP shape and a larger product). A decode step must read
+every weight once: its floor is weight bytes / bandwidth, in each dtype. Prefill and loss are compute-bound: their
+floors are FLOPs / throughput (2 per weight and token forward, 2 more backward for the input gradients; the frozen
+base needs no weight gradients), for the tokens each path computes.
+
+Both paths run alternately, on the same adapter (reset before every run) and seed, in this process:
+- decode and prefill: `_generate_single_turn` on the first generation batch of the largest client (its prompts
+  x `num_generations` rows) with a fixed completion length (`min_new_tokens`): ms per decode step is the difference
+  between `--decode_tokens` and 1 new tokens over the steps between; prefill is the 1-token call (for fast
+  generation: refreshing the merged copy, the shared prefill and the first step);
+- whole local steps: `--steps` steps of `trainer.train()` (a fresh trainer per run, the client's configuration),
+  split into generation (+ scoring), loss forward + backward, and the rest;
+- the greedy evaluation of `--eval_rows` test rows (`evaluate_accuracy`), with the accuracy each path scored.
+Figures are medians of wall seconds over `--repeats` runs; ratios are today / fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+MATMUL_SHAPES = ((512, 576, 1536), (1024, 2048, 2048))  # a prefill's MLP projection, and a larger product
+
+
+def best_seconds(function, repeats: int = 5) -> float:
+    function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def machine_floors(tiny: bool) -> dict[str, float]:
+    """Read bandwidth (GB/s) and matrix-product throughput (GFLOP/s) in float32 and bfloat16."""
+    data = torch.ones((8 if tiny else 128) * 2**20)  # 32 MiB / 512 MiB of float32
+    floors = {"read_gb_s": data.numel() * 4 / best_seconds(data.sum) / 1e9}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        throughputs = []
+        for m, k, n in ((64, 64, 128),) if tiny else MATMUL_SHAPES:
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            throughputs.append(2 * m * k * n / best_seconds(lambda: a @ b, repeats=10) / 1e9)  # noqa: B023
+        floors[f"matmul_{name}_gflop_s"] = max(throughputs)  # the machine's best: a floor
+    return floors
+
+
+class Phases:
+    """Wall seconds of wrapped methods, summed per phase until `take()`."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    def wrap(self, owner, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        setattr(owner, attribute, timed)
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        return seconds
+
+
+class Bench:
+    """The quickstart's client, model, adapter and rows, and each measurement for either path."""
+
+    def __init__(self, argv: list[str], tiny: bool, output_dir: str):
+        from trl import ModelConfig, TrlParser, get_peft_config
+
+        from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
+        from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, reward_functions
+        from trl_federated.client import local_training_args
+        from trl_federated.data import partition_clients
+        from trl_federated.models import load_model_and_tokenizer
+
+        parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
+        args, model_args, data_args = parser.parse_args_and_config(argv)
+        if tiny:
+            from trl_federated.testing import save_tiny_model
+
+            model_args.model_name_or_path = str(save_tiny_model(Path(output_dir) / "tiny"))
+        train, self.test = load_benchmark(data_args)
+        clients = partition_clients(train, args)
+        model, self.tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
+        peft_config = get_peft_config(model_args) if model_args.use_peft else default_lora_config()
+        self.model = with_federated_adapter(model, args.seed, peft_config)
+        # A trained-looking adapter (B = 0 at initialisation would make the merge a no-op).
+        with torch.no_grad():
+            for name, parameter in self.model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.01, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+        self.adapter = get_adapter_state(self.model)
+        client_id, self.client_data = max(enumerate(clients), key=lambda item: len(item[1]))
+        self.args = local_training_args(args, 0, client_id, len(clients), f"client_{client_id}")
+        self.args.output_dir = output_dir
+        self.reward_funcs = reward_functions(data_args.reward_funcs)
+        self.phases = Phases()
+
+    def trainer(self, fast: bool, steps: int):
+        from trl_federated.adapters import set_adapter_state
+        from trl_federated.trainer import FedGRPOTrainer
+
+        set_adapter_state(self.model, self.adapter)
+        args = copy.deepcopy(self.args)
+        args.fast_generation = fast
+        args.max_steps = args.local_steps = steps
+        trainer = FedGRPOTrainer(
+            model=self.model, reward_funcs=self.reward_funcs, args=args, train_dataset=self.client_data,
+            processing_class=self.tokenizer,
+        )  # fmt: skip
+        self.phases.wrap(trainer, "_generate_and_score_completions", "generation")
+        self.phases.wrap(trainer, "compute_loss", "loss")
+        self.phases.wrap(trainer.accelerator, "backward", "loss")
+        return trainer
+
+    def first_batch_prompt_ids(self, trainer) -> list[list[int]]:
+        rows = self.client_data.select(range(self.args.generation_batch_size // self.args.num_generations))
+        prompts = [prompt for prompt in rows["prompt"] for _ in range(self.args.num_generations)]
+        return trainer._tokenize_prompts(prompts)[0]
+
+    def generation(self, trainer, prompt_ids, new_tokens: int) -> float:
+        """Wall seconds of `_generate_single_turn` with exactly `new_tokens` new tokens per row."""
+        config = trainer.generation_config
+        saved = config.max_new_tokens, config.min_new_tokens
+        config.max_new_tokens = config.min_new_tokens = new_tokens
+        try:
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            trainer._generate_single_turn(prompt_ids, None, {}, self.args.num_generations)
+            return time.perf_counter() - start
+        finally:
+            config.max_new_tokens, config.min_new_tokens = saved
+
+    def steps(self, fast: bool, steps: int) -> dict[str, float]:
+        trainer = self.trainer(fast, steps)
+        self.phases.take()
+        start = time.perf_counter()
+        trainer.train()
+        total = time.perf_counter() - start
+        phases = self.phases.take()
+        per_step = {name: seconds / steps for name, seconds in phases.items()}
+        per_step["step"] = total / steps
+        per_step["rest"] = per_step["step"] - per_step["generation"] - per_step["loss"]
+        return per_step
+
+    def evaluation(self, fast: bool, rows: int, dtype: str) -> tuple[float, float]:
+        from trl_federated.adapters import set_adapter_state
+        from trl_federated.evaluation import evaluate_accuracy
+
+        set_adapter_state(self.model, self.adapter)
+        result = evaluate_accuracy(
+            self.model, self.tokenizer, self.test.select(range(min(rows, len(self.test)))),
+            label_column=self.args.partition_column, batch_size=self.args.per_device_eval_batch_size,
+            max_new_tokens=self.args.max_completion_length, fast_generation=fast, generation_dtype=dtype,
+        )  # fmt: skip
+        return result["seconds"], result["accuracy"]["Total"]
+
+
+def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_rows: int, tiny: bool) -> dict:
+    from trl_federated.fast_generation import resolve_generation_dtype
+
+    results = {"floors": machine_floors(tiny)}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(argv, tiny, tmp)
+        dtype_name = bench.args.generation_dtype
+        dtype = resolve_generation_dtype(dtype_name, bench.model.device)
+        runs = {False: defaultdict(list), True: defaultdict(list)}
+        probe = bench.trainer(False, 1)
+        prompt_ids = bench.first_batch_prompt_ids(probe)
+        trainers = {False: probe, True: bench.trainer(True, 1)}
+        for fast in (False, True):  # warm-up: allocator, the merged copy, lazy initialisation
+            bench.generation(trainers[fast], prompt_ids, 2)
+            bench.steps(fast, 1)
+        for repeat in range(repeats):
+            for fast in (repeat % 2 == 1, repeat % 2 == 0):  # alternate which path goes first
+                one = bench.generation(trainers[fast], prompt_ids, 1)
+                many = bench.generation(trainers[fast], prompt_ids, decode_tokens)
+                runs[fast]["prefill_s"].append(one)
+                runs[fast]["decode_ms"].append(1000 * (many - one) / (decode_tokens - 1))
+        for repeat in range(repeats):
+            for fast in (repeat % 2 == 1, repeat % 2 == 0):
+                for name, seconds in bench.steps(fast, steps).items():
+                    runs[fast][f"{name}_s"].append(seconds)
+                if eval_rows:
+                    seconds, accuracy = bench.evaluation(fast, eval_rows, dtype_name)
+                    runs[fast]["evaluation_s"].append(seconds)
+                    runs[fast]["eval_accuracy"].append(accuracy)
+        fast_stats = trainers[True].fast_generation_stats
+        assert not fast_stats.fallbacks, fast_stats.fallbacks
+
+        model = bench.model.get_base_model()
+        config = model.config
+        parameters = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad is False)
+        embedding = config.vocab_size * config.hidden_size
+        layer_parameters = parameters - embedding * (1 if config.tie_word_embeddings else 2)
+        rows = len(prompt_ids)
+        width = max(map(len, prompt_ids))
+        distinct = len({tuple(ids) for ids in prompt_ids})
+        completion = bench.args.max_completion_length
+        floors = results["floors"]
+
+        def compute_floor(tokens: int, head_positions: int, passes: int, dtype_name: str) -> float:
+            flops = 2 * passes * (layer_parameters * tokens + embedding * head_positions)
+            return flops / (floors[f"matmul_{dtype_name}_gflop_s"] * 1e9)
+
+        generation_dtype = str(dtype).removeprefix("torch.")
+        results["setting"] = {
+            "rows": rows, "distinct_prompts": distinct, "prompt_tokens_padded": width, "completion_tokens": completion,
+            "decode_tokens": decode_tokens, "steps": steps, "repeats": repeats, "eval_rows": eval_rows,
+            "threads": torch.get_num_threads(), "generation_dtype": generation_dtype,
+            "weights_mb_float32": parameters * 4 / 1e6,
+        }  # fmt: skip
+        results["floor"] = {
+            "decode_ms_float32": parameters * 4 / (floors["read_gb_s"] * 1e9) * 1000,
+            "decode_ms_bfloat16": parameters * 2 / (floors["read_gb_s"] * 1e9) * 1000,
+            # today: every row's padded prompt; fast: each distinct prompt once, then each row's last token
+            "prefill_s_today": compute_floor(rows * width, rows, 1, "float32"),
+            "prefill_s_fast": compute_floor(distinct * (width - 1) + rows, rows, 1, generation_dtype),
+            # the loss with the quickstart's shared_prefix: each prompt once per step, each completion + 1 token
+            "loss_s": compute_floor(distinct * (width - 1) + rows * (completion + 1), rows * completion, 2, "float32"),
+        }
+        results["today"] = {name: statistics.median(values) for name, values in runs[False].items()}
+        results["fast"] = {name: statistics.median(values) for name, values in runs[True].items()}
+    return results
+
+
+def report(results: dict) -> str:
+    setting, floor, today, fast = results["setting"], results["floor"], results["today"], results["fast"]
+    floors = results["floors"]
+    lines = [
+        f"rows {setting['rows']} ({setting['distinct_prompts']} prompts, padded to {setting['prompt_tokens_padded']} "
+        f"tokens), completions up to {setting['completion_tokens']} tokens; {setting['threads']} threads; fast "
+        f"generation in {setting['generation_dtype']}; medians of {setting['repeats']} alternated runs",
+        f"machine: read {floors['read_gb_s']:.1f} GB/s, matmul float32 {floors['matmul_float32_gflop_s']:.0f} "
+        f"GFLOP/s, bfloat16 {floors['matmul_bfloat16_gflop_s']:.0f} GFLOP/s; weights "
+        f"{setting['weights_mb_float32']:.0f} MB in float32",
+        "",
+        "| | floor | today | fast | today / fast | fast / its floor |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    decode_floor = floor[f"decode_ms_{setting['generation_dtype']}"]
+
+    def row(name, today_value, fast_value, floor_text="", fast_floor=None, unit="s", digits=2):
+        ratio = today_value / fast_value if fast_value else float("nan")
+        of_floor = f"{fast_value / fast_floor:.1f}x" if fast_floor else ""
+        lines.append(
+            f"| {name} | {floor_text} | {today_value:.{digits}f} {unit} | {fast_value:.{digits}f} {unit} "
+            f"| {ratio:.2f} | {of_floor} |"
+        )
+
+    row(
+        f"decode step ({setting['decode_tokens']} tokens)", today["decode_ms"], fast["decode_ms"],
+        f"{floor['decode_ms_float32']:.1f} ms fp32 / {floor['decode_ms_bfloat16']:.1f} ms bf16", decode_floor,
+        unit="ms", digits=1,
+    )  # fmt: skip
+    row(
+        "prefill + first token", today["prefill_s"], fast["prefill_s"],
+        f"{floor['prefill_s_today']:.2f} s / {floor['prefill_s_fast']:.2f} s", floor["prefill_s_fast"],
+    )  # fmt: skip
+    row("local step: generation + scoring", today["generation_s"], fast["generation_s"])
+    row("local step: loss forward + backward", today["loss_s"], fast["loss_s"], f"{floor['loss_s']:.2f} s")
+    row("local step: rest (optimizer, logging)", today["rest_s"], fast["rest_s"])
+    row("whole local step", today["step_s"], fast["step_s"])
+    if "evaluation_s" in today:
+        row(f"greedy evaluation ({setting['eval_rows']} rows)", today["evaluation_s"], fast["evaluation_s"])
+        lines.append(f"\nevaluation accuracy: today {today['eval_accuracy']:.4f}, fast {fast['eval_accuracy']:.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--steps", type=int, default=2, help="local steps per timed run")
+    own.add_argument("--repeats", type=int, default=2)
+    own.add_argument("--decode_tokens", type=int, default=32)
+    own.add_argument("--eval_rows", type=int, default=32)
+    own.add_argument("--tiny", action="store_true", help="the tiny model, small shapes: a smoke test")
+    options, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    with contextlib.redirect_stdout(sys.stderr):  # the trainers' logs
+        results = measure(rest, options.steps, options.repeats, options.decode_tokens, options.eval_rows, options.tiny)
+    print(report(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

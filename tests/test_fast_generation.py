@@ -1,0 +1,201 @@
+"""Fast generation (`fast_generation=True`) against TRL's transformers generation and the standard evaluation.
+
+What is exact and what has a tolerance:
+- float32 merged copy: its logits equal the adapted model's within 1e-5 (relative to the largest logit);
+- float32 shared prefill: greedy completions are token for token those of `generate` on the adapted model, and
+  sampled completions (temperature, top-k, top-p, min-p, repetition penalty) too under the same seed (a draw within
+  rounding of a sampling boundary could differ: the seeds here have none);
+- bfloat16 copy: teacher-forced per-token log-probabilities within 0.05 of float32's (mean within 0.01).
+"""
+
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, GenerationConfig
+from trl import GRPOTrainer
+
+from conftest import FAST_GRPO, length_reward
+from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
+from trl_federated.evaluation import evaluate_accuracy
+from trl_federated.fast_generation import (
+    FastGenerationStats,
+    MergedGenerationModel,
+    resolve_generation_dtype,
+    shared_prefill_generate,
+    unsupported_reason,
+)
+
+PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)  # random B: it matters
+
+
+def adapted(tiny_model_dir, **lora):
+    torch.manual_seed(0)
+    config = LoraConfig(**{**LORA.to_dict(), **lora}) if lora else LORA
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config).eval()
+
+
+def grouped_prompts(tokenizer, num_generations=4):
+    """Three prompts of unequal lengths, each repeated `num_generations` times, left-padded, rows shuffled."""
+    tokenizer.padding_side = "left"
+    texts = ["What is 1 + 2?", "Name a prime number larger than twenty", "Hi"]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    order = torch.randperm(len(texts) * num_generations, generator=torch.Generator().manual_seed(0))
+    ids = inputs["input_ids"].repeat_interleave(num_generations, 0)[order]
+    return ids, inputs["attention_mask"].repeat_interleave(num_generations, 0)[order]
+
+
+def generation_config(tokenizer, **sampling):
+    return GenerationConfig(
+        max_new_tokens=12, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        disable_compile=True, **(sampling or {"do_sample": False}),
+    )  # fmt: skip
+
+
+def test_merged_copy_follows_the_adapter(tiny_model_dir, tiny_tokenizer):
+    model = adapted(tiny_model_dir)
+    merged = MergedGenerationModel(model, torch.float32)
+    ids, mask = grouped_prompts(tiny_tokenizer)
+    for _ in range(2):  # a changed adapter is picked up by the next refresh
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask).logits
+            logits = merged.refresh()(input_ids=ids, attention_mask=mask).logits
+        real = mask.bool()  # a padding position attends to nothing: eager and sdpa attention fill it differently
+        assert (logits[real] - expected[real]).abs().max() <= 1e-5 * expected[real].abs().max()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_" in name:
+                    parameter.add_(0.1 * torch.randn_like(parameter))
+    assert not any(name for name, _ in merged.model.named_modules() if "lora" in name)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        None,
+        dict(do_sample=True, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1),
+        dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
+    ],
+    ids=["greedy", "all-processors", "plain-sampling"],
+)
+def test_shared_prefill_gives_generates_tokens(tiny_model_dir, tiny_tokenizer, sampling):
+    model = adapted(tiny_model_dir)
+    ids, mask = grouped_prompts(tiny_tokenizer)
+    config = generation_config(tiny_tokenizer, **(sampling or {}))
+    stats = FastGenerationStats()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        torch.manual_seed(1)
+        fast = shared_prefill_generate(MergedGenerationModel(model, torch.float32).refresh(), ids, mask, config, stats)
+    assert torch.equal(fast, expected)
+    assert (stats.rows, stats.prompt_rows) == (12, 3)
+
+
+def test_bfloat16_log_probabilities_within_tolerance(tiny_model_dir, tiny_tokenizer):
+    model = adapted(tiny_model_dir)
+    ids, mask = grouped_prompts(tiny_tokenizer)
+    with torch.no_grad():
+        fp32, bf16 = (
+            MergedGenerationModel(model, dtype).refresh()(input_ids=ids, attention_mask=mask).logits.float()
+            for dtype in (torch.float32, torch.bfloat16)
+        )
+    labels = ids[:, 1:].unsqueeze(-1)
+    difference = (bf16.log_softmax(-1)[:, :-1].gather(-1, labels) - fp32.log_softmax(-1)[:, :-1].gather(-1, labels))
+    difference = difference.squeeze(-1)[mask[:, 1:].bool()].abs()
+    assert difference.max() <= 0.05 and difference.mean() <= 0.01
+
+
+def test_generation_dtype_auto_follows_the_device():
+    assert resolve_generation_dtype("float32", torch.device("cpu")) == torch.float32
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert resolve_generation_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    with pytest.raises(ValueError, match="generation_dtype"):
+        resolve_generation_dtype("float16", torch.device("cpu"))
+
+
+def make_trainer(tmp_path, tiny_model_dir, tokenizer, trainer_class=FedGRPOTrainer, **overrides):
+    values = dict(FAST_GRPO, output_dir=str(tmp_path), max_steps=2, seed=3, disable_tqdm=True)
+    values.update(overrides)
+    lora = LoraConfig(**{**LORA.to_dict(), "lora_dropout": values.pop("lora_dropout", 0.0)})
+    return trainer_class(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward,
+        args=FedGRPOConfig(**values), train_dataset=PROMPTS, processing_class=tokenizer, peft_config=lora,
+    )  # fmt: skip
+
+
+def recorded_completions(trainer) -> list:
+    completions = []
+    generate = trainer._generate_single_turn
+
+    def recording(*args, **kwargs):
+        completion_ids, logprobs = generate(*args, **kwargs)
+        completions.append(completion_ids)
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = recording
+    trainer.train()
+    return completions
+
+
+def test_trainer_samples_trls_completions_in_float32(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """Two sampled GRPO steps: the same completions (so the same rewards and updates) as TRL's generation."""
+    runs = {}
+    for fast in (False, True):
+        trainer = make_trainer(
+            tmp_path / str(fast), tiny_model_dir, tiny_tokenizer, fast_generation=fast, generation_dtype="float32",
+            top_k=20, top_p=0.95,
+        )  # fmt: skip
+        runs[fast] = recorded_completions(trainer), trainer
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
+    stats = runs[True][1].fast_generation_stats
+    assert (stats.rows, stats.prompt_rows) == (2 * 4, 2 * 1) and not stats.fallbacks  # 1 prompt x 4 per step
+    assert runs[False][1].fast_generation_stats.rows == 0
+
+
+def test_unsupported_generation_falls_back_counted_and_logged_once(tmp_path, tiny_model_dir, tiny_tokenizer, caplog):
+    trainer = make_trainer(tmp_path, tiny_model_dir, tiny_tokenizer, fast_generation=True, lora_dropout=0.1)
+    with caplog.at_level(logging.WARNING, logger="trl_federated.shared_prefix"):
+        trainer.train()
+    assert trainer.fast_generation_stats.fallbacks == {"active dropout (the merged copy generates without it)": 2}
+    assert trainer.fast_generation_stats.rows == 0
+    assert [record.message.count("active dropout") for record in caplog.records] == [1]
+
+
+def test_unsupported_models_are_named(tiny_model_dir):
+    model = adapted(tiny_model_dir)
+    assert unsupported_reason(model) is None
+    assert unsupported_reason(adapted(tiny_model_dir, use_dora=True)).startswith("a LoRA variant")
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    assert unsupported_reason(model) == "model without a full-attention key/value cache"
+
+
+def test_an_override_of_generation_is_refused(tmp_path, tiny_model_dir, tiny_tokenizer):
+    class CustomGeneration(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            return super()._generate_single_turn(*args, **kwargs)
+
+    class Fast(FastGRPOMixin, CustomGeneration):
+        pass
+
+    with pytest.raises(ValueError, match="fast_generation=False"):
+        make_trainer(tmp_path, tiny_model_dir, tiny_tokenizer, trainer_class=Fast, fast_generation=True)
+
+
+def test_fast_evaluation_scores_as_the_standard_one(tiny_model_dir, tiny_tokenizer):
+    model = adapted(tiny_model_dir)
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(6)],
+        "answer": [str(2 * i) for i in range(6)], "difficulty": ["simple", "hard"] * 3,
+    })  # fmt: skip
+    results = [
+        evaluate_accuracy(
+            model, tiny_tokenizer, dataset, batch_size=4, max_new_tokens=8, reward_funcs=length_reward,
+            fast_generation=fast, generation_dtype="float32",
+        )  # fmt: skip
+        for fast in (False, True)
+    ]
+    assert results[0]["accuracy"] == results[1]["accuracy"] and results[0]["accuracy"]["Total"] > 0
