@@ -92,7 +92,9 @@ def test_round_diagnostics_in_metrics_and_report_to(tmp_path, tiny_model_dir, ti
 
     # the fraction of each client's GRPO groups whose K rewards were all equal, from TRL's frac_reward_zero_std
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    zero_std = {line["client_id"]: line["metrics"]["frac_reward_zero_std"] for line in lines if line["event"] == "client"}
+    zero_std = {
+        line["client_id"]: line["metrics"]["frac_reward_zero_std"] for line in lines if line["event"] == "client"
+    }
     assert zero_std["Flat"] == 1.0 and zero_std["Learner"] < 1.0
     (round_line,) = [line for line in lines if line["event"] == "round"]
     assert round_line["update_cosines"] == {"Learner": pytest.approx(1.0, abs=1e-6), "Flat": None}
