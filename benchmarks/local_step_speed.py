@@ -91,7 +91,7 @@ class Bench:
         from trl import ModelConfig, TrlParser, get_peft_config
 
         from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
-        from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, reward_functions
+        from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, training_rewards
         from trl_federated.client import local_training_args
         from trl_federated.data import partition_clients
         from trl_federated.models import load_model_and_tokenizer
@@ -116,7 +116,7 @@ class Bench:
         client_id, self.client_data = max(enumerate(clients), key=lambda item: len(item[1]))
         self.args = local_training_args(args, 0, client_id, len(clients), f"client_{client_id}")
         self.args.output_dir = output_dir
-        self.reward_funcs = reward_functions(data_args.reward_funcs)
+        self.reward_funcs = training_rewards(data_args)
         self.phases = Phases()
 
     def trainer(self, fast: bool, steps: int):
