@@ -1,5 +1,6 @@
-"""A local step at the machine's limit: the machine's floors, and today's path against fast generation
-(`fast_generation=True`, `generation_dtype` as asked), on the quickstart's rows, in one run.
+"""A local step at the machine's limit: the machine's floors, and today's path against the new one (fast generation:
+`fast_generation=True`, `generation_dtype` as asked; the loss under bf16 autocast where the config's `bf16` resolves
+on, as it does unset on a CPU with native bf16), on the quickstart's rows, in one run.
 
     python benchmarks/local_step_speed.py --config examples/configs/quickstart.yaml [--steps 2] [--repeats 2] \
         [--decode_tokens 32] [--eval_rows 32] [--generation_dtype auto] [--tiny] [any `trl-federated run` flag]
@@ -8,7 +9,7 @@ Floors, measured on this machine at the start: the read bandwidth (sum of a 512 
 throughput (float32 and bfloat16, the best of a prefill's MLP shape and a larger product). A decode step must read
 every weight once: its floor is weight bytes / bandwidth, in each dtype. Prefill and loss are compute-bound: their
 floors are FLOPs / throughput (2 per weight and token forward, 2 more backward for the input gradients; the frozen
-base needs no weight gradients), for the tokens each path computes.
+base needs no weight gradients), for the tokens each path computes, in the dtype it computes them in.
 
 Both paths run alternately, on the same adapter (reset before every run) and seed, in this process:
 - decode and prefill: `_generate_single_turn` on the first generation batch of the largest client (its prompts
@@ -119,13 +120,20 @@ class Bench:
         self.reward_funcs = training_rewards(data_args)
         self.phases = Phases()
 
-    def trainer(self, fast: bool, steps: int):
+    def trainer(self, fast: bool, steps: int, bf16: bool | None = None):
+        """A fresh trainer for today's path (float32 loss and TRL's generation) or the new one (fast generation, the
+        loss under bf16 autocast where the config's resolved `bf16` says so); `bf16` overrides the loss's precision."""
+        from accelerate.state import AcceleratorState
+
         from trl_federated.adapters import set_adapter_state
         from trl_federated.trainer import FedGRPOTrainer
 
         set_adapter_state(self.model, self.adapter)
         args = copy.deepcopy(self.args)
         args.fast_generation = fast
+        args.bf16 = (self.args.bf16 and fast) if bf16 is None else bf16
+        args.mixed_precision = "bf16" if args.bf16 else "no"
+        AcceleratorState._reset_state(reset_partial_state=True)  # the mixed precision is the process's, set per trainer
         args.max_steps = args.local_steps = steps
         trainer = FedGRPOTrainer(
             model=self.model, reward_funcs=self.reward_funcs, args=args, train_dataset=self.client_data,
@@ -227,10 +235,12 @@ def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_
             return flops / (floors[f"matmul_{dtype_name}_gflop_s"] * 1e9)
 
         generation_dtype = str(dtype).removeprefix("torch.")
+        loss_tokens = distinct * (width - 1) + rows * (completion + 1)
+        loss_dtype = "bfloat16" if bench.args.bf16 else "float32"
         results["setting"] = {
             "rows": rows, "distinct_prompts": distinct, "prompt_tokens_padded": width, "completion_tokens": completion,
             "decode_tokens": decode_tokens, "steps": steps, "repeats": repeats, "eval_rows": eval_rows,
-            "threads": torch.get_num_threads(), "generation_dtype": generation_dtype,
+            "threads": torch.get_num_threads(), "generation_dtype": generation_dtype, "bf16_loss": bench.args.bf16,
             "weights_mb_float32": parameters * 4 / 1e6,
         }  # fmt: skip
         results["floor"] = {
@@ -240,7 +250,8 @@ def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_
             "prefill_s_today": compute_floor(rows * width, rows, 1, "float32"),
             "prefill_s_fast": compute_floor(distinct * (width - 1) + rows, rows, 1, generation_dtype),
             # the loss with the quickstart's shared_prefix: each prompt once per step, each completion + 1 token
-            "loss_s": compute_floor(distinct * (width - 1) + rows * (completion + 1), rows * completion, 2, "float32"),
+            "loss_s_today": compute_floor(loss_tokens, rows * completion, 2, "float32"),
+            "loss_s_fast": compute_floor(loss_tokens, rows * completion, 2, loss_dtype),
         }
         results["today"] = {name: statistics.median(values) for name, values in runs[False].items()}
         results["fast"] = {name: statistics.median(values) for name, values in runs[True].items()}
@@ -253,7 +264,8 @@ def report(results: dict) -> str:
     lines = [
         f"rows {setting['rows']} ({setting['distinct_prompts']} prompts, padded to {setting['prompt_tokens_padded']} "
         f"tokens), completions up to {setting['completion_tokens']} tokens; {setting['threads']} threads; fast "
-        f"generation in {setting['generation_dtype']}; medians of {setting['repeats']} alternated runs",
+        f"generation in {setting['generation_dtype']}, loss in {'bf16 autocast' if setting['bf16_loss'] else 'float32'}"
+        f"; medians of {setting['repeats']} alternated runs",
         f"machine: read {floors['read_gb_s']:.1f} GB/s, matmul float32 {floors['matmul_float32_gflop_s']:.0f} "
         f"GFLOP/s, bfloat16 {floors['matmul_bfloat16_gflop_s']:.0f} GFLOP/s; weights "
         f"{setting['weights_mb_float32']:.0f} MB in float32",
@@ -281,7 +293,10 @@ def report(results: dict) -> str:
         f"{floor['prefill_s_today']:.2f} s / {floor['prefill_s_fast']:.2f} s", floor["prefill_s_fast"],
     )  # fmt: skip
     row("local step: generation + scoring", today["generation_s"], fast["generation_s"])
-    row("local step: loss forward + backward", today["loss_s"], fast["loss_s"], f"{floor['loss_s']:.2f} s")
+    row(
+        "local step: loss forward + backward", today["loss_s"], fast["loss_s"],
+        f"{floor['loss_s_today']:.2f} s / {floor['loss_s_fast']:.2f} s", floor["loss_s_fast"],
+    )  # fmt: skip
     row("local step: rest (optimizer, logging)", today["rest_s"], fast["rest_s"])
     row("whole local step", today["step_s"], fast["step_s"])
     if "evaluation_s" in today:

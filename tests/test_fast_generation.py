@@ -5,6 +5,7 @@ What is exact and what has a tolerance:
 - float32 shared prefill: greedy completions are token for token those of `generate` on the adapted model, and
   sampled completions (temperature, top-k, top-p, min-p, repetition penalty) too under the same seed (a draw within
   rounding of a sampling boundary could differ: the seeds here have none);
+- packed projections (CPU): bfloat16 products bit for bit `torch.nn.functional.linear`'s, float32 within 1e-5;
 - bfloat16 copy: teacher-forced per-token log-probabilities within 0.05 of float32's (mean within 0.01).
 """
 
@@ -23,6 +24,7 @@ from trl_federated.evaluation import evaluate_accuracy
 from trl_federated.fast_generation import (
     FastGenerationStats,
     MergedGenerationModel,
+    PackedLinear,
     resolve_generation_dtype,
     shared_prefill_generate,
     unsupported_reason,
@@ -107,6 +109,37 @@ def test_bfloat16_log_probabilities_within_tolerance(tiny_model_dir, tiny_tokeni
     difference = (bf16.log_softmax(-1)[:, :-1].gather(-1, labels) - fp32.log_softmax(-1)[:, :-1].gather(-1, labels))
     difference = difference.squeeze(-1)[mask[:, 1:].bool()].abs()
     assert difference.max() <= 0.05 and difference.mean() <= 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_projections_compute_the_dense_products(tiny_model_dir, dtype):
+    model = adapted(tiny_model_dir)
+    merged = MergedGenerationModel(model, dtype)
+    copy = merged.refresh()
+    packed = {name: module for name, module in copy.named_modules() if isinstance(module, PackedLinear)}
+    base = model.get_base_model()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    linears = {name for name, module in plain.named_modules() if type(module) is torch.nn.Linear}
+    assert set(packed) == linears and "lm_head" in linears  # every projection, LoRA-adapted or not, the tied head
+    hidden = torch.randn(3, 5, 2 * copy.config.hidden_size, dtype=dtype)[:, :, ::2]  # not contiguous, as a slice
+    for name, linear in packed.items():
+        if linear.in_features != copy.config.hidden_size or name == "lm_head":
+            continue
+        source = base.get_submodule(name)
+        weight = source.get_base_layer().weight + source.get_delta_weight("default")
+        dense = torch.nn.functional.linear(hidden, weight.detach().to(dtype), linear.bias)
+        output = linear(hidden)
+        if dtype == torch.bfloat16:
+            assert torch.equal(output, dense), name
+        else:
+            assert (output - dense).abs().max() <= 1e-5 * dense.abs().max(), name
+    with torch.no_grad():  # the tied head follows the embedding it shares
+        base.get_input_embeddings().weight.mul_(2)
+    ids = torch.tensor([[1, 2, 3]])
+    logits = merged.refresh()(input_ids=ids).logits
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    assert (logits.float() - expected).abs().max() <= (1e-5 if dtype == torch.float32 else 0.1) * expected.abs().max()
 
 
 def test_generation_dtype_auto_follows_the_device():
