@@ -31,9 +31,11 @@ import itertools
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -257,9 +259,40 @@ def run_cells(
     its children's, `os.wait4`) and wall seconds to the cell's cost.json; an attempt that is killed records nothing,
     so an interrupted cell's cost is a lower bound. `on_finish(cell, ran)` follows every finished cell, skipped ones
     included (`ran` False). A failing cell stops the launch of further cells; those running are waited for. Returns
-    the failures, (cell, exit status)."""
+    the failures, (cell, exit status). Stopped (SIGTERM, or Ctrl-C), it stops the running cells with SIGTERM, waits
+    for them (each resumes from its last round checkpoint on the next run) and exits (status 143 for SIGTERM)."""
     environment = cell_environment(parallel)
     pending, running, failures = list(cells), {}, []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
+    try:
+        _run_cells(pending, running, failures, root, command, parallel, on_finish, environment)
+    except (_Stopped, KeyboardInterrupt) as stop:
+        for cell, process, _ in running.values():
+            print(f"[verdict] stopping {cell.method} {cell.setting} seed {cell.seed}", flush=True)
+            process.terminate()
+        for _, process, _ in running.values():
+            process.wait()
+        if isinstance(stop, _Stopped):
+            raise SystemExit(128 + stop.signum) from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return failures
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise _Stopped(signum)
+
+
+def _run_cells(pending, running, failures, root, command, parallel, on_finish, environment) -> None:
     while pending or running:
         while pending and len(running) < max(1, parallel) and not failures:
             cell = pending.pop(0)
@@ -286,7 +319,6 @@ def run_cells(
         record_cost(cell.directory(root), usage.ru_utime + usage.ru_stime, time.perf_counter() - started)
         if on_finish is not None:
             on_finish(cell, True)
-    return failures
 
 
 def run_timed_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> None:

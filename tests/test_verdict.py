@@ -273,6 +273,37 @@ def test_a_failing_cell_stops_the_launch_of_others(tmp_path):
     assert not cells[2].directory(grid).exists()
 
 
+def test_a_stopped_harness_stops_its_cells(tmp_path):
+    """SIGTERM to the harness alone (as `kill PID` of a grid in the background): its running cells get SIGTERM and
+    are reaped, no further cell starts, and it exits 143."""
+    spec = _fake_spec(tmp_path / "fake", base={}, default_final={}, together=3, wait_for=120)  # never 3: they wait
+    grid = tmp_path / "grid"
+    driver = (
+        "import importlib.util, sys\n"
+        "from pathlib import Path\n"
+        "from trl_federated.compare import Cell\n"
+        f"spec = importlib.util.spec_from_file_location('verdict', {str(ROOT / 'benchmarks' / 'verdict.py')!r})\n"
+        "verdict = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(verdict)\n"
+        f"root = Path({str(grid)!r})\n"
+        "cells = [Cell('fgrpo', seed, 3, '0.05') for seed in range(3)]\n"
+        f"command = lambda cell: [sys.executable, {str(FAKE_CELL)!r}, str(cell.directory(root)), {str(spec)!r}]\n"
+        "verdict.run_cells(cells, root, command, parallel=2)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "fake").glob("running-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cell_pids = [int(path.name.removeprefix("running-")) for path in (tmp_path / "fake").glob("running-*")]
+    assert len(cell_pids) == 2
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    for pid in cell_pids:  # stopped and reaped by the harness
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not list(grid.rglob("result.json")) and not (grid / "N3-mu0.05" / "fgrpo" / "seed2").exists()
+
+
 def test_one_cell_at_a_time_inherits_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     assert verdict.cell_environment(1) is None
