@@ -24,10 +24,11 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     # ruff is the linter tests/test_lint.py runs; nbmake runs examples/notebooks; hypothesis drives the answer checker's
-    # property tests; tensorboard reads back what a federated run reports through `report_to`
+    # property tests; tensorboard reads back what a federated run reports through `report_to`; scipy is the statistics
+    # (t and binomial distributions) of benchmarks/verdict.py and benchmarks/gate.py, and of their tests
     "test": [
         "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.15", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6",
-        "tensorboard>=2.16",
+        "tensorboard>=2.16", "scipy>=1.11",
     ],
     "deepspeed": ["deepspeed>=0.18.6"],
     # TRL's own vLLM extra (vllm>=0.22,<=0.31, requests, aiohttp), for `use_vllm` with `vllm_mode: server`: the GPU

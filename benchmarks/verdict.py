@@ -1,20 +1,26 @@
 """Does FGRPO beat the baselines? Gains over the base model with 95% intervals over seeds, and paired differences.
 
-Every (method, seed) cell is one `trl-federated run` of the same base config (`examples/configs/verdict.yaml`:
-the embedded SmolLM2-135M, the reasoning-gym benchmark, Dirichlet μ over difficulty), so all methods see the same
-benchmark, the same partition for a given seed (the partition follows `seed`) and the same local budget
-(rounds × local steps × batch). Cells run one after another through `trl_federated.compare.run_cell`: a cell
-whose `result.json` exists is skipped, an interrupted one resumes from its last round checkpoint, so rerunning
-the same command resumes an interrupted grid. After every cell the report is rewritten from the cells finished
-so far, marked PARTIAL until the grid is complete.
+Every (method, seed) cell is one `trl-federated run` of the same base config (`examples/configs/grid.yaml`: the
+embedded SmolLM2-135M, the reasoning-gym benchmark, Dirichlet μ over difficulty; the old grid's was
+`examples/configs/verdict.yaml`), so all methods see the same benchmark, the same partition for a given seed (the
+partition follows `seed`) and the same local budget (rounds × local steps × batch). Cells run through
+`trl_federated.compare.cell_command`: a cell whose `result.json` exists is skipped, an interrupted one resumes from
+its last round checkpoint, so rerunning the same command resumes an interrupted grid. `--parallel 2` runs two cells
+at a time, each a process limited to its share of the cores (`OMP_NUM_THREADS` and the like); after every cell the
+report is rewritten from the cells finished so far, marked PARTIAL until the grid is complete, and with `--commit`
+the cell's small files (`CELL_FILES`: result, metrics, reports, per-client curves, cost; never adapters or
+checkpoints) and the report are committed. The folder's `budget.json` records the config and flags its cells ran
+with: a rerun with another budget is refused (its finished cells would be skipped, not rerun).
 
 Per method: the gain of the final global adapter over the base model (round -1's evaluation, the same LoRA-free
-model for every cell) in total and hard-tier accuracy, mean and 95% t-interval over seeds; the paired difference
-FGRPO − method (same seed, hence same partition) with its t-interval; reward curves (mean client R̄ per round);
-the wall and CPU time per cell.
+model for every cell) in total and hard-tier accuracy, mean and 95% t-interval over seeds (scipy's t
+distribution); the paired difference FGRPO − method (same seed, hence same partition) with its t-interval, the
+half-width that interval has at the observed spread (the smallest difference the grid resolves) and the minimum
+difference detected with 80% power; reward curves (mean client R̄ per round); the wall and CPU time per cell.
 
-    python benchmarks/verdict.py [--output_dir benchmarks/results/verdict] [--seeds 0 1 2] [--num_clients 3 5]
-        [--report_only] [--key value ...]   # unknown flags go to every cell, e.g. --num_rounds 4
+    python benchmarks/verdict.py [--config examples/configs/grid.yaml] [--output_dir benchmarks/results/grid]
+        [--seeds 0 1 2] [--extra_seeds fgrpo,fedavg:3,4,5] [--num_clients 3] [--dirichlet_alpha 0.05]
+        [--parallel 2] [--commit] [--report_only] [--key value ...]   # unknown flags go to every cell
 """
 
 from __future__ import annotations
@@ -24,63 +30,79 @@ import csv
 import itertools
 import json
 import math
-import resource
+import os
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from trl_federated.compare import Cell, load_result, markdown, run_cell
+import yaml
+from scipy import optimize, stats
+
+from trl_federated.compare import Cell, cell_command, load_result, markdown
 from trl_federated.methods import METHODS
 
+DEFAULT_CONFIG = "examples/configs/grid.yaml"
+DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
 DEFAULT_METHODS = [name for name, method in METHODS.items() if method.algorithm == "grpo"]  # FGRPO and its baselines
 REFERENCE = "fgrpo"
 METRICS = {"total": "Total", "hard": "hard"}  # reported name -> accuracy key of an evaluation
 COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end
+BUDGET_FILE = "budget.json"  # per grid folder: the config and flags its cells ran with
+# A finished cell's files that are committed (`--commit`): small, and enough to recheck every figure of the report
+# and each client's curves. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
+CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png")
+REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE)
+MAX_COMMITTED_BYTES = 5 * 2**20  # a cell file larger than this is not committed (and said so)
+# What limits a cell process to its share of the cores under `--parallel`: torch's intra-op threads follow OMP.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 # Statistics ------------------------------------------------------------------------------------------------
 
 
-def t_cdf(x: float, df: int) -> float:
-    """Student's t cumulative distribution, by Simpson's rule on the density (scipy is not a dependency)."""
-    if x < 0:
-        return 1.0 - t_cdf(-x, df)
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def density(t: float) -> float:
-        return math.exp(log_norm - (df + 1) / 2 * math.log1p(t * t / df))
-
-    steps = 4000
-    width = x / steps
-    total = density(0.0) + density(x)
-    total += sum((4 if i % 2 else 2) * density(i * width) for i in range(1, steps))
-    return 0.5 + total * width / 3
-
-
 def t_quantile(probability: float, df: int) -> float:
-    """The `probability` quantile of Student's t with `df` degrees of freedom (0.975, 2 -> 4.303), by bisection."""
+    """The `probability` quantile of Student's t with `df` degrees of freedom (0.975, 2 -> 4.303)."""
     if df < 1:
         raise ValueError(f"t_quantile needs df >= 1, got {df}.")
-    if not 0.5 <= probability < 1:
-        raise ValueError(f"t_quantile takes a probability in [0.5, 1), got {probability}.")
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < probability:
-        high *= 2
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if t_cdf(middle, df) < probability else (low, middle)
-    return (low + high) / 2
+    return float(stats.t.ppf(probability, df))
 
 
 def t_interval(values: list[float], confidence: float = 0.95) -> dict[str, float]:
-    """Mean and two-sided t-interval of `values` (one seed: no interval, `low`/`high` are NaN)."""
+    """Mean and two-sided t-interval of `values`, with their standard deviation and the interval's half-width
+    (one value: no interval, `low`, `high`, `sd` and `half_width` are NaN)."""
     mean = statistics.fmean(values)
     if len(values) < 2:
-        return {"mean": mean, "low": math.nan, "high": math.nan, "n": len(values)}
-    half = t_quantile(0.5 + confidence / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values)}
+        return {"mean": mean, "low": math.nan, "high": math.nan, "n": len(values), "sd": math.nan,
+                "half_width": math.nan}
+    sd = statistics.stdev(values)
+    half = t_quantile(0.5 + confidence / 2, len(values) - 1) * sd / math.sqrt(len(values))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values), "sd": sd, "half_width": half}
+
+
+def minimum_detectable(sd: float, n: int, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The smallest true mean difference that a two-sided one-sample t-test of `n` paired differences with standard
+    deviation `sd` detects at level 1 − `confidence` with probability `power` (exact, by the noncentral t); NaN
+    without a spread (fewer than 2 values, or `sd` 0)."""
+    if n < 2 or not sd > 0:
+        return math.nan
+    df, critical = n - 1, t_quantile(0.5 + confidence / 2, n - 1)
+
+    def shortfall(delta: float) -> float:
+        shift = delta * math.sqrt(n) / sd
+        # The wrong-sign tail is negligible where scipy's noncentral t returns NaN for it (large shifts).
+        wrong_sign = float(stats.nct.cdf(-critical, df, shift))
+        return float(stats.nct.sf(critical, df, shift)) + (0.0 if math.isnan(wrong_sign) else wrong_sign) - power
+
+    high = sd
+    while shortfall(high) < 0:
+        high *= 2
+    return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-10))
 
 
 def reading(interval: dict[str, float]) -> str:
@@ -101,6 +123,40 @@ def reading(interval: dict[str, float]) -> str:
 # Cells -----------------------------------------------------------------------------------------------------
 
 
+def parse_extra_seeds(specs: Iterable[str], methods: list[str]) -> dict[str, list[int]]:
+    """`["fgrpo,fedavg:3,4,5"]` -> `{"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}`: seeds that only some methods run,
+    on top of `--seeds`; every named method must be among `methods`."""
+    extra: dict[str, list[int]] = {}
+    for spec in specs:
+        names, colon, seeds = spec.partition(":")
+        try:
+            values = [int(seed) for seed in seeds.split(",") if seed.strip()]
+        except ValueError:
+            values = []
+        if not colon or not values or not names.strip():
+            raise ValueError(f"--extra_seeds takes METHOD[,METHOD...]:SEED[,SEED...] (e.g. fgrpo,fedavg:3,4,5), "
+                             f"got {spec!r}.")
+        for name in (name.strip() for name in names.split(",")):
+            if name not in methods:
+                raise ValueError(f"--extra_seeds names {name!r}, which is not among --methods ({', '.join(methods)}).")
+            extra[name] = [*extra.get(name, []), *(seed for seed in values if seed not in extra.get(name, []))]
+    return extra
+
+
+def grid_cells(methods: list[str], seeds: list[int], extra_seeds: dict[str, list[int]], num_clients: list[int],
+               alphas: list[str]) -> list[Cell]:
+    """Every (setting, seed, method) cell, methods innermost: after each seed every method that runs it has its
+    cell, so a partial grid is already a paired comparison, and the seeds only some methods run come last."""
+    method_seeds = {method: list(dict.fromkeys([*seeds, *extra_seeds.get(method, [])])) for method in methods}
+    all_seeds = list(dict.fromkeys(seed for method in methods for seed in method_seeds[method]))
+    return [
+        Cell(method, seed, clients, alpha)
+        for clients, alpha, seed in itertools.product(num_clients, alphas, all_seeds)
+        for method in methods
+        if seed in method_seeds[method]
+    ]
+
+
 def cell_metrics(result: dict) -> dict[str, float]:
     """Accuracy gains of a finished cell over the base model (round -1), in points."""
     evaluations = result["evaluations"]
@@ -113,11 +169,21 @@ def cell_metrics(result: dict) -> dict[str, float]:
     return metrics
 
 
-def with_shared_base(results: dict[Any, dict]) -> dict[Any, dict]:
+def base_evaluation(root: Path) -> dict | None:
+    """The base model's evaluation (round -1) of any finished cell in the grid folder `root` (the gate's cells
+    included), or None: every cell of a folder runs one budget (`check_budget`), so one model and one test split."""
+    for path in sorted(root.glob("*/*/seed*/result.json")):
+        evaluation = load_result(path.parent)["evaluations"].get("-1")
+        if evaluation is not None:
+            return evaluation
+    return None
+
+
+def with_shared_base(results: dict[Any, dict], base: dict | None = None) -> dict[Any, dict]:
     """The finished cells (keyed by `Cell`, or by anything that names a cell), each with the base model's evaluation
-    (round -1): the grid evaluates it in its first cell only (the same model and test split in every cell), so a cell
-    without one takes that cell's. Cells are left out until a base evaluation exists."""
-    base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), None)
+    (round -1): the grid evaluates it in one cell only (the same model and test split in every cell), so a cell
+    without one takes that cell's, else `base`. Cells are left out until a base evaluation exists."""
+    base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), base)
     if base is None:
         return {}
     for result in results.values():
@@ -130,29 +196,187 @@ def reward_curve(result: dict) -> list[float]:
     return [statistics.fmean(record["rewards"].values()) for record in result["rounds"]]
 
 
-def run_timed_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> None:
-    """`compare.run_cell`, recording the CPU and wall seconds of the attempt in the cell's cost.json; an attempt
-    that is killed records nothing, so an interrupted cell's cost is a lower bound."""
-    directory = cell.directory(root)
-    if (directory / "result.json").exists():
-        run_cell(cell, config, root, extra)  # prints that it is skipped
+class BudgetError(ValueError):
+    """A grid folder holds cells of another budget (`check_budget`)."""
+
+
+def check_budget(root: Path, config: str, extra: list[str]) -> None:
+    """Record in `root/budget.json` the config (its values) and the flags the cells of `root` run with, or refuse
+    with a `BudgetError`, naming the differences, when the folder already holds cells of another budget: their finished
+    cells would be skipped, not rerun, and mixed into the report."""
+    with open(config, encoding="utf-8") as stream:
+        budget = json.loads(json.dumps({"config": yaml.safe_load(stream) or {}, "flags": list(extra)}))
+    path = root / BUDGET_FILE
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(budget, indent=1) + "\n", encoding="utf-8")
         return
-    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    run_cell(cell, config, root, extra)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    attempt = {
-        "cpu_seconds": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-        "wall_seconds": time.perf_counter() - started,
-    }
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved == budget:
+        return
+    keys = sorted(key for key in saved["config"].keys() | budget["config"].keys()
+                  if saved["config"].get(key) != budget["config"].get(key))
+    changes = [f"{key}: {saved['config'].get(key)!r} -> {budget['config'].get(key)!r}" for key in keys]
+    if saved["flags"] != budget["flags"]:
+        changes.append(f"flags: {saved['flags']} -> {budget['flags']}")
+    raise BudgetError(
+        f"{root} holds cells of another budget ({'; '.join(changes)}; recorded in {path}): give this budget its own "
+        "--output_dir, or delete that file if the change cannot alter any result."
+    )
+
+
+def cell_environment(parallel: int) -> dict[str, str] | None:
+    """The environment of a cell process when `parallel` cells share the machine: each gets its share of the cores
+    (`THREAD_VARIABLES`); None (inherit) for one cell at a time."""
+    if parallel <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(max(1, cores // parallel)))}
+
+
+def record_cost(directory: Path, cpu_seconds: float, wall_seconds: float) -> None:
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-    path.write_text(json.dumps([*attempts, attempt], indent=1), encoding="utf-8")
+    attempts.append({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds})
+    path.write_text(json.dumps(attempts, indent=1), encoding="utf-8")
 
 
 def cell_cost(directory: Path) -> dict[str, float]:
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
     return {key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")}
+
+
+def run_cells(
+    cells: list[Cell],
+    root: Path,
+    command: Callable[[Cell], list[str] | None],
+    parallel: int = 1,
+    on_finish: Callable[[Cell, bool], None] | None = None,
+) -> list[tuple[Cell, int]]:
+    """Run `command(cell)` for every cell, at most `parallel` processes at a time (`cell_environment`), in order; a
+    None command is a finished cell, skipped. Each attempt that exits 0 appends its CPU seconds (the process's and
+    its children's, `os.wait4`) and wall seconds to the cell's cost.json; an attempt that is killed records nothing,
+    so an interrupted cell's cost is a lower bound. `on_finish(cell, ran)` follows every finished cell, skipped ones
+    included (`ran` False). A failing cell stops the launch of further cells; those running are waited for. Returns
+    the failures, (cell, exit status). Stopped (SIGTERM, or Ctrl-C), it stops the running cells with SIGTERM, waits
+    for them (each resumes from its last round checkpoint on the next run) and exits (status 143 for SIGTERM)."""
+    environment = cell_environment(parallel)
+    pending, running, failures = list(cells), {}, []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
+    try:
+        _run_cells(pending, running, failures, root, command, parallel, on_finish, environment)
+    except (_Stopped, KeyboardInterrupt) as stop:
+        for cell, process, _ in running.values():
+            print(f"[verdict] stopping {cell.method} {cell.setting} seed {cell.seed}", flush=True)
+            process.terminate()
+        for _, process, _ in running.values():
+            process.wait()
+        if isinstance(stop, _Stopped):
+            raise SystemExit(128 + stop.signum) from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return failures
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise _Stopped(signum)
+
+
+def _run_cells(pending, running, failures, root, command, parallel, on_finish, environment) -> None:
+    while pending or running:
+        while pending and len(running) < max(1, parallel) and not failures:
+            cell = pending.pop(0)
+            argv = command(cell)
+            if argv is None:
+                if on_finish is not None:
+                    on_finish(cell, False)
+                continue
+            cell.directory(root).mkdir(parents=True, exist_ok=True)
+            process = subprocess.Popen(argv, env=environment)
+            running[process.pid] = (cell, process, time.perf_counter())
+        if not running:
+            break
+        pid, status, usage = os.wait4(-1, 0)
+        if pid not in running:  # not a cell of this grid
+            continue
+        cell, process, started = running.pop(pid)
+        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen.wait
+        if process.returncode != 0:
+            print(f"[verdict] {cell.method} {cell.setting} seed {cell.seed}: failed with exit status "
+                  f"{process.returncode}; no further cell is started", flush=True)
+            failures.append((cell, process.returncode))
+            continue
+        record_cost(cell.directory(root), usage.ru_utime + usage.ru_stime, time.perf_counter() - started)
+        if on_finish is not None:
+            on_finish(cell, True)
+
+
+def run_timed_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> None:
+    """One cell (`run_cells`), its cost recorded in its cost.json; raises if it fails."""
+    failures = run_cells([cell], root, lambda cell: cell_command(cell, config, root, extra))
+    if failures:
+        raise subprocess.CalledProcessError(failures[0][1], f"trl-federated run of {cell}")
+
+
+# Commits ---------------------------------------------------------------------------------------------------
+
+
+def committed_files(directory: Path) -> list[Path]:
+    """A finished cell's files that `--commit` commits: `CELL_FILES` that exist and are at most
+    `MAX_COMMITTED_BYTES`; never its adapters, round adapters or checkpoints."""
+    files = []
+    for name in CELL_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if path.stat().st_size > MAX_COMMITTED_BYTES:
+            print(f"[verdict] {path} is {path.stat().st_size / 2**20:.1f} MiB: not committed", flush=True)
+            continue
+        files.append(path)
+    return files
+
+
+def report_files(root: Path) -> list[Path]:
+    """The grid folder's report (`REPORT_FILES`, the gate's report and the curves) that exists."""
+    names = [*REPORT_FILES, "gate.md", "gate.json"]
+    return [root / name for name in names if (root / name).is_file()] + sorted(root.glob("curves-*.png"))
+
+
+def commit(paths: list[Path], message: str) -> bool:
+    """`git add` and `git commit` exactly `paths` (nothing else staged goes in) in the repository holding them; False
+    when there is nothing new to commit or git fails (said on stdout: the grid goes on, and the next run of the
+    same command commits what this one could not)."""
+    if not paths:
+        return False
+    cwd = paths[0].parent
+    names = [str(path.resolve()) for path in paths]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+    for args in (("add", "--force", "--", *names), ("diff", "--cached", "--name-only", "--", *names)):
+        result = git(*args)
+        if result.returncode != 0:
+            print(f"[verdict] not committed: git {args[0]} failed ({result.stderr.strip()})", flush=True)
+            return False
+    if not result.stdout.strip():  # every file is committed as it is
+        return False
+    result = git("commit", "--quiet", "--only", "-m", message, "--", *names)
+    if result.returncode != 0:
+        print(f"[verdict] not committed: git commit failed ({(result.stderr or result.stdout).strip()})", flush=True)
+        return False
+    print(f"[verdict] committed: {message}", flush=True)
+    return True
 
 
 # Report ----------------------------------------------------------------------------------------------------
@@ -164,8 +388,13 @@ def _points(interval: dict[str, float]) -> str:
     return f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]"
 
 
+def _optional(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.2f}"
+
+
 def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]]) -> dict:
-    """Per (setting, method): gain intervals, base and final accuracy, cost; per baseline: paired intervals."""
+    """Per (setting, method): gain intervals, base and final accuracy, cost; per baseline: paired intervals, the
+    smallest difference they resolve (their half-width) and the minimum difference detected with 80% power."""
     settings = sorted({cell.setting for cell in results})
     methods = [method for method in METHODS if any(cell.method == method for cell in results)]
     summary = {"methods": [], "paired": []}
@@ -197,8 +426,16 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]]) ->
             ]
             paired[name] = t_interval(differences)
             paired[f"{name}_reading"] = reading(paired[name])
+            paired[f"{name}_detectable_80"] = minimum_detectable(paired[name]["sd"], len(differences))
         summary["paired"].append(paired)
     return summary
+
+
+def test_items(results: dict[Cell, dict]) -> int | None:
+    """The number of test items every evaluation scored (their base evaluation's count)."""
+    counts = {result["evaluations"]["-1"].get("count", {}).get("Total") for result in results.values()}
+    counts.discard(None)
+    return counts.pop() if len(counts) == 1 else None
 
 
 def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]], expected: int, root: Path,
@@ -216,12 +453,16 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         for row in summary["methods"]
     ]
     paired_header = ["Setting", "Baseline", "Seeds", "FGRPO − baseline, total [95% CI]", "Reading (total)",
-                     "FGRPO − baseline, hard [95% CI]", "Reading (hard)"]
+                     "Resolved beyond ±, total", "Detectable (80% power), total", "FGRPO − baseline, hard [95% CI]",
+                     "Reading (hard)", "Resolved beyond ±, hard"]
     paired_rows = [
         [row["setting"], row["baseline"], str(len(row["seeds"])), _points(row["total"]), row["total_reading"],
-         _points(row["hard"]), row["hard_reading"]]
+         _optional(row["total"]["half_width"]), _optional(row["total_detectable_80"]), _points(row["hard"]),
+         row["hard_reading"], _optional(row["hard"]["half_width"])]
         for row in summary["paired"]
     ]
+    items = test_items(results)
+    item_points = f"one test item is {100 / items:.2f} points of total accuracy ({items} items)" if items else ""
     cpu_total = sum(cost["cpu_seconds"] for cost in costs.values())
     wall_total = sum(cost["wall_seconds"] for cost in costs.values())
     report = (
@@ -231,6 +472,10 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "seeds. Paired: FGRPO's gain minus the baseline's, seed by seed (same seed = same partition).\n\n"
         f"## Gains over the base model\n\n{markdown(header, rows)}\n\n"
         f"## Paired differences against FGRPO\n\n{markdown(paired_header, paired_rows)}\n\n"
+        "What the grid resolves: a paired difference is told from 0 only beyond the half-width of its 95% interval "
+        "(\"Resolved beyond ±\": t(0.975, n − 1) × sd / √n at the spread sd the seeds showed), and a true difference "
+        "is found with 80% probability from \"Detectable\" on (noncentral t, same spread); more seeds shrink both by "
+        f"about √n. Below these, the grid says nothing either way{'; ' + item_points if item_points else ''}.\n\n"
         f"Compute: {cpu_total / 3600:.2f} CPU hours, {wall_total / 3600:.2f} wall hours over {len(results)} cells "
         "(attempts that were killed are not counted).\n"
     )
@@ -240,7 +485,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
             csv.writer(stream).writerows(table)
     (root / "verdict.json").write_text(
         json.dumps({"status": status, "command": command, "cpu_seconds": cpu_total, "wall_seconds": wall_total,
-                    **summary}, indent=1),
+                    "test_items": items, **summary}, indent=1),
         encoding="utf-8",
     )
     plot(summary, root, status)
@@ -283,54 +528,90 @@ def plot(summary: dict, root: Path, status: str) -> None:
 # Command line ----------------------------------------------------------------------------------------------
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, output_dir: str = DEFAULT_OUTPUT_DIR) -> None:
+    """The flags the grid shares with the gate (`benchmarks/gate.py`): which config, where, how many at a time."""
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="Base config of every cell.")
+    parser.add_argument("--output_dir", default=output_dir,
+                        help="Grid folder: one sub-folder per cell, and the report; finished cells are skipped.")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="Cells run at a time, each a process with its share of the cores (OMP_NUM_THREADS etc.).")
+    parser.add_argument("--commit", action="store_true",
+                        help="After each finished cell, git-commit its small files (result, metrics, summary, curves, "
+                        "cost) and the report; never adapters or checkpoints.")
+    parser.add_argument("--report_only", action="store_true", help="Run nothing: report the cells finished so far.")
+
+
+def run_grid(cells: list[Cell], args: argparse.Namespace, extra: list[str], report: Callable[[], str],
+             label: str) -> int:
+    """Run `cells` (`run_cells`) in `args.output_dir` after `check_budget`, rewriting the report after every finished
+    cell and committing with `args.commit`; 1 when a cell failed. The base model is evaluated in one cell only, the
+    first, unless a finished cell of the folder has evaluated it already (`base_evaluation`): every cell starts
+    from the same base model and is tested on the same split."""
+    root = Path(args.output_dir)
+    check_budget(root, args.config, extra)
+    shared_base = base_evaluation(root) is not None
+
+    def command(cell: Cell) -> list[str] | None:
+        evaluate_base = cell == cells[0] and not shared_base
+        return cell_command(cell, args.config, root, [*extra, *([] if evaluate_base else ["--eval_initial", "false"])])
+
+    def on_finish(cell: Cell, ran: bool) -> None:
+        if ran:
+            report()
+        if args.commit:
+            name = f"{cell.method} {cell.setting} seed {cell.seed}"
+            commit([*committed_files(cell.directory(root)), *report_files(root)], f"{label}: {name} finished")
+
+    failures = run_cells(cells, root, command, args.parallel, on_finish)
+    if args.commit:
+        report()
+        commit(report_files(root), f"{label}: report")
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--config", default="examples/configs/verdict.yaml", help="Base config of every cell.")
-    parser.add_argument("--output_dir", default="benchmarks/results/verdict",
-                        help="Grid folder: one sub-folder per cell, and the report; finished cells are skipped.")
+    add_run_arguments(parser)
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="Seeds every method runs.")
+    parser.add_argument("--extra_seeds", nargs="+", default=[], metavar="METHODS:SEEDS",
+                        help="Seeds only some methods run, after the others, e.g. fgrpo,fedavg:3,4,5.")
     parser.add_argument("--num_clients", nargs="+", type=int, default=[3])
     parser.add_argument("--dirichlet_alpha", nargs="+", default=["0.05"])
-    parser.add_argument("--report_only", action="store_true", help="Run nothing: report the cells finished so far.")
     args, extra = parser.parse_known_args(argv)
     if REFERENCE not in args.methods:
         parser.error(f"--methods must include {REFERENCE!r}, the method every baseline is paired with.")
+    if args.parallel < 1:
+        parser.error(f"--parallel must be at least 1, got {args.parallel}.")
+    try:
+        extra_seeds = parse_extra_seeds(args.extra_seeds, args.methods)
+    except ValueError as error:
+        parser.error(str(error))
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    # Methods innermost: after each seed every method has a cell, so a partial grid is already a paired comparison.
-    cells = [
-        Cell(method, seed, num_clients, alpha)
-        for num_clients, alpha, seed, method in itertools.product(
-            args.num_clients, args.dirichlet_alpha, args.seeds, args.methods
-        )
-    ]
+    cells = grid_cells(args.methods, args.seeds, extra_seeds, args.num_clients, args.dirichlet_alpha)
     # The command that runs the grid: a --report_only rerun reports the same cells.
     command = "python benchmarks/verdict.py " + " ".join(arg for arg in argv if arg != "--report_only")
 
-    def finished() -> dict[Cell, dict]:
+    def report() -> str:
         results = {
             cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()
         }
-        return with_shared_base(results)
-
-    def report() -> str:
-        results = finished()
+        results = with_shared_base(results, base_evaluation(root))
         if not results:
             return "No cell has finished yet.\n"
         costs = {cell: cell_cost(cell.directory(root)) for cell in results}
         return write_report(results, costs, len(cells), root, command.strip())
 
+    status = 0
     if not args.report_only:
-        for index, cell in enumerate(cells):
-            # Every cell starts from the same base model and is tested on the same split (`benchmark_seed`), so the
-            # base model is evaluated once, in the first cell, and the others skip that evaluation.
-            shared_base = [] if index == 0 else ["--eval_initial", "false"]
-            run_timed_cell(cell, args.config, root, [*extra, *shared_base])
-            report()
+        try:
+            status = run_grid(cells, args, extra, report, "grid")
+        except BudgetError as error:
+            parser.error(str(error))
     print(report())
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -159,3 +159,39 @@ def test_local_step_speed_benchmark_times_both_paths_against_the_floors(tmp_path
         assert set(results[path]) == names
         # decode_ms is a difference of two timings: on the tiny model, noise can outweigh it
         assert all(results[path][name] > 0 for name in names - {"eval_accuracy", "rest_s", "decode_ms"})
+
+
+def test_tier_calibration_on_a_run_configs_test_split(tmp_path, tiny_model_dir, capsys):
+    """`calibrate_tiers.py --config`: the base model's per-tier and per-(task, tier) rates on a run config's test
+    split, evaluated as the run's round -1, or read from a finished run's base evaluation (the same per-item scores)."""
+    import yaml
+
+    calibrate = load("calibrate_tiers")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": str(tiny_model_dir), "benchmark_size": 48, "max_completion_length": 4,
+        "per_device_eval_batch_size": 4, "use_cpu": True, "bf16": False, "report_to": "none",
+    }))  # fmt: skip
+    output = tmp_path / "calibration.json"
+    assert calibrate.main(["--config", str(config), "--output", str(output), "--max_eval_samples", "6"]) == 0
+    measured = json.loads(output.read_text())
+    assert measured["test_items"] == 6 and measured["by_tier"]["Total"]["count"] == 6
+    assert measured["by_tier"]["Total"]["rate"] == 0.0  # the tiny model answers nothing right
+    # 48 items: one test item per (task, tier); the first 6 (grouped by task, then tier) are chain_sum's and products'
+    assert set(measured["by_group"]) == {f"{task}/{tier}" for task in ("chain_sum", "products")
+                                         for tier in ("simple", "medium", "hard")} | {"Total"}
+
+    capsys.readouterr()
+    scores = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"evaluations": {"-1": {"row_rewards": scores}, "1": {}}}))
+    argv = ["--config", str(config), "--output", str(output), "--max_eval_samples", "6", "--from_result", str(result)]
+    assert calibrate.main(argv) == 0
+    tiers = json.loads(output.read_text())["by_tier"]
+    assert {tier: tiers[tier]["rate"] for tier in tiers} == {"simple": 0.5, "medium": 0.0, "hard": 0.5,
+                                                            "Total": pytest.approx(2 / 6)}
+    assert tiers["Total"]["stderr"] == pytest.approx((2 / 6 * 4 / 6 / 6) ** 0.5)
+    assert "50.0% ± 35.4  (n=2)  (target 50%)" in capsys.readouterr().out.splitlines()[0]
+    result.write_text(json.dumps({"evaluations": {"-1": {"row_rewards": scores[:5]}}}))
+    with pytest.raises(ValueError, match="scored 5 items"):
+        calibrate.main(argv)

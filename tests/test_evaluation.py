@@ -49,7 +49,8 @@ def recording_reward():
 def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
     model, tokenizer = model_and_tokenizer
     results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=6)
-    assert list(results) == ["accuracy", "count", "rewards", "seconds"] and results["seconds"] > 0
+    assert list(results) == ["accuracy", "count", "rewards", "row_rewards", "seconds"] and results["seconds"] > 0
+    assert results["row_rewards"] == [0.0] * len(eval_dataset)
     assert results["rewards"] == {"accuracy_reward": 0.0}
     assert list(results["accuracy"]) == ["simple", "medium", "hard", "other", "Total"]
     assert results["count"] == {"simple": 3, "medium": 2, "hard": 1, "other": 1, "Total": 7}
@@ -89,6 +90,9 @@ def test_batches_group_prompts_of_similar_length(model_and_tokenizer, eval_datas
     )
     simple = [per_row[i]["accuracy"]["Total"] for i, label in enumerate(LABELS) if label == "simple"]
     assert results["accuracy"]["simple"] == pytest.approx(sum(simple) / len(simple))
+    # each row's own reward, in the dataset's order (not the batches'), as evaluating that row alone gives it
+    assert results["row_rewards"] == [result["accuracy"]["Total"] for result in per_row]
+    assert 0 < sum(results["row_rewards"]) < len(eval_dataset)  # rows differ, so a shuffled order would show
 
 
 def test_generation_stops_at_the_stop_string(model_and_tokenizer, eval_dataset):

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scipy import stats
 
 from trl_federated.compare import Cell
 
@@ -25,6 +27,37 @@ spec.loader.exec_module(verdict)
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
 def test_t_quantile_matches_the_published_table(df, expected):
     assert verdict.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0, 3.0], [-3.5, 0.25, 1.0, 7.75, 2.0, 2.0], [0.49, 0.0]])
+def test_t_interval_is_scipys(values):
+    """The interval is scipy's t-interval (the hand-written t distribution is gone), as scipy's one-sample t-test
+    gives it."""
+    assert not hasattr(verdict, "t_cdf")
+    interval = verdict.t_interval(values, confidence=0.95)
+    mean, sem = statistics.fmean(values), stats.sem(values)
+    low, high = stats.t.interval(0.95, len(values) - 1, loc=mean, scale=sem)
+    assert (interval["low"], interval["high"]) == (pytest.approx(low, rel=1e-12), pytest.approx(high, rel=1e-12))
+    test = stats.ttest_1samp(values, 0.0).confidence_interval(0.95)
+    assert (interval["low"], interval["high"]) == (pytest.approx(test.low), pytest.approx(test.high))
+    assert interval["half_width"] == pytest.approx((high - low) / 2) and interval["sd"] == pytest.approx(
+        statistics.stdev(values))
+
+
+def test_the_minimum_detectable_difference_has_the_asked_power():
+    sd, n = 4.0, 6
+    delta = verdict.minimum_detectable(sd, n)
+    critical = stats.t.ppf(0.975, n - 1)
+    shift = delta * math.sqrt(n) / sd
+    power = stats.nct.sf(critical, n - 1, shift) + stats.nct.cdf(-critical, n - 1, shift)
+    assert power == pytest.approx(0.8, abs=1e-6)
+    # beyond the interval's half-width (a difference that size is resolved only half the time), and close to the
+    # textbook approximation (t_0.975 + t_0.8) * sd / sqrt(n)
+    assert delta > critical * sd / math.sqrt(n)
+    approximation = (critical + stats.t.ppf(0.8, n - 1)) * sd / math.sqrt(n)
+    assert delta == pytest.approx(approximation, rel=0.1)
+    assert verdict.minimum_detectable(2 * sd, n) == pytest.approx(2 * delta)  # in proportion to the spread
+    assert math.isnan(verdict.minimum_detectable(0.0, n)) and math.isnan(verdict.minimum_detectable(sd, 1))
 
 
 def test_t_interval_and_its_reading():
@@ -162,3 +195,247 @@ def test_a_killed_grid_resumes_to_the_same_report(tmp_path, tiny_model_dir):
 
     again = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
     assert again.stdout.count("done, skipped") == 4
+
+
+# Seeds, cells run side by side, budgets and commits ---------------------------------------------------------------
+
+FAKE_CELL = ROOT / "tests" / "scripts" / "fake_cell.py"
+
+
+def test_extra_seeds_go_to_the_named_methods_after_the_common_seeds():
+    methods = ["fgrpo", "fgrpo-wo-rpg", "fedavg", "fedprox", "scaffold"]
+    extra = verdict.parse_extra_seeds(["fgrpo,fedavg:3,4,5"], methods)
+    assert extra == {"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}
+    cells = verdict.grid_cells(methods, [0, 1, 2], extra, [3], ["0.05"])
+    assert len(cells) == 3 * 5 + 2 * 3  # 21: 3 seeds for all, 6 for FGRPO and FedAvg
+    assert [(c.method, c.seed) for c in cells[:5]] == [(method, 0) for method in methods]  # methods innermost
+    assert [(c.method, c.seed) for c in cells[15:]] == [(m, s) for s in (3, 4, 5) for m in ("fgrpo", "fedavg")]
+    assert {c.setting for c in cells} == {"N=3,mu=0.05"}
+    # a seed named twice runs once; separate specs add up
+    assert verdict.parse_extra_seeds(["fgrpo:0,3", "fgrpo:3,4"], methods) == {"fgrpo": [0, 3, 4]}
+    assert len(verdict.grid_cells(["fgrpo"], [0, 1], {"fgrpo": [0, 3]}, [3], ["0.05"])) == 3
+    for bad in ("fgrpo", "fgrpo:", "fgrpo:x", ":3", "fedsgd:3"):
+        with pytest.raises(ValueError, match="extra_seeds"):
+            verdict.parse_extra_seeds([bad], methods)
+
+
+def _fake_spec(folder, **spec):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def _log(folder):
+    return [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+
+
+def test_two_cells_run_at_a_time_each_on_its_share_of_the_cores(tmp_path):
+    spec = _fake_spec(tmp_path / "fake", base={}, default_final={}, together=2, wait_for=20, cpu_seconds=0.3)
+    cells = [Cell("fgrpo", seed, 3, "0.05") for seed in range(4)]
+    grid = tmp_path / "grid"
+    done = Cell("fedavg", 0, 3, "0.05")
+    done.directory(grid).mkdir(parents=True)
+    (done.directory(grid) / "result.json").write_text("{}")
+    finished = []
+
+    def command(cell):
+        if (cell.directory(grid) / "result.json").exists():
+            return None
+        return [sys.executable, str(FAKE_CELL), str(cell.directory(grid)), str(spec)]
+
+    failures = verdict.run_cells([done, *cells], grid, command, parallel=2,
+                                 on_finish=lambda cell, ran: finished.append((cell, ran)))
+    assert failures == []
+    assert finished[0] == (done, False) and sorted(finished[1:], key=lambda item: item[0].seed) == [
+        (cell, True) for cell in cells]
+    log = _log(tmp_path / "fake")
+    assert len(log) == 4 and max(entry["seen"] for entry in log) == 2  # two at once, never three
+    cores = len(os.sched_getaffinity(0))
+    assert {entry["threads"] for entry in log} == {str(max(1, cores // 2))}
+    for cell in cells:  # each attempt's own CPU time (not the other cell's), and its wall time
+        (attempt,) = json.loads((cell.directory(grid) / verdict.COST_FILE).read_text())
+        assert 0.25 <= attempt["cpu_seconds"] < 5 and attempt["wall_seconds"] >= attempt["cpu_seconds"] * 0.5
+    assert not (done.directory(grid) / verdict.COST_FILE).exists()
+
+
+def test_a_failing_cell_stops_the_launch_of_others(tmp_path):
+    cells = [Cell("fgrpo", seed, 3, "0.05") for seed in range(4)]
+    failing = "/".join(cells[1].directory(tmp_path / "grid").parts[-3:])
+    spec = _fake_spec(tmp_path / "fake", base={}, default_final={}, fail=[failing], cpu_seconds=0.5)
+    grid = tmp_path / "grid"
+    finished = []
+    failures = verdict.run_cells(
+        cells, grid, lambda cell: [sys.executable, str(FAKE_CELL), str(cell.directory(grid)), str(spec)], parallel=2,
+        on_finish=lambda cell, ran: finished.append(cell))
+    assert failures == [(cells[1], 3)] and finished == [cells[0]]  # the cell beside it finished; no other started
+    assert len(_log(tmp_path / "fake")) == 2 and not (cells[1].directory(grid) / verdict.COST_FILE).exists()
+    assert not cells[2].directory(grid).exists()
+
+
+def test_a_stopped_harness_stops_its_cells(tmp_path):
+    """SIGTERM to the harness alone (as `kill PID` of a grid in the background): its running cells get SIGTERM and
+    are reaped, no further cell starts, and it exits 143."""
+    spec = _fake_spec(tmp_path / "fake", base={}, default_final={}, together=3, wait_for=120)  # never 3: they wait
+    grid = tmp_path / "grid"
+    driver = (
+        "import importlib.util, sys\n"
+        "from pathlib import Path\n"
+        "from trl_federated.compare import Cell\n"
+        f"spec = importlib.util.spec_from_file_location('verdict', {str(ROOT / 'benchmarks' / 'verdict.py')!r})\n"
+        "verdict = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(verdict)\n"
+        f"root = Path({str(grid)!r})\n"
+        "cells = [Cell('fgrpo', seed, 3, '0.05') for seed in range(3)]\n"
+        f"command = lambda cell: [sys.executable, {str(FAKE_CELL)!r}, str(cell.directory(root)), {str(spec)!r}]\n"
+        "verdict.run_cells(cells, root, command, parallel=2)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "fake").glob("running-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cell_pids = [int(path.name.removeprefix("running-")) for path in (tmp_path / "fake").glob("running-*")]
+    assert len(cell_pids) == 2
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    for pid in cell_pids:  # stopped and reaped by the harness
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not list(grid.rglob("result.json")) and not (grid / "N3-mu0.05" / "fgrpo" / "seed2").exists()
+
+
+def test_one_cell_at_a_time_inherits_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert verdict.cell_environment(1) is None
+    assert verdict.cell_environment(2)["MKL_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+
+
+def test_a_folder_runs_one_budget(tmp_path):
+    config = tmp_path / "grid.yaml"
+    config.write_text("num_rounds: 8\nlocal_steps: 5\n")
+    root = tmp_path / "grid"
+    verdict.check_budget(root, str(config), ["--max_eval_samples", "10"])
+    assert json.loads((root / verdict.BUDGET_FILE).read_text())["config"] == {"num_rounds": 8, "local_steps": 5}
+    verdict.check_budget(root, str(config), ["--max_eval_samples", "10"])  # the same budget: fine
+    with pytest.raises(ValueError, match="flags"):
+        verdict.check_budget(root, str(config), [])
+    config.write_text("num_rounds: 4\nlocal_steps: 5\n# a comment changes nothing\n")
+    with pytest.raises(ValueError, match="num_rounds: 8 -> 4"):
+        verdict.check_budget(root, str(config), ["--max_eval_samples", "10"])
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+def repository(tmp_path):
+    """A git repository with one commit, its grid cells ignored as this project's .gitignore ignores them."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "--quiet")
+    _git(repo, "config", "user.email", "grid@example.com")
+    _git(repo, "config", "user.name", "grid")
+    (repo / ".gitignore").write_text("grid/N*/\n")
+    _git(repo, "add", ".gitignore")
+    _git(repo, "commit", "--quiet", "-m", "start")
+    return repo
+
+
+def test_commit_takes_a_cells_small_files_only(repository, capsys):
+    spec = _fake_spec(repository.parent / "fake", base={}, default_final={})
+    cell = Cell("fgrpo", 0, 3, "0.05")
+    directory = cell.directory(repository / "grid")
+    subprocess.run([sys.executable, str(FAKE_CELL), str(directory), str(spec)], check=True)
+    verdict.record_cost(directory, 1.0, 2.0)
+    (directory / "huge.png").write_bytes(b"0")
+    files = verdict.committed_files(directory)
+    assert {path.name for path in files} == {"result.json", "metrics.jsonl", "cost.json", "summary.md", "rewards.png",
+                                             "weights.png", "accuracy.png"}
+    (repository / "notes.txt").write_text("staged by someone else\n")
+    _git(repository, "add", "notes.txt")
+
+    assert verdict.commit(files, "grid: fgrpo seed 0 finished")
+    committed = _git(repository, "show", "--name-only", "--format=", "HEAD").split()
+    assert sorted(committed) == sorted(str(path.relative_to(repository)) for path in files)
+    assert "notes.txt" in _git(repository, "diff", "--cached", "--name-only")  # still staged, not committed
+    tracked = _git(repository, "ls-files")
+    assert "adapter_model.safetensors" not in tracked and "checkpoint-1" not in tracked and "round-1" not in tracked
+
+    assert not verdict.commit(files, "again")  # nothing new
+    (directory / "result.json").write_text("{}")
+    assert verdict.commit(files, "changed")
+    assert _git(repository, "log", "-1", "--format=%s").strip() == "changed"
+    outside = repository.parent / "outside.json"
+    outside.write_text("{}")
+    assert not verdict.commit([outside], "no repository") and "not committed" in capsys.readouterr().out
+
+
+def test_a_cell_file_too_large_is_not_committed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(verdict, "MAX_COMMITTED_BYTES", 10)
+    (tmp_path / "result.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("x" * 11)
+    assert verdict.committed_files(tmp_path) == [tmp_path / "result.json"]
+    assert "metrics.jsonl is" in capsys.readouterr().out
+
+
+def _evaluation(total, hard, items=10):
+    return {"accuracy": {"simple": 0.5, "medium": 0.25, "hard": hard, "Total": total}, "count": {"Total": items}}
+
+
+def test_the_grid_runs_two_at_a_time_commits_each_cell_and_resumes(repository, monkeypatch, capsys):
+    """`main` end to end with stand-in cells: the extra seeds, two cells at a time, the base evaluated once, a
+    commit per finished cell, the report with what the grid resolves, and a rerun that skips everything."""
+    methods = ["fgrpo", "fedavg"]
+    cells = verdict.grid_cells(methods, [0, 1], {"fgrpo": [2], "fedavg": [2]}, [3], ["0.05"])
+    gains = {"fgrpo": [0.10, 0.14, 0.12], "fedavg": [0.05, 0.06, 0.10]}
+    spec = _fake_spec(repository.parent / "fake", base=_evaluation(0.20, 0.10), together=2, wait_for=20, cells={
+        "/".join(cell.directory(Path("grid")).parts[-3:]): _evaluation(0.20 + gains[cell.method][cell.seed], 0.10)
+        for cell in cells
+    })
+
+    def fake_command(cell, config, root, extra):
+        if (cell.directory(root) / "result.json").exists():
+            return None
+        return [sys.executable, str(FAKE_CELL), str(cell.directory(root)), str(spec), *extra, *cell.overrides()]
+
+    monkeypatch.setattr(verdict, "cell_command", fake_command)
+    config = repository / "grid.yaml"
+    config.write_text("num_rounds: 8\n")
+    grid = repository / "grid"
+    argv = ["--config", str(config), "--output_dir", str(grid), "--methods", *methods, "--seeds", "0", "1",
+            "--extra_seeds", "fgrpo,fedavg:2", "--parallel", "2", "--commit", "--max_eval_samples", "10"]
+    assert verdict.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# Verdict: FGRPO against the baselines (complete)" in out
+
+    log = {entry["cell"]: entry for entry in _log(repository.parent / "fake")}
+    assert len(log) == 6 and max(entry["seen"] for entry in log.values()) == 2
+    first = "/".join(cells[0].directory(grid).parts[-3:])
+    assert [key for key, entry in log.items() if "--eval_initial" not in entry["flags"]] == [first]
+    assert all(entry["flags"][:2] == ["--max_eval_samples", "10"] for entry in log.values())
+
+    subjects = _git(repository, "log", "--format=%s").splitlines()
+    assert sum(subject.endswith("finished") for subject in subjects) == 6
+    tracked = _git(repository, "ls-files").split()
+    assert all(f"grid/{cell.directory(Path('.'))}/result.json" in tracked for cell in cells)
+    assert not [name for name in tracked if "safetensors" in name or "checkpoint" in name or "round-1" in name]
+    assert {"grid/verdict.md", "grid/verdict.json", "grid/budget.json"} <= set(tracked)
+
+    summary = json.loads((grid / "verdict.json").read_text())
+    (paired,) = summary["paired"]
+    assert paired["seeds"] == [0, 1, 2] and summary["test_items"] == 10
+    differences = [100 * (gains["fgrpo"][s] - gains["fedavg"][s]) for s in range(3)]
+    assert paired["total"]["mean"] == pytest.approx(statistics.fmean(differences))
+    half = stats.t.ppf(0.975, 2) * statistics.stdev(differences) / math.sqrt(3)
+    assert paired["total"]["half_width"] == pytest.approx(half)
+    assert paired["total_detectable_80"] == pytest.approx(verdict.minimum_detectable(statistics.stdev(differences), 3))
+    report = (grid / "verdict.md").read_text()
+    assert f"| {half:.2f} |" in report and "one test item is 10.00 points" in report
+
+    commits = len(subjects)
+    assert verdict.main(argv) == 0  # everything finished: skipped, nothing new to commit for the cells
+    assert sum(s.endswith("finished") for s in _git(repository, "log", "--format=%s").splitlines()) == 6
+    assert len(_git(repository, "log", "--format=%s").splitlines()) <= commits + 1
+    with pytest.raises(SystemExit):  # another budget in the same folder
+        verdict.main([*argv, "--num_rounds", "4"])

@@ -51,22 +51,28 @@ class Cell:
         return [token for key, value in values.items() for token in (f"--{key}", value)]
 
 
-def run_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> Path:
-    """Run one cell unless its `result.json` already exists, from its last checkpoint if it has one (else afresh,
-    over whatever an interrupted first round left); return its folder."""
+def cell_command(cell: Cell, config: str, root: Path, extra: list[str]) -> list[str] | None:
+    """The `trl-federated run` command of one cell, from its last checkpoint if it has one (else afresh, over
+    whatever an interrupted first round left), or None when its `result.json` exists; says which on stdout."""
     from .checkpoint import list_checkpoints  # torch and PEFT, which the harness itself does not need
 
     directory = cell.directory(root)
     if (directory / "result.json").exists():
         print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: done, skipped", flush=True)
-        return directory
+        return None
     resume = list_checkpoints(directory)
     print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: {'resuming' if resume else 'running'}", flush=True)
     start = ["--resume_from_checkpoint", "true"] if resume else ["--overwrite_output_dir", "true"]
-    command = [sys.executable, "-m", "trl_federated.cli", "run", "--config", config, *extra, *cell.overrides(),
-               "--output_dir", str(directory), *start]
-    subprocess.run(command, check=True)
-    return directory
+    return [sys.executable, "-m", "trl_federated.cli", "run", "--config", config, *extra, *cell.overrides(),
+            "--output_dir", str(directory), *start]
+
+
+def run_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> Path:
+    """Run one cell unless its `result.json` already exists (`cell_command`); return its folder."""
+    command = cell_command(cell, config, root, extra)
+    if command is not None:
+        subprocess.run(command, check=True)
+    return cell.directory(root)
 
 
 def load_result(directory: Path) -> dict:

@@ -170,8 +170,10 @@ def evaluate_accuracy(
 
     Returns:
         `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows},
-        "rewards": {function name: mean over the rows it scored}, "seconds": wall time}`, labels in the order
-        simple, medium, hard, then the others sorted.
+        "rewards": {function name: mean over the rows it scored}, "row_rewards": [each row's reward, in the order
+        of `dataset`], "seconds": wall time}`, labels in the order simple, medium, hard, then the others sorted.
+        `row_rewards` (1.0 or 0.0 per row with the binary accuracy) pairs two evaluations of the same split row by
+        row, for a paired test of a gain (`benchmarks/gate.py`).
     """
     reward_funcs = check_eval_reward_funcs(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
@@ -266,7 +268,7 @@ def evaluate_accuracy(
         "Accuracy by %s: %s (%d rows in %.1f s)",
         label_column, {label: round(value, 4) for label, value in accuracy.items()}, len(rewards), seconds,
     )
-    return {"accuracy": accuracy, "count": count, "rewards": function_means, "seconds": seconds}
+    return {"accuracy": accuracy, "count": count, "rewards": function_means, "row_rewards": rewards, "seconds": seconds}
 
 
 def _batches_by_length(prompts: list[Any], batch_size: int) -> list[list[int]]:
