@@ -4,7 +4,8 @@ The in-process `FederatedRunner` and the Flower `FederatedStrategy` are drivers:
 and deliver every client's reply, or the reason it has none, to this one object. Everything a round does on the
 server happens here, once:
 
-    begin_round(t)          the round opens: callbacks, the admission gate
+    begin_round(t)          the round opens: callbacks, the admission gate, and the clients it samples
+                            (`sampling.sample_clients`: `fraction_train`, `min_train_clients`, from seed and t)
     broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and the
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
     admit(client_id, ...)   a reply, as it came off the wire, decoded (`transport.WireFormat`), checked and
@@ -59,6 +60,7 @@ from .reporting import ReportCallback
 from .rewards import combined_reward_range
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, run_identity
+from .sampling import clients_per_round, participation_errors, sample_clients
 from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
@@ -73,11 +75,12 @@ class NotEnoughClientsError(RuntimeError):
 
 @dataclass
 class _Round:
-    """The round in progress: when it began, what each client received (the adapter's bytes, and those of its
-    extras), the accepted updates, the drops."""
+    """The round in progress: when it began, the indices of the clients it samples, what each client received (the
+    adapter's bytes, and those of its extras), the accepted updates, the drops."""
 
     round_idx: int
     started: float
+    sampled: list[int]
     broadcast_bytes: int
     extras_bytes: dict[str, int] = field(default_factory=dict)
     updates: list[ClientUpdate] = field(default_factory=list)
@@ -158,6 +161,9 @@ class FederatedServer:
         self.processing_class = processing_class
         self.dataset_name = dataset_name
         self.num_clients = len(client_datasets) or args.num_clients
+        for message in participation_errors(args, self.num_clients):
+            raise ValueError(message)
+        self.clients_per_round = clients_per_round(self.num_clients, args.fraction_train, args.min_train_clients)
         self.is_main_process, self.num_processes = is_main_process, num_processes
         self.history: list[RoundRecord] = []
         self.evaluations: dict[int, dict[str, Any]] = {}
@@ -218,7 +224,8 @@ class FederatedServer:
     def write_result(self, path: str | Path, wall_time: float) -> Path:
         """`result.json`, written atomically: the evaluations and each round's R̄, h, ω, τ and traffic. Its presence
         marks a finished run (`trl-federated compare` relies on it)."""
-        keys = ("round_idx", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received", "dropped")
+        keys = ("round_idx", "sampled", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received",
+                "dropped")
         result = {
             "wall_time": wall_time,
             "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
@@ -232,11 +239,16 @@ class FederatedServer:
 
     # A round -----------------------------------------------------------------------------------------------
 
-    def begin_round(self, round_idx: int) -> None:
-        """Open round `round_idx`: replies are admitted against the current global adapter from now on."""
+    def begin_round(self, round_idx: int) -> list[int]:
+        """Open round `round_idx` and return the indices, ascending, of the clients it trains
+        (`sampling.sample_clients`: every client unless `fraction_train` < 1): replies are admitted against the
+        current global adapter from now on."""
         self._fire("on_round_begin", round_idx=round_idx)
         self.gate.open_round(self.global_state)
-        self._round = _Round(round_idx, time.perf_counter(), state_nbytes(self.wire.sent(self.global_state)))
+        args = self.args
+        sampled = sample_clients(self.num_clients, args.fraction_train, args.min_train_clients, args.seed, round_idx)
+        self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
+        return sampled
 
     def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
@@ -308,7 +320,9 @@ class FederatedServer:
                 update.client_id: current.broadcast_bytes + current.extras_bytes.get(update.client_id, 0)
                 for update in updates
             }
-            record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, current.dropped, received)
+            record = RoundRecord.from_aggregation(
+                round_idx, self.aggregator, updates, current.dropped, received, current.sampled
+            )
         if self.num_processes > 1:
             # Every other process receives the new global adapter, the aggregator's state (SCAFFOLD's c and c_i steer
             # its next local steps) and the record, so that all processes leave the round identical.
@@ -323,7 +337,7 @@ class FederatedServer:
         self._fire("on_round_end", record=record)
         if self.is_main_process:
             self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
-            logger.info("%s", format_round_log(record, args.num_rounds))
+            logger.info("%s", format_round_log(record, args.num_rounds, self.num_clients))
             self.check_server_step(record)
         self._round = None
         return record
@@ -439,14 +453,17 @@ def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
         model.to(args.device)
 
 
-def format_round_log(record: RoundRecord, num_rounds: int) -> str:
-    """A finished round in a few log lines: each aggregated client's R̄, h, ω and traffic, τ, the drops and the
-    evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
+def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:
+    """A finished round in a few log lines: the clients sampled when not all `num_clients`, each aggregated client's
+    R̄, h, ω and traffic, τ, the drops and the evaluation, so that a console (`flwr run --stream`, a SuperLink's log)
+    shows what metrics.jsonl records."""
     temperature = "" if record.temperature is None else f", τ = {record.temperature:.3f}"
     step = "" if record.server_step_ratio is None else f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
+    sampled = record.sampled
+    sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
     lines = [
-        f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated, {len(record.dropped)} "
-        f"dropped{temperature}{step}, {record.wall_time:.1f} s"
+        f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated{sampling}, "
+        f"{len(record.dropped)} dropped{temperature}{step}, {record.wall_time:.1f} s"
     ]
     for client_id, reward in record.rewards.items():
         gain, cosine = record.gains.get(client_id), record.update_cosines.get(client_id)
