@@ -64,14 +64,18 @@ class FederatedStrategy(ServerStateView, Strategy):
     same admission gate, wire format, aggregator, per-client state (SCAFFOLD's c_i), byte accounting, round records,
     evaluation, checkpoints and reports. The strategy only turns rounds into Flower messages and back.
 
-    Every round it sends the global adapter to every connected SuperNode that serves a client of the federation
-    (full participation, as in the runner) and delivers each reply to the server, which admits it or drops its
-    client with the reason. Replies are attributed by the server's own record of what it sent (the id of each train
-    message → the client it was addressed to), never by what a reply says about itself: a SuperNode that dies
-    mid-round is one `client_dropped` line for its client, with Flower's reason and the elapsed time, whichever node
-    (the SuperLink) reports it. Accepted updates are aggregated in client-index order, so a Flower run ends on the
-    runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the run with
-    `NotEnoughClientsError`, the last checkpoint intact.
+    Every round it sends the global adapter to the connected SuperNodes that serve the clients the server samples
+    (`FederatedServer.begin_round`: all of them by default; `fraction_train` and `min_train_clients` as Flower's
+    `FedAvg` takes `fraction_train` and `min_train_nodes`, but drawn by client index from (seed, round), so the
+    runner trains the same clients) and delivers each reply to the server, which admits it or drops its client with
+    the reason. A sampled client that no connected node serves is named in the log (its index stays in the round
+    record's `sampled`, with neither weight nor drop); the others sit the round out, their per-client state
+    unchanged. Replies are attributed by the server's own record of what it sent
+    (the id of each train message → the client it was addressed to), never by what a reply says about itself: a
+    SuperNode that dies mid-round is one `client_dropped` line for its client, with Flower's reason and the elapsed
+    time, whichever node (the SuperLink) reports it. Accepted updates are aggregated in client-index order, so a
+    Flower run ends on the runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the
+    run with `NotEnoughClientsError`, the last checkpoint intact.
 
     Which client a node serves is the server's call, made before any training message is sent, by `self.binder`
     (`identity.NodeBinder`; the strategy only sends its questions). With a `registry` (`identity.ClientRegistry`) it
@@ -227,8 +231,10 @@ class FederatedStrategy(ServerStateView, Strategy):
 
     def summary(self) -> None:
         logger.info(
-            "FederatedStrategy: %s, %d clients (at least %d a round), rounds %d-%d of %d, wire %s/%s, output_dir %s",
-            type(self.aggregator).__name__, self.args.num_clients, self.args.min_clients_per_round, self.first_round,
+            "FederatedStrategy: %s, %d clients (%d sampled, at least %d aggregated a round), rounds %d-%d of %d, "
+            "wire %s/%s, output_dir %s",
+            type(self.aggregator).__name__, self.args.num_clients, self.server.clients_per_round,
+            self.args.min_clients_per_round, self.first_round,
             self.args.num_rounds - 1, self.args.num_rounds, self.args.lora_aggregation, self.args.transfer_dtype,
             self.args.output_dir,
         )
@@ -241,21 +247,26 @@ class FederatedStrategy(ServerStateView, Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One train message per connected SuperNode that serves a client of the federation, carrying the global
+        """One train message per connected SuperNode that serves a client the round samples, carrying the global
         adapter as the wire format sends it (kept here as tensors: `arrays` holds the same values), the round, the
         wire format and `config`'s entries, and the aggregator's extras for that client (SCAFFOLD: c and its c_i)."""
         round_idx = self._round_idx(server_round)
-        self.server.begin_round(round_idx)
+        sampled = self.server.begin_round(round_idx)
         node_ids = self._identify(grid, self._wait_for_nodes(grid, round_idx))
         self._sent = []
         for node_id in node_ids:
             client_id, client_index = self.binder.client_of(node_id)
+            if client_index not in sampled:
+                continue  # sits the round out
             sent, extras = self.server.broadcast(client_id)
             content = TrainInstruction(
                 sent, round_idx, self.args.num_clients, extras, self.args.lora_aggregation, self.args.transfer_dtype,
             ).to_content(dict(config or {}))
             message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
             self._sent.append(_Sent(message, node_id, client_id, client_index, time.time()))
+        if missing := sorted(set(sampled) - {sent.client_index for sent in self._sent}):
+            logger.warning("Round %d: no connected SuperNode serves the sampled client indices %s; the round goes on "
+                           "without them.", round_idx, missing)
         logger.info("Round %d: sent the global adapter to %s.", round_idx,
                     ", ".join(sent.client_id for sent in self._sent) or "no client")
         return [sent.message for sent in self._sent]
