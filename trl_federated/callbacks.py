@@ -42,6 +42,11 @@ class RoundCallback(TrainerCallback):
     def on_evaluate_round(self, args, round_idx: int, results: dict[str, Any], **kwargs):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
 
+    def on_client_evaluation(self, args, round_idx: int, results: dict[str, Any], **kwargs):
+        """After clients evaluated the global adapter of round `round_idx` on their own held-out data (Flower's
+        evaluate round, `fraction_evaluate`): `results` holds the pooled "accuracy" and "count" per label, each
+        client's under "clients" and the reason of each client that has none under "failed"."""
+
 
 # The round log's own entries (`round_logs`): the server's, and under `<client_id>/` each client's, with the
 # evaluation's `eval_` entries. A client's metrics never take these names (`admission.UpdateGate` drops such a
@@ -225,8 +230,8 @@ def _round_of(line: str) -> float:
 
 
 class MetricsLoggerCallback(RoundCallback):
-    """Appends one JSON line per client report (its metrics under "metrics"), dropped client, round and evaluation
-    to `output_dir/metrics.jsonl`.
+    """Appends one JSON line per client report (its metrics under "metrics"), dropped client, round, evaluation and
+    clients' evaluation (Flower's evaluate round) to `output_dir/metrics.jsonl`.
 
     On resume it first removes the lines of the rounds after the checkpoint, which the interrupted run may have
     begun and the resumed run repeats, so the log reads like an uninterrupted run's plus a `resumed` line.
@@ -270,3 +275,6 @@ class MetricsLoggerCallback(RoundCallback):
 
     def on_evaluate_round(self, args, round_idx, results, **kwargs):
         self._write("evaluation", {"round": round_idx, **results})
+
+    def on_client_evaluation(self, args, round_idx, results, **kwargs):
+        self._write("client_evaluation", {"round": round_idx, **results})

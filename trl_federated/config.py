@@ -145,7 +145,7 @@ class FedGRPOConfig(GRPOConfig):
         min_partition_size (`int`, *optional*, defaults to `2`):
             Smallest number of training rows a client may receive.
 
-        > Client sampling: Flower's `fraction_train` and `min_train_nodes`
+        > Client sampling: Flower's `fraction_train`, `min_train_nodes`, `fraction_evaluate`, `min_evaluate_nodes`
 
         fraction_train (`float`, *optional*, defaults to `1.0`):
             Fraction in (0, 1] of the N clients that train each round, counted as Flower's strategies count nodes:
@@ -157,6 +157,15 @@ class FedGRPOConfig(GRPOConfig):
         min_train_clients (`int`, *optional*, defaults to `1`):
             Fewest clients sampled each round (Flower's `min_train_nodes`), at most N; it matters when
             int(`fraction_train` × N) is smaller. `min_clients_per_round` must not exceed the clients sampled.
+        fraction_evaluate (`float`, *optional*, defaults to `0.0`):
+            Flower only: fraction in [0, 1] of the N clients sent the new global adapter after each round (Flower's
+            evaluate round) to evaluate it on their own held-out data (`ClientSite.eval_dataset`), which never
+            leaves them; they reply with their accuracy and row count, and the server logs each client's and the
+            row-weighted mean (`client_evaluation` lines in metrics.jsonl). Counted and drawn as `fraction_train`,
+            independently of the round's training draw. `0.0`: no client evaluation; the server's own evaluation of
+            `eval_dataset` is unaffected.
+        min_evaluate_clients (`int`, *optional*, defaults to `1`):
+            Fewest clients sampled for each evaluate round (Flower's `min_evaluate_nodes`), at most N.
 
         > Evaluation and outputs
 
@@ -449,6 +458,18 @@ class FedGRPOConfig(GRPOConfig):
                 "matters when int(fraction_train x N) is smaller."
             )
         },
+    )
+    fraction_evaluate: float = field(
+        default=0.0,
+        metadata={
+            "help": "Flower only: fraction in [0, 1] of the clients that evaluate the new global adapter after each "
+            "round on their own held-out data (Flower's evaluate round), counted and drawn as fraction_train; the "
+            "server logs each client's accuracy and their row-weighted mean. 0.0: no client evaluation."
+        },
+    )
+    min_evaluate_clients: int = field(
+        default=1,
+        metadata={"help": "Fewest clients sampled for each evaluate round (Flower's min_evaluate_nodes)."},
     )
 
     # Evaluation and outputs
@@ -841,7 +862,7 @@ class FedGRPOConfig(GRPOConfig):
                 yield f"`{name}` must be a finite number, got {value}."
         for name in (
             "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round",
-            "min_train_clients",
+            "min_train_clients", "min_evaluate_clients",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -853,6 +874,8 @@ class FedGRPOConfig(GRPOConfig):
                 f"`min_clients_per_round` ({self.min_clients_per_round}) must not exceed `num_clients` "
                 f"({self.num_clients})."
             )
+        if not 0 <= self.fraction_evaluate <= 1:
+            yield f"`fraction_evaluate` must lie in [0, 1], got {self.fraction_evaluate}."
         if not 0 < self.fraction_train <= 1:
             yield f"`fraction_train` must lie in (0, 1], got {self.fraction_train}."
         elif self.num_clients > 1:

@@ -16,6 +16,8 @@ server happens here, once:
     end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
                             the atomic checkpoint, and the round's summary in the log
 
+and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the clients sampled to evaluate the global
+adapter on their own held-out data) and `record_client_evaluation` (their results and row-weighted mean, logged);
 plus `start_run` (output folder, which this process then writes alone, resume or the evaluation before training),
 `finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close` (the output folder's lock,
 however the run ended). The per-client state of an aggregation is the aggregator's own (see
@@ -53,9 +55,8 @@ from .checkpoint import (
 )
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
-from .evaluation import check_eval_reward_funcs, evaluate_accuracy
+from .evaluation import TOTAL, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
 from .hub import federated_model_card, push_to_hub
-from .memory import release_free_memory
 from .reporting import ReportCallback
 from .rewards import combined_reward_range
 from .round_record import RoundRecord
@@ -366,25 +367,42 @@ class FederatedServer:
         `eval_dataset`, overall and per `args.partition_column` label (None without an `eval_dataset`)."""
         if self.eval_dataset is None:
             return None
-        set_adapter_state(self.model, self.global_state)
-        to_training_device(self.model, self.args)
-        results = evaluate_accuracy(
-            self.model,
-            self.processing_class,
-            self.eval_dataset,
-            label_column=self.args.partition_column,
-            batch_size=self.args.per_device_eval_batch_size,
-            max_new_tokens=self.args.max_completion_length,
-            reward_funcs=self.eval_reward_funcs,
-            reward_weights=self.eval_reward_weights,
-            mixed_precision=self.args.mixed_precision,
-            distributed=self.num_processes > 1,
-            fast_generation=self.args.fast_generation,
-            generation_dtype=self.args.generation_dtype,
+        results = evaluate_adapter(
+            self.model, self.global_state, self.processing_class, self.eval_dataset, self.args,
+            self.eval_reward_funcs, self.eval_reward_weights, distributed=self.num_processes > 1,
         )
-        release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
+        return results
+
+    def evaluation_clients(self, round_idx: int) -> list[int]:
+        """The indices, ascending, of the clients that evaluate the global adapter of round `round_idx` on their own
+        held-out data (Flower's evaluate round): `fraction_evaluate` and `min_evaluate_clients`, drawn from (seed,
+        round) apart from the round's training draw (`sampling.sample_clients`); none with `fraction_evaluate` 0."""
+        args = self.args
+        if args.fraction_evaluate == 0:
+            return []
+        return sample_clients(
+            self.num_clients, args.fraction_evaluate, args.min_evaluate_clients, args.seed, round_idx, "evaluate"
+        )
+
+    def record_client_evaluation(
+        self, round_idx: int, evaluations: dict[str, dict[str, Any]], failed: dict[str, str]
+    ) -> dict[str, Any]:
+        """Record the clients' evaluations of the global adapter of round `round_idx`, each on its own held-out data
+        (`evaluate_accuracy`'s "accuracy" and "count" per label), and why the others sampled have none: the pooled
+        result (`evaluation.merge_evaluations`: per label, the row-weighted mean), each client's, and the failures go
+        to the callbacks (`RoundCallback.on_client_evaluation`, a `client_evaluation` line in metrics.jsonl) and the
+        log; returns them."""
+        results = {**merge_evaluations(evaluations.values()), "clients": evaluations, "failed": failed}
+        self._fire("on_client_evaluation", round_idx=round_idx, results=results)
+        total = results["accuracy"].get(TOTAL)
+        logger.info(
+            "Round %d: %d clients evaluated the global adapter on their own held-out data: %s over %d rows%s.",
+            round_idx, len(evaluations), "no accuracy" if total is None else f"accuracy {100 * total:.2f}%",
+            results["count"].get(TOTAL, 0),
+            "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items()),
+        )
         return results
 
     def save_checkpoint(self, round_idx: int) -> Path:
@@ -443,14 +461,6 @@ class FederatedServer:
         )
         self.args.server_learning_rate = self.aggregator.server_optimizer.learning_rate = saved
         self.identity["training"]["server_learning_rate"] = saved
-
-
-def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
-    """Move `model` to `args.device`, where this process trains (accelerate's `PartialState` for `args`), as a
-    `Trainer` places its model when built, so that an evaluation before the first round runs there too; a model
-    placed when loaded (a `device_map`, quantized weights) stays where it is, as `Trainer` leaves it."""
-    if getattr(model, "hf_device_map", None) is None and getattr(model, "hf_quantizer", None) is None:
-        model.to(args.device)
 
 
 def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:
