@@ -14,17 +14,28 @@ from flwr.app import Message, RecordDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import FAST_GRPO, length_reward
-from test_flower import LocalGrid, assert_states_equal, moved, task_identity  # noqa: F401
+from test_flower import (  # noqa: F401
+    LocalGrid,
+    assert_states_equal,
+    client_data_dirs,
+    events,
+    local_federation,
+    loopback_app,
+    moved,
+    runner_result,
+    task_identity,
+)
 from trl_federated import ClientUpdate, FederatedRunner, FedGRPOConfig, RoundCallback
+from trl_federated.adapters import with_federated_adapter
 from trl_federated.callbacks import round_logs
 from trl_federated.flower import FederatedStrategy, TrainInstruction, update_to_content
 from trl_federated.flower.records import CLIENT, client_identity_record
 from trl_federated.flower.strategy import IDENTIFY
 
-# 4 clients, half of them a round: with seed 0 rounds 0-2 sample [1, 3], [0, 2], [1, 2] (pinned below), so clients 0
-# and 2 first train in round 1, client 3 sits out rounds 1 and 2, client 0 round 2.
+# 4 clients, half of them a round: with seed 0 rounds 0-2 sample [0, 1], [1, 3], [0, 3] (pinned below), so client 3
+# first trains in round 1, client 0 sits out round 1 and client 1 round 2, client 2 every round.
 NUM_CLIENTS, FRACTION, SEED, NUM_ROUNDS = 4, 0.5, 0, 3
-SAMPLED = [[1, 3], [0, 2], [1, 2]]
+SAMPLED = [[0, 1], [1, 3], [0, 3]]
 CLIENT_IDS = [f"site-{index}" for index in range(NUM_CLIENTS)]
 
 
@@ -183,7 +194,7 @@ def test_a_client_that_sits_a_round_out_keeps_its_rpg_state_bit_for_bit(sampled_
         seen |= sampled_ids(indices)
         # τ follows the federation's round index, not how often a client took part
         assert record.temperature == runner.aggregator.temperature(round_idx)
-    assert runner.history[1].gains.keys() == {"site-0", "site-2"} and runner.history[2].gains["site-1"] != 0.0
+    assert runner.history[1].gains["site-3"] == 0.0 and runner.history[1].gains["site-1"] != 0.0
 
 
 def test_a_resumed_run_samples_the_same_clients_and_ends_on_the_same_adapter(sampled_run, tmp_path, tiny_model_dir):
@@ -233,7 +244,7 @@ def test_scaffold_moves_c_by_the_sampled_clients_changes_over_n(tmp_path):
         controls = {client_id: control["w"].clone() for client_id, control in aggregator.client_controls.items()}
         torch.testing.assert_close(aggregator.control["w"], sum(controls.values()) / NUM_CLIENTS)
     # FedAvg's weights over the sampled clients only
-    assert aggregator.last_weights == {"site-1": 0.5, "site-2": 0.5}
+    assert aggregator.last_weights == {"site-0": 0.5, "site-3": 0.5}
 
 
 # The Flower strategy ---------------------------------------------------------------------------------------------
@@ -257,8 +268,8 @@ def test_the_strategy_sends_the_round_to_the_clients_the_runner_samples(tmp_path
         return Message(update_to_content(update, index), reply_to=message)
 
     for round_idx in range(NUM_ROUNDS):
-        # In the last round client 2's SuperNode is not connected: sampled, it trains nowhere
-        connected = [0, 1, 3] if round_idx == 2 else range(NUM_CLIENTS)
+        # In the last round client 3's SuperNode is not connected: sampled, it trains nowhere
+        connected = [0, 1, 2] if round_idx == 2 else range(NUM_CLIENTS)
         grid = LocalGrid(respond, {100 * (round_idx + 1) + index: {"partition-id": index} for index in connected})
         messages = strategy.configure_train(round_idx + 1, None, None, grid)
         sent_to = sorted(
@@ -274,5 +285,141 @@ def test_the_strategy_sends_the_round_to_the_clients_the_runner_samples(tmp_path
         assert record.weights == pytest.approx(
             {client_id: size / sum(sizes.values()) for client_id, size in sizes.items()}
         )
-    assert "no connected SuperNode serves the sampled client indices [2]" in caplog.text
-    assert strategy.history[2].weights == {"site-1": 1.0} and not strategy.history[2].dropped
+    assert "no connected SuperNode serves the sampled client indices [3]" in caplog.text
+    assert strategy.history[2].weights == {"site-0": 1.0} and not strategy.history[2].dropped
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_flower_apps_with_client_sampling_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):  # noqa: F811
+    # 2 clients, one a round, through the ClientApp: the same client trains in each round, from the same adapter
+    sampling = {"fraction-train": 0.5}
+    strategy = local_federation(tiny_model_dir, client_data_dirs, tmp_path / "flower", "rpg", **sampling)
+    runner = runner_result(tiny_model_dir, tmp_path / "runner", "rpg", **sampling)
+    assert [len(record.sampled) for record in strategy.history] == [1, 1]
+    assert [record.sampled for record in strategy.history] == [record.sampled for record in runner.history]
+    assert [record.weights for record in strategy.history] == [record.weights for record in runner.history]
+    assert_states_equal(strategy.global_state, runner.global_state)
+
+
+# Flower's evaluate round: the clients evaluate the global adapter on their own held-out data ----------------------
+
+
+def test_client_evaluations_pool_into_the_row_weighted_accuracy_per_label():
+    from trl_federated.evaluation import merge_evaluations
+    from trl_federated.flower.records import content_to_evaluation, evaluation_to_content
+
+    a = {"accuracy": {"hard": 0.0, "simple": 1.0, "Total": 0.75}, "count": {"hard": 1, "simple": 3, "Total": 4}}
+    b = {"accuracy": {"medium": 0.5, "hard": 0.5, "Total": 0.5}, "count": {"medium": 2, "hard": 2, "Total": 4}}
+    pooled = merge_evaluations([content_to_evaluation(evaluation_to_content(e, "site", 0)) for e in (a, b)])
+    assert pooled["accuracy"] == {"simple": 1.0, "medium": 0.5, "hard": 1 / 3, "Total": 0.625}
+    assert pooled["count"] == {"simple": 3, "medium": 2, "hard": 3, "Total": 8}
+    assert merge_evaluations([]) == {"accuracy": {}, "count": {}}
+
+
+@pytest.mark.parametrize(("metrics", "message"), [
+    ({"accuracy": 0.5}, "no 'metrics' MetricRecord with 'num-examples' and 'accuracy'"),
+    ({"accuracy": float("nan"), "num-examples": 3}, "accuracy of 'Total' is no finite number"),
+    ({"accuracy": 0.5, "num-examples": 0}, "row count of 'Total' is no positive integer"),
+    ({"accuracy": 0.5, "num-examples": 3, "accuracy/hard": 0.5}, "row count of 'hard' is no positive integer"),
+    ({"accuracy": 0.5, "num-examples": 3, "accuracy/hard": 0.5, "count/hard": 4}, "row count of 'hard'"),
+    ({"accuracy": 0.5, "num-examples": 3, "accuracy/Total": 0.5, "count/Total": 3}, "is 'Total'"),
+])  # fmt: skip
+def test_a_malformed_evaluation_reply_is_refused_naming_the_fault(metrics, message):
+    from flwr.app import MetricRecord
+
+    from trl_federated.flower.records import content_to_evaluation
+
+    with pytest.raises(ValueError, match=message):
+        content_to_evaluation(RecordDict({"metrics": MetricRecord(metrics)}))
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_clients_evaluate_the_round_adapter_on_their_own_held_out_data(tmp_path, tiny_model_dir, client_data_dirs):  # noqa: F811
+    from trl_federated.evaluation import evaluate_adapter
+
+    run_config = {
+        "model-dir": str(tiny_model_dir),
+        "output-dir": str(tmp_path / "flower"),
+        "aggregation": "fedavg",
+        "num-rounds": 1,
+        "fraction-evaluate": 1.0,
+    }
+    node_configs = {
+        11: {"partition-id": 0, "data-dir": client_data_dirs[0], "eval-rows": 4},
+        12: {"partition-id": 1, "data-dir": client_data_dirs[1], "eval-rows": 2},
+    }
+    grid = LocalGrid(loopback_app.client_app, node_configs, run_config)
+    strategy = loopback_app.build_strategy(grid.contexts[11])
+    result = strategy.start(grid)
+
+    (line,) = events(tmp_path / "flower", "client_evaluation")
+    assert line["round"] == 0 and line["failed"] == {} and set(line["clients"]) == {"client_0", "client_1"}
+    # each client scored the global adapter the round made, on its own rows, as the server scores its eval_dataset
+    args = loopback_app.federation_args(str(tmp_path / "scratch"), run_config)
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for index, client_id in enumerate(["client_0", "client_1"]):
+        rows = Dataset.load_from_disk(client_data_dirs[index]).select(range(node_configs[11 + index]["eval-rows"]))
+        expected = evaluate_adapter(model, strategy.global_state, tokenizer, rows, args, [loopback_app.length_reward])
+        assert line["clients"][client_id]["count"] == {"Total": len(rows)}
+        assert line["clients"][client_id]["accuracy"]["Total"] == pytest.approx(expected["accuracy"]["Total"])
+    # pooled by rows, logged for Flower's Result too
+    clients = line["clients"]
+    pooled = (4 * clients["client_0"]["accuracy"]["Total"] + 2 * clients["client_1"]["accuracy"]["Total"]) / 6
+    assert line["accuracy"]["Total"] == pytest.approx(pooled) and line["count"]["Total"] == 6
+    assert result.evaluate_metrics_clientapp[1]["accuracy"] == line["accuracy"]["Total"]
+    assert result.evaluate_metrics_clientapp[1]["num-examples"] == 6
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_evaluate_round_samples_its_clients_and_names_those_without_an_evaluation(tmp_path, tiny_model_dir):
+    from flwr.app import Error
+
+    from trl_federated.flower.records import evaluation_to_content
+    from trl_federated.sampling import sample_clients
+
+    args = sampling_args(
+        tmp_path / "flower",
+        num_clients=NUM_CLIENTS,
+        num_rounds=1,
+        aggregation="fedavg",
+        node_wait_timeout=0,
+        fraction_train=1.0,
+        fraction_evaluate=FRACTION,
+    )
+    strategy = FederatedStrategy(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, report_header=None, reply_timeout=5
+    )
+    initial = copy.deepcopy(strategy.global_state)
+    evaluation = {"accuracy": {"Total": 0.5}, "count": {"Total": 4}}
+    evaluated = sample_clients(NUM_CLIENTS, FRACTION, 1, SEED, 0, "evaluate")
+    assert len(evaluated) == 2 and evaluated != SAMPLED[0]  # drawn apart from the training draw
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(CLIENT_IDS[index], index)}), reply_to=message)
+        if message.metadata.message_type == "train":
+            update = ClientUpdate(CLIENT_IDS[index], moved(initial, seed=index), 10, 0.5, metrics={"train_loss": 0.5})
+            return Message(update_to_content(update, index), reply_to=message)
+        # the global adapter the round made, as a train message carries it
+        assert_states_equal(TrainInstruction.from_content(message.content).global_state, strategy.global_state)
+        if index == evaluated[0]:  # its site has no held-out data
+            reason = '{"client-id": "x", "kind": "error", "reason": "ValueError: this site has no held-out data"}'
+            return Message(Error(code=2, reason=reason), reply_to=message)
+        return Message(evaluation_to_content(evaluation, CLIENT_IDS[index], index), reply_to=message)
+
+    grid = LocalGrid(respond, {100 + index: {"partition-id": index} for index in range(NUM_CLIENTS)})
+    strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
+    messages = strategy.configure_evaluate(1, None, None, grid)
+    assert sorted(grid.contexts[m.metadata.dst_node_id].node_config["partition-id"] for m in messages) == evaluated
+    metrics = strategy.aggregate_evaluate(1, grid.send_and_receive(messages))
+    assert dict(metrics) == {"accuracy": 0.5, "num-examples": 4}
+    (line,) = events(args.output_dir, "client_evaluation")
+    assert set(line["clients"]) == {CLIENT_IDS[evaluated[1]]}
+    assert line["failed"] == {
+        CLIENT_IDS[evaluated[0]]: "ValueError: this site has no held-out data (the report names client 'x')"
+    }
+    # off by default: no evaluate message
+    strategy.args.fraction_evaluate = 0.0
+    assert strategy.configure_evaluate(2, None, None, grid) == [] and strategy.aggregate_evaluate(2, []) is None
