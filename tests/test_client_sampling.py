@@ -142,6 +142,10 @@ def test_each_round_samples_flowers_count_from_seed_and_round_alone():
     ({"fraction_train": -0.5}, r"`fraction_train` must lie in \(0, 1\]"),
     ({"min_train_clients": 0}, "`min_train_clients` must be a positive integer"),
     ({"num_clients": 3, "min_train_clients": 4}, r"`min_train_clients` \(4\) exceeds the 3 clients"),
+    ({"fraction_evaluate": 1.5}, r"`fraction_evaluate` must lie in \[0, 1\], got 1.5"),
+    ({"min_evaluate_clients": 0}, "`min_evaluate_clients` must be a positive integer"),
+    ({"num_clients": 3, "fraction_evaluate": 0.5, "min_evaluate_clients": 4},
+     r"`min_evaluate_clients` \(4\) exceeds the 3 clients"),
     ({"num_clients": 4, "fraction_train": 0.5, "min_clients_per_round": 3},
      r"`min_clients_per_round` \(3\) exceeds the 2 clients sampled each round \(`fraction_train` 0.5 of 4 clients"),
 ])  # fmt: skip
