@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> NestedPhaseMeter:
 
     meter = NestedPhaseMeter()
     meter.wrap(trl_federated.models, "load_model_and_tokenizer", "model load")  # imported at call time by the CLI
-    meter.wrap(trl_federated.server, "evaluate_accuracy", "evaluation")
+    meter.wrap(trl_federated.server, "evaluate_adapter", "evaluation")
     meter.wrap(GRPOTrainer, "__init__", "trainer construction")
     meter.wrap(GRPOTrainer, "_generate_and_score_completions", "generation + scoring")
     meter.wrap(GRPOTrainer, "compute_loss", "loss forward")

@@ -108,7 +108,7 @@ def test_wrong_types_are_refused_by_name(tmp_path, field, value):
 # `checkpoint.RESULT_FIELDS` as it was hand-kept before `result_fields` derived it from the fields.
 HAND_KEPT_RESULT_FIELDS = (
     # the federation
-    "seed", "local_steps", "reward_window", "fedprox_mu", "scaffold_correction",
+    "seed", "local_steps", "reward_window", "fraction_train", "min_train_clients", "fedprox_mu", "scaffold_correction",
     "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
     "rpg_lambda_anneal", "rpg_eps", "rpg_h_max",
     "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",

@@ -42,13 +42,18 @@ class RoundCallback(TrainerCallback):
     def on_evaluate_round(self, args, round_idx: int, results: dict[str, Any], **kwargs):
         """After the global adapter was evaluated; `round_idx` is -1 for the evaluation before training."""
 
+    def on_client_evaluation(self, args, round_idx: int, results: dict[str, Any], **kwargs):
+        """After clients evaluated the global adapter of round `round_idx` on their own held-out data (Flower's
+        evaluate round, `fraction_evaluate`): `results` holds the pooled "accuracy" and "count" per label, each
+        client's under "clients" and the reason of each client that has none under "failed"."""
+
 
 # The round log's own entries (`round_logs`): the server's, and under `<client_id>/` each client's, with the
 # evaluation's `eval_` entries. A client's metrics never take these names (`admission.UpdateGate` drops such a
 # metric, and `round_logs` writes the server's entries last).
 ROUND_LOG_NAMES = frozenset({
-    "round", "num_clients", "reward", "temperature", "delta_norm", "server_step_norm", "server_step_ratio",
-    "bytes_sent", "bytes_received", "num_dropped", "step", "epoch",
+    "round", "num_clients", "num_sampled", "reward", "temperature", "delta_norm", "server_step_norm",
+    "server_step_ratio", "bytes_sent", "bytes_received", "num_dropped", "step", "epoch",
 })
 CLIENT_LOG_NAMES = frozenset({"reward_window", "rpg_gain", "weight", "bytes_sent", "update_norm", "update_cosine"})
 EVALUATION_LOG_PREFIX = "eval_"
@@ -77,10 +82,10 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     (`update_cosine`), and its scalar metrics (`loss`, `seconds`, and the means over its local steps of TRL's step
     metrics: `completions/mean_length`, `kl`, `frac_reward_zero_std` (its GRPO groups whose rewards were all equal),
     ...). Their means over the aggregated clients keep TRL's own names (`reward` is the mean R̄), so the curves
-    overlay a `GRPOTrainer` run's; then the round's totals, τ, the server step (`delta_norm` ‖Δ‖,
-    `server_step_norm` ‖θ^{[t+1]} − θ^{[t]}‖ and their ratio `server_step_ratio`), and the evaluation if the round
-    had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations show them as `train/reward`,
-    `train/client_0/weight`, `eval/accuracy/Total`, ...
+    overlay a `GRPOTrainer` run's; then the round's totals (`num_clients` aggregated of `num_sampled`), τ, the
+    server step (`delta_norm` ‖Δ‖, `server_step_norm` ‖θ^{[t+1]} − θ^{[t]}‖ and their ratio `server_step_ratio`), and
+    the evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations
+    show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
     """
     # A client's scalar metrics, under its own name and averaged over the clients; a mean that would read as
     # another client's entry (`<client_id>/...`) or as the server's is left out: the server's entries come last.
@@ -102,6 +107,8 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         for name, value in scalars.items():
             logs[f"{client_id}/{name}"] = value
     logs.update({"round": record.round_idx, "num_clients": len(record.rewards)})
+    if record.sampled is not None:
+        logs["num_sampled"] = len(record.sampled)
     if record.rewards:
         logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
     for name in ("temperature", "delta_norm", "server_step_norm", "server_step_ratio"):
@@ -223,8 +230,8 @@ def _round_of(line: str) -> float:
 
 
 class MetricsLoggerCallback(RoundCallback):
-    """Appends one JSON line per client report (its metrics under "metrics"), dropped client, round and evaluation
-    to `output_dir/metrics.jsonl`.
+    """Appends one JSON line per client report (its metrics under "metrics"), dropped client, round, evaluation and
+    clients' evaluation (Flower's evaluate round) to `output_dir/metrics.jsonl`.
 
     On resume it first removes the lines of the rounds after the checkpoint, which the interrupted run may have
     begun and the resumed run repeats, so the log reads like an uninterrupted run's plus a `resumed` line.
@@ -268,3 +275,6 @@ class MetricsLoggerCallback(RoundCallback):
 
     def on_evaluate_round(self, args, round_idx, results, **kwargs):
         self._write("evaluation", {"round": round_idx, **results})
+
+    def on_client_evaluation(self, args, round_idx, results, **kwargs):
+        self._write("client_evaluation", {"round": round_idx, **results})

@@ -28,6 +28,7 @@ from .aggregation.robust import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS
 from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
 from .aggregation.server_optim import SERVER_OPTIMIZERS
 from .fast_generation import GENERATION_DTYPE_CHOICES, has_native_bf16
+from .sampling import participation_errors
 from .transport import DTYPES, LORA_AGGREGATIONS
 
 # Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
@@ -146,6 +147,28 @@ class FedGRPOConfig(GRPOConfig):
             uniform split.
         min_partition_size (`int`, *optional*, defaults to `2`):
             Smallest number of training rows a client may receive.
+
+        > Client sampling: Flower's `fraction_train`, `min_train_nodes`, `fraction_evaluate`, `min_evaluate_nodes`
+
+        fraction_train (`float`, *optional*, defaults to `1.0`):
+            Fraction in (0, 1] of the N clients that train each round, counted as Flower's strategies count nodes:
+            int(`fraction_train` × N) clients, at least `min_train_clients`. They are drawn uniformly without
+            replacement from (`seed`, round) alone (`trl_federated.sampling`), so the in-process runner and the Flower
+            strategy train the same clients, and a resumed run those the uninterrupted run would have. A client that
+            sits a round out keeps its per-client state unchanged (RPG's baseline φ and volatility σ, SCAFFOLD's
+            c_i). `1.0`: every client every round, the paper's Algorithm 1.
+        min_train_clients (`int`, *optional*, defaults to `1`):
+            Fewest clients sampled each round (Flower's `min_train_nodes`), at most N; it matters when
+            int(`fraction_train` × N) is smaller. `min_clients_per_round` must not exceed the clients sampled.
+        fraction_evaluate (`float`, *optional*, defaults to `0.0`):
+            Flower only: fraction in [0, 1] of the N clients sent the new global adapter after each round (Flower's
+            evaluate round) to evaluate it on their own held-out data (`ClientSite.eval_dataset`), which never
+            leaves them; they reply with their accuracy and row count, and the server logs each client's and the
+            row-weighted mean (`client_evaluation` lines in metrics.jsonl). Counted and drawn as `fraction_train`,
+            independently of the round's training draw. `0.0`: no client evaluation; the server's own evaluation of
+            `eval_dataset` is unaffected.
+        min_evaluate_clients (`int`, *optional*, defaults to `1`):
+            Fewest clients sampled for each evaluate round (Flower's `min_evaluate_nodes`), at most N.
 
         > Evaluation and outputs
 
@@ -416,6 +439,40 @@ class FedGRPOConfig(GRPOConfig):
     )
     min_partition_size: int = field(
         default=2, metadata={"help": "Smallest number of training rows a client may receive."}
+    )
+
+    # Client sampling, named after Flower's strategies
+    fraction_train: float = field(
+        default=1.0,
+        metadata={
+            "help": ResultHelp(
+                "Fraction in (0, 1] of the clients that train each round, as Flower's strategies count: "
+                "int(fraction_train x N), at least min_train_clients, drawn from (seed, round) alone so that the "
+                "runner, the Flower strategy and a resumed run train the same clients. A client that sits a round out "
+                "keeps its RPG baseline and SCAFFOLD control unchanged. 1.0: every client every round (the paper)."
+            )
+        },
+    )
+    min_train_clients: int = field(
+        default=1,
+        metadata={
+            "help": ResultHelp(
+                "Fewest clients sampled each round (Flower's min_train_nodes), at most the number of clients; it "
+                "matters when int(fraction_train x N) is smaller."
+            )
+        },
+    )
+    fraction_evaluate: float = field(
+        default=0.0,
+        metadata={
+            "help": "Flower only: fraction in [0, 1] of the clients that evaluate the new global adapter after each "
+            "round on their own held-out data (Flower's evaluate round), counted and drawn as fraction_train; the "
+            "server logs each client's accuracy and their row-weighted mean. 0.0: no client evaluation."
+        },
+    )
+    min_evaluate_clients: int = field(
+        default=1,
+        metadata={"help": "Fewest clients sampled for each evaluate round (Flower's min_evaluate_nodes)."},
     )
 
     # Evaluation and outputs
@@ -810,7 +867,8 @@ class FedGRPOConfig(GRPOConfig):
             if isinstance(value, float) and not math.isfinite(value) and not (name == "dirichlet_alpha" and value > 0):
                 yield f"`{name}` must be a finite number, got {value}."
         for name in (
-            "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round"
+            "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round",
+            "min_train_clients", "min_evaluate_clients",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -822,6 +880,12 @@ class FedGRPOConfig(GRPOConfig):
                 f"`min_clients_per_round` ({self.min_clients_per_round}) must not exceed `num_clients` "
                 f"({self.num_clients})."
             )
+        if not 0 <= self.fraction_evaluate <= 1:
+            yield f"`fraction_evaluate` must lie in [0, 1], got {self.fraction_evaluate}."
+        if not 0 < self.fraction_train <= 1:
+            yield f"`fraction_train` must lie in (0, 1], got {self.fraction_train}."
+        elif self.num_clients > 1:
+            yield from participation_errors(self, self.num_clients)
         if self.client_timeout is not None and not self.client_timeout > 0:
             yield f"`client_timeout` must be > 0 seconds or None, got {self.client_timeout}."
         if not self.node_wait_timeout >= 0:

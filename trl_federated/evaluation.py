@@ -27,12 +27,16 @@ from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import prepare_multimodal_messages
 
 from . import fast_generation as fast
+from .adapters import AdapterState, set_adapter_state
 from .data.paper import GEOMETRY_PRIMITIVES
 from .data.reasoning_gym import DIFFICULTIES
+from .memory import release_free_memory
 from .rewards import accuracy_reward
 
 if TYPE_CHECKING:
     from peft import PeftModel
+
+    from .config import FedGRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +275,23 @@ def evaluate_accuracy(
     return {"accuracy": accuracy, "count": count, "rewards": function_means, "row_rewards": rewards, "seconds": seconds}
 
 
+def merge_evaluations(evaluations: Iterable[dict[str, Any]]) -> dict[str, dict[str, float | int]]:
+    """Pool evaluations of disjoint rows (each with `evaluate_accuracy`'s "accuracy" and "count" per label, such as
+    the clients' evaluations of their own held-out data) into the evaluation of all their rows: per label, the
+    row-weighted mean reward and the rows, labels in `evaluate_accuracy`'s order; empty for no evaluation."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for evaluation in evaluations:
+        for label, count in evaluation["count"].items():
+            sums[label] += evaluation["accuracy"][label] * count
+            counts[label] += count
+    labels = [*_ordered_labels(label for label in counts if label != TOTAL), TOTAL] if counts else []
+    return {
+        "accuracy": {label: sums[label] / counts[label] for label in labels},
+        "count": {label: counts[label] for label in labels},
+    }
+
+
 def _batches_by_length(prompts: list[Any], batch_size: int) -> list[list[int]]:
     """Row indices in batches of `batch_size`, longest prompts first: rows of similar length share a batch, so
     left padding wastes little, and a batch that does not fit in memory fails at the start, not at the end.
@@ -310,3 +331,46 @@ def format_accuracy_table(results: dict[str, dict[str, Any]], labels: list[str] 
         cells = [f"{100 * accuracy[column]:.2f}" if column in accuracy else "-" for column in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def evaluate_adapter(
+    model: PeftModel,
+    adapter: AdapterState,
+    processing_class: PreTrainedTokenizerBase | ProcessorMixin,
+    dataset: Dataset,
+    args: FedGRPOConfig,
+    reward_funcs: RewardFunc | Sequence[RewardFunc],
+    reward_weights: Sequence[float] | None = None,
+    distributed: bool = False,
+) -> dict[str, Any]:
+    """`evaluate_accuracy` of `model` with `adapter` as its federated adapter, as the federation evaluates: the
+    server its `eval_dataset` (`FederatedServer.evaluate`), a Flower client its own held-out data (its evaluate
+    round). The settings are `args`'s (accuracy per `partition_column` label, `per_device_eval_batch_size`,
+    `max_completion_length` new tokens, the training's mixed precision and fast generation), on the device this
+    process trains on; the generation's memory is released after."""
+    set_adapter_state(model, adapter)
+    to_training_device(model, args)
+    results = evaluate_accuracy(
+        model,
+        processing_class,
+        dataset,
+        label_column=args.partition_column,
+        batch_size=args.per_device_eval_batch_size,
+        max_new_tokens=args.max_completion_length,
+        reward_funcs=reward_funcs,
+        reward_weights=reward_weights,
+        mixed_precision=args.mixed_precision,
+        distributed=distributed,
+        fast_generation=args.fast_generation,
+        generation_dtype=args.generation_dtype,
+    )
+    release_free_memory()  # evaluation's KV caches, before the next client or the server step
+    return results
+
+
+def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
+    """Move `model` to `args.device`, where this process trains (accelerate's `PartialState` for `args`), as a
+    `Trainer` places its model when built, so that an evaluation before the first round runs there too; a model
+    placed when loaded (a `device_map`, quantized weights) stays where it is, as `Trainer` leaves it."""
+    if getattr(model, "hf_device_map", None) is None and getattr(model, "hf_quantizer", None) is None:
+        model.to(args.device)

@@ -184,13 +184,13 @@ class ReportCallback(RoundCallback):
 
 
 class RunProgress(TrainerCallback):
-    """The runner's progress bar, counted in local steps (rounds x clients x `local_steps`), so that it moves while a
-    client trains and its rate and time left are those of training. The postfix names the round, the client, its
-    local step, its last logged reward and its seconds per step. Passed to every client's trainer; the runner
-    calls `start_client`/`end_client` around each client's round."""
+    """The runner's progress bar, counted in local steps (rounds x clients sampled a round x `local_steps`), so that
+    it moves while a client trains and its rate and time left are those of training. The postfix names the round, the
+    client, its local step, its last logged reward and its seconds per step. Passed to every client's trainer; the
+    runner calls `start_client`/`end_client` around each client's round."""
 
-    def __init__(self, num_rounds: int, client_ids: list[str], local_steps: int, first_round: int, disable: bool):
-        self.num_rounds, self.num_clients, self.local_steps = num_rounds, len(client_ids), local_steps
+    def __init__(self, num_rounds: int, clients_per_round: int, local_steps: int, first_round: int, disable: bool):
+        self.num_rounds, self.num_clients, self.local_steps = num_rounds, clients_per_round, local_steps
         self.bar = tqdm(
             total=num_rounds * self.num_clients * local_steps,
             initial=min(first_round, num_rounds) * self.num_clients * local_steps,

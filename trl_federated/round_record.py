@@ -13,13 +13,18 @@ from .adapters import state_nbytes
 class RoundRecord:
     """What happened in one round; `FederatedRunner.run()` returns one per round.
 
-    Per-client dicts are keyed by client id and hold only the clients whose updates were aggregated this round;
-    `dropped` holds the others (a client that raised, timed out or sent an invalid update) with the reason. A
-    client's `client_metrics` hold the means over its local steps of TRL's step metrics, `frac_reward_zero_std`
-    among them: the fraction of its GRPO groups whose K rewards were all equal, which carry no learning signal.
+    `sampled` lists the indices of the clients the round trained (`sampling.sample_clients`; the order of the runner's
+    `client_datasets`, a SuperNode's `partition-id`); None in a record from before client sampling, whose round
+    trained every client. Per-client dicts are keyed by client id and hold only the clients whose updates were
+    aggregated this round; `dropped` holds the others (a client that raised, timed out or sent an invalid update)
+    with the reason. A client that was not sampled sat the round out; a sampled one with neither weight nor drop had
+    no SuperNode connected (Flower). A client's `client_metrics` hold the means over its local steps of TRL's step
+    metrics, `frac_reward_zero_std` among them: the fraction of its GRPO groups whose K rewards were all equal, which
+    carry no learning signal.
     """
 
     round_idx: int
+    sampled: list[int] | None = None
     rewards: dict[str, float] = field(default_factory=dict)  # R̄_i^{[t]}
     gains: dict[str, float] = field(default_factory=dict)  # h_i^{[t]} (RPG only)
     weights: dict[str, float] = field(default_factory=dict)  # ω_i^{[t]}
@@ -42,14 +47,22 @@ class RoundRecord:
 
     @classmethod
     def from_aggregation(
-        cls, round_idx: int, aggregator, updates: list, dropped: dict[str, str], bytes_received: dict[str, int]
+        cls,
+        round_idx: int,
+        aggregator,
+        updates: list,
+        dropped: dict[str, str],
+        bytes_received: dict[str, int],
+        sampled: list[int],
     ) -> RoundRecord:
-        """The record of round `round_idx` right after `aggregator` aggregated `updates` (`ClientUpdate`s);
-        `bytes_received` is what each of their clients received. RPG's gains and temperature are left empty for an
-        aggregator that has none; the geometry of the step is the aggregator's `last_step` (`ServerStep`)."""
+        """The record of round `round_idx` right after `aggregator` aggregated `updates` (`ClientUpdate`s) of the
+        `sampled` clients; `bytes_received` is what each of their clients received. RPG's gains and temperature are
+        left empty for an aggregator that has none; the geometry of the step is the aggregator's `last_step`
+        (`ServerStep`)."""
         step = aggregator.last_step
         return cls(
             round_idx=round_idx,
+            sampled=list(sampled),
             rewards={update.client_id: update.reward for update in updates},
             gains=dict(getattr(aggregator, "last_gains", {})),
             weights=dict(aggregator.last_weights),

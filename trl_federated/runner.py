@@ -1,4 +1,5 @@
-"""`FederatedRunner`: rounds of local GRPO on every client, then one server aggregation (Algorithm 1)."""
+"""`FederatedRunner`: rounds of local GRPO on every client (or those `fraction_train` samples), then one server
+aggregation (Algorithm 1)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class FederatedRunner(ServerStateView):
     """Simulates N clients and the server of a federated GRPO run in one process.
 
     The base model is loaded once and wrapped in PEFT once; clients take turns on it. For each round and client
-    the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh
+    the server samples (every client unless `fraction_train` < 1: `sampling.sample_clients`, the Flower strategy's
+    draw), the runner loads the global adapter with `set_peft_model_state_dict`, trains a fresh
     `local_trainer(trainer_class)` for `local_steps` steps on the client's data (seed
     `args.seed + round * num_clients + client_index`), and keeps only the client's adapter
     (`get_peft_model_state_dict`) and R̄. Memory therefore grows by one adapter copy per client, never by a model. The
@@ -292,11 +294,12 @@ class FederatedRunner(ServerStateView):
             first_round = server.start_run()
             client_ids = list(self.client_datasets)
             self.progress = RunProgress(
-                args.num_rounds, client_ids, args.local_steps, first_round, disable=not self.is_main_process
+                args.num_rounds, server.clients_per_round, args.local_steps, first_round,
+                disable=not self.is_main_process,
             )
             for round_idx in range(first_round, args.num_rounds):
-                server.begin_round(round_idx)
-                for client_index, client_id in enumerate(client_ids):
+                for client_index in server.begin_round(round_idx):
+                    client_id = client_ids[client_index]
                     self.progress.start_client(round_idx, client_id)
                     update = self._collect(round_idx, client_index, client_id)
                     self.progress.end_client()

@@ -4,7 +4,8 @@ The in-process `FederatedRunner` and the Flower `FederatedStrategy` are drivers:
 and deliver every client's reply, or the reason it has none, to this one object. Everything a round does on the
 server happens here, once:
 
-    begin_round(t)          the round opens: callbacks, the admission gate
+    begin_round(t)          the round opens: callbacks, the admission gate, and the clients it samples
+                            (`sampling.sample_clients`: `fraction_train`, `min_train_clients`, from seed and t)
     broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and the
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
     admit(client_id, ...)   a reply, as it came off the wire, decoded (`transport.WireFormat`), checked and
@@ -15,6 +16,8 @@ server happens here, once:
     end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
                             the atomic checkpoint, and the round's summary in the log
 
+and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the clients sampled to evaluate the global
+adapter on their own held-out data) and `record_client_evaluation` (their results and row-weighted mean, logged);
 plus `start_run` (output folder, which this process then writes alone, resume or the evaluation before training),
 `finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close` (the output folder's lock,
 however the run ended). The per-client state of an aggregation is the aggregator's own (see
@@ -52,13 +55,13 @@ from .checkpoint import (
 )
 from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
-from .evaluation import check_eval_reward_funcs, evaluate_accuracy
+from .evaluation import TOTAL, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
 from .hub import federated_model_card, push_to_hub
-from .memory import release_free_memory
 from .reporting import ReportCallback
 from .rewards import combined_reward_range
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, run_identity
+from .sampling import clients_per_round, participation_errors, sample_clients
 from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
@@ -73,11 +76,12 @@ class NotEnoughClientsError(RuntimeError):
 
 @dataclass
 class _Round:
-    """The round in progress: when it began, what each client received (the adapter's bytes, and those of its
-    extras), the accepted updates, the drops."""
+    """The round in progress: when it began, the indices of the clients it samples, what each client received (the
+    adapter's bytes, and those of its extras), the accepted updates, the drops."""
 
     round_idx: int
     started: float
+    sampled: list[int]
     broadcast_bytes: int
     extras_bytes: dict[str, int] = field(default_factory=dict)
     updates: list[ClientUpdate] = field(default_factory=list)
@@ -158,6 +162,9 @@ class FederatedServer:
         self.processing_class = processing_class
         self.dataset_name = dataset_name
         self.num_clients = len(client_datasets) or args.num_clients
+        for message in participation_errors(args, self.num_clients):
+            raise ValueError(message)
+        self.clients_per_round = clients_per_round(self.num_clients, args.fraction_train, args.min_train_clients)
         self.is_main_process, self.num_processes = is_main_process, num_processes
         self.history: list[RoundRecord] = []
         self.evaluations: dict[int, dict[str, Any]] = {}
@@ -218,7 +225,8 @@ class FederatedServer:
     def write_result(self, path: str | Path, wall_time: float) -> Path:
         """`result.json`, written atomically: the evaluations and each round's R̄, h, ω, τ and traffic. Its presence
         marks a finished run (`trl-federated compare` relies on it)."""
-        keys = ("round_idx", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received", "dropped")
+        keys = ("round_idx", "sampled", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received",
+                "dropped")
         result = {
             "wall_time": wall_time,
             "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
@@ -232,11 +240,16 @@ class FederatedServer:
 
     # A round -----------------------------------------------------------------------------------------------
 
-    def begin_round(self, round_idx: int) -> None:
-        """Open round `round_idx`: replies are admitted against the current global adapter from now on."""
+    def begin_round(self, round_idx: int) -> list[int]:
+        """Open round `round_idx` and return the indices, ascending, of the clients it trains
+        (`sampling.sample_clients`: every client unless `fraction_train` < 1): replies are admitted against the
+        current global adapter from now on."""
         self._fire("on_round_begin", round_idx=round_idx)
         self.gate.open_round(self.global_state)
-        self._round = _Round(round_idx, time.perf_counter(), state_nbytes(self.wire.sent(self.global_state)))
+        args = self.args
+        sampled = sample_clients(self.num_clients, args.fraction_train, args.min_train_clients, args.seed, round_idx)
+        self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
+        return sampled
 
     def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
@@ -308,7 +321,9 @@ class FederatedServer:
                 update.client_id: current.broadcast_bytes + current.extras_bytes.get(update.client_id, 0)
                 for update in updates
             }
-            record = RoundRecord.from_aggregation(round_idx, self.aggregator, updates, current.dropped, received)
+            record = RoundRecord.from_aggregation(
+                round_idx, self.aggregator, updates, current.dropped, received, current.sampled
+            )
         if self.num_processes > 1:
             # Every other process receives the new global adapter, the aggregator's state (SCAFFOLD's c and c_i steer
             # its next local steps) and the record, so that all processes leave the round identical.
@@ -323,7 +338,7 @@ class FederatedServer:
         self._fire("on_round_end", record=record)
         if self.is_main_process:
             self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
-            logger.info("%s", format_round_log(record, args.num_rounds))
+            logger.info("%s", format_round_log(record, args.num_rounds, self.num_clients))
             self.check_server_step(record)
         self._round = None
         return record
@@ -352,25 +367,42 @@ class FederatedServer:
         `eval_dataset`, overall and per `args.partition_column` label (None without an `eval_dataset`)."""
         if self.eval_dataset is None:
             return None
-        set_adapter_state(self.model, self.global_state)
-        to_training_device(self.model, self.args)
-        results = evaluate_accuracy(
-            self.model,
-            self.processing_class,
-            self.eval_dataset,
-            label_column=self.args.partition_column,
-            batch_size=self.args.per_device_eval_batch_size,
-            max_new_tokens=self.args.max_completion_length,
-            reward_funcs=self.eval_reward_funcs,
-            reward_weights=self.eval_reward_weights,
-            mixed_precision=self.args.mixed_precision,
-            distributed=self.num_processes > 1,
-            fast_generation=self.args.fast_generation,
-            generation_dtype=self.args.generation_dtype,
+        results = evaluate_adapter(
+            self.model, self.global_state, self.processing_class, self.eval_dataset, self.args,
+            self.eval_reward_funcs, self.eval_reward_weights, distributed=self.num_processes > 1,
         )
-        release_free_memory()  # evaluation's KV caches, before the next client or the server step
         self.evaluations[round_idx] = results
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
+        return results
+
+    def evaluation_clients(self, round_idx: int) -> list[int]:
+        """The indices, ascending, of the clients that evaluate the global adapter of round `round_idx` on their own
+        held-out data (Flower's evaluate round): `fraction_evaluate` and `min_evaluate_clients`, drawn from (seed,
+        round) apart from the round's training draw (`sampling.sample_clients`); none with `fraction_evaluate` 0."""
+        args = self.args
+        if args.fraction_evaluate == 0:
+            return []
+        return sample_clients(
+            self.num_clients, args.fraction_evaluate, args.min_evaluate_clients, args.seed, round_idx, "evaluate"
+        )
+
+    def record_client_evaluation(
+        self, round_idx: int, evaluations: dict[str, dict[str, Any]], failed: dict[str, str]
+    ) -> dict[str, Any]:
+        """Record the clients' evaluations of the global adapter of round `round_idx`, each on its own held-out data
+        (`evaluate_accuracy`'s "accuracy" and "count" per label), and why the others sampled have none: the pooled
+        result (`evaluation.merge_evaluations`: per label, the row-weighted mean), each client's, and the failures go
+        to the callbacks (`RoundCallback.on_client_evaluation`, a `client_evaluation` line in metrics.jsonl) and the
+        log; returns them."""
+        results = {**merge_evaluations(evaluations.values()), "clients": evaluations, "failed": failed}
+        self._fire("on_client_evaluation", round_idx=round_idx, results=results)
+        total = results["accuracy"].get(TOTAL)
+        logger.info(
+            "Round %d: %d clients evaluated the global adapter on their own held-out data: %s over %d rows%s.",
+            round_idx, len(evaluations), "no accuracy" if total is None else f"accuracy {100 * total:.2f}%",
+            results["count"].get(TOTAL, 0),
+            "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items()),
+        )
         return results
 
     def save_checkpoint(self, round_idx: int) -> Path:
@@ -431,22 +463,17 @@ class FederatedServer:
         self.identity["training"]["server_learning_rate"] = saved
 
 
-def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
-    """Move `model` to `args.device`, where this process trains (accelerate's `PartialState` for `args`), as a
-    `Trainer` places its model when built, so that an evaluation before the first round runs there too; a model
-    placed when loaded (a `device_map`, quantized weights) stays where it is, as `Trainer` leaves it."""
-    if getattr(model, "hf_device_map", None) is None and getattr(model, "hf_quantizer", None) is None:
-        model.to(args.device)
-
-
-def format_round_log(record: RoundRecord, num_rounds: int) -> str:
-    """A finished round in a few log lines: each aggregated client's R̄, h, ω and traffic, τ, the drops and the
-    evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
+def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:
+    """A finished round in a few log lines: the clients sampled when not all `num_clients`, each aggregated client's
+    R̄, h, ω and traffic, τ, the drops and the evaluation, so that a console (`flwr run --stream`, a SuperLink's log)
+    shows what metrics.jsonl records."""
     temperature = "" if record.temperature is None else f", τ = {record.temperature:.3f}"
     step = "" if record.server_step_ratio is None else f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
+    sampled = record.sampled
+    sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
     lines = [
-        f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated, {len(record.dropped)} "
-        f"dropped{temperature}{step}, {record.wall_time:.1f} s"
+        f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated{sampling}, "
+        f"{len(record.dropped)} dropped{temperature}{step}, {record.wall_time:.1f} s"
     ]
     for client_id, reward in record.rewards.items():
         gain, cosine = record.gains.get(client_id), record.update_cosines.get(client_id)

@@ -2,9 +2,10 @@
 
 Each SuperNode's `--node-config` names its client (`partition-id`) and its own data (`data-dir`, a dataset saved
 with `save_to_disk`; on the Simulation Engine, whose node config has no `data-dir`, the run config's
-`data-root`/client_<partition-id>); the run config names the tiny model, the server's output folder and the
-aggregation. Each process loads the model once (`load_once`), and appends its pid to the run config's
-`loads-file`, if any, when it does.
+`data-root`/client_<partition-id>), and optionally `eval-rows`, how many of its first rows it also holds out to
+evaluate the global adapter on when asked; the run config names the tiny model, the server's output folder, the
+aggregation and optionally `fraction-train` and `fraction-evaluate`. Each process loads the model once
+(`load_once`), and appends its pid to the run config's `loads-file`, if any, when it does.
 """
 
 import os
@@ -35,7 +36,9 @@ def federation_args(output_dir: str, run_config) -> FedGRPOConfig:
     return FedGRPOConfig(
         output_dir=output_dir, aggregation=run_config["aggregation"], num_rounds=int(run_config["num-rounds"]),
         lora_aggregation=run_config.get("lora-aggregation", "separate"),
-        transfer_dtype=run_config.get("transfer-dtype", "float32"), **SETTINGS,
+        transfer_dtype=run_config.get("transfer-dtype", "float32"),
+        fraction_train=float(run_config.get("fraction-train", 1.0)),
+        fraction_evaluate=float(run_config.get("fraction-evaluate", 0.0)), **SETTINGS,
     )
 
 
@@ -57,12 +60,15 @@ def load_site(context: Context) -> ClientSite:
     )
     args = federation_args(f"{data_dir}-scratch", context.run_config)
     model, tokenizer = site_model(model_dir, args, context.run_config.get("loads-file", ""))
+    train_dataset = load_from_disk(data_dir)
+    eval_rows = context.node_config.get("eval-rows")
     return ClientSite(
         model=model,
         processing_class=tokenizer,
         reward_funcs=length_reward,
-        train_dataset=load_from_disk(data_dir),
+        train_dataset=train_dataset,
         args=args,
+        eval_dataset=train_dataset.select(range(eval_rows)) if eval_rows else None,
     )
 
 

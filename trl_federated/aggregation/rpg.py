@@ -24,9 +24,13 @@ class RPGAggregator(Aggregator):
     without bias correction (Eqs. momentum, model_update).
 
     Conventions the paper leaves open:
-    - a client's first report sets φ^{[t-1]} to its own R̄ (so h = 0) and σ^{[t-1]} to σ_min;
-    - t is the 0-based round index, so τ^{[0]} = τ_max;
-    - the softmax runs over the clients that reported this round; a client that did not report keeps its φ, σ;
+    - a client's first report sets φ^{[t-1]} to its own R̄ (so h = 0 in Eq. rpg) and σ^{[t-1]} to σ_min, in whichever
+      round t it comes (with client sampling, `fraction_train` < 1, a client may first train in any round);
+    - t is the 0-based round index of the federation, so τ^{[0]} = τ_max and the annealing follows the rounds, not
+      how often a client took part;
+    - the softmax (Eq. weight) runs over the clients that reported this round; a client that did not report (not
+      sampled, or dropped) keeps its φ, σ bit for bit: Eq. ema is applied once per report, never decayed in a round
+      the client sat out, so φ^{[t-1]} in Eq. rpg is the baseline of its last report;
     - `h_max` clips h to [−h_max, h_max], the bound of the paper's Assumption 5, so a client that inflates its
       self-reported reward gains at most a factor exp(2 h_max / τ) in weight. The default 10 is never reached by an
       honest client with the default ι, σ_max and rewards spanning at most 2: below σ_max, σ ≥ (1 − ι)|gap| gives

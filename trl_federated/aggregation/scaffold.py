@@ -36,33 +36,43 @@ class ScaffoldAggregator(FedAvgAggregator):
 
         θ^{[t+1]} = θ^{[t]} + η_g Σ_{i reported} ω_i (θ_i − θ^{[t]})     ω_i = D_i / Σ_{i' reported} D_{i'}
         c_i⁺ = c_i + Δc_i                                                 (for each accepted update)
-        c^{[t+1]} = Σ_i p_i c_i                                           p_i = D_i / Σ_{i'} D_{i'}
+        c^{[t+1]} = Σ_{i=1}^N p_i c_i                                     p_i = D_i / Σ_{i'=1}^N D_{i'}
 
-    the last sum over every client the server holds a c_i for. SCAFFOLD (Karimireddy et al., ICML 2020) minimises
+    the last sum over all N clients of the federation, c_i = 0 for a client that has not reported yet. A client that
+    sits a round out (not sampled, or dropped) keeps its c_i, so c moves by the reporters' changes alone,
+    c^{[t+1]} = c^{[t]} + Σ_{i reported} p_i Δc_i: with equal D_i, SCAFFOLD's server update under partial
+    participation, c ← c + (|S|/N) · mean_{i∈S} Δc_i (its Algorithm 1, line 17). The server need not know the D_j of
+    a client that has never reported: it counts with the mean D of those that have (exact with equal D_i, and once
+    every client has reported). SCAFFOLD (Karimireddy et al., ICML 2020) minimises
     the uniform mean of the clients' objectives, so its paper averages both x and c with 1/N; the paper's objective
     F = Σ_i ω_i F_i weighs the clients by data volume, as FedAvg's baseline does, and c estimates ∇F = Σ_i ω_i ∇F_i
     only with the same weights: then Σ_i ω_i (c − c_i) = 0 and the clients' corrections c − c_i cancel in Δ, which
     is what lets SCAFFOLD remove client drift without biasing the global step. (Averaging θ by data volume and c
     by 1/N, as this class did before, leaves Σ_i ω_i (c − c_i) ≠ 0 with unequal D_i, a drift every round adds to.)
-    With every client reporting, p_i = ω_i and the identity holds exactly; with equal D_i it is SCAFFOLD's 1/N.
+    With every client reporting, p_i = ω_i and the identity holds exactly; with equal D_i it is SCAFFOLD's 1/N; with
+    sampled clients it holds in expectation over the draw, as in SCAFFOLD.
 
     The server keeps every c_i and D_i, by client id (`client_controls`, `client_sizes`): it receives every Δc_i
-    anyway, so keeping their sum reveals nothing new, survives a client's restart and is checkpointed. A client that
-    has not reported yet holds no c_i and has no weight in c (SCAFFOLD's 1/N counts it as a zero c_i). Each round a
+    anyway, so keeping their sum reveals nothing new, survives a client's restart and is checkpointed. Each round a
     client is sent c and its c_i (`client_extras`), trains with the correction c − c_i (`ScaffoldCorrection`, through
     `client_hook`) and sends back Δc_i as its extra "control_delta".
+
+    Args:
+        num_clients: N, the federation's size (`from_config` passes it). None: the clients that have reported so far,
+            which is N once every client has reported, or from the first round when every client trains each round.
     """
 
-    def __init__(self, server_optimizer: ServerOptimizer | None = None, combiner=None):
+    def __init__(self, server_optimizer: ServerOptimizer | None = None, combiner=None, num_clients: int | None = None):
         super().__init__(server_optimizer, combiner)
+        self.num_clients = num_clients
         self.control: AdapterState = {}
         self.client_controls: dict[str, AdapterState] = {}
         self.client_sizes: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> ScaffoldAggregator:
-        """SCAFFOLD; its weights are the clients' data volumes, so the size of the federation plays no part."""
-        return cls(server_optimizer=server_optimizer, combiner=combiner)
+        """SCAFFOLD for a federation of `num_clients`: c averages over all of them, sampled or not."""
+        return cls(server_optimizer=server_optimizer, combiner=combiner, num_clients=num_clients)
 
     def server_control(self, global_state: AdapterState) -> AdapterState:
         """c, created as zeros shaped like the adapter on first use."""
@@ -144,10 +154,12 @@ class ScaffoldAggregator(FedAvgAggregator):
     def aggregate(self, global_state, updates: list[ClientUpdate], round_idx: int, check_finite: bool = True):
         new_state = super().aggregate(global_state, updates, round_idx, check_finite)
         keys = list(self.server_control(global_state))
-        # c = Σ_i p_i c_i over the clients whose D_i is known (a checkpoint from before `client_sizes` learns each
-        # client's at its next report): one fused in-place pass per client into a fresh c.
+        # c = Σ_{i=1}^N p_i c_i over the clients whose D_i is known (a checkpoint from before `client_sizes` learns
+        # each client's at its next report), the others' c_i zero: one fused in-place pass per client into a fresh c.
+        # Σ_j D_j counts each client yet to report with the reporters' mean D (see the class docstring); with no c_i
+        # kept (updates aggregated without `accept`), c stays 0.
         sizes = {client_id: size for client_id, size in self.client_sizes.items() if client_id in self.client_controls}
-        total = sum(sizes.values())
+        total = sum(sizes.values()) * max(self.num_clients or 0, len(sizes)) / len(sizes) if sizes else 0
         control = torch._foreach_mul([self.control[key] for key in keys], 0.0)
         for client_id, size in sizes.items():
             torch._foreach_add_(control, [self.client_controls[client_id][key] for key in keys], alpha=size / total)

@@ -25,9 +25,10 @@ from trl import GRPOTrainer
 from ..adapters import AdapterState, get_adapter_state, with_federated_adapter
 from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
+from ..evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local_trainer import local_trainer
 from ..transport import WireFormat, freeze_lora_a
-from .records import CLIENT, TrainInstruction, client_identity_record, update_to_content
+from .records import CLIENT, TrainInstruction, client_identity_record, evaluation_to_content, update_to_content
 from .run_config import NUM_PARTITIONS, FederationSizeError
 from .strategy import FederatedStrategy
 from .stream import show_package_logs
@@ -87,6 +88,11 @@ class ClientSite:
             server's for the run to equal the in-process runner's). `output_dir` is a local scratch folder.
         peft_config: LoRA configuration for a base `model`.
         callbacks, trainer_kwargs: Further `GRPOTrainer` callbacks and arguments.
+        eval_dataset: The site's own held-out rows (a `prompt` column and what the rewards read), on which it
+            evaluates the global adapter when the server asks (its evaluate round, `fraction_evaluate` > 0); they
+            never leave the site, only the accuracy and row count do. None: the site declines such a request.
+        eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
+            `reward_funcs` with `args.reward_weights`, as the server scores its own `eval_dataset`).
     """
 
     model: PreTrainedModel | PeftModel
@@ -97,6 +103,8 @@ class ClientSite:
     peft_config: PeftConfig | None = None
     callbacks: list = field(default_factory=list)
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    eval_dataset: Dataset | None = None
+    eval_reward_funcs: Any = None
 
 
 def node_client_identity(context: Context) -> tuple[str, int]:
@@ -131,10 +139,13 @@ def make_client_app(
     `vllm_mode="colocate"`), before any trainer or engine is built. With `vllm_mode="server"`, give each SuperNode
     its own vLLM server.
 
-    It also answers the server's identity query (which client a node serves) from `identify(context)`, without
-    loading anything. The messages both ways are documented in `flower.records`; a stock Flower strategy's train
-    message (`FedAvg`: "arrays" and "server-round") is taken too. Each local round is logged on the SuperNode
-    (steps, rows, R̄, loss, seconds).
+    An evaluate message (the server's evaluate round, `fraction_evaluate` > 0) is answered with the accuracy of the
+    global adapter it carries on the site's own `eval_dataset` (`evaluation.evaluate_adapter`, as the server
+    evaluates its own) and the row count, per label of `partition_column` too; a site without `eval_dataset`, or
+    whose evaluation fails, replies with an error the server logs. It also answers the server's identity query
+    (which client a node serves) from `identify(context)`, without loading anything. The messages both ways are
+    documented in `flower.records`; a stock Flower strategy's train message (`FedAvg`: "arrays" and "server-round")
+    is taken too. Each local round is logged on the SuperNode (steps, rows, R̄, loss, seconds).
 
     `trainer_class`: the `GRPOTrainer` subclass that trains each round (TRL's experimental `GMPOTrainer`, or your
     own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`); checked here, before any message.
@@ -168,17 +179,47 @@ def make_client_app(
                 update.reward, update.metrics["train_loss"], update.metrics["train_seconds"],
             )
         except Exception as error:  # reported to the server, which drops this client from the round
-            kind, reason = describe_failure(error)
-            logger.exception("Client %r failed its local round (%s)", client_id, kind)
-            report = json.dumps({"client-id": client_id, "kind": kind, "reason": reason})
-            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=report), reply_to=message)
+            return failure_reply(message, client_id, error, "its local round")
         return Message(update_to_content(update, client_index), reply_to=message)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        show_package_logs()
+        client_id, client_index = identify(context)
+        try:
+            instruction = TrainInstruction.from_content(message.content)
+            check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
+            site = load_site(context)
+            if site.eval_dataset is None:
+                raise ValueError("this site has no held-out data: give its ClientSite an `eval_dataset`")
+            model, global_state, _ = _prepare_site_model(site, instruction)
+            if site.eval_reward_funcs is None:
+                reward_funcs, reward_weights = site.reward_funcs, site.args.reward_weights
+            else:
+                reward_funcs, reward_weights = site.eval_reward_funcs, None
+            results = evaluate_adapter(
+                model, global_state, site.processing_class, site.eval_dataset, site.args,
+                check_eval_reward_funcs(reward_funcs), reward_weights,
+            )
+        except Exception as error:  # reported to the server, which logs it with the round's evaluations
+            return failure_reply(message, client_id, error, "its evaluation")
+        return Message(evaluation_to_content(results, client_id, client_index), reply_to=message)
 
     @app.query("identify")
     def identify_client(message: Message, context: Context) -> Message:
         return Message(RecordDict({CLIENT: client_identity_record(*identify(context))}), reply_to=message)
 
     return app
+
+
+def failure_reply(message: Message, client_id: str, error: Exception, what: str) -> Message:
+    """The error reply to `message` of a client that failed `what` (its local round, its evaluation): JSON naming
+    the client, the kind of failure ("timeout" past `client_timeout`, else "error") and the reason, which the server
+    logs; the traceback stays in the SuperNode's log."""
+    kind, reason = describe_failure(error)
+    logger.exception("Client %r failed %s (%s)", client_id, what, kind)
+    report = json.dumps({"client-id": client_id, "kind": kind, "reason": reason})
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=report), reply_to=message)
 
 
 def check_federation_size(federation_size, num_clients: int | None) -> None:

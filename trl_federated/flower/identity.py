@@ -192,6 +192,10 @@ class NodeBinder:
         """(client id, client index) of a node `bind` bound."""
         return self._clients[node_id]
 
+    def bound_client(self, node_id: int) -> tuple[str, int] | None:
+        """(client id, client index) of a node `bind` bound, None for any other node."""
+        return self._clients.get(node_id)
+
     def _bind_claim(
         self, node_id: int, client_id: str, client_index: int, key: bytes, connected: list[int]
     ) -> str | None:

@@ -28,6 +28,14 @@ Client → server, the reply:
 or an error reply: `Error.reason` is JSON {"client-id", "kind" ("error" or "timeout"), "reason"} when the local
 round failed; any other error (a crashed ClientApp, a node the SuperLink reports unavailable) is Flower's own.
 
+Server → client, an "evaluate" message (`fraction_evaluate` > 0, after each round): a train message's "arrays" and
+"config" (`TrainInstruction`, "round-idx" the round that made the adapter), without extras. The reply:
+    "metrics"         MetricRecord  "num-examples" (rows of the client's held-out data) and "accuracy" (their mean
+                                    reward), Flower's names, so that a stock strategy weighs it; per label of
+                                    `partition_column`, "accuracy/<label>" and "count/<label>"
+    "client"          ConfigRecord  as in the train reply
+or an error reply, as for training.
+
 Server → client, a "query.identify" message (empty): the reply's "client" ConfigRecord names the client the node
 serves (its `--node-config` `partition-id`, `client-id`). A strategy with a `ClientRegistry` never sends it.
 
@@ -59,6 +67,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from ..adapters import AdapterState, InvalidUpdateError
 from ..admission import MAX_CLIENT_ID_LENGTH, bounded_text, check_client_id
 from ..aggregation import ClientUpdate
+from ..evaluation import TOTAL
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -68,6 +77,11 @@ EXTRA = "extra/"  # the prefix of the ArrayRecord of each extra, both ways
 # MetricRecord keys of the update itself; every other metric is the update's `metrics`.
 NUM_EXAMPLES = "num-examples"  # Flower's usual name for the data volume
 REWARD = "reward"
+# MetricRecord keys of an evaluation reply besides NUM_EXAMPLES: the mean reward of all rows, and per label.
+ACCURACY = "accuracy"
+LABEL_ACCURACY, LABEL_COUNT = "accuracy/", "count/"
+# Labels an evaluation reply may carry (`partition_column` values: the paper's have 3 and 4).
+MAX_EVALUATION_LABELS, MAX_LABEL_LENGTH = 64, 100
 
 
 def state_to_array_record(state: AdapterState) -> ArrayRecord:
@@ -271,3 +285,45 @@ def content_to_update(content: RecordDict) -> tuple[ClientUpdate, int]:
         extras=read_extras(content),
     )
     return update, client_index
+
+
+def evaluation_to_content(results: dict, client_id: str, client_index: int) -> RecordDict:
+    """A client's evaluation of the global adapter on its own held-out data (`evaluation.evaluate_accuracy`'s
+    "accuracy" and "count" per label) as the content of its reply to an evaluate message."""
+    accuracy, count = results["accuracy"], results["count"]
+    metrics = {NUM_EXAMPLES: count[TOTAL], ACCURACY: float(accuracy[TOTAL])}
+    for label in accuracy:
+        if label != TOTAL:
+            metrics[LABEL_ACCURACY + label] = float(accuracy[label])
+            metrics[LABEL_COUNT + label] = count[label]
+    return RecordDict({METRICS: MetricRecord(metrics), CLIENT: client_identity_record(client_id, client_index)})
+
+
+def content_to_evaluation(content: RecordDict) -> dict[str, dict[str, float | int]]:
+    """The evaluation an evaluate reply carries, as `evaluation.evaluate_accuracy` gives it ("accuracy" and "count"
+    per label, "Total" for all rows); `ValueError`, naming the fault, unless every accuracy is a finite number with
+    a positive integer row count, at most `MAX_EVALUATION_LABELS` labels (no more than a MetricRecord of that many
+    entries allocates), none of them counting more rows than the whole."""
+    metrics = content.metric_records.get(METRICS)
+    if metrics is None or NUM_EXAMPLES not in metrics or ACCURACY not in metrics:
+        raise ValueError(f"the reply has no {METRICS!r} MetricRecord with {NUM_EXAMPLES!r} and {ACCURACY!r}")
+    pairs = {TOTAL: (metrics[ACCURACY], metrics[NUM_EXAMPLES])}
+    for key in metrics:
+        if key.startswith(LABEL_ACCURACY):
+            label = key.removeprefix(LABEL_ACCURACY)
+            if label in pairs or len(label) > MAX_LABEL_LENGTH:
+                raise ValueError(f"its label {bounded_text(repr(label), 100)} is {TOTAL!r} (all rows) or longer than "
+                                 f"{MAX_LABEL_LENGTH} characters")
+            pairs[label] = (metrics[key], metrics.get(LABEL_COUNT + label))
+    if len(pairs) > MAX_EVALUATION_LABELS + 1:
+        raise ValueError(f"the reply has {len(pairs) - 1} labels, more than {MAX_EVALUATION_LABELS}")
+    for label, (accuracy, count) in pairs.items():
+        if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) or not math.isfinite(accuracy):
+            raise ValueError(f"its accuracy of {label!r} is no finite number: {bounded_text(repr(accuracy), 40)}")
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= pairs[TOTAL][1]:
+            raise ValueError(f"its row count of {label!r} is no positive integer up to {NUM_EXAMPLES}: "
+                             f"{bounded_text(repr(count), 40)}")
+    return {
+        "accuracy": {label: float(accuracy) for label, (accuracy, _) in pairs.items()},
+        "count": {label: count for label, (_, count) in pairs.items()},
+    }

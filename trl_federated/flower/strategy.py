@@ -21,12 +21,17 @@ from ..admission import bounded_text
 from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from ..callbacks import round_logs
 from ..config import FedGRPOConfig
+from ..evaluation import TOTAL
 from ..round_record import RoundRecord
 from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .identity import Claim, ClientRegistry, NodeBinder
 from .records import (
+    ACCURACY,
+    LABEL_ACCURACY,
+    NUM_EXAMPLES,
     TrainInstruction,
     array_record_to_state,
+    content_to_evaluation,
     content_to_update,
     read_client_identity,
     state_to_array_record,
@@ -64,14 +69,23 @@ class FederatedStrategy(ServerStateView, Strategy):
     same admission gate, wire format, aggregator, per-client state (SCAFFOLD's c_i), byte accounting, round records,
     evaluation, checkpoints and reports. The strategy only turns rounds into Flower messages and back.
 
-    Every round it sends the global adapter to every connected SuperNode that serves a client of the federation
-    (full participation, as in the runner) and delivers each reply to the server, which admits it or drops its
-    client with the reason. Replies are attributed by the server's own record of what it sent (the id of each train
-    message → the client it was addressed to), never by what a reply says about itself: a SuperNode that dies
-    mid-round is one `client_dropped` line for its client, with Flower's reason and the elapsed time, whichever node
-    (the SuperLink) reports it. Accepted updates are aggregated in client-index order, so a Flower run ends on the
-    runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the run with
-    `NotEnoughClientsError`, the last checkpoint intact.
+    Every round it sends the global adapter to the connected SuperNodes that serve the clients the server samples
+    (`FederatedServer.begin_round`: all of them by default; `fraction_train` and `min_train_clients` as Flower's
+    `FedAvg` takes `fraction_train` and `min_train_nodes`, but drawn by client index from (seed, round), so the
+    runner trains the same clients) and delivers each reply to the server, which admits it or drops its client with
+    the reason. A sampled client that no connected node serves is named in the log (its index stays in the round
+    record's `sampled`, with neither weight nor drop); the others sit the round out, their per-client state
+    unchanged. Replies are attributed by the server's own record of what it sent
+    (the id of each train message → the client it was addressed to), never by what a reply says about itself: a
+    SuperNode that dies mid-round is one `client_dropped` line for its client, with Flower's reason and the elapsed
+    time, whichever node (the SuperLink) reports it. Accepted updates are aggregated in client-index order, so a
+    Flower run ends on the runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the
+    run with `NotEnoughClientsError`, the last checkpoint intact.
+
+    With `fraction_evaluate` > 0, Flower's evaluate round after each round sends the new global adapter to the
+    clients `FederatedServer.evaluation_clients` samples; each evaluates it on its own held-out data
+    (`ClientSite.eval_dataset`) and replies with its accuracy and row count, which the server pools by rows and
+    logs (`client_evaluation` lines in metrics.jsonl; `Result.evaluate_metrics_clientapp`).
 
     Which client a node serves is the server's call, made before any training message is sent, by `self.binder`
     (`identity.NodeBinder`; the strategy only sends its questions). With a `registry` (`identity.ClientRegistry`) it
@@ -149,6 +163,7 @@ class FederatedStrategy(ServerStateView, Strategy):
         self.reply_timeout = reply_timeout
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
         self._sent: list[_Sent] = []  # this round's train messages, until their replies are in
+        self._evaluating: list[_Sent] = []  # this round's evaluate messages, until their replies are in
 
     # The server's state (with `server.ServerStateView`) ------------------------------------------------------
 
@@ -227,8 +242,10 @@ class FederatedStrategy(ServerStateView, Strategy):
 
     def summary(self) -> None:
         logger.info(
-            "FederatedStrategy: %s, %d clients (at least %d a round), rounds %d-%d of %d, wire %s/%s, output_dir %s",
-            type(self.aggregator).__name__, self.args.num_clients, self.args.min_clients_per_round, self.first_round,
+            "FederatedStrategy: %s, %d clients (%d sampled, at least %d aggregated a round), rounds %d-%d of %d, "
+            "wire %s/%s, output_dir %s",
+            type(self.aggregator).__name__, self.args.num_clients, self.server.clients_per_round,
+            self.args.min_clients_per_round, self.first_round,
             self.args.num_rounds - 1, self.args.num_rounds, self.args.lora_aggregation, self.args.transfer_dtype,
             self.args.output_dir,
         )
@@ -241,21 +258,26 @@ class FederatedStrategy(ServerStateView, Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One train message per connected SuperNode that serves a client of the federation, carrying the global
+        """One train message per connected SuperNode that serves a client the round samples, carrying the global
         adapter as the wire format sends it (kept here as tensors: `arrays` holds the same values), the round, the
         wire format and `config`'s entries, and the aggregator's extras for that client (SCAFFOLD: c and its c_i)."""
         round_idx = self._round_idx(server_round)
-        self.server.begin_round(round_idx)
+        sampled = self.server.begin_round(round_idx)
         node_ids = self._identify(grid, self._wait_for_nodes(grid, round_idx))
         self._sent = []
         for node_id in node_ids:
             client_id, client_index = self.binder.client_of(node_id)
+            if client_index not in sampled:
+                continue  # sits the round out
             sent, extras = self.server.broadcast(client_id)
             content = TrainInstruction(
                 sent, round_idx, self.args.num_clients, extras, self.args.lora_aggregation, self.args.transfer_dtype,
             ).to_content(dict(config or {}))
             message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
             self._sent.append(_Sent(message, node_id, client_id, client_index, time.time()))
+        if missing := sorted(set(sampled) - {sent.client_index for sent in self._sent}):
+            logger.warning("Round %d: no connected SuperNode serves the sampled client indices %s; the round goes on "
+                           "without them.", round_idx, missing)
         logger.info("Round %d: sent the global adapter to %s.", round_idx,
                     ", ".join(sent.client_id for sent in self._sent) or "no client")
         return [sent.message for sent in self._sent]
@@ -274,8 +296,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             self._receive(reply, round_idx, awaiting, accepted)
         now = time.time()
         for sent in awaiting.values():
-            self.server.drop(sent.client_id, "timeout",
-                             f"no reply after {now - sent.sent_at:.0f} s (reply timeout {self.reply_timeout:.0f} s)")
+            self.server.drop(sent.client_id, "timeout", self._no_reply(sent, now))
         self._sent = []
         # The runner's order, so that summation order, and with it every bit of the result, is the same.
         for _, update in sorted(accepted, key=lambda pair: pair[0]):
@@ -286,31 +307,12 @@ class FederatedStrategy(ServerStateView, Strategy):
     def _receive(
         self, reply: Message, round_idx: int, awaiting: dict[str, _Sent], accepted: list[tuple[int, ClientUpdate]]
     ) -> None:
-        """Deliver one reply to the server, for the client its train message was addressed to: once, in the round
-        it was asked for. An update counts only when it comes from that client's node; an error may come from the
-        SuperLink (a node that died). Any other reply is logged and ignored."""
-        try:
-            answers, group_id, node_id = (
-                reply.metadata.reply_to_message_id, reply.metadata.group_id, reply.metadata.src_node_id
-            )
-        except Exception as error:  # not a Message: nothing to attribute it to
-            logger.warning("Round %d: ignored a reply without metadata (%s).", round_idx, type(error).__name__)
+        """Deliver one reply to the server, for the client its train message was addressed to (`_attribute`)."""
+        sent = self._attribute(reply, round_idx, awaiting)
+        if sent is None:
             return
-        sent = awaiting.get(answers)
-        if sent is None or group_id != str(round_idx):
-            logger.warning(
-                "Round %d: ignored a reply from node %s for round %s: no train message of this round awaits it "
-                "(late, duplicate or unasked).", round_idx, node_id, bounded_text(group_id, 40),
-            )
-            return
-        has_error = reply.has_error()
-        if not has_error and node_id != sent.node_id:
-            logger.warning("Round %d: ignored an update from node %s in answer to the message sent to node %d.",
-                           round_idx, node_id, sent.node_id)
-            return
-        del awaiting[answers]
         client_id, client_index = sent.client_id, sent.client_index
-        if has_error:
+        if reply.has_error():
             self.server.drop(client_id, *self._read_failure(reply, sent))
             return
 
@@ -330,8 +332,35 @@ class FederatedStrategy(ServerStateView, Strategy):
             return
         accepted.append((client_index, update))
 
+    def _no_reply(self, sent: _Sent, now: float) -> str:
+        return f"no reply after {now - sent.sent_at:.0f} s (reply timeout {self.reply_timeout:.0f} s)"
+
+    def _attribute(self, reply: Message, round_idx: int, awaiting: dict[str, _Sent]) -> _Sent | None:
+        """The message of this round that `reply` answers, taken out of `awaiting`: a reply counts once, in the round
+        it was asked for; a result counts only when it comes from the node the message was sent to, while an error
+        may come from the SuperLink (a node that died). None for any other reply, logged and ignored."""
+        try:
+            answers, group_id, node_id = (
+                reply.metadata.reply_to_message_id, reply.metadata.group_id, reply.metadata.src_node_id
+            )
+        except Exception as error:  # not a Message: nothing to attribute it to
+            logger.warning("Round %d: ignored a reply without metadata (%s).", round_idx, type(error).__name__)
+            return None
+        sent = awaiting.get(answers)
+        if sent is None or group_id != str(round_idx):
+            logger.warning(
+                "Round %d: ignored a reply from node %s for round %s: no message of this round awaits it (late, "
+                "duplicate or unasked).", round_idx, node_id, bounded_text(group_id, 40),
+            )
+            return None
+        if not reply.has_error() and node_id != sent.node_id:
+            logger.warning("Round %d: ignored a result from node %s in answer to the message sent to node %d.",
+                           round_idx, node_id, sent.node_id)
+            return None
+        return awaiting.pop(answers)
+
     def _read_failure(self, reply: Message, sent: _Sent) -> tuple[str, str]:
-        """(kind, reason) of an error reply to the train message `sent`: the ClientApp's own report
+        """(kind, reason) of an error reply to the train or evaluate message `sent`: the ClientApp's own report
         (`make_client_app` sends JSON), else Flower's reason (the node became unavailable, its ClientApp process
         crashed or could not be loaded) with the seconds since the message was sent. The failure is that message's
         client's, whichever client the report names."""
@@ -417,12 +446,76 @@ class FederatedStrategy(ServerStateView, Strategy):
                 claim = f"sent an unreadable identity ({type(error).__name__}: {bounded_text(error, 200)})"
             yield node_id, claim
 
-    # Evaluation is the server's (`eval_dataset`, in `aggregate_train`), not the ClientApps' ---------------------
+    # Evaluation: the server's of `eval_dataset` (in `aggregate_train`), and with `fraction_evaluate` > 0 the clients'
+    # of their own held-out data (Flower's evaluate round) -------------------------------------------------------
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return []
+        """One evaluate message per connected SuperNode that serves a client the evaluate round samples
+        (`FederatedServer.evaluation_clients`), carrying the global adapter the round made as a train message
+        carries it, without extras, and `config`'s entries; none with `fraction_evaluate` 0, the default."""
+        round_idx = self._round_idx(server_round)
+        sampled = self.server.evaluation_clients(round_idx)
+        self._evaluating = []
+        if not sampled:
+            return []
+        serving: dict[int, tuple[int, str]] = {}  # client index → (node id, client id)
+        for node_id in sorted(grid.get_node_ids()):
+            client = self.binder.bound_client(node_id)
+            if client is not None and client[1] in sampled:
+                serving.setdefault(client[1], (node_id, client[0]))
+        global_state = self.server.wire.sent(self.global_state)
+        for client_index, (node_id, client_id) in sorted(serving.items()):
+            content = TrainInstruction(
+                global_state, round_idx, self.args.num_clients, {}, self.args.lora_aggregation,
+                self.args.transfer_dtype,
+            ).to_content(dict(config or {}))
+            message = Message(content, dst_node_id=node_id, message_type=MessageType.EVALUATE, group_id=str(round_idx))
+            self._evaluating.append(_Sent(message, node_id, client_id, client_index, time.time()))
+        if missing := [index for index in sampled if index not in serving]:
+            logger.warning("Round %d: no connected SuperNode serves the client indices %s sampled to evaluate.",
+                           round_idx, missing)
+        return [sent.message for sent in self._evaluating]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
+        """Pool the clients' evaluations (`FederatedServer.record_client_evaluation`: each client's accuracy per label
+        and the row-weighted mean, logged and in metrics.jsonl), naming each client whose reply is an error, is
+        malformed, speaks for another client or never came. Returns the pooled "accuracy" and "num-examples", with
+        "accuracy/<label>", for Flower's `Result`; None without an evaluate round or any evaluation."""
+        if not self._evaluating:
+            return None
+        round_idx = self._round_idx(server_round)
+        awaiting = {sent.message.metadata.message_id: sent for sent in self._evaluating}
+        evaluations: list[tuple[int, str, dict]] = []
+        failed: dict[str, str] = {}
+        for reply in replies:
+            sent = self._attribute(reply, round_idx, awaiting)
+            if sent is None:
+                continue
+            if reply.has_error():
+                failed[sent.client_id] = self._read_failure(reply, sent)[1]
+                continue
+            try:
+                claimed = read_client_identity(reply.content)
+                if claimed != (sent.client_id, sent.client_index):
+                    raise ValueError(f"it speaks for client {claimed[0]!r} at index {claimed[1]}")
+                evaluations.append((sent.client_index, sent.client_id, content_to_evaluation(reply.content)))
+            except ValueError as error:
+                failed[sent.client_id] = f"invalid evaluation reply: {bounded_text(error)}"
+        now = time.time()
+        for sent in awaiting.values():
+            failed[sent.client_id] = self._no_reply(sent, now)
+        self._evaluating = []
+        # In client-index order, as the training's updates: the pooled sums are the same however replies arrived.
+        results = self.server.record_client_evaluation(
+            round_idx, {client_id: evaluation for _, client_id, evaluation in sorted(evaluations, key=lambda e: e[0])},
+            failed,
+        )
+        if not results["count"]:
+            return None
+        accuracy = results["accuracy"]
+        return MetricRecord({
+            ACCURACY: accuracy[TOTAL], NUM_EXAMPLES: results["count"][TOTAL],
+            **{LABEL_ACCURACY + label: value for label, value in accuracy.items() if label != TOTAL},
+        })

@@ -10,25 +10,48 @@ from trl import ModelConfig
 from trl_federated import FedGRPOConfig
 from trl_federated.adapters import with_federated_adapter
 from trl_federated.cli import BenchmarkArguments, load_benchmark, load_model, lora_config
-from trl_federated.data import partition_clients
+from trl_federated.data import dirichlet_partition, partition_clients
 from trl_federated.flower import ClientSite, load_once, make_client_app
 
 from .task import read_config, rewards
 
 
-def site_dataset(node_config, args: FedGRPOConfig, data_args: BenchmarkArguments) -> Dataset:
-    """The data owner's training set: the SuperNode's `data-path` (a `save_to_disk` folder or a JSON Lines file
-    with a `prompt` column and the columns the rewards read, `answer` for accuracy), or, to try the app out
-    without data of one's own, this node's Dirichlet share of the benchmark (the split the in-process runner makes
-    for `num_clients` clients)."""
-    if "data-path" in node_config:
-        path = Path(node_config["data-path"])
-        return load_from_disk(str(path)) if path.is_dir() else load_dataset("json", data_files=str(path), split="train")
-    train, _ = load_benchmark(data_args)
-    shares, index = partition_clients(train, args), int(node_config["partition-id"])
+def load_rows(path: str) -> Dataset:
+    """A `save_to_disk` folder or a JSON Lines file with a `prompt` column and the columns the rewards read (`answer`
+    for accuracy)."""
+    path = Path(path)
+    return load_from_disk(str(path)) if path.is_dir() else load_dataset("json", data_files=str(path), split="train")
+
+
+def node_share(shares: list[Dataset], node_config) -> Dataset:
+    index = int(node_config["partition-id"])
     if not 0 <= index < len(shares):
         raise ValueError(f"partition-id={index} is outside the federation's num_clients={len(shares)} clients.")
     return shares[index]
+
+
+def site_dataset(node_config, args: FedGRPOConfig, data_args: BenchmarkArguments) -> Dataset:
+    """The data owner's training set: the SuperNode's `data-path` (`load_rows`), or, to try the app out without data
+    of one's own, this node's Dirichlet share of the benchmark (the split the in-process runner makes for
+    `num_clients` clients)."""
+    if "data-path" in node_config:
+        return load_rows(node_config["data-path"])
+    train, _ = load_benchmark(data_args)
+    return node_share(partition_clients(train, args), node_config)
+
+
+def site_eval_dataset(node_config, args: FedGRPOConfig, data_args: BenchmarkArguments) -> Dataset | None:
+    """The data owner's held-out rows, which it evaluates the global adapter on when the server asks
+    (`fraction_evaluate` > 0): the SuperNode's `eval-data-path` (`load_rows`); without one, a node with its own
+    `data-path` has none and declines, and a node trying the app out on the benchmark takes its even share of the
+    benchmark's test split (a Dirichlet share of a split that small would leave some clients without rows)."""
+    if "eval-data-path" in node_config:
+        return load_rows(node_config["eval-data-path"])
+    if "data-path" in node_config:
+        return None
+    _, test = load_benchmark(data_args)
+    shares = dirichlet_partition(test, args.num_clients, args.partition_column, float("inf"), seed=args.seed)
+    return node_share(shares, node_config)
 
 
 def site_model(model_args: ModelConfig, args: FedGRPOConfig):
@@ -63,6 +86,7 @@ def load_site(context: Context) -> ClientSite:
         reward_funcs=rewards(data_args),
         train_dataset=site_dataset(context.node_config, args, data_args),
         args=args,
+        eval_dataset=site_eval_dataset(context.node_config, args, data_args) if args.fraction_evaluate > 0 else None,
     )
 
 
