@@ -1,6 +1,7 @@
 """Reliability: per-round atomic checkpoints and exact resume (after a real SIGKILL), failing and slow clients,
 invalid updates, and inputs that must fail early with a clear message."""
 
+import copy
 import json
 import math
 import os
@@ -755,3 +756,18 @@ def test_cli_output_dir_guard_resume_and_overwrite(tmp_path, tiny_model_dir):
     assert [e["event"] for e in events(output_dir)] == ["evaluation", "client", "client", "evaluation", "round"]
     assert [path.name for path in list_checkpoints(output_dir)] == ["checkpoint-0"]
     assert not (output_dir / "round-1").exists()
+
+
+def test_a_checkpoint_from_before_a_field_existed_resumes_when_it_is_left_at_its_default(tmp_path, tiny_model_dir):
+    """A checkpoint made before `fraction_train` existed does not record it; its run sampled every client, which is
+    the default: resuming with the default goes on, another value is refused by name."""
+    from trl_federated.run_identity import check_identity, run_identity
+
+    runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1)
+    current = run_identity(runner.model, runner.client_datasets, runner.aggregator, runner.args)
+    older = {**current, "training": {k: v for k, v in current["training"].items() if k != "fraction_train"}}
+    check_identity(older, current, tmp_path)
+    sampled = copy.deepcopy(current)
+    sampled["training"]["fraction_train"] = 0.5
+    with pytest.raises(CheckpointMismatchError, match=r"fraction_train \(checkpoint: 1.0, now: 0.5\)"):
+        check_identity(older, sampled, tmp_path)

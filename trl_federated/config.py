@@ -310,8 +310,9 @@ class FedGRPOConfig(GRPOConfig):
             Generate (TRL's transformers path, and the server's greedy evaluation) from a plain copy of the weights
             with LoRA merged in, refreshed before each generation, with eager attention and oneDNN-packed projection
             weights on CPU, each distinct prompt prefilled once and its cache shared by its K completions; decoding,
-            sampling and stopping are `generate`'s own under TRL's generation config. What merging changes is float rounding: in float32
-            greedy completions are TRL's but at near-ties, sampled ones follow the same distribution. vLLM,
+            sampling and stopping are `generate`'s own under TRL's generation config. What merging changes is float
+            rounding: in float32 greedy completions are TRL's but at near-ties, sampled ones follow the same
+            distribution. vLLM,
             continuous batching, images, sharded models, non-LoRA adapters or active dropout use TRL's generation,
             counted and logged once.
         generation_dtype (`str`, *optional*, defaults to `"auto"`):

@@ -5,6 +5,7 @@ that change what the run computes), and the check that refuses a checkpoint of a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -115,7 +116,9 @@ def check_identity(
             f"{current.get('server_optimizer')})"
         )
     if "training" in current:
-        saved_training, current_training = saved.get("training", {}), current["training"]
+        # A field the checkpoint does not record was added after it was made: that run ran with its default.
+        saved_training = {**_unrecorded_defaults(current["training"]), **saved.get("training", {})}
+        current_training = current["training"]
         changed = [key for key in current_training if saved_training.get(key, "(unrecorded)") != current_training[key]]
         if refused := [key for key in changed if key not in allow_changes]:
             problems.append(
@@ -132,6 +135,15 @@ def check_identity(
             "base model, LoRA configuration, clients, aggregation, server optimizer and training settings, or start "
             "afresh in another output_dir."
         )
+
+
+def _unrecorded_defaults(training: dict[str, Any]) -> dict[str, Any]:
+    """`FedGRPOConfig`'s default of each of `training`'s fields that has one, as the checkpoint would record it."""
+    defaults = {
+        spec.name: spec.default for spec in dataclasses.fields(FedGRPOConfig)
+        if spec.name in training and spec.default is not dataclasses.MISSING
+    }  # fmt: skip
+    return _jsonable(defaults)
 
 
 def _differences(saved: dict[str, Any], current: dict[str, Any], limit: int = 5, keys: list[str] | None = None) -> str:
