@@ -153,14 +153,18 @@ def make_client_app(
     trainer_class = local_trainer(trainer_class or GRPOTrainer)
     app = ClientApp()
 
+    def read_instruction(message: Message, context: Context) -> tuple[TrainInstruction, ClientSite]:
+        """The server's instruction, checked against the node's federation size, and the node's site."""
+        instruction = TrainInstruction.from_content(message.content)
+        check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
+        return instruction, load_site(context)
+
     @app.train()
     def train(message: Message, context: Context) -> Message:
         show_package_logs()
         client_id, client_index = identify(context)
         try:
-            instruction = TrainInstruction.from_content(message.content)
-            check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
-            site = load_site(context)
+            instruction, site = read_instruction(message, context)
             site.args.check_vllm()  # before the site's model is wrapped or any trainer (or vLLM engine) is built
             model, global_state, wire = _prepare_site_model(site, instruction)
             args = local_training_args(
@@ -187,9 +191,7 @@ def make_client_app(
         show_package_logs()
         client_id, client_index = identify(context)
         try:
-            instruction = TrainInstruction.from_content(message.content)
-            check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
-            site = load_site(context)
+            instruction, site = read_instruction(message, context)
             if site.eval_dataset is None:
                 raise ValueError("this site has no held-out data: give its ClientSite an `eval_dataset`")
             model, global_state, _ = _prepare_site_model(site, instruction)
