@@ -130,7 +130,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias  # refreshed in place like every other parameter of the copy
-        self.load(linear.weight)
+        self.packed_weight = None  # `load` packs one; the merged copy's `refresh` loads every projection
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor) -> None:
@@ -148,7 +148,7 @@ def can_pack_linears(device: torch.device) -> bool:
 
 
 def pack_linears(model: torch.nn.Module) -> dict[str, PackedLinear]:
-    """Replace every plain `torch.nn.Linear` of `model` by a `PackedLinear` holding its current weight; return them by
+    """Replace every plain `torch.nn.Linear` of `model` by a `PackedLinear` (empty until `load`); return them by
     module name. A tied output embedding gets its own packed copy (the embedding keeps the dense weight)."""
     packed = {}
     for name, module in list(model.named_modules()):
