@@ -89,9 +89,9 @@ class FedGRPOConfig(GRPOConfig):
 
     This class lists only the federation's parameters and the GRPO parameters whose defaults it changes; every
     other parameter is [`~trl.GRPOConfig`]'s, except that an unset `bf16` (TRL: on unless `fp16`) follows the device
-    training runs on: with `use_cpu`, on where the CPU computes bf16 natively (AVX512-BF16 or AMX: the loss's matrix
-    products run ~2.6x faster; elsewhere bf16 is emulated, slower than float32), and off on a machine without a bf16
-    accelerator when `use_cpu` is not set, where TRL's default refuses to start. Using
+    training runs on: with `use_cpu`, on where the CPU computes bf16 natively (AVX512-BF16 or AMX: matrix products
+    ~2x faster, the quickstart's whole loss ~1.08x; elsewhere bf16 is emulated, slower than float32), and off on a
+    machine without a bf16 accelerator when `use_cpu` is not set, where TRL's default refuses to start. Using
     [`~transformers.HfArgumentParser`] or [`~trl.TrlParser`] we can turn it into command-line arguments and read it
     from a YAML file.
 
@@ -312,9 +312,8 @@ class FedGRPOConfig(GRPOConfig):
             weights on CPU, each distinct prompt prefilled once and its cache shared by its K completions; decoding,
             sampling and stopping are `generate`'s own under TRL's generation config. What merging changes is float
             rounding: in float32 greedy completions are TRL's but at near-ties, sampled ones follow the same
-            distribution. vLLM,
-            continuous batching, images, sharded models, non-LoRA adapters or active dropout use TRL's generation,
-            counted and logged once.
+            distribution. vLLM, continuous batching, images, sharded models, non-LoRA adapters or active dropout use
+            TRL's generation, counted and logged once.
         generation_dtype (`str`, *optional*, defaults to `"auto"`):
             The dtype of the weights `fast_generation` generates with: `"float32"`, `"bfloat16"`, or `"auto"`:
             bfloat16 where the device computes it natively (AVX512-BF16 or AMX CPUs, bf16 CUDA devices), half the

@@ -173,7 +173,6 @@ class MergedGenerationModel:
         attn_implementation = base.config._attn_implementation
         if base.device.type == "cpu":
             attn_implementation = GROUPED_EAGER if base.config.model_type in _GROUPED_EAGER_MODEL_TYPES else "eager"
-        self.dtype = dtype
         with no_init_weights():
             self.model = type(base)._from_config(
                 copy.deepcopy(base.config), dtype=dtype, attn_implementation=attn_implementation
@@ -208,7 +207,7 @@ class MergedGenerationModel:
                     if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
                         value += layer.get_delta_weight(adapter).to(value.dtype)
             if isinstance(target, PackedLinear):
-                target.load(value.to(self.dtype))
+                target.load(value.to(self.model.dtype))
             else:
                 target.copy_(value)
         for target, source in self._buffers:
