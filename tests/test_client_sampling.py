@@ -5,6 +5,7 @@ did. Each test fails on a tree without client sampling."""
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import FAST_GRPO, length_reward
 from test_flower import (  # noqa: F401
+    FakeClock,
     LocalGrid,
     assert_states_equal,
     client_data_dirs,
@@ -31,6 +33,7 @@ from trl_federated.callbacks import round_logs
 from trl_federated.flower import FederatedStrategy, TrainInstruction, update_to_content
 from trl_federated.flower.records import CLIENT, client_identity_record
 from trl_federated.flower.strategy import IDENTIFY
+from trl_federated.runner import NotEnoughClientsError
 
 # 4 clients, half of them a round: with seed 0 rounds 0-2 sample [0, 1], [1, 3], [0, 3] (pinned below), so client 3
 # first trains in round 1, client 0 sits out round 1 and client 1 round 2, client 2 every round.
@@ -293,6 +296,79 @@ def test_the_strategy_sends_the_round_to_the_clients_the_runner_samples(tmp_path
     assert strategy.history[2].weights == {"site-0": 1.0} and not strategy.history[2].dropped
 
 
+def absent_client_strategy(tiny_model_dir, output_dir, monkeypatch):
+    """A sampled federation (half of the 4 clients a round) whose client `absent` has no SuperNode: gone for good. The
+    strategy waits up to an hour for SuperNodes on a `FakeClock`, which sees every wait. Returns the strategy, a grid
+    of the other clients' nodes, the clock, the absent client's index, a round that does not sample it, one that
+    does, and the training replies received."""
+    from trl_federated.sampling import sample_clients
+
+    args = sampling_args(output_dir, num_clients=NUM_CLIENTS, num_rounds=100, aggregation="fedavg",
+                         node_wait_timeout=3600)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, report_header=None)
+    clock = FakeClock()
+    monkeypatch.setattr("trl_federated.flower.strategy.time", clock)
+    draws = [sample_clients(NUM_CLIENTS, FRACTION, 1, SEED, round_idx) for round_idx in range(args.num_rounds)]
+    absent = next(index for index in range(NUM_CLIENTS) if index not in draws[0])
+    without = next(round_idx for round_idx, draw in enumerate(draws) if absent not in draw)
+    with_absent = next(round_idx for round_idx, draw in enumerate(draws) if absent in draw)
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(CLIENT_IDS[index], index)}), reply_to=message)
+        update = ClientUpdate(CLIENT_IDS[index], moved(strategy.global_state, seed=index), 10, 0.5)
+        return Message(update_to_content(update, index), reply_to=message)
+
+    grid = LocalGrid(respond, {100 + index: {"partition-id": index} for index in range(NUM_CLIENTS) if index != absent})
+    return strategy, grid, clock, absent, (without, draws[without]), (with_absent, draws[with_absent])
+
+
+def partition_ids(grid, messages):
+    return sorted(grid.contexts[message.metadata.dst_node_id].node_config["partition-id"] for message in messages)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_round_that_does_not_sample_a_missing_supernodes_client_starts_without_waiting(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    # a server waiting for all 4 SuperNodes would wait node_wait_timeout here, for a client this round does not train
+    strategy, grid, clock, absent, (round_idx, sampled), _ = absent_client_strategy(
+        tiny_model_dir, tmp_path / "flower", monkeypatch
+    )
+    assert absent not in sampled
+    messages = strategy.configure_train(round_idx + 1, None, None, grid)
+    assert clock.sleeps == []  # no wait at all
+    assert partition_ids(grid, messages) == sampled
+    strategy.aggregate_train(round_idx + 1, grid.send_and_receive(messages))
+    assert set(strategy.history[-1].weights) == sampled_ids(sampled) and not strategy.history[-1].dropped
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_round_that_samples_a_missing_supernodes_client_waits_then_goes_on_naming_it(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    strategy, grid, clock, absent, _, (round_idx, sampled) = absent_client_strategy(
+        tiny_model_dir, tmp_path / "flower", monkeypatch
+    )
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        messages = strategy.configure_train(round_idx + 1, None, None, grid)
+    assert sum(clock.sleeps) == 3600  # the whole node_wait_timeout, then the round goes on with the others
+    assert partition_ids(grid, messages) == [index for index in sampled if index != absent]
+    assert (f"Round {round_idx}: no connected SuperNode serves the sampled client indices [{absent}] yet; waiting up "
+            "to 3600 s more (node_wait_timeout=3600 s)") in caplog.text
+    assert (f"Round {round_idx}: no connected SuperNode serves the sampled client indices [{absent}] after 3600 s; "
+            "the round goes on without them") in caplog.text
+    strategy.aggregate_train(round_idx + 1, grid.send_and_receive(messages))
+    record = strategy.history[-1]
+    assert record.sampled == sampled and set(record.weights) == sampled_ids(sampled) - {CLIENT_IDS[absent]}
+    # too few sampled clients served: the run stops, naming the missing index
+    strategy.args.min_clients_per_round = 2
+    with pytest.raises(NotEnoughClientsError, match=rf"only 1 of the 2 sampled clients are served by a connected "
+                       rf"SuperNode after 3600 s .* No node serves the client indices \[{absent}\]"):
+        strategy.configure_train(round_idx + 1, None, None, grid)
+
+
 @pytest.mark.usefixtures("task_identity")
 def test_flower_apps_with_client_sampling_end_where_the_runner_ends(tmp_path, tiny_model_dir, client_data_dirs):  # noqa: F811
     # 2 clients, one a round, through the ClientApp: the same client trains in each round, from the same adapter
@@ -373,6 +449,18 @@ def test_clients_evaluate_the_round_adapter_on_their_own_held_out_data(tmp_path,
     assert line["accuracy"]["Total"] == pytest.approx(pooled) and line["count"]["Total"] == 6
     assert result.evaluate_metrics_clientapp[1]["accuracy"] == line["accuracy"]["Total"]
     assert result.evaluate_metrics_clientapp[1]["num-examples"] == 6
+
+
+def test_the_runner_warns_that_only_flower_runs_client_evaluation(tmp_path, tiny_model_dir, caplog):
+    # the same config file serves both paths: the runner says it ignores fraction_evaluate, and runs
+    with caplog.at_level(logging.WARNING, logger="trl_federated.runner"):
+        sampled_runner(tiny_model_dir, tmp_path / "run", fraction_evaluate=0.5)
+    (line,) = [record.message for record in caplog.records if "fraction_evaluate" in record.message]
+    assert "ignored by the in-process FederatedRunner: only the Flower deployment runs client evaluation" in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_federated.runner"):
+        sampled_runner(tiny_model_dir, tmp_path / "off")
+    assert "fraction_evaluate" not in caplog.text
 
 
 @pytest.mark.usefixtures("task_identity")

@@ -5,6 +5,7 @@ separate processes on 127.0.0.1) whose final global adapter must equal the in-pr
 import copy
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -166,6 +167,34 @@ class LocalGrid(Grid):
         raise NotImplementedError
 
 
+class FakeClock:
+    """The strategy module's `time` for a test: `sleep` advances `monotonic` instead of waiting, and is counted, so
+    that any wait for SuperNodes is seen and no test waits on the wall clock."""
+
+    def __init__(self):
+        self.now, self.sleeps = 1000.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    time = staticmethod(time.time)  # the clock of Flower's message timestamps, left real
+
+
+class LateGrid(LocalGrid):
+    """A `LocalGrid` whose node `node_id` connects only once `clock` reaches `joins[node_id]`."""
+
+    def __init__(self, respond, node_configs, clock, joins):
+        super().__init__(respond, node_configs)
+        self.clock, self.joins = clock, joins
+
+    def get_node_ids(self):
+        return [node_id for node_id in self.contexts if self.clock.now >= self.joins.get(node_id, -math.inf)]
+
+
 def moved(state, seed, scale=0.01):
     generator = torch.Generator().manual_seed(seed)
     return {key: value + scale * torch.randn(value.shape, generator=generator) for key, value in state.items()}
@@ -234,7 +263,7 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
     # updates stop the run, the checkpoint intact.
     silent = LocalGrid(lambda message, context: None, {7: {"partition-id": 0}})
     with pytest.raises(NotEnoughClientsError,
-                       match=r"Round 2: only 0 of 1 clients .* node-7: did not identify its client"):
+                       match=r"Round 2: only 0 of the 4 sampled clients .* node-7: did not identify its client"):
         strategy.aggregate_train(3, silent.send_and_receive(strategy.configure_train(3, None, None, silent)))
     mute = LocalGrid(lambda message, context: respond(message, context) if message.metadata.message_type == IDENTIFY
                      else None, {8: {"partition-id": 0}})
@@ -895,6 +924,37 @@ def test_without_a_registry_a_claim_is_trusted_once_and_never_taken_over(tiny_mo
     assert_states_equal(TrainInstruction.from_content(sent.content).extras["client_control"], marked)
     strategy.aggregate_train(2, grid.send_and_receive(messages))
     assert "a node with another public key served first" in strategy.history[-1].dropped["node-25"]
+
+
+def test_a_refused_node_serves_no_client_so_the_round_waits_and_it_is_refused_once(
+    tiny_model_dir, fast_args, task_identity, monkeypatch, caplog
+):
+    """Without a registry, 3 connected nodes need not serve the 3 clients: node 25 claims client_1, which node 22
+    serves, so client_2 has no node and the round waits for it (a server counting connected nodes started at once);
+    the wait asks node 25 once and refuses it once, however often it polls."""
+    args = fast_args(num_clients=3, aggregation="fedavg", node_wait_timeout=3600)
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, reply_timeout=5,
+                                 report_header=None)
+    clock = FakeClock()
+    monkeypatch.setattr("trl_federated.flower.strategy.time", clock)
+    asked = []
+
+    def respond(message, context):
+        assert message.metadata.message_type == IDENTIFY
+        asked.append(message.metadata.dst_node_id)
+        index = context.node_config["partition-id"]
+        return Message(RecordDict({CLIENT: client_identity_record(f"client_{index}", index)}), reply_to=message)
+
+    # node 23, client_2's, connects 30 s into the round
+    configs = {21: {"partition-id": 0}, 22: {"partition-id": 1}, 25: {"partition-id": 1}, 23: {"partition-id": 2}}
+    grid = LateGrid(respond, configs, clock, joins={23: clock.now + 30})
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        messages = strategy.configure_train(1, None, None, grid)
+    assert sorted(message.metadata.dst_node_id for message in messages) == [21, 22, 23]
+    assert sum(clock.sleeps) == 30 and len(clock.sleeps) > 1  # polled until client_2 was served, no longer
+    assert sorted(asked) == [21, 22, 23, 25]  # each node asked once
+    assert caplog.text.count("node-25 is sent no training message") == 1
+    assert "no connected SuperNode serves the sampled client indices [2] yet; waiting up to 3600 s" in caplog.text
 
 
 @pytest.mark.parametrize("attack, reason", [

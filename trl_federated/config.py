@@ -196,9 +196,10 @@ class FedGRPOConfig(GRPOConfig):
             Wall-clock seconds a client's local round may take, from building its trainer to its last step.
             Training stops at the first step boundary past it and the late update is dropped. `None`: no limit.
         node_wait_timeout (`float`, *optional*, defaults to `600.0`):
-            Flower deployment only: seconds the server waits, each round, for the SuperNodes of all `num_clients`
-            clients to connect; the round then goes on with those connected, if they are at least
-            `min_clients_per_round`. `0`: never wait.
+            Flower deployment only: seconds the server waits, each round, until every client the round samples
+            (all `num_clients` unless `fraction_train` < 1) is served by a connected SuperNode; the round then goes
+            on with the sampled clients served, if they are at least `min_clients_per_round`. A SuperNode gone for
+            good delays only the rounds that sample its client. `0`: never wait.
 
         > Aggregation
 
@@ -520,8 +521,9 @@ class FedGRPOConfig(GRPOConfig):
     node_wait_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "Flower deployment only: seconds the server waits, each round, for all clients' SuperNodes to "
-            "connect before going on with those connected (at least `min_clients_per_round`). 0: never wait."
+            "help": "Flower deployment only: seconds the server waits, each round, for the SuperNodes of the clients "
+            "the round samples (all of them unless fraction_train < 1) to connect before going on with those served "
+            "(at least `min_clients_per_round`). 0: never wait."
         },
     )
 

@@ -4,6 +4,7 @@ aggregation (Algorithm 1)."""
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ from .server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .transport import WireFormat, freeze_lora_a
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError"]
+
+logger = logging.getLogger(__name__)
 
 
 class FederatedRunner(ServerStateView):
@@ -137,6 +140,12 @@ class FederatedRunner(ServerStateView):
         check_float32_adapter(model)
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
         self._check_clients()
+        if args.fraction_evaluate > 0:  # the same config file serves both paths: not refused, but said
+            logger.warning(
+                "`fraction_evaluate` (%s) is ignored by the in-process FederatedRunner: only the Flower deployment "
+                "runs client evaluation (its evaluate round); the server's evaluation of `eval_dataset` is unaffected.",
+                args.fraction_evaluate,
+            )
         # The runner knows each client's D_i itself: the server counts them, not the clients.
         self.server = FederatedServer(
             model, args, aggregator, self.reward_funcs, client_datasets=self.client_datasets, callbacks=callbacks,

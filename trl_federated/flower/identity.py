@@ -142,15 +142,6 @@ class NodeBinder:
         self._indices: dict[str, int] = {}  # client id → client index, as first bound to a node
         self._keys: dict[str, bytes] = {}  # client id → public key of the node first bound to it
 
-    def connected(self, grid: Grid) -> tuple[list[int], int]:
-        """The ids of the nodes connected to `grid`, sorted, and how many of them count towards the federation's
-        `num_clients`: all without a registry; with one, those whose key it registers (so that other nodes cannot
-        start a round early)."""
-        node_ids = sorted(grid.get_node_ids())
-        if self.registry is None:
-            return node_ids, len(node_ids)
-        return node_ids, sum(self.registry.client_of(node.public_key) is not None for node in grid.get_nodes())
-
     def bind(
         self, grid: Grid, node_ids: list[int], ask: Callable[[list[int]], Iterable[tuple[int, Claim]]]
     ) -> dict[int, str]:

@@ -73,14 +73,15 @@ class FederatedStrategy(ServerStateView, Strategy):
     (`FederatedServer.begin_round`: all of them by default; `fraction_train` and `min_train_clients` as Flower's
     `FedAvg` takes `fraction_train` and `min_train_nodes`, but drawn by client index from (seed, round), so the
     runner trains the same clients) and delivers each reply to the server, which admits it or drops its client with
-    the reason. A sampled client that no connected node serves is named in the log (its index stays in the round
-    record's `sampled`, with neither weight nor drop); the others sit the round out, their per-client state
-    unchanged. Replies are attributed by the server's own record of what it sent
-    (the id of each train message → the client it was addressed to), never by what a reply says about itself: a
-    SuperNode that dies mid-round is one `client_dropped` line for its client, with Flower's reason and the elapsed
-    time, whichever node (the SuperLink) reports it. Accepted updates are aggregated in client-index order, so a
-    Flower run ends on the runner's adapter bit for bit. Fewer than `min_clients_per_round` accepted updates stop the
-    run with `NotEnoughClientsError`, the last checkpoint intact.
+    the reason. The server waits, up to `node_wait_timeout`, only for the nodes of the clients the round samples; a
+    sampled client that no connected node serves then is named in the log (its index stays in the round record's
+    `sampled`, with neither weight nor drop); the others sit the round out, their per-client state unchanged.
+    Replies are attributed by the server's own record of what it sent (the id of each train message → the client it
+    was addressed to), never by what a reply says about itself: a SuperNode that dies mid-round is one
+    `client_dropped` line for its client, with Flower's reason and the elapsed time, whichever node (the SuperLink)
+    reports it. Accepted updates are aggregated in client-index order, so a Flower run ends on the runner's adapter
+    bit for bit. Fewer than `min_clients_per_round` accepted updates stop the run with `NotEnoughClientsError`, the
+    last checkpoint intact.
 
     With `fraction_evaluate` > 0, Flower's evaluate round after each round sends the new global adapter to the
     clients `FederatedServer.evaluation_clients` samples; each evaluates it on its own held-out data
@@ -263,7 +264,7 @@ class FederatedStrategy(ServerStateView, Strategy):
         wire format and `config`'s entries, and the aggregator's extras for that client (SCAFFOLD: c and its c_i)."""
         round_idx = self._round_idx(server_round)
         sampled = self.server.begin_round(round_idx)
-        node_ids = self._identify(grid, self._wait_for_nodes(grid, round_idx))
+        node_ids = self._wait_for_nodes(grid, round_idx, sampled)
         self._sent = []
         for node_id in node_ids:
             client_id, client_index = self.binder.client_of(node_id)
@@ -275,9 +276,6 @@ class FederatedStrategy(ServerStateView, Strategy):
             ).to_content(dict(config or {}))
             message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
             self._sent.append(_Sent(message, node_id, client_id, client_index, time.time()))
-        if missing := sorted(set(sampled) - {sent.client_index for sent in self._sent}):
-            logger.warning("Round %d: no connected SuperNode serves the sampled client indices %s; the round goes on "
-                           "without them.", round_idx, missing)
         logger.info("Round %d: sent the global adapter to %s.", round_idx,
                     ", ".join(sent.client_id for sent in self._sent) or "no client")
         return [sent.message for sent in self._sent]
@@ -384,43 +382,53 @@ class FederatedStrategy(ServerStateView, Strategy):
 
     # Which client each node serves (`identity.NodeBinder` decides; the strategy asks) --------------------------
 
-    def _wait_for_nodes(self, grid: Grid, round_idx: int) -> list[int]:
-        """The connected SuperNodes, once all `num_clients` are there (with a registry: all registered ones, so that
-        other nodes cannot start a round early) or `args.node_wait_timeout` has passed, logged while waiting."""
+    def _wait_for_nodes(self, grid: Grid, round_idx: int, sampled: list[int]) -> list[int]:
+        """The connected SuperNodes bound to a client of the federation (`_identify`), once every client index the
+        round samples is served by one or `args.node_wait_timeout` has passed, logged while waiting: a SuperNode gone
+        for good delays only the rounds that sample its client. Nodes that serve no client (with a registry: those not
+        in it) never count, so they cannot start a round early; each is refused once a round (`server.refuse`).
+        `NotEnoughClientsError` when fewer than `min_clients_per_round` sampled clients are served."""
         started = time.monotonic()
         deadline, next_log = started + self.args.node_wait_timeout, started
+        refused: dict[int, str] = {}  # node id → why it serves no client, for this round
         while True:
-            node_ids, ready = self.binder.connected(grid)
+            node_ids = self._identify(grid, refused)
+            missing = sorted(set(sampled) - {self.binder.client_of(node_id)[1] for node_id in node_ids})
             now = time.monotonic()
-            if ready >= self.args.num_clients or now >= deadline:
+            if not missing or now >= deadline:
                 break
             if now >= next_log:
                 logger.info(
-                    "Round %d: %d of %d SuperNodes connected; waiting up to %.0f s more for the others "
-                    "(node_wait_timeout=%.0f s).", round_idx, ready, self.args.num_clients, deadline - now,
+                    "Round %d: no connected SuperNode serves the sampled client indices %s yet; waiting up to %.0f s "
+                    "more (node_wait_timeout=%.0f s).", round_idx, missing, deadline - now,
                     self.args.node_wait_timeout,
                 )
                 next_log = now + WAIT_LOG_INTERVAL
             time.sleep(min(2.0, max(0.0, deadline - now)))
-        if ready < self.args.num_clients:
-            logger.warning("Round %d: %d of %d SuperNodes connected after %.0f s; "
-                           "the round goes on without the others.",
-                           round_idx, ready, self.args.num_clients, time.monotonic() - started)
-        if ready < self.args.min_clients_per_round:
+        for node_id, reason in refused.items():
+            self.server.refuse(f"node-{node_id}", reason)
+        if not missing:
+            return node_ids
+        waited = time.monotonic() - started
+        logger.warning("Round %d: no connected SuperNode serves the sampled client indices %s after %.0f s; the round "
+                       "goes on without them.", round_idx, missing, waited)
+        if len(sampled) - len(missing) < self.args.min_clients_per_round:
+            refusals = "; ".join(f"node-{node_id}: {reason}" for node_id, reason in refused.items())
             raise NotEnoughClientsError(
-                f"Round {round_idx}: only {ready} SuperNodes of the federation connected after "
-                f"{self.args.node_wait_timeout:.0f} s (node_wait_timeout), fewer than min_clients_per_round="
-                f"{self.args.min_clients_per_round}."
+                f"Round {round_idx}: only {len(sampled) - len(missing)} of the {len(sampled)} sampled clients are "
+                f"served by a connected SuperNode after {waited:.0f} s (node_wait_timeout="
+                f"{self.args.node_wait_timeout:.0f} s), fewer than min_clients_per_round="
+                f"{self.args.min_clients_per_round}. No node serves the client indices {missing}; refused nodes: "
+                f"{refusals or 'none'}."
             )
         return node_ids
 
-    def _identify(self, grid: Grid, node_ids: list[int]) -> list[int]:
+    def _identify(self, grid: Grid, refused: dict[int, str]) -> list[int]:
         """The connected nodes that serve a client of the federation (`NodeBinder.bind`). Every other node (not
-        registered, silent, or whose claim is refused) is sent no training message; the server names it in the
-        round's record."""
-        refused = self.binder.bind(grid, node_ids, lambda unknown: self._ask_identities(grid, unknown))
-        for node_id, reason in refused.items():
-            self.server.refuse(f"node-{node_id}", reason)
+        registered, silent, or whose claim is refused) is added to `refused` with the reason, is sent no training
+        message, and is not asked again while `refused` holds it (this round)."""
+        node_ids = [node_id for node_id in sorted(grid.get_node_ids()) if node_id not in refused]
+        refused.update(self.binder.bind(grid, node_ids, lambda unknown: self._ask_identities(grid, unknown)))
         return [node_id for node_id in node_ids if node_id not in refused]
 
     def _ask_identities(self, grid: Grid, node_ids: list[int]) -> Iterator[tuple[int, Claim]]:

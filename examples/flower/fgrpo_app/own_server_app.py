@@ -25,7 +25,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     args, model_args, data_args = read_config(context)
-    args.node_wait_timeout = 300  # seconds to wait each round for every SuperNode, logged while waiting
+    args.node_wait_timeout = 300  # seconds to wait each round for the sampled clients' SuperNodes, logged
     model, _ = load_model(model_args, args)
     strategy = FederatedStrategy(model, args, reward_funcs=rewards(data_args), peft_config=lora_config(model_args))
     # The federation starts from the strategy's seeded LoRA adapter; any adapter with its keys and shapes will do.
