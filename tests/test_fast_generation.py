@@ -187,6 +187,11 @@ def test_trainer_samples_trls_completions_in_float32(tmp_path, tiny_model_dir, t
     stats = runs[True][1].fast_generation_stats
     assert (stats.rows, stats.prompt_rows) == (2 * 4, 2 * 1) and not stats.fallbacks  # 1 prompt x 4 per step
     assert runs[False][1].fast_generation_stats.rows == 0
+    # On CPU the packed projections are freed after each generation (the loss runs without them) and packed anew
+    # for the next: the second step's completions above came from re-packed weights.
+    packed = [module for module in runs[True][1]._merged_generation_model.model.modules()
+              if isinstance(module, PackedLinear)]
+    assert packed and all(module.packed_weight is None for module in packed)
 
 
 def test_unsupported_generation_falls_back_counted_and_logged_once(tmp_path, tiny_model_dir, tiny_tokenizer, caplog):

@@ -674,7 +674,8 @@ class FedGRPOConfig(GRPOConfig):
             "help": "Generate (local steps and the greedy evaluation) from a copy of the weights with LoRA merged, "
             "refreshed before each generation, each distinct prompt prefilled once for its K completions, under "
             "TRL's generation config: float rounding changes only (in float32, greedy completions are TRL's but at "
-            "near-ties). vLLM, images, sharded models, non-LoRA adapters use TRL's generation."
+            "near-ties). The copy costs one model's weights in generation_dtype (on CPU its projections are freed "
+            "after each generation). vLLM, images, sharded models, non-LoRA adapters use TRL's generation."
         },
     )
     generation_dtype: str = field(

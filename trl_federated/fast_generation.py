@@ -164,6 +164,8 @@ class MergedGenerationModel:
 
     The copy costs one model's weights in `dtype`; `refresh()` reads the source's weights once (well under a second
     for a 135M model, against seconds of generation), so it runs before every generation and never goes stale.
+    `release()` frees what the next `refresh()` rebuilds anyway (the packed projections on CPU), so the loss that
+    follows a generation does not carry them.
     """
 
     def __init__(self, model: PreTrainedModel | PeftModel, dtype: torch.dtype):
@@ -213,6 +215,13 @@ class MergedGenerationModel:
         for target, source in self._buffers:
             target.copy_(source)
         return self.model
+
+    def release(self) -> None:
+        """Free the packed projections (`PackedLinear.load` packs new ones at every `refresh()`): on CPU all but the
+        embedding and the norms of the copy, about 0.3 GB for SmolLM2-135M in bf16, not held through the loss."""
+        for target, _, _ in self._parameters:
+            if isinstance(target, PackedLinear):
+                target.packed_weight = None
 
 
 @torch.no_grad()

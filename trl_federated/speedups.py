@@ -24,6 +24,7 @@ from trl.trainer.utils import pad
 from . import fast_generation
 from .fast_generation import FastGenerationStats, MergedGenerationModel, shared_prefill_generate
 from .gated_mlp import recomputed_gated_mlp
+from .memory import release_free_memory
 from .shared_prefix import (
     REGROUPABLE_LOSS_TYPES,
     SharedPrefixStats,
@@ -148,6 +149,8 @@ class FastGRPOMixin:
                 self._merged_generation_model.refresh(), input_ids, attention_mask, self.generation_config,
                 stats=self.fast_generation_stats,
             )  # fmt: skip
+        self._merged_generation_model.release()
+        release_free_memory()
         completion_ids = prompt_completion_ids[:, input_ids.size(1) :]
         return fast_generation.completions_up_to_eos(completion_ids, self.eos_token_ids), None
 
