@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
-
-from scipy import stats
 
 from trl_federated.compare import Cell, load_result, markdown
 
@@ -64,51 +61,13 @@ def gate_cells(seed: int, num_clients: int, dirichlet_alpha: str) -> dict[str, C
     }
 
 
-def paired_gain(base: list[float], final: list[float], confidence: float = 1 - LEVEL) -> dict:
-    """The gain of `final` over `base`, per-item scores of the same test items in the same order, in points: the
-    mean difference with its two-sided t-interval, the paired t-test's p-value, and for binary scores McNemar's exact
-    test (two-sided binomial test of the items that went right against those that went wrong; None otherwise).
-    `passed`: the interval lies above 0 and McNemar's p (where there is one) is below 1 − `confidence`."""
-    if len(base) != len(final) or len(base) < 2:
-        raise ValueError(
-            f"A paired test needs the same items, at least 2, in both evaluations: got {len(base)} "
-            f"base and {len(final)} final scores."
-        )
-    differences = [100 * (after - before) for before, after in zip(base, final)]
-    interval = verdict.t_interval(differences, confidence)
-    if interval["sd"] > 0:
-        p_value = float(stats.ttest_rel(final, base).pvalue)
-    else:  # every item moved by the same amount: no spread, and a t-test is undefined
-        p_value = 1.0 if interval["mean"] == 0 else 0.0
-    improved = sum(after > before for before, after in zip(base, final))
-    worsened = sum(after < before for before, after in zip(base, final))
-    binary = all(value in (0.0, 1.0) for value in (*base, *final))
-    mcnemar = None
-    if binary:
-        mcnemar = float(stats.binomtest(improved, improved + worsened, 0.5).pvalue) if improved + worsened else 1.0
-    passed = interval["low"] > 0 and (mcnemar is None or mcnemar < 1 - confidence)
-    return {
-        "items": len(base),
-        "base": 100 * statistics.fmean(base),
-        "final": 100 * statistics.fmean(final),
-        "gain": interval["mean"],
-        "low": interval["low"],
-        "high": interval["high"],
-        "p_value": p_value,
-        "improved": improved,
-        "worsened": worsened,
-        "mcnemar_p": mcnemar,
-        "passed": passed,
-    }
-
-
 def run_record(result: dict) -> dict:
     """A finished cell's paired gain over the base model (total), with its hard-tier gain."""
     evaluations = result["evaluations"]
     base, final = evaluations["-1"], evaluations[max(evaluations, key=int)]
     if "row_rewards" not in base or "row_rewards" not in final:
         raise ValueError("An evaluation without `row_rewards` (made before they were recorded) cannot be paired.")
-    record = paired_gain(base["row_rewards"], final["row_rewards"])
+    record = verdict.paired_gain(base["row_rewards"], final["row_rewards"], 1 - LEVEL)
     if "hard" in base["accuracy"] and "hard" in final["accuracy"]:
         record["hard_gain"] = 100 * (final["accuracy"]["hard"] - base["accuracy"]["hard"])
     return record

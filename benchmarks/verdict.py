@@ -105,6 +105,44 @@ def minimum_detectable(sd: float, n: int, confidence: float = 0.95, power: float
     return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-10))
 
 
+def paired_gain(base: list[float], final: list[float], confidence: float = 0.95) -> dict:
+    """The gain of `final` over `base`, per-item scores of the same test items in the same order, in points: the
+    mean difference with its two-sided t-interval, the paired t-test's p-value, and for binary scores McNemar's exact
+    test (two-sided binomial test of the items that went right against those that went wrong; None otherwise).
+    `passed`: the interval lies above 0 and McNemar's p (where there is one) is below 1 − `confidence`."""
+    if len(base) != len(final) or len(base) < 2:
+        raise ValueError(
+            f"A paired test needs the same items, at least 2, in both evaluations: got {len(base)} "
+            f"base and {len(final)} final scores."
+        )
+    differences = [100 * (after - before) for before, after in zip(base, final)]
+    interval = t_interval(differences, confidence)
+    if interval["sd"] > 0:
+        p_value = float(stats.ttest_rel(final, base).pvalue)
+    else:  # every item moved by the same amount: no spread, and a t-test is undefined
+        p_value = 1.0 if interval["mean"] == 0 else 0.0
+    improved = sum(after > before for before, after in zip(base, final))
+    worsened = sum(after < before for before, after in zip(base, final))
+    binary = all(value in (0.0, 1.0) for value in (*base, *final))
+    mcnemar = None
+    if binary:
+        mcnemar = float(stats.binomtest(improved, improved + worsened, 0.5).pvalue) if improved + worsened else 1.0
+    passed = interval["low"] > 0 and (mcnemar is None or mcnemar < 1 - confidence)
+    return {
+        "items": len(base),
+        "base": 100 * statistics.fmean(base),
+        "final": 100 * statistics.fmean(final),
+        "gain": interval["mean"],
+        "low": interval["low"],
+        "high": interval["high"],
+        "p_value": p_value,
+        "improved": improved,
+        "worsened": worsened,
+        "mcnemar_p": mcnemar,
+        "passed": passed,
+    }
+
+
 def reading(interval: dict[str, float]) -> str:
     """What a paired interval of FGRPO − baseline says."""
     if math.isnan(interval["low"]):
@@ -427,8 +465,21 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]]) ->
             paired[name] = t_interval(differences)
             paired[f"{name}_reading"] = reading(paired[name])
             paired[f"{name}_detectable_80"] = minimum_detectable(paired[name]["sd"], len(differences))
+        paired["items"] = {cell.seed: item_difference(reference[cell.seed], results[cell]) for cell in common}
         summary["paired"].append(paired)
     return summary
+
+
+def item_difference(reference: dict, baseline: dict) -> dict | None:
+    """FGRPO's final adapter against the baseline's of the same seed, item by item over the test split
+    (`paired_gain` of their final evaluations' `row_rewards`): whether these two adapters differ beyond the test
+    items' sampling, not whether the methods do (that is the seeds' spread). None where either lacks per-item scores
+    or they scored different numbers of items."""
+    finals = [result["evaluations"][max(result["evaluations"], key=int)] for result in (reference, baseline)]
+    rows = [final.get("row_rewards") for final in finals]
+    if None in rows or len(rows[0]) != len(rows[1]):
+        return None
+    return paired_gain(rows[1], rows[0])
 
 
 def test_items(results: dict[Cell, dict]) -> int | None:
@@ -461,6 +512,14 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
          row["hard_reading"], _optional(row["hard"]["half_width"])]
         for row in summary["paired"]
     ]
+    item_header = ["Setting", "Baseline", "Seed", "FGRPO final", "Baseline final", "FGRPO − baseline [95% CI]",
+                   "Items FGRPO right only / baseline right only", "McNemar exact p"]
+    item_rows = [
+        [row["setting"], row["baseline"], str(seed), f"{item['final']:.2f}", f"{item['base']:.2f}",
+         f"{item['gain']:+.2f} [{item['low']:+.2f}, {item['high']:+.2f}]", f"{item['improved']} / {item['worsened']}",
+         "—" if item["mcnemar_p"] is None else f"{item['mcnemar_p']:.2g}"]
+        for row in summary["paired"] for seed, item in row["items"].items() if item is not None
+    ]
     items = test_items(results)
     item_points = f"one test item is {100 / items:.2f} points of total accuracy ({items} items)" if items else ""
     cpu_total = sum(cost["cpu_seconds"] for cost in costs.values())
@@ -476,6 +535,12 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "(\"Resolved beyond ±\": t(0.975, n − 1) × sd / √n at the spread sd the seeds showed), and a true difference "
         "is found with 80% probability from \"Detectable\" on (noncentral t, same spread); more seeds shrink both by "
         f"about √n. Below these, the grid says nothing either way{'; ' + item_points if item_points else ''}.\n\n"
+        "## Item by item, seed by seed\n\n"
+        "FGRPO's final adapter against the baseline's of the same seed on the same test items: the mean difference "
+        "with its 95% t-interval over items and McNemar's exact test on the items only one of them gets right. It "
+        "tells whether two adapters differ beyond the test split's sampling, not whether the methods do: a method "
+        "difference is the paired interval over seeds above, which also holds the training's seed-to-seed spread."
+        f"\n\n{markdown(item_header, item_rows) if item_rows else 'No pair with per-item scores yet.'}\n\n"
         f"Compute: {cpu_total / 3600:.2f} CPU hours, {wall_total / 3600:.2f} wall hours over {len(results)} cells "
         "(attempts that were killed are not counted).\n"
     )

@@ -36,7 +36,7 @@ def _binomial_two_sided(successes, trials):
 
 def test_a_resolved_gain_passes():
     base, final = _scores(600, 180, improved=40, worsened=10)
-    record = gate.paired_gain(base, final)
+    record = gate.verdict.paired_gain(base, final)
     assert record["items"] == 600 and record["base"] == pytest.approx(30.0) and record["final"] == pytest.approx(35.0)
     assert record["gain"] == pytest.approx(5.0)
     interval = stats.ttest_rel(final, base).confidence_interval(0.95)
@@ -53,7 +53,7 @@ def test_a_resolved_gain_passes():
 )
 def test_an_unresolved_gain_or_a_loss_fails(improved, worsened):
     base, final = _scores(600, 180, improved, worsened)
-    record = gate.paired_gain(base, final)
+    record = gate.verdict.paired_gain(base, final)
     assert record["gain"] == pytest.approx(100 * (improved - worsened) / 600)
     assert not record["passed"]
     if improved + worsened:
@@ -65,15 +65,15 @@ def test_an_unresolved_gain_or_a_loss_fails(improved, worsened):
 def test_both_tests_must_resolve_the_gain():
     """Where the t-interval clears 0 but McNemar's exact test does not (few changed items), the gate fails."""
     base, final = _scores(40, 10, improved=4, worsened=0)
-    record = gate.paired_gain(base, final)
+    record = gate.verdict.paired_gain(base, final)
     assert record["low"] > 0 and record["mcnemar_p"] == pytest.approx(0.125) and not record["passed"]
 
 
 def test_scores_that_are_not_binary_have_no_mcnemar_test():
-    record = gate.paired_gain([0.0, 0.5, 0.25, 0.5], [0.5, 1.0, 0.5, 1.0])
+    record = gate.verdict.paired_gain([0.0, 0.5, 0.25, 0.5], [0.5, 1.0, 0.5, 1.0])
     assert record["mcnemar_p"] is None and record["passed"]
     with pytest.raises(ValueError, match="same items"):
-        gate.paired_gain([0.0, 1.0], [1.0])
+        gate.verdict.paired_gain([0.0, 1.0], [1.0])
 
 
 def test_the_gate_runs_centralised_grpo_and_the_grids_fedavg_cell():

@@ -133,6 +133,37 @@ def test_report_from_finished_cells_is_partial_and_paired_by_seed(tmp_path, caps
     assert (tmp_path / "curves-N3-mu0.05.png").stat().st_size > 0
 
 
+def test_each_seeds_final_adapters_are_compared_item_by_item(tmp_path, capsys):
+    """FGRPO's final adapter against the baseline's of the same seed over the same test items: the per-item mean
+    difference with its t-interval, and McNemar's exact test on the items only one of them gets right."""
+    items = 200
+    fgrpo_rows = [1.0] * 60 + [0.0] * 140  # 30%
+    fedavg_rows = [1.0] * 50 + [0.0] * 10 + [1.0] * 30 + [0.0] * 110  # 40%: 10 items only FGRPO, 30 only FedAvg right
+    base = (0.20, 0.10)
+    for method, rows in (("fgrpo", fgrpo_rows), ("fedavg", fedavg_rows)):
+        result = _result(base, (statistics.fmean(rows), 0.10), [0.1, 0.2])
+        result["evaluations"]["1"]["row_rewards"] = rows
+        _write(tmp_path, Cell(method, 0, 3, "0.05"), result)
+    _write(tmp_path, Cell("scaffold", 0, 3, "0.05"), _result(base, (0.21, 0.10), [0.1, 0.1]))  # no per-item scores
+    assert verdict.main(["--output_dir", str(tmp_path), "--methods", "fgrpo", "fedavg", "scaffold", "--seeds", "0",
+                         "--report_only"]) == 0
+    capsys.readouterr()
+    paired = {row["baseline"]: row for row in json.loads((tmp_path / "verdict.json").read_text())["paired"]}
+    assert paired["scaffold"]["items"] == {"0": None}
+    item = paired["fedavg"]["items"]["0"]
+    differences = [100 * (a - b) for a, b in zip(fgrpo_rows, fedavg_rows)]
+    low, high = stats.t.interval(0.95, items - 1, loc=statistics.fmean(differences), scale=stats.sem(differences))
+    assert (item["final"], item["base"]) == (pytest.approx(30.0), pytest.approx(40.0))
+    assert item["gain"] == pytest.approx(-10.0)
+    assert (item["low"], item["high"]) == (pytest.approx(low), pytest.approx(high))
+    assert (item["improved"], item["worsened"]) == (10, 30)
+    assert item["mcnemar_p"] == pytest.approx(stats.binomtest(10, 40, 0.5).pvalue)
+    report = (tmp_path / "verdict.md").read_text()
+    assert "## Item by item, seed by seed" in report
+    assert f"| N=3,mu=0.05 | fedavg | 0 | 30.00 | 40.00 | -10.00 [{low:+.2f}, {high:+.2f}] | 10 / 30 |" in report
+    assert "| scaffold | 0 |" not in report.split("## Item by item")[1]
+
+
 def test_a_finished_cell_is_skipped_and_keeps_its_cost(tmp_path, capsys):
     cell = Cell("fgrpo", 0, 3, "0.05")
     _write(tmp_path, cell, _result((0.2, 0.1), (0.3, 0.2), [0.1, 0.2, 0.3]), cpu_seconds=123.0)
