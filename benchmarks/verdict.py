@@ -16,7 +16,9 @@ Per method: the gain of the final global adapter over the base model (round -1's
 model for every cell) in total and hard-tier accuracy, mean and 95% t-interval over seeds (scipy's t
 distribution); the paired difference FGRPO − method (same seed, hence same partition) with its t-interval, the
 half-width that interval has at the observed spread (the smallest difference the grid resolves) and the minimum
-difference detected with 80% power; reward curves (mean client R̄ per round); the wall and CPU time per cell.
+difference detected with 80% power; per seed, FGRPO's final adapter against each baseline's item by item over the
+test split (`paired_gain`: interval over items, McNemar's exact test), which separates two adapters from the test
+items' sampling but not two methods from the seeds' spread; reward curves (mean client R̄ per round); the wall and CPU time per cell.
 
     python benchmarks/verdict.py [--config examples/configs/grid.yaml] [--output_dir benchmarks/results/grid]
         [--seeds 0 1 2] [--extra_seeds fgrpo,fedavg:3,4,5] [--num_clients 3] [--dirichlet_alpha 0.05]
