@@ -18,7 +18,8 @@ distribution); the paired difference FGRPO − method (same seed, hence same par
 half-width that interval has at the observed spread (the smallest difference the grid resolves) and the minimum
 difference detected with 80% power; per seed, FGRPO's final adapter against each baseline's item by item over the
 test split (`paired_gain`: interval over items, McNemar's exact test), which separates two adapters from the test
-items' sampling but not two methods from the seeds' spread; reward curves (mean client R̄ per round); the wall and CPU time per cell.
+items' sampling but not two methods from the seeds' spread; reward curves (mean client R̄ per round); the wall and
+CPU time per cell.
 
     python benchmarks/verdict.py [--config examples/configs/grid.yaml] [--output_dir benchmarks/results/grid]
         [--seeds 0 1 2] [--extra_seeds fgrpo,fedavg:3,4,5] [--num_clients 3] [--dirichlet_alpha 0.05]
