@@ -288,6 +288,47 @@ def cell_cost(directory: Path) -> dict[str, float]:
     return {key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")}
 
 
+def cell_diagnostics(directory: Path) -> dict[str, float]:
+    """Per-round diagnostics of a cell from its metrics.jsonl ("round" lines; NaN where a cell predates them): the
+    server step against the clients' mean change (`server_step_ratio`, median and maximum over rounds), ‖Δ‖, the
+    cosine of each client's update with Δ, the fraction of GRPO groups whose rewards were all equal (no learning
+    signal) and the spread of the aggregation weights (max ω − min ω), each averaged over rounds (and clients)."""
+    rounds: dict[int, dict] = {}
+    path = directory / "metrics.jsonl"
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves a partial last line
+        if isinstance(record, dict) and record.get("event") == "round":
+            rounds[record["round_idx"]] = record  # the last line of a round counts (a resumed run may repeat one)
+    ratios, deltas, cosines, zero_std, spreads = [], [], [], [], []
+    for record in rounds.values():
+        if record.get("server_step_ratio") is not None:
+            ratios.append(record["server_step_ratio"])
+        if record.get("delta_norm") is not None:
+            deltas.append(record["delta_norm"])
+        # None: no cosine (a zero update or Δ)
+        cosines.extend(value for value in (record.get("update_cosines") or {}).values() if value is not None)
+        for metrics in (record.get("client_metrics") or {}).values():
+            if metrics.get("frac_reward_zero_std") is not None:
+                zero_std.append(metrics["frac_reward_zero_std"])
+        if record.get("weights"):
+            spreads.append(max(record["weights"].values()) - min(record["weights"].values()))
+    return {
+        "step_ratio_median": statistics.median(ratios) if ratios else math.nan,
+        "step_ratio_max": max(ratios, default=math.nan),
+        "delta_norm": _mean(deltas),
+        "update_cosine": _mean(cosines),
+        "zero_std_groups": _mean(zero_std),
+        "weight_spread": _mean(spreads),
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
 def run_cells(
     cells: list[Cell],
     root: Path,
@@ -433,9 +474,11 @@ def _optional(value: float) -> str:
     return "—" if math.isnan(value) else f"{value:.2f}"
 
 
-def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]]) -> dict:
-    """Per (setting, method): gain intervals, base and final accuracy, cost; per baseline: paired intervals, the
-    smallest difference they resolve (their half-width) and the minimum difference detected with 80% power."""
+def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
+              diagnostics: dict[Cell, dict[str, float]]) -> dict:
+    """Per (setting, method): gain intervals, base and final accuracy, cost, the per-round diagnostics averaged over
+    seeds (`cell_diagnostics`); per baseline: paired intervals, the smallest difference they resolve (their
+    half-width), the minimum difference detected with 80% power, and each seed's item-by-item comparison."""
     settings = sorted({cell.setting for cell in results})
     methods = [method for method in METHODS if any(cell.method == method for cell in results)]
     summary = {"methods": [], "paired": []}
@@ -452,6 +495,7 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]]) ->
         row["run_wall_seconds_per_cell"] = statistics.fmean(results[cell]["wall_time"] for cell in cells)
         curves = [reward_curve(results[cell]) for cell in cells]
         row["reward_curve"] = [statistics.fmean(values) for values in zip(*curves)]
+        row["diagnostics"] = {key: _mean([diagnostics[cell][key] for cell in cells]) for key in diagnostics[cells[0]]}
         summary["methods"].append(row)
         if method == REFERENCE:
             continue
@@ -492,10 +536,10 @@ def test_items(results: dict[Cell, dict]) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]], expected: int, root: Path,
-                 command: str) -> str:
+def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
+                 diagnostics: dict[Cell, dict[str, float]], expected: int, root: Path, command: str) -> str:
     """verdict.md, verdict.csv, paired.csv, verdict.json and curves-<setting>.png from the finished cells."""
-    summary = summarize(results, costs)
+    summary = summarize(results, costs, diagnostics)
     status = "complete" if len(results) == expected else f"PARTIAL: {len(results)} of {expected} cells finished"
     header = ["Setting", "Method", "Seeds", "Base total", "Final total", "Total gain [95% CI]", "Base hard",
               "Final hard", "Hard gain [95% CI]", "CPU min/cell", "Wall min/cell"]
@@ -514,6 +558,15 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
          _optional(row["total"]["half_width"]), _optional(row["total_detectable_80"]), _points(row["hard"]),
          row["hard_reading"], _optional(row["hard"]["half_width"])]
         for row in summary["paired"]
+    ]
+    diagnostics_header = ["Setting", "Method", "Seeds", "Server step / ‖Δ‖, median of rounds",
+                          "Server step / ‖Δ‖, largest", "‖Δ‖", "cos(client update, Δ)",
+                          "Groups with equal rewards", "Weight spread (max ω − min ω)"]
+    diagnostics_rows = [
+        [row["setting"], row["method"], str(len(row["seeds"])),
+         *(_optional(row["diagnostics"][key]) for key in ("step_ratio_median", "step_ratio_max", "delta_norm",
+                                                          "update_cosine", "zero_std_groups", "weight_spread"))]
+        for row in summary["methods"]
     ]
     item_header = ["Setting", "Baseline", "Seed", "FGRPO final", "Baseline final", "FGRPO − baseline [95% CI]",
                    "Items FGRPO right only / baseline right only", "McNemar exact p"]
@@ -538,6 +591,11 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "(\"Resolved beyond ±\": t(0.975, n − 1) × sd / √n at the spread sd the seeds showed), and a true difference "
         "is found with 80% probability from \"Detectable\" on (noncentral t, same spread); more seeds shrink both by "
         f"about √n. Below these, the grid says nothing either way{'; ' + item_points if item_points else ''}.\n\n"
+        "## Diagnostics per round, averaged over rounds and seeds (metrics.jsonl)\n\n"
+        "Server step / ‖Δ‖: how far the server moved the global adapter against the clients' weighted mean change "
+        "(1 for FedAvg's SGD at 1.0); cos: each client's update against Δ; groups with equal rewards: the share of "
+        "GRPO groups whose K completions all scored alike (no learning signal); weight spread: how unequal the "
+        f"aggregation weights were.\n\n{markdown(diagnostics_header, diagnostics_rows)}\n\n"
         "## Item by item, seed by seed\n\n"
         "FGRPO's final adapter against the baseline's of the same seed on the same test items: the mean difference "
         "with its 95% t-interval over items and McNemar's exact test on the items only one of them gets right. It "
@@ -670,7 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         if not results:
             return "No cell has finished yet.\n"
         costs = {cell: cell_cost(cell.directory(root)) for cell in results}
-        return write_report(results, costs, len(cells), root, command.strip())
+        diagnostics = {cell: cell_diagnostics(cell.directory(root)) for cell in results}
+        return write_report(results, costs, diagnostics, len(cells), root, command.strip())
 
     status = 0
     if not args.report_only:

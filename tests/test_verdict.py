@@ -164,6 +164,48 @@ def test_each_seeds_final_adapters_are_compared_item_by_item(tmp_path, capsys):
     assert "| scaffold | 0 |" not in report.split("## Item by item")[1]
 
 
+def test_the_report_averages_each_cells_round_diagnostics(tmp_path, capsys):
+    """Server step / ‖Δ‖ (median and largest over rounds), ‖Δ‖, cos(update, Δ), groups with equal rewards and the
+    weight spread, per cell from metrics.jsonl (the last line of a round counts), then averaged over seeds."""
+    def round_line(index, ratio, delta, cosines, zero_std, weights):
+        return json.dumps({
+            "event": "round", "round_idx": index, "server_step_ratio": ratio, "delta_norm": delta,
+            "update_cosines": dict(zip("ab", cosines)), "weights": dict(zip("ab", weights)),
+            "client_metrics": {name: {"frac_reward_zero_std": value} for name, value in zip("ab", zero_std)},
+        })
+
+    base = (0.20, 0.10)
+    lines = {
+        0: [round_line(0, 9.0, 9.0, (0.0, 0.0), (0.0, 0.0), (0.5, 0.5)),  # replaced by the resumed run's round 0
+            json.dumps({"event": "resumed"}),
+            round_line(0, 2.0, 0.5, (0.5, 1.0), (0.5, 1.0), (0.2, 0.8)),
+            round_line(1, 6.0, 0.3, (-0.5, 0.0), (0.0, 0.5), (0.5, 0.5)),
+            round_line(2, 3.0, 0.4, (0.0, 0.0), (0.0, 0.0), (0.4, 0.6)),
+            round_line(3, None, None, (None, None), (None, None), ())],  # a round without Δ: nothing to count
+        1: [round_line(0, 1.0, 0.2, (1.0, 1.0), (1.0, 1.0), (0.5, 0.5))],
+    }
+    for seed, seed_lines in lines.items():
+        for method in ("fgrpo", "fedavg"):
+            cell = Cell(method, seed, 3, "0.05")
+            _write(tmp_path, cell, _result(base, (0.3, 0.1), [0.1, 0.2]))
+            if method == "fgrpo":
+                (cell.directory(tmp_path) / "metrics.jsonl").write_text("\n".join(seed_lines) + "\n")
+    assert verdict.main(["--output_dir", str(tmp_path), "--methods", "fgrpo", "fedavg", "--seeds", "0", "1",
+                         "--report_only"]) == 0
+    capsys.readouterr()
+    seed0 = verdict.cell_diagnostics(Cell("fgrpo", 0, 3, "0.05").directory(tmp_path))
+    assert seed0 == pytest.approx({"step_ratio_median": 3.0, "step_ratio_max": 6.0, "delta_norm": 0.4,
+                                   "update_cosine": 1 / 6, "zero_std_groups": 2 / 6, "weight_spread": 0.8 / 3})
+    rows = {row["method"]: row for row in json.loads((tmp_path / "verdict.json").read_text())["methods"]}
+    assert rows["fgrpo"]["diagnostics"] == pytest.approx({key: (value + {"step_ratio_median": 1.0,
+        "step_ratio_max": 1.0, "delta_norm": 0.2, "update_cosine": 1.0, "zero_std_groups": 1.0,
+        "weight_spread": 0.0}[key]) / 2 for key, value in seed0.items()})
+    assert all(math.isnan(value) for value in rows["fedavg"]["diagnostics"].values())  # no metrics.jsonl
+    report = (tmp_path / "verdict.md").read_text()
+    assert "| N=3,mu=0.05 | fgrpo | 2 | 2.00 | 3.50 | 0.30 | 0.58 | 0.67 | 0.13 |" in report
+    assert "| N=3,mu=0.05 | fedavg | 2 | — | — | — | — | — | — |" in report
+
+
 def test_a_finished_cell_is_skipped_and_keeps_its_cost(tmp_path, capsys):
     cell = Cell("fgrpo", 0, 3, "0.05")
     _write(tmp_path, cell, _result((0.2, 0.1), (0.3, 0.2), [0.1, 0.2, 0.3]), cpu_seconds=123.0)
