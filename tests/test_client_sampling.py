@@ -515,3 +515,95 @@ def test_the_evaluate_round_samples_its_clients_and_names_those_without_an_evalu
     # off by default: no evaluate message
     strategy.args.fraction_evaluate = 0.0
     assert strategy.configure_evaluate(2, None, None, grid) == [] and strategy.aggregate_evaluate(2, []) is None
+
+
+class ServerAppKilled(Exception):
+    """The ServerApp's process dies while it sends a message."""
+
+
+class RecordingGrid(LocalGrid):
+    """A `LocalGrid` that records the (message type, group id) of every message sent, and dies (`ServerAppKilled`)
+    instead of sending the first message of `crash_on`."""
+
+    def __init__(self, respond, node_configs, crash_on=None):
+        super().__init__(respond, node_configs)
+        self.sent, self.crash_on = [], crash_on
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for message in messages:
+            sent = (message.metadata.message_type, message.metadata.group_id)
+            if sent == self.crash_on:
+                raise ServerAppKilled(sent)
+            self.sent.append(sent)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+@pytest.mark.parametrize("crash_on", [("evaluate", "0"), ("train", "1")], ids=["in-evaluate-round-0", "in-round-1"])
+@pytest.mark.usefixtures("task_identity")
+def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_other(
+    tmp_path, tiny_model_dir, caplog, crash_on
+):
+    # Round 0's checkpoint is written before its evaluate round: killed during it, the run has no client_evaluation
+    # line of round 0, which the resumed run records first; killed in round 1, it has one, and nothing is redone.
+    from trl_federated.flower.records import evaluation_to_content
+    from trl_federated.sampling import sample_clients
+
+    def federation(node_offset, crash=None, **overrides):
+        args = sampling_args(tmp_path / "flower", num_clients=NUM_CLIENTS, num_rounds=2, aggregation="fedavg",
+                             node_wait_timeout=0, fraction_train=1.0, fraction_evaluate=FRACTION, **overrides)
+        strategy = FederatedStrategy(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, report_header=None, reply_timeout=5
+        )
+        grid = RecordingGrid(respond, {node_offset + index: {"partition-id": index} for index in range(NUM_CLIENTS)},
+                             crash)
+        return strategy, grid
+
+    carried = {}  # round → the global adapter its evaluate messages carried
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(CLIENT_IDS[index], index)}), reply_to=message)
+        instruction = TrainInstruction.from_content(message.content)
+        if message.metadata.message_type == "train":
+            update = ClientUpdate(CLIENT_IDS[index], moved(instruction.global_state, seed=index), 10, 0.5)
+            return Message(update_to_content(update, index), reply_to=message)
+        carried[instruction.round_idx] = instruction.global_state
+        evaluation = {"accuracy": {"Total": index / 4}, "count": {"Total": 2 + index}}
+        return Message(evaluation_to_content(evaluation, CLIENT_IDS[index], index), reply_to=message)
+
+    interrupted, grid = federation(100, crash_on)
+    with pytest.raises(ServerAppKilled):
+        interrupted.start(grid)
+    round_0 = copy.deepcopy(interrupted.global_state)
+    recorded = [event["round"] for event in events(tmp_path / "flower", "client_evaluation")]
+    assert recorded == ([] if crash_on == ("evaluate", "0") else [0])
+
+    # The ServerApp restarts; its SuperNodes come back with new node ids, bound to no client yet.
+    resumed, grid = federation(200, resume_from_checkpoint=True)
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        result = resumed.start(grid)
+    redone = "Round 0: redoing its evaluate round after the resume"
+    lines = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [line for line in lines if line["event"] == "client_evaluation"]
+    assert [line["round"] for line in evaluations] == [0, 1]  # each round's once
+    evaluated = sample_clients(NUM_CLIENTS, FRACTION, 1, SEED, 0, "evaluate")
+    assert set(evaluations[0]["clients"]) == sampled_ids(evaluated) and evaluations[0]["failed"] == {}
+    rows = {index: 2 + index for index in evaluated}
+    assert evaluations[0]["accuracy"]["Total"] == pytest.approx(
+        sum(index / 4 * count for index, count in rows.items()) / sum(rows.values())
+    )
+    assert_states_equal(carried[0], round_0)  # round 0's global adapter, as its own evaluate round sends it
+    evaluate_messages = [sent for sent in grid.sent if sent[0] == "evaluate"]
+    if crash_on == ("evaluate", "0"):
+        # redone right after the resume, before round 1 begins, with Flower's Result holding it under server round 0
+        resumed_at = lines.index(next(line for line in lines if line["event"] == "resumed"))
+        assert lines.index(evaluations[0]) == resumed_at + 1
+        assert evaluate_messages == [("evaluate", "0")] * len(evaluated) + [("evaluate", "1")] * 2
+        assert grid.sent.index(("evaluate", "0")) < grid.sent.index(("train", "1"))
+        assert result.evaluate_metrics_clientapp[0]["accuracy"] == evaluations[0]["accuracy"]["Total"]
+        assert caplog.text.count(redone) == 1
+    else:
+        assert evaluate_messages == [("evaluate", "1")] * 2 and 0 not in result.evaluate_metrics_clientapp
+        assert redone not in caplog.text

@@ -276,5 +276,18 @@ class MetricsLoggerCallback(RoundCallback):
     def on_evaluate_round(self, args, round_idx, results, **kwargs):
         self._write("evaluation", {"round": round_idx, **results})
 
+    def has_line(self, event: str, round_idx: int) -> bool:
+        """Whether metrics.jsonl holds a whole `event` line of round `round_idx` (a torn line is none)."""
+        if not self.path.exists():
+            return False
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and entry.get("event") == event and entry.get("round") == round_idx:
+                return True
+        return False
+
     def on_client_evaluation(self, args, round_idx, results, **kwargs):
         self._write("client_evaluation", {"round": round_idx, **results})

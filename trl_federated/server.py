@@ -17,13 +17,14 @@ server happens here, once:
                             the atomic checkpoint, and the round's summary in the log
 
 and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the clients sampled to evaluate the global
-adapter on their own held-out data) and `record_client_evaluation` (their results and row-weighted mean, logged);
-plus `start_run` (output folder, which this process then writes alone, resume or the evaluation before training),
-`finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close` (the output folder's lock,
-however the run ended). The per-client state of an aggregation is the aggregator's own (see
-`aggregation.Aggregator`): this module names no method. Traffic is counted per client and round in both directions,
-everything that crosses the wire: the adapter entries the wire format sends, and the extras (SCAFFOLD's c and c_i
-down, Δc_i up).
+adapter on their own held-out data), `record_client_evaluation` (their results and row-weighted mean, logged) and
+`client_evaluation_recorded(t)` (whether metrics.jsonl holds them: a resumed run redoes the checkpointed round's
+evaluate round otherwise); plus `start_run` (output folder, which this process then writes alone, resume or the
+evaluation before training), `finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close`
+(the output folder's lock, however the run ended). The per-client state of an aggregation is the aggregator's own
+(see `aggregation.Aggregator`): this module names no method. Traffic is counted per client and round in both
+directions, everything that crosses the wire: the adapter entries the wire format sends, and the extras (SCAFFOLD's
+c and c_i down, Δc_i up).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class FederatedServer:
         self.aggregator = aggregator
         self.global_state: AdapterState = get_adapter_state(model)
         self.wire = WireFormat.from_config(args, self.global_state)
-        self.callbacks = [MetricsLoggerCallback(args.output_dir), *(callbacks or [])]
+        self.metrics_log = MetricsLoggerCallback(args.output_dir)
+        self.callbacks = [self.metrics_log, *(callbacks or [])]
         if report_header is not None:
             self.callbacks.append(ReportCallback(args.output_dir, header=report_header))
         self.writes_result = report_header is not None
@@ -404,6 +406,12 @@ class FederatedServer:
             "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items()),
         )
         return results
+
+    def client_evaluation_recorded(self, round_idx: int) -> bool:
+        """Whether the clients' evaluation of round `round_idx` was recorded (its `client_evaluation` line in
+        metrics.jsonl). Only the log can tell: a round's checkpoint is written before its evaluate round, and a resume
+        keeps the lines of the rounds up to its checkpoint, the evaluate round's included, and drops a torn one."""
+        return self.metrics_log.has_line("client_evaluation", round_idx)
 
     def save_checkpoint(self, round_idx: int) -> Path:
         """Write `output_dir/checkpoint-<round_idx>`: the state after round `round_idx`, atomically, with the round's

@@ -86,7 +86,9 @@ class FederatedStrategy(ServerStateView, Strategy):
     With `fraction_evaluate` > 0, Flower's evaluate round after each round sends the new global adapter to the
     clients `FederatedServer.evaluation_clients` samples; each evaluates it on its own held-out data
     (`ClientSite.eval_dataset`) and replies with its accuracy and row count, which the server pools by rows and
-    logs (`client_evaluation` lines in metrics.jsonl; `Result.evaluate_metrics_clientapp`).
+    logs (`client_evaluation` lines in metrics.jsonl; `Result.evaluate_metrics_clientapp`). A round's checkpoint is
+    written before its evaluate round: a resumed run whose checkpointed round has no `client_evaluation` line yet (the
+    interrupted run stopped during that evaluate round) redoes that evaluate round first.
 
     Which client a node serves is the server's call, made before any training message is sent, by `self.binder`
     (`identity.NodeBinder`; the strategy only sends its questions). With a `registry` (`identity.ClientRegistry`) it
@@ -198,7 +200,8 @@ class FederatedStrategy(ServerStateView, Strategy):
         evaluation follow it); a resumed run does the rounds its checkpoint lacks. `timeout` is the reply timeout of
         a round (default: the strategy's `reply_timeout`); `train_config` entries travel in every train message's
         config record. The run's outputs are written at the end; the `Result` holds the final global adapter and each
-        round's metrics (`callbacks.round_logs`).
+        round's metrics (`callbacks.round_logs`), with a redone evaluate round (see the class docstring) under server
+        round 0.
         """
         show_package_logs()
         if num_rounds is not None and num_rounds != self.args.num_rounds:
@@ -209,20 +212,39 @@ class FederatedStrategy(ServerStateView, Strategy):
             )
         if initial_arrays is not None:
             self._set_initial_adapter(initial_arrays)
+        timeout = self.reply_timeout if timeout is None else timeout
         try:
             self.first_round = self.server.start_run()
+            redone = self._redo_evaluate_round(grid, evaluate_config, timeout)
             remaining = self.args.num_rounds - self.first_round
             result = Result(arrays=state_to_array_record(self.global_state))
             if remaining > 0:
                 result = super().start(
-                    grid, state_to_array_record(self.global_state), num_rounds=remaining,
-                    timeout=self.reply_timeout if timeout is None else timeout, train_config=train_config,
-                    evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
+                    grid, state_to_array_record(self.global_state), num_rounds=remaining, timeout=timeout,
+                    train_config=train_config, evaluate_config=evaluate_config, evaluate_fn=evaluate_fn,
                 )
+            if redone is not None:
+                result.evaluate_metrics_clientapp[0] = redone  # server round 0: the checkpointed round
             self.server.finish_run()
         finally:
             self.server.close()
         return result
+
+    def _redo_evaluate_round(self, grid: Grid, config: ConfigRecord | None, timeout: float) -> MetricRecord | None:
+        """On a resume, the evaluate round of the checkpointed round t (server round 0) if the interrupted run did not
+        record it: a round's checkpoint is written before its evaluate round, so a run stopped during that evaluate
+        round would otherwise never have round t's clients' evaluation. The nodes of the clients it samples are bound
+        first: a restarted ServerApp has bound none. Returns `aggregate_evaluate`'s metrics; None when nothing is
+        redone."""
+        round_idx = self.first_round - 1  # -1 on a fresh run
+        sampled = self.server.evaluation_clients(round_idx) if round_idx >= 0 else []
+        if not sampled or self.server.client_evaluation_recorded(round_idx):
+            return None
+        logger.info("Round %d: redoing its evaluate round after the resume: the interrupted run checkpointed the round "
+                    "but recorded no clients' evaluation of it.", round_idx)
+        self._wait_for_nodes(grid, round_idx, sampled, training=False)
+        messages = self.configure_evaluate(0, state_to_array_record(self.global_state), config, grid)
+        return self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=timeout))
 
     def _set_initial_adapter(self, initial_arrays: ArrayRecord) -> None:
         from ..aggregation.base import check_state
@@ -382,12 +404,13 @@ class FederatedStrategy(ServerStateView, Strategy):
 
     # Which client each node serves (`identity.NodeBinder` decides; the strategy asks) --------------------------
 
-    def _wait_for_nodes(self, grid: Grid, round_idx: int, sampled: list[int]) -> list[int]:
+    def _wait_for_nodes(self, grid: Grid, round_idx: int, sampled: list[int], training: bool = True) -> list[int]:
         """The connected SuperNodes bound to a client of the federation (`_identify`), once every client index the
         round samples is served by one or `args.node_wait_timeout` has passed, logged while waiting: a SuperNode gone
         for good delays only the rounds that sample its client. Nodes that serve no client (with a registry: those not
         in it) never count, so they cannot start a round early; each is refused once a round (`server.refuse`).
-        `NotEnoughClientsError` when fewer than `min_clients_per_round` sampled clients are served."""
+        `NotEnoughClientsError` when fewer than `min_clients_per_round` sampled clients are served. An evaluate round
+        (`training` False) opens no server round: its refusals are logged, and too few clients never stop the run."""
         started = time.monotonic()
         deadline, next_log = started + self.args.node_wait_timeout, started
         refused: dict[int, str] = {}  # node id → why it serves no client, for this round
@@ -406,13 +429,16 @@ class FederatedStrategy(ServerStateView, Strategy):
                 next_log = now + WAIT_LOG_INTERVAL
             time.sleep(min(2.0, max(0.0, deadline - now)))
         for node_id, reason in refused.items():
-            self.server.refuse(f"node-{node_id}", reason)
+            if training:
+                self.server.refuse(f"node-{node_id}", reason)
+            else:
+                logger.warning("Round %d: node-%d is sent no evaluate message: %s.", round_idx, node_id, reason)
         if not missing:
             return node_ids
         waited = time.monotonic() - started
         logger.warning("Round %d: no connected SuperNode serves the sampled client indices %s after %.0f s; the round "
                        "goes on without them.", round_idx, missing, waited)
-        if len(sampled) - len(missing) < self.args.min_clients_per_round:
+        if training and len(sampled) - len(missing) < self.args.min_clients_per_round:
             refusals = "; ".join(f"node-{node_id}: {reason}" for node_id, reason in refused.items())
             raise NotEnoughClientsError(
                 f"Round {round_idx}: only {len(sampled) - len(missing)} of the {len(sampled)} sampled clients are "
