@@ -47,6 +47,7 @@ from typing import Any
 import yaml
 from scipy import optimize, stats
 
+from trl_federated.callbacks import read_metrics
 from trl_federated.compare import Cell, cell_command, load_result, markdown
 from trl_federated.methods import METHODS
 
@@ -294,13 +295,8 @@ def cell_diagnostics(directory: Path) -> dict[str, float]:
     cosine of each client's update with Δ, the fraction of GRPO groups whose rewards were all equal (no learning
     signal) and the spread of the aggregation weights (max ω − min ω), each averaged over rounds (and clients)."""
     rounds: dict[int, dict] = {}
-    path = directory / "metrics.jsonl"
-    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a run killed mid-write leaves a partial last line
-        if isinstance(record, dict) and record.get("event") == "round":
+    for record in read_metrics(directory / "metrics.jsonl"):  # torn lines skipped
+        if record.get("event") == "round":
             rounds[record["round_idx"]] = record  # the last line of a round counts (a resumed run may repeat one)
     ratios, deltas, cosines, zero_std, spreads = [], [], [], [], []
     for record in rounds.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,19 @@ def _json_safe(value):
     return value
 
 
+def read_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The events of a metrics.jsonl, in order; a line a crash tore (or that holds no JSON object) is skipped, and a
+    missing file has none."""
+    path = Path(path)
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            yield event
+
+
 def _round_of(line: str) -> float:
     """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore (or whose
     round is no number: a client's metric named `round`, which a version before this one wrote into its line)."""
@@ -278,16 +292,7 @@ class MetricsLoggerCallback(RoundCallback):
 
     def has_line(self, event: str, round_idx: int) -> bool:
         """Whether metrics.jsonl holds a whole `event` line of round `round_idx` (a torn line is none)."""
-        if not self.path.exists():
-            return False
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(entry, dict) and entry.get("event") == event and entry.get("round") == round_idx:
-                return True
-        return False
+        return any(entry.get("event") == event and entry.get("round") == round_idx for entry in read_metrics(self.path))
 
     def on_client_evaluation(self, args, round_idx, results, **kwargs):
         self._write("client_evaluation", {"round": round_idx, **results})
