@@ -217,8 +217,8 @@ class MergedGenerationModel:
         return self.model
 
     def release(self) -> None:
-        """Free the packed projections (`PackedLinear.load` packs new ones at every `refresh()`): on CPU all but the
-        embedding and the norms of the copy, about 0.3 GB for SmolLM2-135M in bf16, not held through the loss."""
+        """Free the packed projections (`PackedLinear.load` packs new ones at every `refresh()`): on CPU every weight of
+        the copy but the embedding and the norms, so the loss does not hold them (measured in benchmarks/RESULTS.md)."""
         for target, _, _ in self._parameters:
             if isinstance(target, PackedLinear):
                 target.packed_weight = None
