@@ -29,11 +29,13 @@ CPU time per cell.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
 import math
 import os
+import platform
 import signal
 import statistics
 import subprocess
@@ -65,6 +67,10 @@ REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGE
 MAX_COMMITTED_BYTES = 5 * 2**20  # a cell file larger than this is not committed (and said so)
 # What limits a cell process to its share of the cores under `--parallel`: torch's intra-op threads follow OMP.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# Recorded with every cell attempt (`machine_record`): the CPU flags that choose torch's kernels, and the libraries
+# whose versions change what a cell computes.
+KERNEL_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"})
+KERNEL_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "numpy")
 
 
 # Statistics ------------------------------------------------------------------------------------------------
@@ -276,10 +282,39 @@ def cell_environment(parallel: int) -> dict[str, str] | None:
     return {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(max(1, cores // parallel)))}
 
 
-def record_cost(directory: Path, cpu_seconds: float, wall_seconds: float) -> None:
+def machine_record(environment: dict[str, str] | None = None) -> dict[str, Any]:
+    """The machine a cell attempt runs on: bf16 kernels (AVX512-BF16, AMX) differ between CPUs, and threaded kernels
+    between thread counts, so the same seed need not give the same numbers elsewhere. CPU model and the flags that pick
+    kernels (/proc/cpuinfo), the cell's threads (`THREAD_VARIABLES` of `environment`, else the cores) and the versions
+    of the libraries that compute."""
+    from importlib import metadata
+
+    info: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as stream:
+        for line in stream:
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = (environment or os.environ).get(THREAD_VARIABLES[0])
+    versions = {}
+    for package in KERNEL_PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return {
+        "cpu": info.get("model name", platform.processor() or "unknown"),
+        "cpu_flags": sorted(set(info.get("flags", "").split()) & KERNEL_FLAGS),
+        "cores": cores,
+        "threads": int(threads) if threads and threads.isdigit() else cores,
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def record_cost(directory: Path, cpu_seconds: float, wall_seconds: float, machine: dict[str, Any] | None = None) -> None:
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-    attempts.append({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds})
+    attempts.append({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds,
+                     **({"machine": machine} if machine else {})})
     path.write_text(json.dumps(attempts, indent=1), encoding="utf-8")
 
 
@@ -394,7 +429,8 @@ def _run_cells(pending, running, failures, root, command, parallel, on_finish, e
                   f"{process.returncode}; no further cell is started", flush=True)
             failures.append((cell, process.returncode))
             continue
-        record_cost(cell.directory(root), usage.ru_utime + usage.ru_stime, time.perf_counter() - started)
+        record_cost(cell.directory(root), usage.ru_utime + usage.ru_stime, time.perf_counter() - started,
+                    machine_record(environment))
         if on_finish is not None:
             on_finish(cell, True)
 

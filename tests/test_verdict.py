@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from scipy import stats
 
@@ -512,3 +513,21 @@ def test_the_grid_runs_two_at_a_time_commits_each_cell_and_resumes(repository, m
     assert len(_git(repository, "log", "--format=%s").splitlines()) <= commits + 1
     with pytest.raises(SystemExit):  # another budget in the same folder
         verdict.main([*argv, "--num_rounds", "4"])
+
+
+def test_each_cell_attempt_records_the_machine_it_ran_on(tmp_path):
+    spec = _fake_spec(tmp_path / "fake", base={}, default_final={})
+    cell = Cell("fedavg", 0, 3, "0.05")
+
+    def command(cell):
+        return [sys.executable, str(FAKE_CELL), str(cell.directory(tmp_path)), str(spec)]
+
+    failures = verdict.run_cells([cell], tmp_path, command, parallel=2)
+    assert failures == []
+    (attempt,) = json.loads((cell.directory(tmp_path) / verdict.COST_FILE).read_text())
+    machine = attempt["machine"]
+    cores = len(os.sched_getaffinity(0))
+    assert machine["cores"] == cores
+    assert machine["threads"] == max(1, cores // 2)  # --parallel 2: each cell its share, as cell_environment sets
+    assert machine["cpu"] and machine["versions"]["torch"] == torch.__version__
+    assert set(machine["cpu_flags"]) <= verdict.KERNEL_FLAGS
