@@ -55,14 +55,15 @@ from trl_federated.methods import METHODS
 
 DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
-DEFAULT_METHODS = [name for name, method in METHODS.items() if method.algorithm == "grpo"]  # FGRPO and its baselines
+DEFAULT_METHODS = ["fgrpo", "fgrpo-wo-rpg", "fedavg", "fedprox", "scaffold"]  # FGRPO and its baselines
 REFERENCE = "fgrpo"
 METRICS = {"total": "Total", "hard": "hard"}  # reported name -> accuracy key of an evaluation
 COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end
 BUDGET_FILE = "budget.json"  # per grid folder: the config and flags its cells ran with
 # A finished cell's files that are committed (`--commit`): small, and enough to recheck every figure of the report
 # and each client's curves. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
-CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png")
+CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png",
+              "validation.json")
 REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE)
 MAX_COMMITTED_BYTES = 5 * 2**20  # a cell file larger than this is not committed (and said so)
 # What limits a cell process to its share of the cores under `--parallel`: torch's intra-op threads follow OMP.
@@ -310,7 +311,9 @@ def machine_record(environment: dict[str, str] | None = None) -> dict[str, Any]:
     }
 
 
-def record_cost(directory: Path, cpu_seconds: float, wall_seconds: float, machine: dict[str, Any] | None = None) -> None:
+def record_cost(
+    directory: Path, cpu_seconds: float, wall_seconds: float, machine: dict[str, Any] | None = None
+) -> None:
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
     attempts.append({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds,

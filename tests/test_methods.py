@@ -26,6 +26,10 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     # the overrides every `trl-federated compare` cell passed before the table existed
     assert {name: method.overrides() for name, method in METHODS.items()} == {
         "fgrpo": {"aggregation": "rpg", "server_optimizer": "adam"},
+        "fgrpo-fedadam": {"aggregation": "rpg", "server_optimizer": "fedadam"},
+        "fgrpo-adam-norm": {"aggregation": "rpg", "server_optimizer": "adam-norm"},
+        "fgrpo-nesterov": {"aggregation": "rpg", "server_optimizer": "nesterov"},
+        "fgrpo-sgd": {"aggregation": "rpg", "server_optimizer": "sgd"},
         "fgrpo-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
         "fedavg": {"aggregation": "fedavg", "server_optimizer": "sgd"},
         "fedprox": {"aggregation": "fedprox", "server_optimizer": "sgd"},
@@ -37,7 +41,8 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     }
     assert list(METHODS["fdapo"].overrides()) == ["algorithm", "aggregation", "server_optimizer"]
     assert ABLATIONS == {
-        "FGRPO": ("fgrpo", "fgrpo-wo-rpg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg")
+        "FGRPO": ("fgrpo", "fgrpo-wo-rpg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg"),
+        "FGRPO (server SGD)": ("fgrpo-sgd", "fedavg"),  # RPG's weights against FedAvg's, both averaging
     }  # fmt: skip
 
 
@@ -54,7 +59,8 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
         (FedDAPOConfig, "fedavg", "sgd", "FedAvg"),  # a model-averaging baseline keeps its name
         (FedGSPOConfig, "rpg", "adam", "FGSPO"),
         (FedGSPOConfig, "scaffold", "sgd", "SCAFFOLD"),
-        (FedGRPOConfig, "rpg", "sgd", "`rpg` + server `sgd`"),  # no method of the paper
+        (FedGRPOConfig, "rpg", "sgd", "FGRPO (server SGD)"),
+        (FedGRPOConfig, "scaffold", "adam", "`scaffold` + server `adam`"),  # no named method
         (FedGSPOConfig, "fedprox", "adam", "`fedprox` + server `adam`"),
     ],
 )

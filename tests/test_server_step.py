@@ -1,146 +1,174 @@
-"""The server step is sized to the clients (issue 25): server Adam's default learning rate follows the local budget,
-and every round records how far the server moved the adapter against the clients' mean change Δ, each client's
-update against Δ, and the GRPO groups that carried no learning signal."""
+"""The server step designs (`server_optim`), each against its equations by hand, and the step's diagnostics."""
 
-import json
 import logging
 import math
-from pathlib import Path
 
 import pytest
-import yaml
-from datasets import Dataset
-from transformers import AutoModelForCausalLM
+import torch
 
-from conftest import FAST_GRPO
-from trl_federated import FederatedRunner, FedGRPOConfig, RoundCallback
-from trl_federated.aggregation import FedAvgAggregator, ServerSGD, pseudo_gradient
-from trl_federated.aggregation.base import state_distance, state_norm
-from trl_federated.callbacks import IntegrationLog
-from trl_federated.checkpoint import MANIFEST_FILE, STATE_FILE, _file_digest
-
-CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
-
-
-class KeepUpdates(RoundCallback):
-    def __init__(self):
-        self.updates = []
-
-    def on_client_end(self, args, round_idx, update, **kwargs):
-        self.updates.append(update)
+from trl_federated.aggregation import (
+    ClientUpdate,
+    FedAvgAggregator,
+    ServerAdam,
+    ServerFedAdam,
+    ServerNesterov,
+    ServerNormMatchedAdam,
+    ServerSGD,
+    aggregator_from_config,
+)
+from trl_federated.config import FedGRPOConfig
+from trl_federated.round_record import RoundRecord
 
 
-def prompt_reward(completions, prompts, **kwargs):
-    """A constant reward for the prompts of a "Flat" client (every group's K rewards equal: no GRPO signal), the
-    completion's length for the others."""
-    return [0.5 if "Flat" in str(prompt) else len(str(text)) / 64 for prompt, text in zip(prompts, completions)]
+def test_fedadam_derives_tau_from_each_tensors_first_delta_and_steps_by_hand():
+    optimizer = ServerFedAdam(learning_rate=1.0, beta1=0.9, beta2=0.99)
+    params = {"a": torch.tensor([1.0, 1.0]), "b": torch.zeros(2)}
+    first = {"a": torch.tensor([0.3, -0.4]), "b": torch.zeros(2)}  # b: no change yet, so no τ and no step
+    out = optimizer.step(params, first)
+    tau = math.sqrt((0.3**2 + 0.4**2) / 2)
+    assert optimizer.tau == pytest.approx({"a": tau}) and "b" not in optimizer.m
+    v = 0.99 * tau**2 + 0.01 * torch.tensor([0.09, 0.16])
+    m_hat = first["a"]  # m = 0.1 Δ, corrected by 1 − 0.9
+    torch.testing.assert_close(out["a"], params["a"] + m_hat * 2 * tau / (v.sqrt() + tau))
+    torch.testing.assert_close(out["b"], params["b"])
+
+    second = {"a": torch.tensor([0.1, 0.0]), "b": torch.tensor([0.02, -0.02])}
+    out2 = optimizer.step(out, second)
+    m = 0.9 * 0.1 * first["a"] + 0.1 * second["a"]
+    v = 0.99 * v + 0.01 * second["a"] ** 2
+    torch.testing.assert_close(out2["a"], out["a"] + (m / (1 - 0.9**2)) * 2 * tau / (v.sqrt() + tau))
+    # b's first non-zero Δ sets its τ in step 2; its m is corrected by step 2's 1 − β1², as Adam's
+    tau_b = 0.02
+    v_b = 0.99 * tau_b**2 + 0.01 * second["b"] ** 2
+    torch.testing.assert_close(out2["b"], (0.1 * second["b"] / (1 - 0.9**2)) * 2 * tau_b / (v_b.sqrt() + tau_b))
 
 
-def clients(*names, rows=8):
-    return {name: Dataset.from_dict({"prompt": [f"{name} asks: what is {i} times 3?" for i in range(rows)]})
-            for name in names}
+def test_fedadam_first_step_is_near_fedavgs_where_delta_is_typical():
+    torch.manual_seed(0)
+    delta = {"w": torch.randn(10_000) * 1e-4}
+    step = ServerFedAdam().step({"w": torch.zeros(10_000)}, delta)["w"]
+    ratio = torch.linalg.vector_norm(step) / torch.linalg.vector_norm(delta["w"])
+    assert 0.8 < ratio < 1.05  # the paper's literal Adam: α √d / ‖Δ‖, whatever Δ's scale
+    cosine = torch.dot(step, delta["w"]) / (torch.linalg.vector_norm(step) * torch.linalg.vector_norm(delta["w"]))
+    assert cosine > 0.97
 
 
-@pytest.mark.parametrize("recipe", ["quickstart.yaml", "paper/fgrpo.yaml"])
-def test_first_server_step_is_a_small_multiple_of_fedavgs(recipe, tmp_path, tiny_model_dir, tiny_tokenizer):
-    """Round 0 of FGRPO (h = 0: uniform weights) with the recipe's local budget and server settings moves the adapter
-    by a small multiple of what FedAvg moves it on the same client updates (equal data, so the same weights)."""
-    settings = yaml.safe_load((CONFIGS / recipe).read_text())
-    assert settings["aggregation"] == "rpg"
-    budget = {name: settings.get(name) for name in ("local_steps", "learning_rate", "server_learning_rate")}
-    args = FedGRPOConfig(**{**FAST_GRPO, **budget}, output_dir=str(tmp_path), num_rounds=1, reward_window=1, seed=0)
-    keep = KeepUpdates()
-    runner = FederatedRunner(
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir), prompt_reward, args, clients("site-0", "site-1"),
-        processing_class=tiny_tokenizer, callbacks=[keep],
-    )
-    initial = {key: value.clone() for key, value in runner.global_state.items()}
-    runner.run()
-    fedavg = FedAvgAggregator(ServerSGD(1.0)).aggregate(initial, keep.updates, 0)
-    ratio = state_distance(runner.global_state, initial) / state_distance(fedavg, initial)
-    # Adam's first step is α per coordinate; α = 0.5 E lr is half the most E local steps move one (1.1x and 2.2x
-    # here; a fixed α = 1e-3 gave 5.6x at the quickstart's 2 x 2e-4 and 43x at the paper's 10 x 1e-5)
-    assert 0.3 < ratio < 3, ratio
-    assert runner.history[0].server_step_ratio == pytest.approx(ratio, rel=1e-4)
+def test_fedadam_explicit_epsilon_fixes_tau():
+    optimizer = ServerFedAdam(learning_rate=0.5, epsilon=0.1)
+    out = optimizer.step({"w": torch.zeros(1)}, {"w": torch.tensor([0.2])})
+    v = 0.99 * 0.01 + 0.01 * 0.04
+    torch.testing.assert_close(out["w"], torch.tensor([0.2 * 2 * 0.5 * 0.1 / (math.sqrt(v) + 0.1)]))
 
 
-def test_round_diagnostics_in_metrics_and_report_to(tmp_path, tiny_model_dir, tiny_tokenizer, caplog):
-    """One client learns, one sees only equal rewards (no GRPO signal, no update): the learner's update is the
-    whole aggregate (cosine 1), the other's update is 0, and the recorded norms are those of the adapters."""
-    args = FedGRPOConfig(**FAST_GRPO, output_dir=str(tmp_path / "run"), num_rounds=1, local_steps=2, reward_window=1,
-                         seed=0, server_learning_rate=0.05)  # far above what the clients move: warned
-    keep = KeepUpdates()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    log_to = IntegrationLog(args, model, tiny_tokenizer, is_main_process=True)
-    runner = FederatedRunner(model, prompt_reward, args, clients("Learner", "Flat"), processing_class=tiny_tokenizer,
-                             callbacks=[keep], log_to=log_to)
-    initial = {key: value.clone() for key, value in runner.global_state.items()}
-    with caplog.at_level(logging.WARNING, logger="trl_federated.server"):
-        (record,) = runner.run()
-
-    updates = {update.client_id: update for update in keep.updates}
-    delta = pseudo_gradient(initial, [update.state for update in keep.updates], [record.weights[u.client_id]
-                                                                                 for u in keep.updates])
-    assert record.update_norms["Learner"] == pytest.approx(state_distance(updates["Learner"].state, initial), rel=1e-5)
-    assert record.update_norms["Learner"] > 0 and record.update_norms["Flat"] == 0
-    assert record.update_cosines["Learner"] == pytest.approx(1.0, abs=1e-6) and record.update_cosines["Flat"] is None
-    assert record.delta_norm == pytest.approx(state_norm(delta), rel=1e-5)
-    assert record.server_step_norm == pytest.approx(state_distance(runner.global_state, initial), rel=1e-5)
-    assert record.server_step_ratio == pytest.approx(record.server_step_norm / record.delta_norm)
-    assert record.server_step_ratio > 5
-    assert "server_learning_rate` 0.05 (set)" in caplog.text and "`local_steps` 2" in caplog.text
-
-    # the fraction of each client's GRPO groups whose K rewards were all equal, from TRL's frac_reward_zero_std
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    zero_std = {
-        line["client_id"]: line["metrics"]["frac_reward_zero_std"] for line in lines if line["event"] == "client"
-    }
-    assert zero_std["Flat"] == 1.0 and zero_std["Learner"] < 1.0
-    (round_line,) = [line for line in lines if line["event"] == "round"]
-    assert round_line["update_cosines"] == {"Learner": pytest.approx(1.0, abs=1e-6), "Flat": None}
-    assert round_line["update_norms"] == pytest.approx(record.update_norms)
-    assert round_line["server_step_ratio"] == pytest.approx(record.server_step_ratio)
-
-    # report_to's log path: one entry per round, per client and for the round
-    (entry,) = log_to.state.log_history
-    assert entry["Learner/update_cosine"] == pytest.approx(1.0, abs=1e-6) and "Flat/update_cosine" not in entry
-    assert entry["Flat/update_norm"] == 0 and entry["Learner/update_norm"] == record.update_norms["Learner"]
-    assert entry["Flat/frac_reward_zero_std"] == 1.0
-    assert entry["frac_reward_zero_std"] == pytest.approx((1.0 + zero_std["Learner"]) / 2)
-    for name in ("delta_norm", "server_step_norm", "server_step_ratio"):
-        assert entry[name] == getattr(record, name) and math.isfinite(entry[name])
+def test_norm_matched_adam_takes_adams_direction_at_each_tensors_delta_norm():
+    optimizer = ServerNormMatchedAdam(learning_rate=1.0)
+    params = {"a": torch.tensor([1.0, 1.0, 1.0]), "b": torch.tensor([0.0, 0.0])}
+    delta = {"a": torch.tensor([0.3, -0.1, 0.0]), "b": torch.tensor([1e-3, 2e-3])}
+    out = optimizer.step(params, delta)
+    # Bias-corrected Adam's first direction is sign(Δ) (0 where Δ is 0), scaled to ‖Δ_T‖ per tensor
+    sign_a = torch.tensor([1.0, -1.0, 0.0])
+    torch.testing.assert_close(out["a"], params["a"] + sign_a / math.sqrt(2) * math.hypot(0.3, 0.1), rtol=1e-6,
+                               atol=1e-7)
+    torch.testing.assert_close(out["b"], torch.ones(2) / math.sqrt(2) * math.hypot(1e-3, 2e-3), rtol=1e-5, atol=1e-9)
+    # A zero Δ moves nothing, whatever the momentum
+    out2 = optimizer.step(out, {"a": torch.zeros(3), "b": torch.zeros(2)})
+    torch.testing.assert_close(out2["a"], out["a"]) and torch.testing.assert_close(out2["b"], out["b"])
 
 
-def test_a_resumed_run_keeps_its_derived_server_learning_rate(tmp_path, tiny_model_dir, tiny_tokenizer, caplog):
-    """The derived α is resolved once: resumed with another local learning rate (allowed), or from a checkpoint
-    written when the default was a fixed 1e-3, the run goes on with the α its checkpoint recorded."""
-    common = dict(FAST_GRPO, output_dir=str(tmp_path / "run"), local_steps=1, reward_window=1, seed=0)
+def test_norm_matched_adam_second_step_follows_the_bias_corrected_moments():
+    optimizer = ServerNormMatchedAdam(learning_rate=0.5)
+    params, d1, d2 = torch.zeros(2), torch.tensor([0.4, -0.2]), torch.tensor([-0.1, 0.3])
+    out = optimizer.step({"w": params}, {"w": d1})["w"]
+    out2 = optimizer.step({"w": out}, {"w": d2})["w"]
+    m_hat = (0.9 * 0.1 * d1 + 0.1 * d2) / (1 - 0.81)
+    v_hat = (0.99 * 0.01 * d1**2 + 0.01 * d2**2) / (1 - 0.99**2)
+    direction = m_hat / (v_hat.sqrt() + 1e-8)
+    expected = out + 0.5 * torch.linalg.vector_norm(d2) * direction / torch.linalg.vector_norm(direction)
+    torch.testing.assert_close(out2, expected)
 
-    def run(**overrides):
-        args = FedGRPOConfig(**{**common, **overrides})
-        runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), prompt_reward, args,
-                                 clients("site-0"), processing_class=tiny_tokenizer)
-        runner.run()
-        return runner
 
-    first = run(num_rounds=1)
-    assert first.aggregator.server_optimizer.learning_rate == 0.5 * 1e-2
-    with caplog.at_level(logging.WARNING, logger="trl_federated.server"):
-        resumed = run(num_rounds=2, learning_rate=1e-3, resume_from_checkpoint=True,
-                      resume_allow_changes="learning_rate")
-    assert resumed.aggregator.server_optimizer.learning_rate == resumed.args.server_learning_rate == 0.5 * 1e-2
-    assert "checkpoint's server_learning_rate 0.005" in caplog.text
-    # an explicit rate is a training setting like any other: a different one is refused
-    with pytest.raises(ValueError, match="server_learning_rate"):
-        run(num_rounds=3, server_learning_rate=1e-3, learning_rate=1e-3, resume_from_checkpoint=True,
-            resume_allow_changes="learning_rate")
-    # a checkpoint written when the default was a fixed 1e-3 recorded that: the run resumes with it
-    checkpoint = tmp_path / "run" / "checkpoint-1"
-    state = json.loads((checkpoint / STATE_FILE).read_text())
-    state["identity"]["training"]["server_learning_rate"] = 1e-3
-    (checkpoint / STATE_FILE).write_text(json.dumps(state))
-    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
-    manifest["files"][STATE_FILE] = _file_digest(checkpoint / STATE_FILE)
-    (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
-    old = run(num_rounds=3, learning_rate=1e-3, resume_from_checkpoint=True, resume_allow_changes="learning_rate")
-    assert old.aggregator.server_optimizer.learning_rate == 1e-3 and len(old.history) == 3
+def test_nesterov_matches_the_outer_momentum_by_hand():
+    optimizer = ServerNesterov(learning_rate=0.7, momentum=0.9)
+    d1, d2 = torch.tensor([0.2, -0.1]), torch.tensor([0.1, 0.1])
+    out = optimizer.step({"w": torch.zeros(2)}, {"w": d1})["w"]
+    torch.testing.assert_close(out, 0.7 * (d1 + 0.9 * d1))
+    out2 = optimizer.step({"w": out}, {"w": d2})["w"]
+    m = 0.9 * d1 + d2
+    torch.testing.assert_close(out2, out + 0.7 * (d2 + 0.9 * m))
+    restored = ServerNesterov()
+    restored.load_state_dict(optimizer.state_dict())
+    torch.testing.assert_close(restored.m["w"], m)
+
+
+@pytest.mark.parametrize("optimizer_class", [ServerFedAdam, ServerNormMatchedAdam, ServerNesterov])
+def test_state_round_trip_continues_identically(optimizer_class):
+    a, b = optimizer_class(), optimizer_class()
+    params = a.step({"w": torch.tensor([0.3, -0.1])}, {"w": torch.tensor([0.2, 0.1])})
+    b.load_state_dict(a.state_dict())
+    delta = {"w": torch.tensor([-0.3, 0.4])}
+    assert torch.equal(a.step(params, delta)["w"], b.step(params, delta)["w"])
+
+
+@pytest.mark.parametrize(("name", "optimizer_class", "rate"), [
+    ("adam", ServerAdam, 0.5 * 5 * 2e-4), ("sgd", ServerSGD, 1.0), ("fedadam", ServerFedAdam, 1.0),
+    ("adam-norm", ServerNormMatchedAdam, 1.0), ("nesterov", ServerNesterov, 0.7),
+])
+def test_each_server_optimizer_from_config_with_its_derived_rate(tmp_path, name, optimizer_class, rate):
+    args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_clients=2, local_steps=5, learning_rate=2e-4,
+                         server_optimizer=name, report_to="none")
+    optimizer = aggregator_from_config(args).server_optimizer
+    assert type(optimizer) is optimizer_class and optimizer.learning_rate == pytest.approx(rate)
+    if name in ("adam", "adam-norm"):
+        assert args.server_epsilon == 1e-8 and optimizer.epsilon == 1e-8  # the paper's ε
+    if name == "fedadam":
+        assert args.server_epsilon is None and optimizer.epsilon is None  # τ from the first Δ
+    if name == "nesterov":
+        assert optimizer.momentum == args.server_beta1
+
+
+def test_step_diagnostics_cosines_and_lora_factor_norms():
+    key_a, key_b = "layers.0.q_proj.lora_A.weight", "layers.0.q_proj.lora_B.weight"
+    global_state = {key_a: torch.zeros(4), key_b: torch.zeros(4)}
+    client = {key_a: torch.tensor([1.0, 0.0, 0.0, 0.0]), key_b: torch.tensor([0.0, 2.0, 0.0, 0.0])}
+    aggregator = FedAvgAggregator(ServerNesterov(learning_rate=1.0, momentum=0.5))
+    new = aggregator.aggregate(global_state, [ClientUpdate("c", client, 1, 0.0)], 0)
+    step = aggregator.last_step
+    # s = 1.5 Δ: cos(s, Δ) = 1, no previous step, ‖s_A‖ = 1.5, ‖s_B‖ = 3
+    assert step.step_delta_cosine == pytest.approx(1.0) and step.step_previous_cosine is None
+    assert (step.step_norm_a, step.step_norm_b) == pytest.approx((1.5, 3.0))
+    # Round 2: the clients turn back to θ^0 (Δ = −θ^1); the momentum 0.5 m + Δ partly cancels
+    back = {key: torch.zeros(4) for key in global_state}
+    aggregator.aggregate(new, [ClientUpdate("c", back, 1, 0.0)], 1)
+    delta = -torch.cat([new[key_a], new[key_b]])
+    m = 0.5 * torch.cat([client[key_a], client[key_b]]) + delta
+    s2, s1 = delta + 0.5 * m, 1.5 * torch.cat([client[key_a], client[key_b]])
+    expected = torch.dot(s2, s1) / (s2.norm() * s1.norm())
+    assert aggregator.last_step.step_previous_cosine == pytest.approx(expected.item(), rel=1e-5)
+    record = RoundRecord.from_aggregation(1, aggregator, [ClientUpdate("c", back, 1, 0.0)], {}, {}, [0])
+    assert record.server_step_momentum_cosine == pytest.approx(expected.item(), rel=1e-5)
+    assert record.server_step_cosine == pytest.approx(aggregator.last_step.step_delta_cosine)
+
+
+def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path, caplog):
+    from trl_federated.server import FederatedServer
+
+    args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_clients=2, report_to="none",
+                         server_optimizer="adam")
+    server = FederatedServer.__new__(FederatedServer)  # only what check_server_step reads
+    server.args, server.global_state = args, {"w": torch.ones(100)}
+    record = RoundRecord(round_idx=3, delta_norm=1e-3, server_step_norm=1.0, server_step_ratio=1000.0)
+    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+        server.check_server_step(record)
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "'adam-norm' or 'fedadam'" in warning.getMessage() and "leave it unset" not in warning.getMessage()
+    caplog.clear()
+    zero = RoundRecord(round_idx=4, delta_norm=5.9e-7 * 1e-3, server_step_norm=0.4, server_step_ratio=6.8e5)
+    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+        server.check_server_step(zero)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "float rounding" in caplog.text and "momentum" in caplog.text
+    args.server_optimizer = "nesterov"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+        server.check_server_step(record)
+    assert "`server_beta1` (μ)" in caplog.text

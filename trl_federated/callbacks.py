@@ -52,9 +52,14 @@ class RoundCallback(TrainerCallback):
 # The round log's own entries (`round_logs`): the server's, and under `<client_id>/` each client's, with the
 # evaluation's `eval_` entries. A client's metrics never take these names (`admission.UpdateGate` drops such a
 # metric, and `round_logs` writes the server's entries last).
+# The server step's entries, `RoundRecord` fields of the same names.
+SERVER_STEP_LOGS = (
+    "temperature", "delta_norm", "server_step_norm", "server_step_ratio", "server_step_cosine",
+    "server_step_momentum_cosine", "server_step_norm_a", "server_step_norm_b",
+)
 ROUND_LOG_NAMES = frozenset({
-    "round", "num_clients", "num_sampled", "reward", "temperature", "delta_norm", "server_step_norm",
-    "server_step_ratio", "bytes_sent", "bytes_received", "num_dropped", "step", "epoch",
+    "round", "num_clients", "num_sampled", "reward", *SERVER_STEP_LOGS, "bytes_sent", "bytes_received",
+    "num_dropped", "step", "epoch",
 })
 CLIENT_LOG_NAMES = frozenset({"reward_window", "rpg_gain", "weight", "bytes_sent", "update_norm", "update_cosine"})
 EVALUATION_LOG_PREFIX = "eval_"
@@ -84,7 +89,9 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     metrics: `completions/mean_length`, `kl`, `frac_reward_zero_std` (its GRPO groups whose rewards were all equal),
     ...). Their means over the aggregated clients keep TRL's own names (`reward` is the mean R̄), so the curves
     overlay a `GRPOTrainer` run's; then the round's totals (`num_clients` aggregated of `num_sampled`), τ, the
-    server step (`delta_norm` ‖Δ‖, `server_step_norm` ‖θ^{[t+1]} − θ^{[t]}‖ and their ratio `server_step_ratio`), and
+    server step s (`delta_norm` ‖Δ‖, `server_step_norm` ‖s‖ = ‖θ^{[t+1]} − θ^{[t]}‖ and their ratio
+    `server_step_ratio`, `server_step_cosine` cos(s, Δ), `server_step_momentum_cosine` cos(s, s^{[t-1]}), and ‖s‖
+    over the LoRA A and B factors, `server_step_norm_a` and `_b`), and
     the evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations
     show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
     """
@@ -112,7 +119,7 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         logs["num_sampled"] = len(record.sampled)
     if record.rewards:
         logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
-    for name in ("temperature", "delta_norm", "server_step_norm", "server_step_ratio"):
+    for name in SERVER_STEP_LOGS:
         if getattr(record, name) is not None:
             logs[name] = getattr(record, name)
     logs["bytes_sent"] = sum(record.bytes_sent.values())

@@ -26,7 +26,7 @@ from .admission import NORM_ACTIONS
 from .aggregation import AGGREGATIONS
 from .aggregation.robust import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS
 from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
-from .aggregation.server_optim import SERVER_OPTIMIZERS
+from .aggregation.server_optim import SERVER_LEARNING_RATES, SERVER_OPTIMIZERS
 from .fast_generation import GENERATION_DTYPE_CHOICES, has_native_bf16
 from .sampling import participation_errors
 from .transport import DTYPES, LORA_AGGREGATIONS
@@ -34,7 +34,7 @@ from .transport import DTYPES, LORA_AGGREGATIONS
 # Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
 # and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
 SERVER_ADAM_SCALE = 0.5
-SERVER_SGD_LEARNING_RATE = 1.0
+PAPER_SERVER_EPSILON = 1e-8  # the paper's server Adam ε (Algorithm 1)
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
 
@@ -264,29 +264,34 @@ class FedGRPOConfig(GRPOConfig):
         > Server optimizer
 
         server_optimizer (`str`, *optional*):
-            Server step on the pseudo-gradient: `"adam"` (the paper's Eq. momentum/model_update) or `"sgd"`. `None`:
-            the step of `aggregation`'s method as its paper defines it, `"adam"` for `"rpg"` (FGRPO) and `"sgd"`
-            with learning rate 1, plain (weighted) model averaging, for the others.
+            Server step on the pseudo-gradient Δ. `"adam"`: the paper's literal Eqs. momentum/model_update (ε = 1e-8,
+            no bias correction), which moves every coordinate by about α whatever Δ's size; `"sgd"`: θ + α Δ (α = 1:
+            model averaging); `"fedadam"`: Adam with ε on each tensor's own update scale (τ from its first Δ), v
+            started at τ², m bias-corrected, so its step has the clients' size; `"adam-norm"`: Adam's direction
+            scaled per tensor to ‖Δ‖ of that tensor; `"nesterov"`: DiLoCo's Nesterov outer momentum. `None`: the
+            step of `aggregation`'s method as its paper defines it, `"adam"` for `"rpg"` (FGRPO) and `"sgd"` with
+            learning rate 1, plain (weighted) model averaging, for the others. `benchmarks/server_step.py` compares
+            them at the grid's budget.
         server_learning_rate (`float`, *optional*):
             Server learning rate α (Eq. model_update); an explicit value is used as given. `None` derives it once,
-            when the config is made: 1.0 for `"sgd"` (the weighted average) and, for `"adam"`, α = 0.5 ×
-            `local_steps` × `learning_rate` (`SERVER_ADAM_SCALE` × E × lr; the paper gives no value). Adam without
-            bias correction moves every coordinate by exactly α in its first step (β1 = 0.9, β2 = 0.99: m / √v =
-            0.1 Δ / (0.1 |Δ|)), whatever the size of the clients' mean change Δ, and by up to 2.13 α per round along
-            a direction that persists (rounds 10-20), while a local Adam step moves a coordinate by about lr, so
-            E × lr is the most a client moves one in a round. The paper's Theorem 1 ties the rates the same way,
-            α = L E α_i (α = T^(-1/4), α_i = 1 / (E L T^(1/4))), with a smoothness constant L that no run knows;
-            0.5 takes its place, so that the server's largest step stays about E × lr (2.13 × 0.5 ≈ 1) and its
-            first is half of that. Every round logs ‖server step‖ / ‖Δ‖ (`server_step_ratio`) and warns, naming
-            these fields, when it exceeds 5. A resumed run keeps the derived value its checkpoint recorded.
+            when the config is made: for `"adam"`, α = 0.5 × `local_steps` × `learning_rate` (`SERVER_ADAM_SCALE` ×
+            E × lr; the paper gives no value): its first step moves every coordinate by α (m / √v = 0.1 Δ / (0.1 |Δ|))
+            and by up to 2.13 α per round along a persistent direction, while E local Adam steps move a coordinate
+            by at most about E × lr; the paper's Theorem 1 ties the rates the same way (α = L E α_i). The others'
+            rates are multiples of the clients' change: 1.0 for `"sgd"`, `"fedadam"` and `"adam-norm"` (FedAvg's
+            step length in their first round) and DiLoCo's 0.7 for `"nesterov"`. Every round logs ‖server step‖ /
+            ‖Δ‖ (`server_step_ratio`) and warns when it exceeds 5. A resumed run keeps the derived value its
+            checkpoint recorded.
         server_beta1 (`float`, *optional*, defaults to `0.9`):
-            Server Adam first-moment decay β1.
+            Server Adam first-moment decay β1; Nesterov's momentum μ.
         server_beta2 (`float`, *optional*, defaults to `0.99`):
             Server Adam second-moment decay β2.
-        server_epsilon (`float`, *optional*, defaults to `1e-8`):
-            Server Adam ε.
+        server_epsilon (`float`, *optional*):
+            Server Adam ε. `None`: the paper's 1e-8 for `"adam"` and `"adam-norm"`; for `"fedadam"`, τ, the RMS of
+            each tensor's first non-zero Δ, so that ε sits on the update's own scale (an explicit value fixes τ).
         server_bias_correction (`bool`, *optional*, defaults to `False`):
-            Apply Adam bias correction on the server (the paper's update has none).
+            Apply Adam bias correction to `"adam"` (the paper's update has none; `"fedadam"` and `"adam-norm"` always
+            correct).
 
         > Exact speed-ups of the local step
 
@@ -625,9 +630,11 @@ class FedGRPOConfig(GRPOConfig):
     server_optimizer: str | None = field(
         default=None,
         metadata={
-            "help": "Server step on the pseudo-gradient: 'adam' (the paper's Eq. model_update) or 'sgd'. None: the "
-            "step of `aggregation`'s method, 'adam' for 'rpg' and 'sgd' with learning rate 1 (model averaging) "
-            "for the others.",
+            "help": "Server step on the pseudo-gradient Δ: 'adam' (the paper's literal Eq. model_update: ε 1e-8, no "
+            "bias correction, every coordinate moves about α whatever Δ), 'sgd' (θ + αΔ), 'fedadam' (Adam with ε on "
+            "the update's own scale, v started at ε², bias-corrected), 'adam-norm' (Adam's direction at ‖Δ‖ per "
+            "tensor) or 'nesterov' (DiLoCo's outer momentum). None: the step of `aggregation`'s method, 'adam' for "
+            "'rpg' and 'sgd' with learning rate 1 (model averaging) for the others.",
             "choices": list(SERVER_OPTIMIZERS),
         },
     )
@@ -636,19 +643,35 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": ResultHelp(
                 "Server learning rate α (Eq. model_update); an explicit value is used as given. None derives it once: "
-                "1.0 for 'sgd' (the weighted average) and 0.5 x local_steps x learning_rate for 'adam', whose first "
-                "step moves every coordinate by α whatever the clients' change: half of the most E local Adam steps "
-                "move one, as the paper's Theorem 1 ties α to E x the local rate. A resumed run keeps the derived "
-                "value of its checkpoint."
+                "0.5 x local_steps x learning_rate for 'adam', whose first step moves every coordinate by α whatever "
+                "the clients' change (half of the most E local Adam steps move one, as the paper's Theorem 1 ties α "
+                "to E x the local rate); for the others a multiple of the clients' change: 1.0 for 'sgd', 'fedadam' "
+                "and 'adam-norm' (FedAvg's step length), DiLoCo's 0.7 for 'nesterov'. A resumed run keeps the "
+                "derived value of its checkpoint."
             )
         },
     )
-    server_beta1: float = field(default=0.9, metadata={"help": ResultHelp("Server Adam first-moment decay β1.")})
+    server_beta1: float = field(
+        default=0.9, metadata={"help": ResultHelp("Server Adam first-moment decay β1; Nesterov's momentum μ.")}
+    )
     server_beta2: float = field(default=0.99, metadata={"help": ResultHelp("Server Adam second-moment decay β2.")})
-    server_epsilon: float = field(default=1e-8, metadata={"help": ResultHelp("Server Adam ε.")})
+    server_epsilon: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "Server Adam ε. None: the paper's 1e-8 for 'adam' and 'adam-norm'; for 'fedadam' the RMS of each "
+                "tensor's first non-zero Δ, so that ε sits on the update's own scale, as FedAdam's τ."
+            )
+        },
+    )
     server_bias_correction: bool = field(
         default=False,
-        metadata={"help": ResultHelp("Apply Adam bias correction on the server (the paper's update has none).")},
+        metadata={
+            "help": ResultHelp(
+                "Apply Adam bias correction to 'adam' (the paper's update has none; 'fedadam' and 'adam-norm' always "
+                "correct)."
+            )
+        },
     )
 
     # Exact speed-ups of the local step (any number of clients, 1 included)
@@ -773,6 +796,8 @@ class FedGRPOConfig(GRPOConfig):
         self.server_learning_rate_derived = self.server_learning_rate is None
         if self.server_learning_rate is None and self.server_optimizer in SERVER_OPTIMIZERS:
             self.server_learning_rate = self.derived_server_learning_rate()
+        if self.server_epsilon is None and self.server_optimizer in ("adam", "adam-norm"):
+            self.server_epsilon = PAPER_SERVER_EPSILON
         for message in self._federation_errors():
             raise ValueError(message)
         for message in self._robustness_errors():
@@ -781,10 +806,11 @@ class FedGRPOConfig(GRPOConfig):
             self.check_vllm()
 
     def derived_server_learning_rate(self) -> float:
-        """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help): 1.0 for
-        server SGD, `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for server Adam."""
-        if self.server_optimizer == "sgd":
-            return SERVER_SGD_LEARNING_RATE
+        """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help):
+        `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for the paper's server Adam, `SERVER_LEARNING_RATES`
+        for the others."""
+        if self.server_optimizer != "adam":
+            return SERVER_LEARNING_RATES[self.server_optimizer]
         return float(f"{SERVER_ADAM_SCALE * self.local_steps * self.learning_rate:.6g}")  # 5e-05, not 4.9999e-05
 
     def check_vllm(self, parallel_clients: bool = False) -> None:
@@ -915,6 +941,8 @@ class FedGRPOConfig(GRPOConfig):
                 yield f"`{name}` must lie in (0, 1], got {value}."
         for name in ("rpg_sigma_min", "rpg_tau_min", "rpg_eps", "server_learning_rate", "server_epsilon"):
             value = getattr(self, name)
+            if value is None and name == "server_epsilon":  # FedAdam's τ, derived from the first Δ
+                continue
             if not value > 0:
                 derived = name == "server_learning_rate" and self.server_learning_rate_derived
                 yield f"`{name}` must be > 0, got {value}" + (

@@ -31,6 +31,12 @@ METHODS: dict[str, Method] = {
     method.name: method
     for method in (
         Method("fgrpo", "FGRPO", "rpg", "adam"),
+        # FGRPO's RPG weights with another server step (`server_optim`), the designs `benchmarks/server_step.py`
+        # compares with the paper's literal Adam.
+        Method("fgrpo-fedadam", "FGRPO (FedAdam step)", "rpg", "fedadam"),
+        Method("fgrpo-adam-norm", "FGRPO (norm-matched Adam step)", "rpg", "adam-norm"),
+        Method("fgrpo-nesterov", "FGRPO (Nesterov step)", "rpg", "nesterov"),
+        Method("fgrpo-sgd", "FGRPO (server SGD)", "rpg", "sgd"),
         Method("fgrpo-wo-rpg", "FGRPO w/o RPG", "fedavg", "adam"),
         Method("fedavg", "FedAvg", "fedavg", "sgd"),
         Method("fedprox", "FedProx", "fedprox", "sgd"),

@@ -38,6 +38,10 @@ class RoundRecord:
     delta_norm: float | None = None  # ‖Δ‖, the clients' weighted mean change
     server_step_norm: float | None = None  # ‖θ^{[t+1]} − θ^{[t]}‖
     server_step_ratio: float | None = None  # ‖θ^{[t+1]} − θ^{[t]}‖ / ‖Δ‖
+    server_step_cosine: float | None = None  # cos(s, Δ), s = θ^{[t+1]} − θ^{[t]}
+    server_step_momentum_cosine: float | None = None  # cos(s, s^{[t-1]})
+    server_step_norm_a: float | None = None  # ‖s‖ over the LoRA A factors
+    server_step_norm_b: float | None = None  # ‖s‖ over the LoRA B factors
     dropped: dict[str, str] = field(default_factory=dict)
     evaluation: dict[str, Any] | None = None
     wall_time: float = 0.0
@@ -76,5 +80,9 @@ class RoundRecord:
             delta_norm=step.delta_norm,
             server_step_norm=step.step_norm,
             server_step_ratio=step.ratio,
+            server_step_cosine=step.step_delta_cosine,
+            server_step_momentum_cosine=step.step_previous_cosine,
+            server_step_norm_a=step.step_norm_a,
+            server_step_norm_b=step.step_norm_b,
             dropped=dropped,
         )

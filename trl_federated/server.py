@@ -43,7 +43,7 @@ from peft import PeftModel
 from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
 from .admission import UpdateGate, check_client_id
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import check_state
+from .aggregation.base import check_state, state_norm
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
@@ -69,6 +69,18 @@ logger = logging.getLogger(__name__)
 
 # A round whose server step moves the adapter more than this many times the clients' mean change Δ is warned about.
 SERVER_STEP_RATIO_WARNING = 5.0
+# ‖Δ‖ at most this fraction of ‖θ‖ is float32 rounding of the adapter: the clients did not move it.
+ZERO_DELTA_RELATIVE = 1e-6
+# What the large-ratio warning advises, per `server_optimizer`: what makes that step outgrow Δ.
+SERVER_STEP_ADVICE = {
+    "adam": "The paper's server Adam moves every coordinate by about the server learning rate whatever Δ's size: "
+    "lower `server_learning_rate`, or take a step on Δ's own scale (`server_optimizer` 'adam-norm' or 'fedadam').",
+    "fedadam": "FedAdam's momentum outlasts a Δ that shrank: lower `server_beta1` or `server_learning_rate`.",
+    "adam-norm": "Its momentum points where Δ no longer does: lower `server_beta1`.",
+    "nesterov": "Nesterov momentum grows a persistent direction up to η (1 + μ / (1 − μ)) times Δ: lower "
+    "`server_beta1` (μ) or `server_learning_rate` (η).",
+    "sgd": "Server SGD moves the adapter by `server_learning_rate` times Δ: lower it (1 is model averaging).",
+}
 
 
 class NotEnoughClientsError(RuntimeError):
@@ -346,20 +358,28 @@ class FederatedServer:
         return record
 
     def check_server_step(self, record: RoundRecord) -> None:
-        """Warn, naming the fields that set it, when the round's server step moved the adapter far more than the
-        clients' mean change Δ (`server_step_ratio` above `SERVER_STEP_RATIO_WARNING`)."""
+        """Warn, with advice for the server optimizer in use, when the round's server step moved the adapter far
+        more than the clients' mean change Δ (`server_step_ratio` above `SERVER_STEP_RATIO_WARNING`). A round whose Δ
+        is at float rounding of the adapter (every client sent back what it received) is said as such, not as a
+        configuration at fault: whatever moved then was the server's momentum."""
         ratio, args = record.server_step_ratio, self.args
         if ratio is None or ratio <= SERVER_STEP_RATIO_WARNING:
             return
+        if record.delta_norm <= ZERO_DELTA_RELATIVE * state_norm(self.global_state):
+            logger.info(
+                "Round %d: the clients' mean change Δ is at float rounding of the adapter (‖Δ‖ = %.3g): they sent "
+                "back what they received; the server step (%.3g) is the momentum of `server_optimizer` %r.",
+                record.round_idx, record.delta_norm, record.server_step_norm, args.server_optimizer,
+            )
+            return
+        setting = (f"`server_optimizer` {args.server_optimizer!r} with `server_learning_rate` "
+                   f"{args.server_learning_rate:g} ({'derived' if args.server_learning_rate_derived else 'set'})")
         logger.warning(
             "Round %d: the server step moved the global adapter %.1fx as far as the clients' mean change Δ "
-            "(‖θ^{t+1} − θ^t‖ = %.3g, ‖Δ‖ = %.3g). `server_optimizer` %r with `server_learning_rate` %g (%s) for "
-            "`local_steps` %d at `learning_rate` %g: server Adam moves every coordinate by about the server learning "
-            "rate whatever Δ's size. Lower `server_learning_rate`, or leave it unset to derive it from the local "
-            "budget; metrics.jsonl records the ratio of every round (`server_step_ratio`).",
-            record.round_idx, ratio, record.server_step_norm, record.delta_norm, args.server_optimizer,
-            args.server_learning_rate, "derived" if args.server_learning_rate_derived else "set", args.local_steps,
-            args.learning_rate,
+            "(‖θ^{t+1} − θ^{t}‖ = %.3g, ‖Δ‖ = %.3g); %s. %s metrics.jsonl records every round's ratio "
+            "(`server_step_ratio`).",
+            record.round_idx, ratio, record.server_step_norm, record.delta_norm, setting,
+            SERVER_STEP_ADVICE.get(args.server_optimizer, SERVER_STEP_ADVICE["sgd"]),
         )
 
     # Evaluation and checkpoints ----------------------------------------------------------------------------

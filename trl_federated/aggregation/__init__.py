@@ -12,7 +12,14 @@ from .fedavg import FedAvgAggregator
 from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
-from .server_optim import ServerAdam, ServerOptimizer, ServerSGD
+from .server_optim import (
+    ServerAdam,
+    ServerFedAdam,
+    ServerNesterov,
+    ServerNormMatchedAdam,
+    ServerOptimizer,
+    ServerSGD,
+)
 
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
@@ -21,14 +28,18 @@ logger = logging.getLogger(__name__)
 
 
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
+    """The server step `args.server_optimizer` names (`server_optim.SERVER_OPTIMIZERS`), with its `server_*`."""
+    rate, beta1, beta2, epsilon = args.server_learning_rate, args.server_beta1, args.server_beta2, args.server_epsilon
     if args.server_optimizer == "sgd":
-        return ServerSGD(learning_rate=args.server_learning_rate)
+        return ServerSGD(learning_rate=rate)
+    if args.server_optimizer == "fedadam":
+        return ServerFedAdam(learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
+    if args.server_optimizer == "adam-norm":
+        return ServerNormMatchedAdam(learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
+    if args.server_optimizer == "nesterov":
+        return ServerNesterov(learning_rate=rate, momentum=beta1)
     return ServerAdam(
-        learning_rate=args.server_learning_rate,
-        beta1=args.server_beta1,
-        beta2=args.server_beta2,
-        epsilon=args.server_epsilon,
-        bias_correction=args.server_bias_correction,
+        learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=epsilon, bias_correction=args.server_bias_correction
     )
 
 
@@ -85,6 +96,9 @@ __all__ = [
     "RPGAggregator",
     "ScaffoldAggregator",
     "ServerAdam",
+    "ServerFedAdam",
+    "ServerNesterov",
+    "ServerNormMatchedAdam",
     "ServerOptimizer",
     "ServerSGD",
     "TrimmedMean",

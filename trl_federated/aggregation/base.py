@@ -60,14 +60,21 @@ class ClientHook(NamedTuple):
 
 @dataclass
 class ServerStep:
-    """The geometry of one aggregation: ‖Δ‖, the size of the server's step ‖θ^{[t+1]} − θ^{[t]}‖, and each
-    client's update u_i = θ_i − θ^{[t]} against Δ (its norm and cos(u_i, Δ)), by client id. A norm of 0 leaves
-    the cosine and the ratio undefined (None)."""
+    """The geometry of one aggregation: ‖Δ‖, the size of the server's step s = θ^{[t+1]} − θ^{[t]}, and each
+    client's update u_i = θ_i − θ^{[t]} against Δ (its norm and cos(u_i, Δ)), by client id; cos(s, Δ), whether the
+    server moved where the clients did; cos(s, s^{[t-1]}), how far momentum lines successive steps up (None in a
+    first round, or the first after a resume); and ‖s‖ split into the LoRA A and B factors (`step_norm_a`,
+    `step_norm_b`; the two differ in scale, B starting at zero). A norm of 0 leaves a cosine and the ratio undefined
+    (None)."""
 
     delta_norm: float
     step_norm: float
     update_norms: dict[str, float]
     cosines: dict[str, float | None]
+    step_delta_cosine: float | None = None
+    step_previous_cosine: float | None = None
+    step_norm_a: float = 0.0
+    step_norm_b: float = 0.0
 
     @property
     def ratio(self) -> float | None:
@@ -76,21 +83,40 @@ class ServerStep:
         return self.step_norm / self.delta_norm if self.delta_norm > 0 else None
 
 
+def _cosine(dot: float, norm: float, other_norm: float) -> float | None:
+    return dot / (norm * other_norm) if norm > 0 and other_norm > 0 else None
+
+
 class _StepGeometry:
     """Accumulates `ServerStep` one block of the adapter at a time (`Aggregator.aggregate`), while the block is in
     cache: per tensor in float32, as the aggregation computes, summed in float64. Each client's update θ_i − θ is
     formed tensor by tensor in one reused buffer: a fresh one per tensor would cost a page fault per page, several
-    times the arithmetic."""
+    times the arithmetic. The server step of each tensor is kept (`steps`) for the next round's cos(s, s^{[t-1]})."""
 
-    def __init__(self, num_clients: int, global_state: AdapterState):
-        self.delta_sq = self.step_sq = 0.0
+    def __init__(self, num_clients: int, global_state: AdapterState, previous_steps: AdapterState | None):
+        self.delta_sq = self.step_sq = self.step_delta_dot = self.step_previous_dot = self.previous_sq = 0.0
+        self.factor_sq = {"lora_A": 0.0, "lora_B": 0.0}
         self.update_sq = [0.0] * num_clients
         self.dots = [0.0] * num_clients
         self.buffer = torch.empty(max((value.numel() for value in global_state.values()), default=0))
+        self.previous_steps = previous_steps
+        self.steps: AdapterState = {}
 
     def add(self, block: AdapterState, client_states: list[AdapterState], delta: AdapterState, new: AdapterState):
         self.delta_sq += state_norm(delta) ** 2
-        self.step_sq += state_distance(new, block) ** 2
+        for key, value in block.items():
+            step = new[key].float() - value.float()
+            self.steps[key] = step
+            step_sq = _norm(step) ** 2
+            self.step_sq += step_sq
+            self.step_delta_dot += torch.dot(step.view(-1), delta[key].view(-1)).item()
+            factor = next((name for name in self.factor_sq if f".{name}." in f".{key}."), None)
+            if factor is not None:
+                self.factor_sq[factor] += step_sq
+            if self.previous_steps is not None and key in self.previous_steps:
+                previous = self.previous_steps[key]
+                self.step_previous_dot += torch.dot(step.view(-1), previous.view(-1)).item()
+                self.previous_sq += _norm(previous) ** 2
         for index, state in enumerate(client_states):
             for key, value in block.items():
                 update = self.buffer[: value.numel()]
@@ -99,11 +125,16 @@ class _StepGeometry:
                 self.dots[index] += torch.dot(update, delta[key].view(-1)).item()
 
     def result(self, client_ids: list[str]) -> ServerStep:
-        delta_norm, norms = math.sqrt(self.delta_sq), [math.sqrt(value) for value in self.update_sq]
-        cosines = [dot / (norm * delta_norm) if norm > 0 and delta_norm > 0 else None
-                   for dot, norm in zip(self.dots, norms)]
-        return ServerStep(delta_norm, math.sqrt(self.step_sq), dict(zip(client_ids, norms)),
-                          dict(zip(client_ids, cosines)))
+        delta_norm, step_norm = math.sqrt(self.delta_sq), math.sqrt(self.step_sq)
+        norms = [math.sqrt(value) for value in self.update_sq]
+        cosines = [_cosine(dot, norm, delta_norm) for dot, norm in zip(self.dots, norms)]
+        previous = (None if self.previous_steps is None
+                    else _cosine(self.step_previous_dot, step_norm, math.sqrt(self.previous_sq)))
+        return ServerStep(
+            delta_norm, step_norm, dict(zip(client_ids, norms)), dict(zip(client_ids, cosines)),
+            step_delta_cosine=_cosine(self.step_delta_dot, step_norm, delta_norm), step_previous_cosine=previous,
+            step_norm_a=math.sqrt(self.factor_sq["lora_A"]), step_norm_b=math.sqrt(self.factor_sq["lora_B"]),
+        )
 
 
 class AggregationError(ArithmeticError):
@@ -137,6 +168,7 @@ class Aggregator(ABC):
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.last_weights: dict[str, float] = {}
         self.last_step: ServerStep | None = None  # the geometry of the last aggregation
+        self.last_server_steps: AdapterState | None = None  # its θ^{[t+1]} − θ^{[t]}, for the next cos(s, s^{[t-1]})
 
     @classmethod
     def from_config(
@@ -181,7 +213,7 @@ class Aggregator(ABC):
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
         self.server_optimizer.start_step()
-        geometry = _StepGeometry(len(updates), global_state)
+        geometry = _StepGeometry(len(updates), global_state, self.last_server_steps)
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}
@@ -199,6 +231,7 @@ class Aggregator(ABC):
             geometry.add(block, client_states, delta, new_block)
             new_state.update(new_block)
         self.last_step = geometry.result([update.client_id for update in updates])
+        self.last_server_steps = geometry.steps
         return new_state
 
     def check_updates(

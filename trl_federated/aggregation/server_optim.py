@@ -1,7 +1,15 @@
 """Server optimizers: how the pseudo-gradient Δ moves the global adapter (Eqs. momentum, model_update).
 
 Like Flower's FedOpt family (Reddi et al., "Adaptive Federated Optimization", ICLR 2021), the server treats Δ
-as a gradient-ascent direction: SGD with learning rate 1 is FedAvg, Adam is FedAdam and the paper's update.
+as a gradient-ascent direction. One class per step (`SERVER_OPTIMIZERS` names them for `FedGRPOConfig`):
+
+- `ServerSGD` ("sgd"): θ + α Δ; with α = 1, FedAvg's weighted average.
+- `ServerAdam` ("adam"): the paper's literal step (Eqs. momentum, model_update: ε = 1e-8, no bias correction),
+  which moves every coordinate by about α whatever Δ's size.
+- `ServerFedAdam` ("fedadam"): Adam with ε on the update's own scale (τ from each tensor's first Δ), v started at
+  τ², m bias-corrected, as Reddi et al.'s FedAdam takes τ ≫ 1e-8; near FedAvg's step where Δ is typical.
+- `ServerNormMatchedAdam` ("adam-norm"): Adam's direction, scaled per tensor to the norm of that tensor's Δ.
+- `ServerNesterov` ("nesterov"): Nesterov outer momentum, DiLoCo's outer step (Douillard et al., 2023).
 """
 
 from __future__ import annotations
@@ -15,7 +23,11 @@ import torch
 from .blocks import blocks
 
 # The values of `FedGRPOConfig.server_optimizer` (`aggregation.server_optimizer_from_config`).
-SERVER_OPTIMIZERS = ("adam", "sgd")
+SERVER_OPTIMIZERS = ("adam", "sgd", "fedadam", "adam-norm", "nesterov")
+# The learning rate each takes when `server_learning_rate` is unset, but "adam", derived from the local budget
+# (`FedGRPOConfig.derived_server_learning_rate`). Dimensionless multiples of the clients' change: 1 for the steps
+# scaled to Δ (FedAvg's length in their first round), DiLoCo's 0.7 for Nesterov.
+SERVER_LEARNING_RATES = {"sgd": 1.0, "fedadam": 1.0, "adam-norm": 1.0, "nesterov": 0.7}
 
 
 class ServerOptimizer(ABC):
@@ -134,3 +146,142 @@ class ServerAdam(ServerOptimizer):
         self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
         self.v = {key: tensor.clone() for key, tensor in state["v"].items()}
         self.num_steps = int(state["num_steps"])
+
+
+class ServerFedAdam(ServerOptimizer):
+    """Adam with ε on the scale of the clients' update (Reddi et al.'s FedAdam, whose τ is tuned in [1e-5, 1e-1] and
+    never 1e-8), per tensor T of the adapter:
+
+        τ_T     = RMS(Δ_T) of the first round whose Δ_T is not zero (or `epsilon`, when given)
+        m       = β1 m + (1 − β1) Δ,        m̂ = m / (1 − β1^{t+1})           (Eq. momentum, bias-corrected)
+        v       = β2 v + (1 − β2) Δ²,       v^{[-1]} = τ_T²                    (v started at τ², so not corrected)
+        θ^{[t+1]} = θ^{[t]} + η m̂ · 2 τ_T / (√v + τ_T)                       (Eq. model_update with α = 2 η τ_T)
+
+    Where |Δ| is about τ (√v ≈ τ) the step is η m̂, FedAvg's step averaged over rounds; a coordinate whose Δ is far
+    above the tensor's scale moves at most about 2 η τ, Adam's per-coordinate normalisation; one whose Δ is zero
+    does not move beyond its momentum. So the step has the clients' own size, while the paper's literal step moves
+    every coordinate by α whatever Δ.
+    """
+
+    def __init__(self, learning_rate: float = 1.0, beta1: float = 0.9, beta2: float = 0.99,
+                 epsilon: float | None = None):
+        super().__init__(learning_rate)
+        if epsilon is not None and not epsilon > 0:
+            raise ValueError(f"FedAdam's τ (`server_epsilon`) must be > 0 or None (derived), got {epsilon}.")
+        self.beta1, self.beta2, self.epsilon = beta1, beta2, epsilon
+        self.m: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        self.tau: dict[str, float] = {}  # τ_T, fixed once set
+        self.num_steps = 0
+
+    def start_step(self):
+        self.num_steps += 1
+
+    def step_block(self, params, delta):
+        new = {}
+        correction = 1 - self.beta1**self.num_steps
+        for key, value in params.items():
+            d = delta[key]
+            if key not in self.tau:
+                rms = float(torch.linalg.vector_norm(d)) / math.sqrt(max(d.numel(), 1))
+                tau = self.epsilon if self.epsilon is not None else rms
+                if not tau > 0:  # nothing to scale by yet: Δ_T is zero, and so is the step
+                    new[key] = value.clone()
+                    continue
+                self.tau[key] = tau
+                self.m[key] = torch.zeros_like(d)
+                self.v[key] = torch.full_like(d, tau * tau)
+            tau, m, v = self.tau[key], self.m[key], self.v[key]
+            m.lerp_(d, 1 - self.beta1)
+            v.mul_(self.beta2).addcmul_(d, d, value=1 - self.beta2)
+            step = (m / correction).mul_(2 * self.learning_rate * tau).div_(v.sqrt().add_(tau))
+            new[key] = (value.float() + step).to(value.dtype)
+        return new
+
+    def block_state(self, keys):
+        return {"m": {key: self.m[key] for key in keys if key in self.m},
+                "v": {key: self.v[key] for key in keys if key in self.v}}
+
+    def state_dict(self):
+        return {"m": dict(self.m), "v": dict(self.v), "tau": dict(self.tau), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state):
+        missing = sorted({"m", "v", "tau", "num_steps"} - set(state))
+        if missing:
+            raise ValueError(f"Server FedAdam state lacks {missing}: it was not saved by a server FedAdam.")
+        self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
+        self.v = {key: tensor.clone() for key, tensor in state["v"].items()}
+        self.tau = {key: float(value) for key, value in state["tau"].items()}
+        self.num_steps = int(state["num_steps"])
+
+
+class ServerNormMatchedAdam(ServerAdam):
+    """Adam's direction at the clients' step length, per tensor T of the adapter:
+
+        m, v as Eq. momentum, bias-corrected;  d_T = m̂_T / (√v̂_T + ε)
+        θ_T^{[t+1]} = θ_T^{[t]} + η ‖Δ_T‖ d_T / ‖d_T‖
+
+    With η = 1 no tensor moves farther than FedAvg would move it this round, and a round whose Δ is zero moves
+    nothing, however long the momentum; Adam decides only the direction within each tensor (a trust ratio, as LAMB's
+    per layer, taken against the update instead of the weights)."""
+
+    def __init__(self, learning_rate: float = 1.0, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8):
+        super().__init__(learning_rate, beta1, beta2, epsilon, bias_correction=True)
+
+    def step_block(self, params, delta):
+        keys = list(params)
+        # Adam's step at learning rate 1 from zero parameters is its direction d.
+        learning_rate, self.learning_rate = self.learning_rate, 1.0
+        try:
+            directions = super().step_block({key: torch.zeros_like(delta[key]) for key in keys}, delta)
+        finally:
+            self.learning_rate = learning_rate
+        new = {}
+        for key in keys:
+            direction = directions[key]
+            direction_norm = float(torch.linalg.vector_norm(direction))
+            scale = self.learning_rate * float(torch.linalg.vector_norm(delta[key])) / direction_norm \
+                if direction_norm > 0 else 0.0
+            new[key] = (params[key].float() + direction * scale).to(params[key].dtype)
+        return new
+
+
+class ServerNesterov(ServerOptimizer):
+    """Nesterov outer momentum, DiLoCo's outer step (Douillard et al., 2023: η = 0.7, μ = 0.9), on the same
+    pseudo-gradient:
+
+        m^{[t]} = μ m^{[t-1]} + Δ^{[t]},   m^{[-1]} = 0
+        θ^{[t+1]} = θ^{[t]} + η (Δ^{[t]} + μ m^{[t]})
+
+    Every step lies in the span of the clients' changes; a direction that persists over rounds grows up to
+    η (1 + μ / (1 − μ)) times Δ, one that cancels does not."""
+
+    def __init__(self, learning_rate: float = 0.7, momentum: float = 0.9):
+        super().__init__(learning_rate)
+        if not 0 <= momentum < 1:
+            raise ValueError(f"Nesterov momentum (`server_beta1`) must lie in [0, 1), got {momentum}.")
+        self.momentum = momentum
+        self.m: dict[str, torch.Tensor] = {}
+
+    def step_block(self, params, delta):
+        keys = list(params)
+        for key in keys:
+            if key not in self.m:
+                self.m[key] = torch.zeros_like(delta[key])
+        m, d = [self.m[key] for key in keys], [delta[key] for key in keys]
+        torch._foreach_mul_(m, self.momentum)
+        torch._foreach_add_(m, d)  # m ← μ m + Δ
+        look_ahead = torch._foreach_add(d, m, alpha=self.momentum)  # Δ + μ m
+        new = torch._foreach_add([params[key].float() for key in keys], look_ahead, alpha=self.learning_rate)
+        return {key: value.to(params[key].dtype) for key, value in zip(keys, new)}
+
+    def block_state(self, keys):
+        return {"m": {key: self.m[key] for key in keys}}
+
+    def state_dict(self):
+        return {"m": dict(self.m)}
+
+    def load_state_dict(self, state):
+        if "m" not in state:
+            raise ValueError("Server Nesterov state lacks 'm': it was not saved by a server Nesterov momentum.")
+        self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
