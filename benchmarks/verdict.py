@@ -57,14 +57,21 @@ DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
 DEFAULT_METHODS = ["fgrpo", "fgrpo-wo-rpg", "fedavg", "fedprox", "scaffold"]  # FGRPO and its baselines
 REFERENCE = "fgrpo"
-METRICS = {"total": "Total", "hard": "hard"}  # reported name -> accuracy key of an evaluation
+# Reported name -> accuracy key of an evaluation. The endpoints, named before the cells ran: total accuracy (primary),
+# the hard tier, and the arithmetic tasks against the others (secondary: where the paper-literal server step
+# collapsed), the last two from the per-item scores (`with_task_groups`).
+METRICS = {"total": "Total", "hard": "hard", "arith": "arithmetic", "other": "other tasks"}
+PRIMARY = "total"
+TASK_GROUPS = {"arithmetic": ("chain_sum", "products")}  # the rest: "other tasks"
+TARGET_HALF_WIDTH = 3.0  # points: the resolution the verdict aims at for FGRPO − FedAvg (issue 34)
+TEST_ITEMS_FILE = "test-items.json"  # per grid folder: the task of every test item, in evaluation order
 COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end
 BUDGET_FILE = "budget.json"  # per grid folder: the config and flags its cells ran with
 # A finished cell's files that are committed (`--commit`): small, and enough to recheck every figure of the report
 # and each client's curves. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
 CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png",
               "validation.json")
-REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE)
+REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE, TEST_ITEMS_FILE)
 MAX_COMMITTED_BYTES = 5 * 2**20  # a cell file larger than this is not committed (and said so)
 # What limits a cell process to its share of the cores under `--parallel`: torch's intra-op threads follow OMP.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -88,7 +95,7 @@ def t_interval(values: list[float], confidence: float = 0.95) -> dict[str, float
     """Mean and two-sided t-interval of `values`, with their standard deviation and the interval's half-width
     (one value: no interval, `low`, `high`, `sd` and `half_width` are NaN)."""
     mean = statistics.fmean(values)
-    if len(values) < 2:
+    if len(values) < 2 or math.isnan(mean):  # one value, or an endpoint some cell lacks
         return {"mean": mean, "low": math.nan, "high": math.nan, "n": len(values), "sd": math.nan,
                 "half_width": math.nan}
     sd = statistics.stdev(values)
@@ -207,15 +214,83 @@ def grid_cells(methods: list[str], seeds: list[int], extra_seeds: dict[str, list
 
 
 def cell_metrics(result: dict) -> dict[str, float]:
-    """Accuracy gains of a finished cell over the base model (round -1), in points."""
+    """Accuracy gains of a finished cell over the base model (round -1), in points; NaN for an endpoint its
+    evaluations lack (the task groups without per-item scores)."""
     evaluations = result["evaluations"]
     base, final = evaluations["-1"]["accuracy"], evaluations[max(evaluations, key=int)]["accuracy"]
     metrics = {}
     for name, key in METRICS.items():
+        if key not in base or key not in final:
+            metrics.update(dict.fromkeys((f"{name}_base", f"{name}_final", f"{name}_gain"), math.nan))
+            continue
         metrics[f"{name}_base"] = 100 * base[key]
         metrics[f"{name}_final"] = 100 * final[key]
         metrics[f"{name}_gain"] = 100 * (final[key] - base[key])
     return metrics
+
+
+def test_item_tasks(root: Path) -> list[str]:
+    """The task (`category`) of every test item in the order evaluations score them, built once from the budget the
+    grid folder's cells ran (`BUDGET_FILE`) and cached in its `TEST_ITEMS_FILE`; [] for a folder without either."""
+    path, budget = root / TEST_ITEMS_FILE, root / BUDGET_FILE
+    if path.exists():
+        return json.loads(path.read_text(encoding="utf-8"))
+    if not budget.exists():
+        return []
+    import tempfile
+
+    from trl_federated.cli import load_benchmark, parse_run_args
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "budget.yaml"
+        config.write_text(yaml.safe_dump(json.loads(budget.read_text(encoding="utf-8"))["config"]), encoding="utf-8")
+        _, _, data_args = parse_run_args(["--config", str(config)])
+    _, test = load_benchmark(data_args)
+    tasks = list(test["category"]) if "category" in test.column_names else []
+    path.write_text(json.dumps(tasks) + "\n", encoding="utf-8")
+    return tasks
+
+
+def with_task_groups(results: dict[Any, dict], tasks: list[str]) -> dict[Any, dict]:
+    """Each evaluation of `results` with the accuracy of every `TASK_GROUPS` group and of the other tasks, from its
+    per-item scores (`row_rewards`, in the order of `tasks`); an evaluation without them is left as it is."""
+    groups = {name: {index for index, task in enumerate(tasks) if task in members}
+              for name, members in TASK_GROUPS.items()}
+    groups["other tasks"] = set(range(len(tasks))) - set().union(*groups.values())
+    for result in results.values():
+        for evaluation in result["evaluations"].values():
+            rows = evaluation.get("row_rewards")
+            if rows is None or len(rows) != len(tasks):
+                continue
+            for name, indices in groups.items():
+                if indices:
+                    evaluation["accuracy"][name] = statistics.fmean(rows[index] for index in indices)
+    return results
+
+
+def seeds_for(sd: float, half_width: float = TARGET_HALF_WIDTH, confidence: float = 0.95,
+              limit: int = 1000) -> int | None:
+    """The fewest paired seeds whose 95% t-interval is at most ±`half_width` at the spread `sd` (None without a
+    spread, or beyond `limit`)."""
+    if not sd > 0:
+        return None
+    for n in range(2, limit + 1):
+        if t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= half_width:
+            return n
+    return None
+
+
+def machines(root: Path, cells: Iterable[Cell]) -> tuple[list[dict], int]:
+    """The distinct machines (`machine_record`) the finished attempts of `cells` ran on, and how many cells have
+    no record (they ran before cells recorded it)."""
+    seen, unrecorded = [], 0
+    for cell in cells:
+        path = cell.directory(root) / COST_FILE
+        attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+        records = [attempt["machine"] for attempt in attempts if "machine" in attempt]
+        unrecorded += not records
+        seen += [record for record in records if record not in seen]
+    return seen, unrecorded
 
 
 def base_evaluation(root: Path) -> dict | None:
@@ -547,6 +622,7 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
             paired[name] = t_interval(differences)
             paired[f"{name}_reading"] = reading(paired[name])
             paired[f"{name}_detectable_80"] = minimum_detectable(paired[name]["sd"], len(differences))
+            paired[f"{name}_seeds_for_target"] = seeds_for(paired[name]["sd"])
         paired["items"] = {cell.seed: item_difference(reference[cell.seed], results[cell]) for cell in common}
         summary["paired"].append(paired)
     return summary
@@ -586,14 +662,32 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         for row in summary["methods"]
     ]
     paired_header = ["Setting", "Baseline", "Seeds", "FGRPO − baseline, total [95% CI]", "Reading (total)",
-                     "Resolved beyond ±, total", "Detectable (80% power), total", "FGRPO − baseline, hard [95% CI]",
-                     "Reading (hard)", "Resolved beyond ±, hard"]
+                     "Resolved beyond ±, total", "Detectable (80% power), total",
+                     f"Seeds for ±{TARGET_HALF_WIDTH:g}, total", "FGRPO − baseline, hard [95% CI]", "Reading (hard)",
+                     "Resolved beyond ±, hard"]
     paired_rows = [
         [row["setting"], row["baseline"], str(len(row["seeds"])), _points(row["total"]), row["total_reading"],
-         _optional(row["total"]["half_width"]), _optional(row["total_detectable_80"]), _points(row["hard"]),
+         _optional(row["total"]["half_width"]), _optional(row["total_detectable_80"]),
+         "—" if row["total_seeds_for_target"] is None else str(row["total_seeds_for_target"]), _points(row["hard"]),
          row["hard_reading"], _optional(row["hard"]["half_width"])]
         for row in summary["paired"]
     ]
+    task_header = ["Setting", "Method or baseline", "Seeds", "Arithmetic gain [95% CI]", "Other tasks gain [95% CI]"]
+    task_rows = [
+        [row["setting"], row["method"], str(len(row["seeds"])), _points(row["arith_gain"]),
+         _points(row["other_gain"])]
+        for row in summary["methods"]
+    ] + [
+        [row["setting"], f"FGRPO − {row['baseline']}", str(len(row["seeds"])), _points(row["arith"]),
+         _points(row["other"])]
+        for row in summary["paired"]
+    ]
+    seen, unrecorded = machines(root, results)
+    machine_text = "; ".join(
+        f"{record['cpu']} ({', '.join(record['cpu_flags'])}), {record['threads']} thread(s), torch "
+        f"{record['versions'].get('torch', '?')}, transformers {record['versions'].get('transformers', '?')}"
+        for record in seen
+    )
     diagnostics_header = ["Setting", "Method", "Seeds", "Server step / ‖Δ‖, median of rounds",
                           "Server step / ‖Δ‖, largest", "‖Δ‖", "cos(client update, Δ)",
                           "Groups with equal rewards", "Weight spread (max ω − min ω)"]
@@ -620,12 +714,20 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         f"Command: `{command}`\n\n"
         "Accuracy in % on the test split, greedy; gain = final − base model, in points; 95% t-intervals over "
         "seeds. Paired: FGRPO's gain minus the baseline's, seed by seed (same seed = same partition).\n\n"
+        "Endpoints, named before the cells ran: total accuracy (primary); the hard tier, and the arithmetic tasks "
+        "(chain_sum, products) against the other tasks (gcd, letter_counting) (secondary; the per-item scores give "
+        f"the task groups). The grid aims at ±{TARGET_HALF_WIDTH:g} points for FGRPO − FedAvg: \"Seeds for "
+        f"±{TARGET_HALF_WIDTH:g}\" is how many paired seeds reach it at the spread seen so far.\n\n"
+        f"Machines: {len(seen)} recorded ({machine_text or 'none'}); {unrecorded} cell(s) ran before cells recorded "
+        "their machine. bf16 kernels differ between CPUs and threaded kernels between thread counts, so a seed need "
+        "not give the same numbers on another machine.\n\n"
         f"## Gains over the base model\n\n{markdown(header, rows)}\n\n"
         f"## Paired differences against FGRPO\n\n{markdown(paired_header, paired_rows)}\n\n"
         "What the grid resolves: a paired difference is told from 0 only beyond the half-width of its 95% interval "
         "(\"Resolved beyond ±\": t(0.975, n − 1) × sd / √n at the spread sd the seeds showed), and a true difference "
         "is found with 80% probability from \"Detectable\" on (noncentral t, same spread); more seeds shrink both by "
         f"about √n. Below these, the grid says nothing either way{'; ' + item_points if item_points else ''}.\n\n"
+        f"## Secondary endpoints: arithmetic and other tasks\n\n{markdown(task_header, task_rows)}\n\n"
         "## Diagnostics per round, averaged over rounds and seeds (metrics.jsonl)\n\n"
         "Server step / ‖Δ‖: how far the server moved the global adapter against the clients' weighted mean change "
         "(1 for FedAvg's SGD at 1.0); cos: each client's update against Δ; groups with equal rewards: the share of "
@@ -759,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {
             cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()
         }
-        results = with_shared_base(results, base_evaluation(root))
+        results = with_task_groups(with_shared_base(results, base_evaluation(root)),
+                                   test_item_tasks(root))
         if not results:
             return "No cell has finished yet.\n"
         costs = {cell: cell_cost(cell.directory(root)) for cell in results}

@@ -531,3 +531,42 @@ def test_each_cell_attempt_records_the_machine_it_ran_on(tmp_path):
     assert machine["threads"] == max(1, cores // 2)  # --parallel 2: each cell its share, as cell_environment sets
     assert machine["cpu"] and machine["versions"]["torch"] == torch.__version__
     assert set(machine["cpu_flags"]) <= verdict.KERNEL_FLAGS
+
+
+def test_secondary_endpoints_from_per_item_scores_and_the_seeds_a_target_takes(tmp_path, capsys):
+    """Arithmetic against the other tasks from each evaluation's per-item scores (the folder's test-items.json gives
+    each item's task), the seeds FGRPO − FedAvg needs for ±3 points, and the machines the cells recorded."""
+    tasks = ["chain_sum"] * 2 + ["products"] * 2 + ["gcd"] * 4
+    (tmp_path / verdict.TEST_ITEMS_FILE).write_text(json.dumps(tasks))
+    base_rows = [0, 0, 1, 0] + [1, 0, 0, 0]  # arithmetic 25%, other 25%
+    finals = {"fgrpo": ([1, 1, 1, 0] + [1, 0, 0, 0], [1, 1, 0, 0] + [1, 1, 0, 0]),  # arithmetic 75 / 50, other 25 / 50
+              "fedavg": ([0, 1, 1, 0] + [1, 1, 1, 0], [0, 1, 1, 0] + [1, 1, 1, 1])}  # arith 50 / 50, other 75 / 100
+    for method, seeds in finals.items():
+        for seed, rows in enumerate(seeds):
+            result = _result((0.25, 0.1), (statistics.fmean(rows), 0.1), [0.1, 0.2])
+            result["evaluations"]["-1"]["row_rewards"] = base_rows
+            result["evaluations"]["1"]["row_rewards"] = rows
+            _write(tmp_path, Cell(method, seed, 3, "0.05"), result)
+    machine = {"cpu": "AMD EPYC", "cpu_flags": ["avx512_bf16"], "cores": 2, "threads": 1, "python": "3.11",
+               "versions": {"torch": "2.13.0", "transformers": "5.24.0"}}
+    for seed in (0, 1):
+        verdict.record_cost(Cell("fgrpo", seed, 3, "0.05").directory(tmp_path), 1.0, 1.0, machine)
+    assert verdict.main(["--output_dir", str(tmp_path), "--methods", "fgrpo", "fedavg", "--seeds", "0", "1",
+                         "--report_only"]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "verdict.json").read_text())
+    rows = {row["method"]: row for row in summary["methods"]}
+    assert rows["fgrpo"]["arith_gain"]["mean"] == pytest.approx(37.5)  # (50 + 25) / 2
+    assert rows["fgrpo"]["other_gain"]["mean"] == pytest.approx(12.5)
+    assert rows["fedavg"]["other_gain"]["mean"] == pytest.approx(62.5)
+    (paired,) = summary["paired"]
+    assert paired["arith"]["mean"] == pytest.approx(12.5) and paired["other"]["mean"] == pytest.approx(-50.0)
+    sd = paired["total"]["sd"]
+    needed = paired["total_seeds_for_target"]
+    assert verdict.t_quantile(0.975, needed - 1) * sd / math.sqrt(needed) <= 3.0
+    assert verdict.t_quantile(0.975, needed - 2) * sd / math.sqrt(needed - 1) > 3.0
+    report = (tmp_path / "verdict.md").read_text()
+    assert "Endpoints, named before the cells ran: total accuracy (primary)" in report
+    assert "Machines: 1 recorded (AMD EPYC (avx512_bf16), 1 thread(s)" in report
+    assert "2 cell(s) ran before cells recorded their machine" in report
+    assert verdict.seeds_for(0.0) is None and verdict.seeds_for(1.0) == 3  # t(0.975, 2) / √3 = 2.48 ≤ 3
