@@ -204,3 +204,23 @@ def test_label_histogram(labelled):
     assert label_histogram(labelled, "label") == {"a": 200, "b": 100, "c": 60, "d": 40}
     with pytest.raises(ValueError, match="'nope'"):
         label_histogram(labelled, "nope")
+
+
+def test_a_dataset_without_a_label_column_splits_uniformly(tmp_path, caplog):
+    """A TRL dataset without `difficulty` (DeepMath, say): `partition_column: None` (from YAML as null or None) or
+    `dirichlet_alpha: inf` split it uniformly; a finite μ over a missing column names both ways out."""
+    from trl_federated.config import FedGRPOConfig
+
+    plain = Dataset.from_dict({"row_id": list(range(30)), "prompt": ["q"] * 30})
+    for column, alpha in ((None, 0.05), ("difficulty", float("inf"))):
+        with caplog.at_level(logging.INFO, logger="trl_federated.data.partition"):
+            partitions = dirichlet_partition(plain, 3, column, alpha, seed=0)
+        assert sorted(len(p) for p in partitions) == [10, 10, 10]
+        assert sorted(row for ids in _ids(partitions) for row in ids) == list(range(30))
+    assert "needs a label and is not used" in caplog.text
+    with pytest.raises(ValueError, match=r"no such column.*`partition_column: null`.*`dirichlet_alpha: inf`"):
+        dirichlet_partition(plain, 3, "difficulty", 0.05, seed=0)
+    for spelled in (None, "None", "null"):
+        args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, partition_column=spelled, report_to="none")
+        assert args.partition_column is None
+        assert _ids(partition_clients(plain, args)) == _ids(dirichlet_partition(plain, 1, None, 0.05, seed=args.seed))

@@ -517,6 +517,7 @@ def run(argv: list[str]) -> int:
 
     from .checkpoint import prepare_output_dir
     from .data import partition_clients
+    from .data.partition import split_description
     from .distributed import shut_down
     from .hub import HubPushError
     from .runner import FederatedRunner
@@ -536,7 +537,7 @@ def run(argv: list[str]) -> int:
     model, processing_class = load_model(model_args, args)
     header = (
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
-        f"{args.num_clients} clients (Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`), "
+        f"{args.num_clients} clients ({split_description(args)}), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
         f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, "
         f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "

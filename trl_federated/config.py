@@ -140,8 +140,10 @@ class FedGRPOConfig(GRPOConfig):
         num_clients (`int`, *optional*, defaults to `1`):
             Number of clients. Above 1, `FedGRPOTrainer.train()` partitions `train_dataset` into this many clients
             and runs the federated loop; 1 trains exactly like [`~trl.GRPOTrainer`].
-        partition_column (`str`, *optional*, defaults to `"difficulty"`):
-            Dataset column whose label distribution differs across clients (Dirichlet partition).
+        partition_column (`str` or `None`, *optional*, defaults to `"difficulty"`):
+            Dataset column whose label distribution differs across clients (Dirichlet partition), and by whose labels
+            the evaluation breaks accuracy down. `None`: a uniform split that needs no label column (a TRL dataset
+            such as DeepMath has none), as `dirichlet_alpha="inf"` over any column.
         dirichlet_alpha (`float`, *optional*, defaults to `0.05`):
             Concentration μ of the Dirichlet partition: small is highly non-IID (the paper's 0.05), `"inf"` is a
             uniform split.
@@ -432,9 +434,12 @@ class FedGRPOConfig(GRPOConfig):
             "clients and runs the federation; 1 trains exactly like GRPOTrainer."
         },
     )
-    partition_column: str = field(
+    partition_column: str | None = field(
         default="difficulty",
-        metadata={"help": "Dataset column whose label distribution differs across clients (Dirichlet partition)."},
+        metadata={
+            "help": "Dataset column whose label distribution differs across clients (Dirichlet partition) and by "
+            "whose labels evaluation accuracy is broken down. None: a uniform split that needs no label column."
+        },
     )
     dirichlet_alpha: float = field(
         default=0.05,
@@ -781,7 +786,9 @@ class FedGRPOConfig(GRPOConfig):
             elif not is_torch_bf16_gpu_available():
                 self.bf16 = False  # TRL's default (bf16 unless fp16) stops TrainingArguments with no accelerator
         super().__post_init__()
-        # YAML hands "inf" over as a string.
+        # YAML hands "inf" and a Python-spelled None over as strings.
+        if isinstance(self.partition_column, str) and self.partition_column in ("None", "none", "null"):
+            self.partition_column = None
         if isinstance(self.dirichlet_alpha, str):
             with contextlib.suppress(ValueError):  # left a string, it is named by _type_errors
                 self.dirichlet_alpha = float(self.dirichlet_alpha)

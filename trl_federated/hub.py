@@ -20,6 +20,7 @@ from huggingface_hub import HfApi, ModelCard
 from trl.trainer.utils import generate_model_card, get_config_model_id
 
 from .config import CONFIG_CLASSES, FedGRPOConfig
+from .data.partition import split_description
 from .methods import METHODS
 from .models import base_model_hub_id
 from .reporting import ROUND_NUMBERING, format_evaluations
@@ -77,7 +78,7 @@ def federation_section(
         ("Method", f"{method_name(args)}: aggregation `{args.aggregation}`, server optimizer `{args.server_optimizer}` "
                    f"(lr {args.server_learning_rate}), LoRA aggregation `{args.lora_aggregation}`"),
         ("Local algorithm", f"`{type(args).__name__}` (loss `{args.loss_type}`, β={args.beta})"),
-        ("Clients", f"{num_clients}, Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`"),
+        ("Clients", f"{num_clients}, {split_description(args)}"),
         ("Rounds", f"{args.num_rounds}, {args.local_steps} local steps per client and round"),
         ("Reward window W", str(args.reward_window)),
         ("LoRA", lora),

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def dirichlet_partition(
     dataset: Dataset,
     num_clients: int,
-    partition_column: str,
+    partition_column: str | None,
     alpha: float,
     seed: int = 0,
     min_partition_size: int = 1,
@@ -44,7 +44,8 @@ def dirichlet_partition(
     Args:
         dataset: the rows to split.
         num_clients: number of partitions, at least 1.
-        partition_column: the label column the skew is defined over, e.g. `"category"` or `"difficulty"`.
+        partition_column: the label column the skew is defined over, e.g. `"category"` or `"difficulty"`; None
+            for a uniform (IID) split, which needs no label (as `alpha = inf`, which reads no column either).
         alpha: the Dirichlet concentration, > 0; `float("inf")` for IID.
         seed: seeds both the Dirichlet draws and the shuffling of rows inside each partition.
         min_partition_size: the fewest rows any client may get. Dirichlet draws that break it are redrawn, a
@@ -59,10 +60,12 @@ def dirichlet_partition(
         ValueError: for a missing column, `num_clients < 1`, `alpha <= 0`, or a `min_partition_size` that
             cannot be met (or was not met by any of the Dirichlet draws).
     """
-    if partition_column not in dataset.column_names:
+    uniform = partition_column is None or math.isinf(alpha)
+    if not uniform and partition_column not in dataset.column_names:
         raise ValueError(
-            f"Cannot partition by column {partition_column!r}: the dataset has no such column "
-            f"(columns: {dataset.column_names})."
+            f"Cannot partition by column {partition_column!r}: the dataset has no such column (columns: "
+            f"{dataset.column_names}). Name a label column with `partition_column`, or split uniformly with "
+            "`partition_column: null` (or `dirichlet_alpha: inf`)."
         )
     if num_clients < 1:
         raise ValueError(f"num_clients must be at least 1, got {num_clients}.")
@@ -76,8 +79,11 @@ def dirichlet_partition(
             f"dataset has only {len(dataset)} rows. Use fewer clients or a smaller min_partition_size."
         )
 
+    if partition_column is None and not math.isinf(alpha):
+        logger.info("`partition_column` is None: a uniform split; the Dirichlet μ=%s needs a label and is not used.",
+                    alpha)
     partitioner: Partitioner
-    if math.isinf(alpha):
+    if uniform:
         partitioner = IidPartitioner(num_partitions=num_clients)
         # IidPartitioner deals contiguous shards: shuffle first, or a dataset sorted by label stays skewed.
         partitioner.dataset = dataset.shuffle(seed=seed)
@@ -107,13 +113,11 @@ def dirichlet_partition(
         ) from error
 
     for client_id, partition in enumerate(partitions):
-        logger.info(
-            "Client %d: %d rows, %s histogram %s",
-            client_id,
-            len(partition),
-            partition_column,
-            label_histogram(partition, partition_column),
-        )
+        if partition_column in dataset.column_names:
+            logger.info("Client %d: %d rows, %s histogram %s", client_id, len(partition), partition_column,
+                        label_histogram(partition, partition_column))
+        else:
+            logger.info("Client %d: %d rows", client_id, len(partition))
     return partitions
 
 
@@ -131,6 +135,13 @@ def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
         seed=args.seed,
         min_partition_size=args.min_partition_size,
     )
+
+
+def split_description(args: FedGRPOConfig) -> str:
+    """How `partition_clients` splits the data, for run headers and model cards."""
+    if args.partition_column is None or math.isinf(args.dirichlet_alpha):
+        return "a uniform split"
+    return f"Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`"
 
 
 def label_histogram(dataset: Dataset, column: str) -> dict[str, int]:
