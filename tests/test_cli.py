@@ -295,3 +295,35 @@ def test_cli_refuses_model_fields_it_cannot_honour(tiny_model_dir, fast_args):
         load_model(ModelConfig(model_revision="v1.0"), args)
     with pytest.raises(ValueError, match="attn_implementation"):
         load_model(ModelConfig(), fast_args(model_init_kwargs={"attn_implementation": "eager"}))
+
+
+def test_cli_faults_are_one_line_errors_naming_the_field_and_the_fix(tmp_path, capsys):
+    """A bad value in the YAML gets the one line a bad flag gets; a method name given as `--aggregation` gets the
+    settings that make it; a missing --config, a reward window longer than the local steps, a misspelled built-in
+    dataset and a model folder that does not exist are one line each, before any data or model loads."""
+    config = tmp_path / "run.yaml"
+    config.write_text("aggregation: fedavgg\n", encoding="utf-8")
+    cases = [
+        (["--config", str(config)],
+         f"`aggregation: fedavgg` in {config} is not one of ['rpg', 'fedavg', 'fedprox', 'scaffold']. Did you mean "
+         "`fedavg`?"),
+        (["--aggregation", "fgrpo"],
+         "`--aggregation fgrpo` is not one of ['rpg', 'fedavg', 'fedprox', 'scaffold']. `fgrpo` names the method "
+         "FGRPO; `run` takes it as `--aggregation rpg --server_optimizer adam`."),
+        (["--config", str(tmp_path / "absent.yaml")],
+         f"cannot read --config {tmp_path / 'absent.yaml'}: No such file or directory."),
+        (["--local_steps", "1", "--reward_window", "2"], "`reward_window` (W=2) must not exceed `local_steps` (E=1)."),
+        (["--dataset_name", "openr1"], "unknown `dataset_name` 'openr1'. Did you mean `open_r1`?"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run", *CPU_FLAGS, *flags])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == f"trl-federated run: error: {message}\n", flags
+    absent = tmp_path / "models" / "smol"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *CPU_FLAGS, "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(absent)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"trl-federated run: error: `model_name_or_path` '{absent}': no such folder.")
+    assert error.count("\n") == 1 and not (tmp_path / "out").exists()

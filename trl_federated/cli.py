@@ -16,9 +16,10 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -54,6 +55,41 @@ def closest_key_hint(key: str, candidates: Iterable[str]) -> str:
         return f" {equivalent}"
     close = difflib.get_close_matches(key, list(candidates), n=1)
     return f" Did you mean `{close[0]}`?" if close else ""
+
+
+def read_yaml_config(path: str, error: Callable[[str], Any]) -> dict[str, Any]:
+    """The mapping a `--config` YAML file holds; `error(message)` for a file that is missing, not YAML, or not a
+    mapping."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            values = yaml.safe_load(stream)
+    except OSError as fault:
+        return error(f"cannot read --config {path}: {fault.strerror or fault}.")
+    except yaml.YAMLError as fault:
+        return error(f"--config {path} is not valid YAML: {' '.join(str(fault).split())}")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        return error(f"--config {path} must hold `key: value` lines, got a {type(values).__name__}.")
+    return values
+
+
+def usage_error(message: str, prog: str = "trl-federated run"):
+    """Stop with `prog: error: message` on one line and exit status 2, as argparse does."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def choice_hint(key: str, value: str, choices: Iterable[Any]) -> str:
+    """What to say after a value outside a field's choices: a named method (`trl-federated compare --methods`) given
+    as an `aggregation` gets the settings that make it; else the closest choice."""
+    from .methods import METHODS
+
+    if key == "aggregation" and value in METHODS:
+        method = METHODS[value]
+        settings = " ".join(f"--{name} {setting}" for name, setting in method.overrides().items())
+        return f" `{value}` names the method {method.display_name}; `run` takes it as `{settings}`."
+    return closest_key_hint(value, map(str, choices))
 
 
 class ArgumentParser(TrlParser):
@@ -102,23 +138,38 @@ class ArgumentParser(TrlParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs):
+        """TRL's parsing, with every fault of the command line or the YAML said in one line (`error`): an unknown
+        key or flag, a value outside a field's choices (argparse checks a flag's, never a YAML default's), a missing
+        `--config` file, and what the configs' own checks refuse (`__post_init__`)."""
         args = list(sys.argv[1:] if args is None else args)
         flags = args
+        choices = {action.dest: action.choices for action in self._actions if action.choices is not None}
         if "--config" in args[:-1]:
             at = args.index("--config")
             path, flags = args[at + 1], args[:at] + args[at + 2 :]
-            with open(path, encoding="utf-8") as stream:
-                values = yaml.safe_load(stream)
+            values = read_yaml_config(path, self.error)
             fields = [action.dest for action in self._actions if action.option_strings] + ["env"]
-            for key in values if isinstance(values, dict) else ():
+            for key, value in values.items():
                 if key not in fields:
                     self.error(f"unknown key `{key}` in {path}.{closest_key_hint(key, fields)}")
+                if key in choices and value is not None and str(value) not in map(str, choices[key]):
+                    self.error(f"`{key}: {value}` in {path} is not one of {list(choices[key])}."
+                               f"{choice_hint(key, str(value), choices[key])}")
         options = [option for action in self._actions for option in action.option_strings]
-        for token in flags:
-            flag = token.split("=", 1)[0]
+        for index, token in enumerate(flags):
+            flag, _, value = token.partition("=")
             if flag.startswith("--") and flag not in options:
                 self.error(f"unknown flag `{flag}`.{closest_key_hint(flag, options)}")
-        return super().parse_args_and_config(args, **kwargs)
+            key = flag[2:]
+            if key in choices and not value and index + 1 < len(flags):
+                value = flags[index + 1]
+            if key in choices and value and value not in map(str, choices[key]):
+                hint = choice_hint(key, value, choices[key])
+                self.error(f"`{flag} {value}` is not one of {list(choices[key])}.{hint}")
+        try:
+            return super().parse_args_and_config(args, **kwargs)
+        except (ValueError, TypeError) as fault:  # a config's own check (`__post_init__`), already one sentence
+            self.error(str(fault).strip().replace("\n", " "))
 
 
 def _first_line(cls) -> str:
@@ -227,6 +278,25 @@ class BenchmarkArguments:
         from .data.paper import check_max_pixels
 
         check_max_pixels(self.max_pixels)
+        builders = ("reasoning_gym", "open_r1", "geoqa")
+        close = difflib.get_close_matches(self.dataset_name, builders, n=1, cutoff=0.75)
+        if self.dataset_name not in builders and "/" not in self.dataset_name and close and not Path(
+            self.dataset_name
+        ).exists():
+            raise ValueError(f"unknown `dataset_name` {self.dataset_name!r}. Did you mean `{close[0]}`?")
+
+
+def check_model_path(model_name_or_path: str | None) -> None:
+    """`usage_error` for a `model_name_or_path` written as a local path (absolute, `./`, `../`, `~`, or more than the
+    one `/` of a Hub id `org/name`) that does not exist: before the data is built, in one line, not the Hub client's
+    `HFValidationError` after it."""
+    if model_name_or_path is None:
+        return
+    path = Path(model_name_or_path).expanduser()
+    written_as_path = model_name_or_path.startswith(("/", "./", "../", "~")) or model_name_or_path.count("/") > 1
+    if written_as_path and not path.exists():
+        usage_error(f"`model_name_or_path` {model_name_or_path!r}: no such folder. Give a local model folder or a "
+                    "Hub id (`org/name`), or leave it unset for the embedded SmolLM2-135M-Instruct.")
 
 
 def load_benchmark(data_args: BenchmarkArguments):
@@ -400,8 +470,7 @@ def _setting(argv: list[str], name: str, default):
     settings that decide which config class parses the rest."""
     value = default
     if "--config" in argv[:-1]:
-        with open(argv[argv.index("--config") + 1], encoding="utf-8") as stream:
-            value = (yaml.safe_load(stream) or {}).get(name, value)
+        value = read_yaml_config(argv[argv.index("--config") + 1], usage_error).get(name, value)
     if f"--{name}" in argv[:-1]:
         value = argv[argv.index(f"--{name}") + 1]
     return value
@@ -449,9 +518,12 @@ def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, Benchma
     """
     from .adapters import default_lora_config
 
-    parser = ArgumentParser(
-        (config_class(argv), ModelConfig, BenchmarkArguments), prog="trl-federated run", description=RUN_DESCRIPTION
-    )
+    try:
+        dtype = config_class(argv)
+    except ValueError as fault:
+        usage_error(str(fault))
+    parser = ArgumentParser((dtype, ModelConfig, BenchmarkArguments), prog="trl-federated run",
+                            description=RUN_DESCRIPTION)
     lora = default_lora_config()
     parser.set_defaults(
         use_peft=True, lora_r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
@@ -523,6 +595,7 @@ def run(argv: list[str]) -> int:
     from .runner import FederatedRunner
 
     args, model_args, data_args = parse_run_args(argv)
+    check_model_path(model_args.model_name_or_path)
     peft_config = lora_config(model_args)
     federated_trainer = trainer_class(data_args)  # an unimportable or wrong class fails before any loading
     # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
