@@ -41,7 +41,7 @@ def parameters(cls) -> list[tuple[str, list[tuple[str, str, str]]]]:
         elif line.startswith(" ") and entry is not None:
             entry[2] = f"{entry[2]} {line.strip()}".strip()
         else:
-            raise ValueError(f"{cls.__name__}'s `Parameters:` has a line that is neither a section nor an entry: {line!r}")
+            raise ValueError(f"{cls.__name__}'s `Parameters:`: neither a section nor an entry: {line!r}")
     return [(title, [tuple(e) for e in entries]) for title, entries in sections if entries]  # type: ignore[misc]
 
 
@@ -80,6 +80,7 @@ def render() -> str:
     problems = [problem for cls in (FedGRPOConfig, FedDAPOConfig, FedGSPOConfig) for problem in check_documented(cls)]
     if problems:
         raise ValueError("the config docstrings and fields disagree:\n" + "\n".join(problems))
+    intro = textwrap.dedent(FedGRPOConfig.__doc__.strip("\n")).split("Parameters:", 1)[0].split("\n\n", 1)[1]
     lines = [
         "# Configuration reference",
         "",
@@ -89,7 +90,7 @@ def render() -> str:
         "`trl.GRPOConfig` field (TRL's documentation) and TRL's `ModelConfig` (`model_name_or_path`, `lora_*`) parse",
         "the same way. In a Flower app's run config each is the kebab-case key (`num_rounds` is `num-rounds`).",
         "",
-        plain(textwrap.dedent(FedGRPOConfig.__doc__.strip("\n")).split("Parameters:", 1)[0].split("\n\n", 1)[1].strip()),
+        plain(intro.strip()),
         "",
         "## `FedGRPOConfig`",
     ]
@@ -100,7 +101,8 @@ def render() -> str:
         lines += ["", f"## `{cls.__name__}` (`--algorithm {flag}`)", "", " ".join(summary.split()), "",
                   "Defaults that differ from `FedGRPOConfig`'s:", ""]  # fmt: skip
         lines += [_entry(*entry) for _, entries in parameters(cls) for entry in entries]
-    lines += ["", "## `BenchmarkArguments`: the data and the rewards", "", plain(BenchmarkArguments.__doc__.strip()), ""]
+    lines += ["", "## `BenchmarkArguments`: the data and the rewards", ""]
+    lines += [plain(BenchmarkArguments.__doc__.strip()), ""]
     for item in dataclasses.fields(BenchmarkArguments):
         help_text = " ".join(str(item.metadata.get("help", "")).split())
         lines.append(f"- **`{item.name}`** (default {_default(item)}), flag `--{item.name}`: {plain(help_text)}")
