@@ -3,8 +3,8 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 # torch is a plain dependency on purpose: install the torch build you want first (the Makefile's `TORCH` and
-# `TORCH_INDEX`; the README's "Installing"), and pip then keeps it; left to pip, a fresh install on Linux takes PyPI's
-# default build, with CUDA (several GB).
+# `TORCH_INDEX`; `docs/getting-started.md`, "Installing"), and pip then keeps it; left to pip, a fresh install on
+# Linux takes PyPI's default build, with CUDA (several GB).
 INSTALL_REQUIRES = [
     "torch>=2.6",
     "trl==1.16.0",
@@ -22,15 +22,20 @@ INSTALL_REQUIRES = [
     "pyyaml>=6",
 ]
 
+# MkDocs and mkdocstrings build docs/ (mkdocs.yml): `pip install -e ".[docs]"`, then `mkdocs serve`
+DOCS = ["mkdocs>=1.6.1,<2", "mkdocstrings[python]>=1.0,<2"]
+
 EXTRAS = {
     # ruff is the linter tests/test_lint.py runs; nbmake runs examples/notebooks; hypothesis drives the answer checker's
     # property tests; tensorboard reads back what a federated run reports through `report_to`; scipy is the statistics
-    # (t and binomial distributions) of benchmarks/verdict.py and benchmarks/gate.py, and of their tests
+    # (t and binomial distributions) of benchmarks/verdict.py and benchmarks/gate.py, and of their tests; the docs
+    # extra, because tests/test_docs.py builds the site strictly (pure Python, about 15 s)
     "test": [
         "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.15", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6",
-        "tensorboard>=2.16", "scipy>=1.11",
+        "tensorboard>=2.16", "scipy>=1.11", *DOCS,
     ],
     "deepspeed": ["deepspeed>=0.18.6"],
+    "docs": DOCS,
     # TRL's own vLLM extra (vllm>=0.22,<=0.31, requests, aiohttp), for `use_vllm` with `vllm_mode: server`: the GPU
     # machine that runs `trl vllm-serve`, and every training process (TRL's VLLMClient imports vLLM)
     "vllm": ["trl[vllm]==1.16.0"],

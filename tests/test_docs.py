@@ -1,15 +1,24 @@
-"""What the README, the docs and the Makefile tell a newcomer holds: two set-up commands, an install that works off
-this project's machines, and no reference a reader cannot open."""
+"""What the README, the docs and the Makefile tell a newcomer holds: a README that is a front door (two set-up
+commands, then the federated snippet), docs that build strictly with MkDocs, a configuration reference generated
+from the code, an install that works off this project's machines, every command shown either run or checked, and no
+reference a reader cannot open."""
 
+import importlib.util
 import re
+import shlex
 import shutil
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+GETTING_STARTED = (DOCS / "getting-started.md").read_text(encoding="utf-8")
 TEXT_SUFFIXES = {".md", ".py", ".yaml", ".toml", ".ipynb", ".txt"}
 
 
@@ -34,11 +43,19 @@ def test_the_first_screen_has_exactly_the_two_set_up_commands():
     assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]
 
 
-def test_the_readme_installs_from_a_clone_and_says_which_torch_build_pip_takes():
-    assert 'pip install "trl-federated' not in README  # the package is not on PyPI
-    assert 'pip install -e ".[deepspeed,flower]"' in README and ".[deepspeed,flower,vllm]" in README
-    assert "make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu" in README
-    assert "the CUDA one, several GB" in " ".join(README.split())
+def test_the_docs_install_from_a_clone_and_say_which_torch_build_pip_takes():
+    for page in (README, *(path.read_text(encoding="utf-8") for path in PAGES)):
+        assert 'pip install "trl-federated' not in page  # the package is not on PyPI
+    assert 'pip install -e ".[deepspeed,flower]"' in GETTING_STARTED and ".[deepspeed,flower,vllm]" in GETTING_STARTED
+    assert "make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu" in GETTING_STARTED
+    assert "the CUDA one, several GB" in " ".join(GETTING_STARTED.split())
+    assert "docs/getting-started.md" in README
+
+
+def test_install_steps_are_stated_once():
+    """The pip install from a clone is on one page; every other page links to it."""
+    pages = [path.name for path in PAGES if "pip install \"torch==" in path.read_text(encoding="utf-8")]
+    assert pages == ["getting-started.md"] and 'pip install "torch==' not in README
 
 
 def make_dry_run(*variables: str) -> list[str]:
@@ -56,3 +73,343 @@ def test_make_install_takes_torch_from_pips_index_unless_told_another():
     cpu = make_dry_run("TORCH_INDEX=https://download.pytorch.org/whl/cpu")[0]
     assert cpu.endswith('--index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"')
     assert make_dry_run("TORCH=torch==2.14.0")[0].endswith('"torch==2.14.0"')
+
+
+# The README is a front door: what it is, the two commands, the federated snippet right after them, the CLI, the
+# methods with the current verdict, links. Everything else is a page of docs/.
+
+README_MAX_LINES = 250
+FIRST_SCREEN_LINES = 40
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str, int]]:
+    """(language, body, line of the opening fence) of every fenced code block."""
+    fences = re.finditer(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```", text, re.DOTALL | re.MULTILINE)
+    return [(match["lang"], match["body"], text.count("\n", 0, match.start()) + 1) for match in fences]
+
+
+def test_the_readme_is_a_front_door():
+    assert len(README.splitlines()) <= README_MAX_LINES
+    blocks = fenced_blocks(README)
+    (bash, _, _), (python, snippet, line) = blocks[:2]
+    assert (bash, python) == ("bash", "python")  # the two commands, then the snippet a TRL user needs first
+    assert line + len(snippet.splitlines()) <= FIRST_SCREEN_LINES
+    assert "from trl_federated import FedGRPOConfig, FedGRPOTrainer" in snippet and "trainer.train()" in snippet
+    # the snippet is the one the page on federating a TRL script explains, word for word
+    assert snippet in (DOCS / "federate-trl.md").read_text(encoding="utf-8")
+
+
+def test_the_readme_states_the_verdict_and_links_every_page():
+    text = " ".join(README.split())
+    assert "learned less than FedAvg" in text and "+6.11" in text and "+12.87" in text
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
+    assert linked == {path.name for path in PAGES} | {"config-reference.md"}
+
+
+# The site: MkDocs, strict, with the configuration reference generated on every build.
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
+                    reason="MkDocs or mkdocstrings is not installed: pip install -e '.[docs]'")  # fmt: skip
+def test_the_docs_build_strictly(tmp_path):
+    """`mkdocs build --strict`: every page in the nav, every link and anchor resolves (README.md is the home page)."""
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "site" / "config-reference" / "index.html").exists()
+    assert "FedGRPOConfig" in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", DOCS / "gen_config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_config_reference_is_generated_from_the_docstring_never_written_twice():
+    import dataclasses
+
+    from trl_federated.cli import BenchmarkArguments
+    from trl_federated.config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
+
+    generator = load_generator()
+    assert not (DOCS / generator.PAGE).exists()  # made on every build, by docs/hooks.py
+    for cls in (FedGRPOConfig, FedDAPOConfig, FedGSPOConfig):
+        assert generator.check_documented(cls) == []
+    page = generator.render()
+    for name in generator.declared_fields(FedGRPOConfig):
+        assert f"**`{name}`**" in page, name
+    for item in dataclasses.fields(BenchmarkArguments):
+        assert f"**`{item.name}`**" in page, item.name
+    # one entry's text, as the docstring states it
+    (_, entries), *_ = generator.parameters(FedGRPOConfig)
+    name, _, description = entries[0]
+    assert f"**`{name}`**" in page and description in page
+
+
+def test_the_generator_refuses_an_undocumented_field():
+    from dataclasses import dataclass, field
+
+    from trl_federated.config import FedGRPOConfig
+
+    @dataclass
+    class Undocumented(FedGRPOConfig):
+        """Parameters:
+        > A section
+
+        num_rounds (`int`):
+            Rounds.
+        """
+
+        extra_knob: int = field(default=1, metadata={"help": "not in the docstring"})
+
+    problems = load_generator().check_documented(Undocumented)
+    assert problems == ["Undocumented.extra_knob: declared but not in `Parameters:`"]
+
+
+# Every command the README and the docs show is run by a test or checked here: its program, its files, and its flags
+# against the parser that will read them.
+
+INLINE = re.compile(r"(?<!`)`([^`]+)`(?!`)")
+COMMAND_PREFIXES = (
+    "trl-federated ", "python ", "flwr ", "make ", "accelerate launch ", "pip install ", "flower-superlink ",
+    "flower-supernode ", "OMP_NUM_THREADS=", "FLWR_", "CUDA_VISIBLE_DEVICES=", "bash ", "mkdocs ", "/usr/bin/time ",
+)  # fmt: skip
+# Programs the docs show whose flags are their own projects' (documented there), with what is checked of them here.
+EXTERNAL = {
+    "git": "git clone", "cd": "shell", "source": "shell", "mkdir": "shell", "kill": "shell",
+    "openssl": "the CA and certificate recipe of Flower's TLS guide", "ssh-keygen": "Flower's SuperNode keys",
+    "trl": "TRL's `trl vllm-serve` (needs vLLM, a GPU install)",
+}  # fmt: skip
+# Placeholders a reader replaces: a config of their own, a script of their own.
+PLACEHOLDERS = {"CONFIG.yaml": "examples/configs/quickstart.yaml", "my_grpo_script.py": None}
+# Flower's Simulation Engine options (`--federation-config`), as Flower documents them.
+FLOWER_FEDERATION_KEYS = {"num-supernodes", "client-resources-num-cpus", "client-resources-num-gpus",
+                          "init-args-num-cpus", "init-args-num-gpus"}  # fmt: skip
+# On this CPU-only test machine TrainingArguments refuses bf16 unless told to use the CPU (as tests/test_recipes.py).
+CPU = ["--use_cpu", "true", "--bf16", "false"]
+
+
+def doc_texts() -> dict[str, str]:
+    return {"README.md": README, **{f"docs/{path.name}": path.read_text(encoding="utf-8") for path in PAGES}}
+
+
+def shown_commands(text: str) -> list[str]:
+    """The shell commands of `text`: each line of a bash block (continuations joined, comments dropped), and each
+    inline code span that starts like a command."""
+    commands = []
+    for lang, body, _ in fenced_blocks(text):
+        if lang in ("bash", "sh", "shell"):
+            for line in re.sub(r"\\\n\s*", " ", body).splitlines():
+                line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
+                commands += [line] if line else []
+    prose = re.sub(r"^```\w*\n.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    for span in INLINE.findall(prose):
+        span = " ".join(span.split())
+        if span.startswith(COMMAND_PREFIXES):
+            commands.append(span)
+    return commands
+
+
+def simple_commands(command: str) -> list[list[str]]:
+    """`command` split on `&&` and `;` into argument lists, without environment assignments, `nohup`, `time`,
+    redirections, `&` and the brackets around optional flags."""
+    result = []
+    for part in re.split(r"&&|;", command):
+        part = re.sub(r"<[^<>()]*>", "PLACEHOLDER", part)  # <this repository>, <connection>
+        part = re.sub(r"\s*(\d?>&?\s*\S+)", "", part).rstrip(" &")
+        words = shlex.split(part.replace("[", "").replace("]", "").replace("<(", "("))
+        while words and (re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]) or words[0] in ("nohup", "/usr/bin/time")):
+            words = words[2:] if words[0] == "/usr/bin/time" and words[1:2] == ["-v"] else words[1:]
+        if words:
+            result.append(words)
+    return result
+
+
+def flags(words: list[str]) -> list[str]:
+    return [word.split("=")[0][2:] for word in words if word.startswith("--")]
+
+
+def makefile():
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([\w-]+):", text, re.MULTILINE)), set(re.findall(r"^(\w+) \?=", text, re.MULTILINE))
+
+
+def setup_extras() -> set[str]:
+    text = (ROOT / "setup.py").read_text(encoding="utf-8")
+    return set(re.findall(r'^    "(\w+)": ', text, re.MULTILINE)) | set(re.findall(r'EXTRAS\["(\w+)"\]', text))
+
+
+def check_run(argv: list[str]) -> list[str]:
+    """`trl-federated run` flags parsed as the CLI parses them; a placeholder config stands for a real one."""
+    from trl_federated.cli import parse_run_args
+
+    argv = [PLACEHOLDERS.get(word) or word for word in argv]
+    if "--help" in argv:
+        return []
+    config = argv[argv.index("--config") + 1] if "--config" in argv else None
+    if config is not None and not (ROOT / config).is_file():
+        return [f"no config {config}"]
+    try:
+        parse_run_args([*argv, *CPU])
+    except (Exception, SystemExit) as error:  # argparse exits on an unknown flag or a bad value
+        return [f"`trl-federated run {' '.join(argv)}` does not parse: {error!r}"]
+    return []
+
+
+def check_script_flags(script: Path, argv: list[str]) -> list[str]:
+    """A script's flags: each one its argparse declares (or the harness it loads, `benchmarks/verdict.py`), or, for a
+    script that parses `trl-federated run`'s groups or hands them the flags it does not know, a field of them."""
+    from trl_federated.cli import BenchmarkArguments
+    from trl_federated.config import CONFIG_CLASSES
+
+    source = script.read_text(encoding="utf-8")
+    if '"verdict.py"' in source:
+        source += (ROOT / "benchmarks" / "verdict.py").read_text(encoding="utf-8")
+    run_like = re.search(r"TrlParser|parse_run_args|HfArgumentParser|parse_known_args", source)
+    import dataclasses
+
+    from trl import ModelConfig
+
+    run_fields = {item.name for cls in (*CONFIG_CLASSES.values(), ModelConfig, BenchmarkArguments)
+                  for item in dataclasses.fields(cls)} | {"config"}  # fmt: skip
+    return [f"{script.relative_to(ROOT)} has no flag --{flag}" for flag in flags(argv)
+            if f'"--{flag}"' not in source and not (run_like and flag in run_fields)]  # fmt: skip
+
+
+def check_flwr(argv: list[str]) -> list[str]:
+    if argv[:1] == ["supernode"]:
+        return []  # Flower's own commands: checked against `flwr --help` in test_flower_commands_in_the_docs_exist
+    assert argv[0] == "run", argv
+    if len(argv) == 1:
+        return []  # `flwr run` named in prose
+    app = ROOT / argv[1]
+    if not (app / "pyproject.toml").is_file():
+        return [f"no Flower app at {argv[1]}"]
+    keys = tomllib.loads((app / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
+    problems = []
+    for flag, known in (("--run-config", set(keys)), ("--federation-config", FLOWER_FEDERATION_KEYS)):
+        if flag in argv:
+            for item in argv[argv.index(flag) + 1].split():
+                if item.split("=")[0] not in known:
+                    problems.append(f"`{flag}` key {item.split('=')[0]} is not one of {argv[1]}'s")
+    return problems
+
+
+def check_command(words: list[str]) -> list[str]:
+    program, args = words[0], words[1:]
+    if program == "make":
+        targets, variables = makefile()
+        return [f"make has no {arg}" for arg in args
+                if not (arg in targets or ("=" in arg and arg.split("=")[0] in variables))]  # fmt: skip
+    if program == "trl-federated":
+        if args[:1] == ["run"]:
+            return check_run(args[1:])
+        if args[:1] == ["compare"]:
+            source = (ROOT / "trl_federated" / "compare.py").read_text(encoding="utf-8")
+            config = args[args.index("--config") + 1] if "--config" in args else "examples/configs/quickstart.yaml"
+            return [f"compare has no --{flag}" for flag in flags(args) if f'"--{flag}"' not in source] + (
+                [] if (ROOT / config).is_file() else [f"no config {config}"])  # fmt: skip
+        return [] if args in ([], ["--help"]) else [f"trl-federated has no command {args[0]}"]
+    if program == "python":
+        if args[:2] == ["-m", "pytest"]:
+            return [f"no test file {arg}" for arg in args[2:] if arg.startswith("tests/") and not (ROOT / arg).exists()]
+        if args[:2] == ["-m", "trl_federated.cli"]:
+            return check_command(["trl-federated", *args[2:]])
+        script = ROOT / args[0]
+        if not script.is_file():
+            return [f"no script {args[0]}"]
+        if args[0] == "examples/scripts/fgrpo.py":
+            return check_run(args[1:])
+        return check_script_flags(script, args[1:])
+    if program == "accelerate":
+        assert args[0] == "launch", args
+        if "--config_file" not in args:
+            return []  # `accelerate launch` named in prose
+        config = args[args.index("--config_file") + 1]
+        problems = [] if (ROOT / config).is_file() else [f"no accelerate config {config}"]
+        rest = [arg for arg in args[1:] if arg not in ("--config_file", config)]
+        if "--num_processes" in rest:
+            del rest[rest.index("--num_processes"):rest.index("--num_processes") + 2]
+        if rest[:1] == ["-m"]:
+            return problems + check_command(["python", *rest])
+        return problems + ([] if not rest or rest[0] in PLACEHOLDERS else check_command(["python", *rest]))
+    if program == "flwr":
+        return check_flwr(args)
+    if program == "pip":
+        extras = [extra for arg in args for group in re.findall(r"^\.\[([\w,]+)\]$", arg) for extra in group.split(",")]
+        return [f"setup.py has no extra {extra}" for extra in extras if extra not in setup_extras()]
+    if program == "bash":
+        return [] if (ROOT / args[0]).is_file() else [f"no script {args[0]}"]
+    if program == "mkdocs":
+        return [] if args[0] in ("serve", "build") else [f"mkdocs has no command {args[0]}"]
+    if program in ("flower-superlink", "flower-supernode"):
+        return []  # checked against their --help in test_flower_commands_in_the_docs_exist
+    if program in EXTERNAL:
+        return []
+    return [f"a command no test checks: {' '.join(words)}"]
+
+
+def all_commands() -> list[tuple[str, list[str]]]:
+    return [(name, words) for name, text in doc_texts().items() for command in shown_commands(text)
+            for words in simple_commands(command)]  # fmt: skip
+
+
+def test_every_command_in_the_docs_is_checked():
+    commands = all_commands()
+    assert len(commands) > 50  # the extraction finds the docs' commands, not none
+    problems = [f"{name}: {problem}" for name, words in commands for problem in check_command(words)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_check_catches_what_it_should():
+    assert check_command(["trl-federated", "run", "--config", "examples/configs/quickstart.yaml", "--num_round", "5"])
+    assert check_command(["trl-federated", "run", "--config", "examples/configs/nope.yaml"])
+    assert check_command(["python", "benchmarks/verdict.py", "--no_such_flag"])
+    assert check_command(["flwr", "run", "examples/flower", "--run-config", "num-round=5"])
+    assert check_command(["make", "no-such-target"]) and check_command(["pip", "install", "-e", ".[nope]"])
+    assert check_command(["curl", "https://example.org"])
+    assert simple_commands("OMP_NUM_THREADS=1 nohup python benchmarks/gate.py --commit > out.log 2>&1 &") == [
+        ["python", "benchmarks/gate.py", "--commit"]]  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("flower-superlink", path=str(Path(sys.executable).parent)) is None,
+                    reason="Flower is not installed: pip install -e '.[flower]'")  # fmt: skip
+def test_flower_commands_in_the_docs_exist():
+    """The Flower CLI's flags the deployment recipe uses are flags of the installed Flower, and each `--node-config`
+    key is one the example's ClientApp (or `trl_federated.flower.apps`) reads."""
+    bin_dir = Path(sys.executable).parent
+    helps = {}
+    sources = [*(ROOT / "examples/flower").rglob("*.py"), ROOT / "trl_federated/flower/apps.py"]
+    app_source = "".join(path.read_text(encoding="utf-8") for path in sources)
+    problems = []
+    for name, words in all_commands():
+        program = words[0]
+        if program == "flwr" and words[1] == "supernode":
+            program, words = "flwr supernode " + words[2], [words[0], *words[1:3], *words[3:]]
+        if program not in ("flower-superlink", "flower-supernode") and not program.startswith("flwr supernode"):
+            continue
+        if program not in helps:
+            result = subprocess.run([str(bin_dir / program.split()[0]), *program.split()[1:], "--help"],
+                                    capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert result.returncode == 0, (program, result.stderr[-1000:])
+            helps[program] = result.stdout + result.stderr
+        problems += [f"{name}: {program} has no --{flag}" for flag in flags(words) if f"--{flag}" not in helps[program]]
+        if "--node-config" in words:
+            for item in words[words.index("--node-config") + 1].split():
+                if f'"{item.split("=")[0]}"' not in app_source:
+                    problems.append(f"{name}: the example ClientApp reads no node-config key {item.split('=')[0]}")
+    assert helps and not problems, problems
+
+
+def test_every_repository_path_in_the_docs_exists():
+    """A file or folder of this repository named in a code span (`benchmarks/verdict.py`) exists: the docs name
+    repository files in code spans, not in links that the site could not resolve."""
+    missing = []
+    for name, text in doc_texts().items():
+        for span in INLINE.findall(text):
+            if re.fullmatch(r"(benchmarks|examples|trl_federated|tests|docs|\.ci)/[\w./-]*", span) and "*" not in span:
+                if not (ROOT / span.rstrip("/")).exists():
+                    missing.append(f"{name}: {span}")
+    assert not missing, missing

@@ -1,4 +1,4 @@
-"""`flwr run examples/flower` on Flower's Simulation Engine, as the README's quick-try runs it (a managed local
+"""`flwr run examples/flower` on Flower's Simulation Engine, as `docs/flower.md`'s quick-try runs it (a managed local
 SuperLink, no runtime dependency installation), on the tiny model: the number of clients follows the simulated
 SuperNodes, run-config keys override the YAML on the server and on every client, and a `num-clients` that differs
 from the federation is refused before anything trains, in the `flwr run` output. With one CPU per client, two
@@ -32,7 +32,7 @@ from trl_federated.flower import make_client_app  # noqa: E402
 ROOT = Path(__file__).parents[1]
 APP_DIR = ROOT / "examples" / "flower"
 BENCHMARK_SIZE = 40
-# The README's recipe on a 2-core machine: 2 Ray workers (the CPUs Ray is given over the CPUs each client takes), so
+# The docs' recipe on a 2-core machine: 2 Ray workers (the CPUs Ray is given over the CPUs each client takes), so
 # that 2 clients train at the same time; with Flower's default (2 CPUs a client), one worker trains them in turn.
 TWO_WORKERS = "client-resources-num-cpus=1 init-args-num-cpus=2"
 
@@ -59,7 +59,7 @@ def managed_superlinks(flwr_home: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def flwr_env(tmp_path_factory):
-    """The environment of the README's quick-try, with its own FLWR_HOME and ports; the SuperLink that `flwr run`
+    """The environment of the docs' quick-try, with its own FLWR_HOME and ports; the SuperLink that `flwr run`
     starts (detached, as Flower does) is stopped afterwards."""
     flwr_home = tmp_path_factory.mktemp("flwr-home")
     bin_dir = Path(sys.executable).parent

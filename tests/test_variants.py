@@ -58,18 +58,20 @@ def fedprox_statements(text: str) -> list[str]:
 
 
 def test_fedprox_default_is_one_documented_value():
-    """The paper gives no μ: the config's default, its help and docstring, the paper recipe and every README line
-    about FedProx state one value."""
+    """The paper gives no μ: the config's default, its help and docstring, the paper recipe and every line of the
+    README and the docs pages about FedProx state one value."""
     root = Path(__file__).resolve().parent.parent
     docstring = FedGRPOConfig.__doc__.split("fedprox_mu (`float`")[1].split("scaffold_correction (")[0]
     recipe_text = (root / "examples" / "configs" / "paper" / "fedprox.yaml").read_text()
     readme = (root / "README.md").read_text()
+    docs = "\n".join(path.read_text() for path in sorted((root / "docs").glob("*.md")))
     help_text = FedGRPOConfig.__dataclass_fields__["fedprox_mu"].metadata["help"]
     statements = {
         "the field's help": FEDPROX_MU_STATED.findall(help_text),
         "the docstring": FEDPROX_MU_STATED.findall(docstring),
         "the recipe": [str(yaml.safe_load(recipe_text)["fedprox_mu"]), *fedprox_statements(recipe_text)],
         "the README": fedprox_statements(readme),
+        "the docs": fedprox_statements(docs),
     }
     for place, values in statements.items():
         assert values, f"{place} states no FedProx μ"

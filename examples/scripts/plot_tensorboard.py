@@ -1,6 +1,6 @@
 # Plot a federated run's round metrics from its TensorBoard event files, offline (no TensorBoard server).
 """
-A federated run with `report_to: tensorboard` logs one entry per round (see the README's drop-in section): per client
+A federated run with `report_to: tensorboard` logs one entry per round (see `docs/federate-trl.md`): per client
 `train/<client>/reward_window` (R̄), `rpg_gain` (h) and `weight` (ω), and the RPG temperature `train/temperature` (τ).
 This script reads them with TensorBoard's `EventAccumulator` and draws the four panels in one PNG:
 

@@ -3,7 +3,7 @@
 `make_client_app` runs the same local round as `FederatedRunner` (`client.train_local_round`) on a site's own
 data; `FederatedStrategy` aggregates with the same `Aggregator`s and checkpoints like the runner; `records`
 converts between `ClientUpdate`s and Flower records; `run_config` reads a Flower run config as the arguments of
-`trl-federated run`. See `examples/flower/` and the README section "Deploying across organisations".
+`trl-federated run`. See `examples/flower/` and `docs/flower.md`.
 """
 
 from .apps import (
