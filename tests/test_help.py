@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The groups of `trl-federated run` and of examples/scripts/fgrpo.py, in order, and a flag each group must hold.
-RUN_GROUPS = [("GRPOConfig (TRL):", "--learning_rate"), ("FedGRPOConfig: the federation:", "--num_rounds"),
+# The federation's own flags come first: they are what a user of these commands comes to set.
+RUN_GROUPS = [("FedGRPOConfig: the federation:", "--num_rounds"), ("GRPOConfig (TRL):", "--learning_rate"),
               ("ModelConfig:", "--lora_r"), ("BenchmarkArguments:", "--reward_funcs")]  # fmt: skip
 
 
@@ -45,7 +46,7 @@ def test_run_help_groups_its_flags_by_dataclass():
 
 
 def test_run_help_follows_the_algorithm():
-    groups = [("GRPOConfig (TRL):", "--loss_type"), ("FedDAPOConfig: the federation:", "--aggregation")]
+    groups = [("FedDAPOConfig: the federation:", "--aggregation"), ("GRPOConfig (TRL):", "--loss_type")]
     assert_groups(help_text("-m", "trl_federated.cli", "run", "--algorithm", "dapo"), groups)
 
 
@@ -70,3 +71,19 @@ def test_example_script_help_describes_its_arguments(script, argument):
 
 def test_run_config_module_help():
     assert_groups(help_text("-m", "trl_federated.flower.run_config"), [("options:", "-h, --help")])
+
+
+def test_run_help_opens_on_the_federation_and_hides_what_only_the_federation_sets():
+    lines = help_text("-m", "trl_federated.cli", "run").splitlines()
+    assert lines[0] == "usage: trl-federated run [-h] [--config CONFIG.yaml] [--FIELD VALUE ...]"
+    assert lines.index("FedGRPOConfig: the federation:") < 15  # on the first screen, not after all of GRPOConfig
+    assert not any("--federation_round" in line for line in lines)  # set on each client's config by the runner
+
+
+def test_version_names_the_package_and_what_it_runs_on():
+    import trl
+
+    result = subprocess.run([sys.executable, "-m", "trl_federated.cli", "--version"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("trl-federated 0.1.0 (trl ")
+    assert f"trl {trl.__version__}" in result.stdout

@@ -92,6 +92,10 @@ def choice_hint(key: str, value: str, choices: Iterable[Any]) -> str:
     return closest_key_hint(value, map(str, choices))
 
 
+# Fields the federation sets on each client's configuration, never a user: parsed, but hidden from --help.
+INTERNAL_FIELDS = frozenset({"federation_round"})
+
+
 class ArgumentParser(TrlParser):
     """TRL's `TrlParser` (a YAML `--config`, then `--key value` flags, never abbreviated) as a newcomer needs it:
 
@@ -118,9 +122,9 @@ class ArgumentParser(TrlParser):
         federation = {item.name for item in dataclasses.fields(FedGRPOConfig)} - {
             item.name for item in dataclasses.fields(GRPOConfig)
         }
-        return [
-            (f"{trl_config.__name__} (TRL)", _first_line(trl_config), [f for f in fields if f.name not in federation]),
+        return [  # the federation's own fields first: they are what a user of this command comes to set
             (f"{dtype.__name__}: the federation", _first_line(dtype), [f for f in fields if f.name in federation]),
+            (f"{trl_config.__name__} (TRL)", _first_line(trl_config), [f for f in fields if f.name not in federation]),
         ]
 
     def _add_dataclass_arguments(self, dtype):
@@ -132,6 +136,8 @@ class ArgumentParser(TrlParser):
             for item in fields:
                 item.type = type_hints[item.name]
                 self._parse_dataclass_field(group, item)
+                if item.name in INTERNAL_FIELDS:  # parsed as any field, but not offered in --help
+                    group._group_actions[-1].help = argparse.SUPPRESS
 
     def error(self, message: str):
         """One line, `prog: error: message`, exit status 2: argparse's usage line would list every flag."""
@@ -523,6 +529,7 @@ def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, Benchma
     except ValueError as fault:
         usage_error(str(fault))
     parser = ArgumentParser((dtype, ModelConfig, BenchmarkArguments), prog="trl-federated run",
+                            usage="%(prog)s [-h] [--config CONFIG.yaml] [--FIELD VALUE ...]",
                             description=RUN_DESCRIPTION)
     lora = default_lora_config()
     parser.set_defaults(
@@ -655,6 +662,21 @@ RUN_DESCRIPTION = (
 )
 
 
+def version_line() -> str:
+    """`trl-federated --version`: this package's version and the versions of what it runs on."""
+    from importlib import metadata
+
+    from . import __version__
+
+    versions = []
+    for package in ("trl", "transformers", "peft", "torch"):
+        try:
+            versions.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package} not installed")
+    return f"trl-federated {__version__} ({', '.join(versions)})"
+
+
 def command_parser() -> argparse.ArgumentParser:
     """`trl-federated`'s own parser: its commands, one line each (each command parses its own arguments)."""
     parser = argparse.ArgumentParser(
@@ -662,6 +684,8 @@ def command_parser() -> argparse.ArgumentParser:
         description="Federated GRPO-family RL fine-tuning (FGRPO, FedAvg, FedProx, SCAFFOLD) on Hugging Face TRL.",
         epilog="`trl-federated COMMAND --help` lists a command's flags.",
     )
+    parser.add_argument("--version", action="store_true", help="print the versions of trl-federated, TRL, "
+                        "transformers, PEFT and torch, and exit")
     commands = parser.add_subparsers(title="commands", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (_, help_text) in COMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)
@@ -674,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
         parser = command_parser()
         if argv and argv[0] in ("-h", "--help"):
             parser.print_help()
+            return 0
+        if argv and argv[0] == "--version":
+            print(version_line())
             return 0
         parser.print_usage(sys.stderr)
         if argv:
