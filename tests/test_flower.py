@@ -620,7 +620,9 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     # The stream shows the package's INFO lines: the strategy, and each round's R̄, h, ω, τ and traffic.
     assert "FederatedStrategy: RPGAggregator, 2 clients" in stream, stream[-3000:]
     for round_idx, record in enumerate(runner.history):
-        assert f"Round {round_idx + 1}/2: 2 clients aggregated, 0 dropped, τ = {record.temperature:.3f}" in stream
+        # round t, then its position as Flower's own [ROUND k/T] lines count
+        assert (f"Round {round_idx} ({round_idx + 1}/2): 2 clients aggregated, 0 dropped, "
+                f"τ = {record.temperature:.3f}") in stream
         for client_id, reward in record.rewards.items():
             assert (f"{client_id}: R̄ = {reward:.4f}, h = {record.gains[client_id]:+.4f}, "
                     f"ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}") in stream

@@ -155,7 +155,7 @@ def test_progress_bar_counts_local_steps_and_shows_the_client(
     bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
     final = [line for line in bar if "Federated rounds" in line][-1]
     assert "12/12" in final  # 2 rounds x 3 clients x 2 local steps
-    assert "round 2/2, site-2, step 2/2, reward " in final and " s/step" in final
+    assert "round 1 (2/2), site-2, step 2/2, reward " in final and " s/step" in final  # round t, its position k/T
 
 
 def test_a_reward_model_given_by_id_is_loaded_once_per_run(tiny_model_dir, tiny_tokenizer, fast_args, monkeypatch):

@@ -19,6 +19,12 @@ ROUND_NUMBERING = (
 )
 
 
+def round_label(round_idx: int, num_rounds: int) -> str:
+    """How a console line names a round: its index t, as every file and log line names it, then its position among
+    the run's rounds, as Flower's own `[ROUND k/T]` lines count them: "0 (1/3)"."""
+    return f"{round_idx} ({round_idx + 1}/{num_rounds})"
+
+
 def format_round_table(history: list[RoundRecord]) -> str:
     """Markdown table of every client's R̄, h, ω and traffic, round by round, and of the clients dropped (their
     reasons are in metrics.jsonl); rounds are numbered t = 0, 1, ... (`ROUND_NUMBERING`), the paper's t that sets
@@ -223,7 +229,8 @@ class RunProgress(TrainerCallback):
 
     def _show(self) -> None:
         parts = [
-            f"round {self.round_idx + 1}/{self.num_rounds}", self.client_id, f"step {self.steps}/{self.local_steps}"
+            f"round {round_label(self.round_idx, self.num_rounds)}", self.client_id,
+            f"step {self.steps}/{self.local_steps}",
         ]
         if self.reward is not None:
             parts.append(f"reward {self.reward:.3f}")

@@ -58,7 +58,7 @@ from .config import FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
 from .evaluation import TOTAL, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
 from .hub import federated_model_card, push_to_hub
-from .reporting import ReportCallback
+from .reporting import ReportCallback, round_label
 from .rewards import combined_reward_range
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, run_identity
@@ -500,7 +500,7 @@ def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> 
     sampled = record.sampled
     sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
     lines = [
-        f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated{sampling}, "
+        f"Round {round_label(record.round_idx, num_rounds)}: {len(record.weights)} clients aggregated{sampling}, "
         f"{len(record.dropped)} dropped{temperature}{step}, {record.wall_time:.1f} s"
     ]
     for client_id, reward in record.rewards.items():
