@@ -238,3 +238,12 @@ def test_the_evaluation_before_training_runs_in_the_training_precision_and_devic
     assert runner.evaluations[-1]["count"]["Total"] == len(eval_dataset)
     assert activations == {(torch.bfloat16, args.device)}  # where Trainer puts the model (PartialState)
     assert {parameter.dtype for parameter in runner.model.parameters()} == {torch.float32}
+
+
+def test_evaluation_shows_its_progress_over_the_items(model_and_tokenizer, eval_dataset, capsys):
+    model, tokenizer = model_and_tokenizer
+    evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=2, max_new_tokens=4)
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    assert "Evaluating: 100%" in bar and f"{len(eval_dataset)}/{len(eval_dataset)}" in bar
+    evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=2, max_new_tokens=4, show_progress=False)
+    assert "Evaluating" not in capsys.readouterr().err

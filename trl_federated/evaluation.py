@@ -23,6 +23,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from datasets import Dataset
+from tqdm.auto import tqdm
 from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 
@@ -129,6 +130,7 @@ def evaluate_accuracy(
     distributed: bool = False,
     fast_generation: bool = False,
     generation_dtype: str = "auto",
+    show_progress: bool = True,
 ) -> dict[str, Any]:
     """Greedy-decode every prompt of `dataset` and report the mean reward, overall and per value of `label_column`.
 
@@ -171,6 +173,7 @@ def evaluate_accuracy(
             generated as without it, with a warning.
         generation_dtype: "float32", "bfloat16", or "auto" (bfloat16 where the device computes it natively), as
             `FedGRPOConfig.generation_dtype`; only with `fast_generation`.
+        show_progress: a progress bar over the items ("Evaluating", on the main process); False for none.
 
     Returns:
         `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows},
@@ -217,6 +220,9 @@ def evaluate_accuracy(
         else:
             logger.warning("Evaluation generates without fast_generation: %s.", reason)
     tokenizer.padding_side = "left"
+    # Minutes of greedy decoding on CPU: a bar over the items, as `Trainer` shows one over its steps (main process).
+    progress = tqdm(total=sum(map(len, own_batches)), desc="Evaluating", unit="item", leave=False,
+                    disable=not show_progress or (distributed and not PartialState().is_main_process))
     try:
         for indices in own_batches:
             batch = dataset[indices]
@@ -238,7 +244,9 @@ def evaluate_accuracy(
             per_function = [func(prompts=batch["prompt"], completions=completions, **columns) for func in reward_funcs]
             for index, *values in zip(indices, *per_function, strict=True):
                 row_values.append((index, [None if value is None else float(value) for value in values]))
+            progress.update(len(indices))
     finally:
+        progress.close()
         tokenizer.padding_side = padding_side
         if was_training:
             model.train()
