@@ -244,6 +244,6 @@ def test_evaluation_shows_its_progress_over_the_items(model_and_tokenizer, eval_
     model, tokenizer = model_and_tokenizer
     evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=2, max_new_tokens=4)
     bar = capsys.readouterr().err.replace("\r", "\n")
-    assert "Evaluating: 100%" in bar and f"{len(eval_dataset)}/{len(eval_dataset)}" in bar
+    assert "Evaluating:   0%" in bar and f"0/{len(eval_dataset)} [" in bar  # a bar over the items, cleared at the end
     evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=2, max_new_tokens=4, show_progress=False)
     assert "Evaluating" not in capsys.readouterr().err
