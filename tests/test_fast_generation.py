@@ -237,3 +237,28 @@ def test_fast_evaluation_scores_as_the_standard_one(tiny_model_dir, tiny_tokeniz
         for fast in (False, True)
     ]
     assert results[0]["accuracy"] == results[1]["accuracy"] and results[0]["accuracy"]["Total"] > 0
+
+
+def test_the_kv_cache_is_passed_under_the_installed_transformers_keyword(tiny_model_dir, tiny_tokenizer):
+    """`cache` where transformers has it (5.24 on: `past_key_values` is deprecated there and removed in 5.40), so the
+    shared prefill warns of nothing; `past_key_values` on a model class whose forward takes only that."""
+    import inspect
+    import warnings
+
+    from trl_federated.shared_prefix import cache_keyword
+
+    model = adapted(tiny_model_dir)
+    keyword = "cache" if "cache" in inspect.signature(type(model.get_base_model()).forward).parameters else (
+        "past_key_values")
+    assert cache_keyword(model) == keyword
+
+    class Legacy(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None):
+            return input_ids
+
+    assert cache_keyword(Legacy()) == "past_key_values"
+    ids, mask = grouped_prompts(tiny_tokenizer)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("error", message=".*past_key_values.*deprecated", category=FutureWarning)
+        shared_prefill_generate(MergedGenerationModel(model, torch.float32).refresh(), ids, mask,
+                                generation_config(tiny_tokenizer), FastGenerationStats())

@@ -41,7 +41,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.initialization import no_init_weights
 from transformers.masking_utils import eager_mask
 
-from .shared_prefix import SharedPrefixStats, has_full_attention_cache
+from .shared_prefix import SharedPrefixStats, cache_keyword, has_full_attention_cache
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +248,14 @@ def shared_prefill_generate(
     cache = DynamicCache(config=model.config)
     model(
         input_ids=distinct_ids[:, :-1], attention_mask=distinct_mask[:, :-1], position_ids=position_ids[:, :-1],
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1,
     )  # fmt: skip
     cache.batch_select_indices(row_to_prompt)
     if stats is not None:
         stats.rows += input_ids.size(0)
         stats.prompt_rows += distinct.size(0)
     return model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+        input_ids=input_ids, attention_mask=attention_mask, **{cache_keyword(model): cache},
         generation_config=generation_config, **generate_kwargs,
     )  # fmt: skip
 

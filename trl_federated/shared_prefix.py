@@ -25,6 +25,8 @@ with equal prompts share a pass, and a row whose prompt is unique simply has a p
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
@@ -36,6 +38,18 @@ from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 logger = logging.getLogger(__name__)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which `model`'s forward and `generate` take a KV cache: `cache` from transformers 5.24 on,
+    where `past_key_values` is deprecated (removed in 5.40), `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_keyword(type(base))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -134,14 +148,14 @@ def shared_prefix_logps_and_entropies(
         with autocast():
             # The LM head of the prompt pass is not needed; logits_to_keep=1 keeps it to one position.
             model(
-                input_ids=distinct_ids[:, :-1], attention_mask=distinct_mask[:, :-1], past_key_values=cache,
+                input_ids=distinct_ids[:, :-1], attention_mask=distinct_mask[:, :-1], **{cache_keyword(model): cache},
                 use_cache=True, logits_to_keep=1,
             )  # fmt: skip
             cache.batch_select_indices(row_to_prompt)
             # The mask is the standard forward's, over all P + T positions: cache (P - 1) + this pass (T + 1).
             outputs = model(
                 input_ids=completion_input, attention_mask=mask,
-                past_key_values=cache, labels=labels, fused_lm_head=True,
+                **{cache_keyword(model): cache}, labels=labels, fused_lm_head=True,
             )  # fmt: skip
         all_logps.append(outputs.log_probs)
         if compute_entropy:
