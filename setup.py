@@ -6,20 +6,22 @@ from setuptools import find_packages, setup
 # `TORCH_INDEX`; `docs/getting-started.md`, "Installing"), and pip then keeps it; left to pip, a fresh install on
 # Linux takes PyPI's default build, with CUDA (several GB).
 INSTALL_REQUIRES = [
-    "torch>=2.6",
+    "torch>=2.6,<3",
     "trl==1.16.0",
-    "transformers>=5.23,<6",
+    # 5.40 removes the `past_key_values` keyword (5.24 deprecates it; `shared_prefix.cache_keyword` follows the rename);
+    # releases from 5.40 on are untested
+    "transformers>=5.23,<5.40",
     "peft>=0.21,<0.22",
     "accelerate>=1.15,<2",
     "datasets>=4.8,<5",
-    "safetensors>=0.6",
-    "gguf>=0.17",  # reads the embedded SmolLM2 GGUF file
+    "safetensors>=0.6,<1",
+    "gguf>=0.17,<1",  # reads the embedded SmolLM2 GGUF file
     "reasoning-gym==0.1.25",
     "math-verify>=0.9,<0.10",
     "flwr-datasets>=0.6,<0.7",
-    "matplotlib>=3.8",
-    "tqdm>=4.66",
-    "pyyaml>=6",
+    "matplotlib>=3.8,<4",
+    "tqdm>=4.66,<5",
+    "pyyaml>=6,<7",
 ]
 
 # MkDocs and mkdocstrings build docs/ (mkdocs.yml): `pip install -e ".[docs]"`, then `mkdocs serve`
@@ -34,7 +36,7 @@ EXTRAS = {
         "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.15", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6",
         "tensorboard>=2.16", "scipy>=1.11", *DOCS,
     ],
-    "deepspeed": ["deepspeed>=0.18.6"],
+    "deepspeed": ["deepspeed>=0.18.6,<0.20"],
     "docs": DOCS,
     # TRL's own vLLM extra (vllm>=0.22,<=0.31, requests, aiohttp), for `use_vllm` with `vllm_mode: server`: the GPU
     # machine that runs `trl vllm-serve`, and every training process (TRL's VLLMClient imports vLLM)

@@ -58,18 +58,21 @@ def test_install_steps_are_stated_once():
     assert pages == ["getting-started.md"] and 'pip install "torch==' not in README
 
 
-def make_dry_run(*variables: str) -> list[str]:
-    """The pip commands `make install` would run in a fresh venv (`make -n`: nothing runs)."""
-    result = subprocess.run(["make", "-n", "-B", "install", "VENV=/nonexistent/venv", "PYTHON=python3", *variables],
+def make_dry_run(*variables: str, target: str = "install") -> list[str]:
+    """The pip commands `make TARGET` would run in a fresh venv (`make -n`: nothing runs)."""
+    result = subprocess.run(["make", "-n", "-B", target, "VENV=/nonexistent/venv", "PYTHON=python3", *variables],
                             cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
     return [line for line in result.stdout.splitlines() if "pip install" in line]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_install_takes_torch_from_pips_index_unless_told_another():
-    default, package = make_dry_run()
+    default, package, extras = make_dry_run()
     assert default.endswith('pip install --quiet  "torch==2.13.0"') and "--index-url" not in default  # CI: PyPI only
-    assert package.endswith('pip install --quiet -e ".[test,flower,deepspeed]"')
+    assert package.endswith("pip install --quiet -c constraints.txt -e .")
+    assert extras.endswith('pip install --quiet -c constraints.txt -e ".[test,flower,deepspeed]"')
+    # the demo installs the package alone: no test, Flower or DeepSpeed extras for a CPU run
+    assert [line for line in make_dry_run(target="demo") if "pip install" in line][-1].endswith("-e .")
     cpu = make_dry_run("TORCH_INDEX=https://download.pytorch.org/whl/cpu")[0]
     assert cpu.endswith('--index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"')
     assert make_dry_run("TORCH=torch==2.14.0")[0].endswith('"torch==2.14.0"')
@@ -413,3 +416,42 @@ def test_every_repository_path_in_the_docs_exists():
                 if not (ROOT / span.rstrip("/")).exists():
                     missing.append(f"{name}: {span}")
     assert not missing, missing
+
+
+def test_constraints_pin_every_requirement_within_setup_pys_ranges():
+    """constraints.txt is the exact set CI installs (`make install` passes it with -c): one version per package,
+    every requirement of setup.py that CI installs (the package's and the test, Flower and DeepSpeed extras') pinned
+    inside its range; in the environment it
+    made, each installed version is the pinned one."""
+    import ast
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and canonicalize_name(name) not in pins, line
+            pins[canonicalize_name(name)] = version.strip()
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    values = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+              for target in node.targets if isinstance(target, ast.Name)}
+    requirements = [*ast.literal_eval(values["INSTALL_REQUIRES"]), *ast.literal_eval(values["DOCS"])]
+    extras = values["EXTRAS"]
+    for key, value in zip(extras.keys, extras.values):
+        # the extras `make install` installs (docs and notebooks are within test); a Name is DOCS, counted above
+        if ast.literal_eval(key) in ("test", "flower", "deepspeed", "notebooks") and isinstance(value, ast.List):
+            requirements += [ast.literal_eval(item) for item in value.elts if not isinstance(item, ast.Starred)]
+    for text in requirements:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        if name == "torch":
+            assert name not in pins  # the Makefile's TORCH, a build per machine
+            continue
+        assert name in pins, f"{text} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (text, pins[name])
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():  # the environment `make install` made
+        for name, version in pins.items():
+            assert metadata.version(name) == version, name
