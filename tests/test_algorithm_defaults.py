@@ -234,7 +234,11 @@ def test_window_that_only_sees_the_global_models_generations_is_warned(
     assert "`local_steps` (4)" in message and "`steps_per_generation` (4)" in message
     assert FedGSPOConfig(**common, local_steps=10, reward_window=5).federation_warnings() == []
     assert FedGRPOConfig(**common, local_steps=2, reward_window=2).federation_warnings() == []
-    assert FedGRPOConfig(**common, local_steps=2, reward_window=2, num_iterations=2).federation_warnings() != []
+    assert "lower `steps_per_generation` towards `gradient_accumulation_steps` (1)" in message
+    (iterated,) = FedGRPOConfig(**common, local_steps=2, reward_window=2, num_iterations=2).federation_warnings()
+    # steps_per_generation is already 1: the advice names only what can change
+    assert iterated.endswith("raise `local_steps` above 2 or lower `num_iterations`.")
+    assert "lower `steps_per_generation`" not in iterated
 
     with caplog.at_level(logging.WARNING, logger="trl_federated.runner"):
         FederatedRunner(

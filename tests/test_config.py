@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import yaml
 from transformers import HfArgumentParser
@@ -190,3 +192,22 @@ def test_an_unset_bf16_on_cpu_follows_the_cpus_native_bf16(tmp_path, monkeypatch
         monkeypatch.setattr(config_module, "has_native_bf16", lambda device, native=native: native)
         assert make().bf16 is native
         assert make(bf16=True).bf16 is True and make(bf16=False).bf16 is False
+
+
+def test_the_trl_defaults_a_federated_config_changes_are_said_once(tmp_path, caplog):
+    from trl_federated import config as config_module
+
+    assert config_module.changed_trl_defaults(FedGRPOConfig) == {
+        "lr_scheduler_type": ("linear", "constant"), "loss_type": ("dapo", "grpo")}
+    config_module._NOTICED.discard(FedGRPOConfig)
+    with caplog.at_level(logging.WARNING, logger="trl_federated.config"):
+        FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+        FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    (notice,) = [record.getMessage() for record in caplog.records if "changes TRL's defaults" in record.getMessage()]
+    assert "`lr_scheduler_type` 'constant' (TRL: 'linear')" in notice and "`loss_type` 'grpo' (TRL: 'dapo')" in notice
+    config_module._NOTICED.discard(FedGRPOConfig)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_federated.config"):  # both set by the user: nothing to say
+        FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="dapo",
+                      lr_scheduler_type="linear")
+    assert "changes TRL's defaults" not in caplog.text
