@@ -14,8 +14,8 @@ from test_flower import (  # noqa: F401
     task_identity,
 )
 from trl_federated import FedAvgAggregator, FederatedRunner
+from trl_federated.adapters import check_state
 from trl_federated.aggregation import ClientHook, register_aggregation
-from trl_federated.aggregation.base import check_state
 from trl_federated.checkpoint import list_checkpoints, read_checkpoint
 
 

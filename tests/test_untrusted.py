@@ -225,7 +225,7 @@ def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_arg
 def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_clients_rejected(
     tmp_path, tiny_model_dir, fast_args, action
 ):
-    from trl_federated.aggregation.base import state_norm
+    from trl_federated.adapters import state_norm
 
     server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="scaffold",
                          num_rounds=6, update_norm_action=action)

@@ -28,14 +28,14 @@ import reprlib
 from collections.abc import Callable, Mapping
 from numbers import Real
 
-from .adapters import AdapterState, InvalidUpdateError
+from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, state_distance
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import check_state, norm_scale, refuse_extras, state_distance
+from .aggregation.base import refuse_extras
 from .callbacks import is_reserved_metric
+from .choices import NORM_ACTIONS
 
 logger = logging.getLogger(__name__)
 
-NORM_ACTIONS = ("reject", "clip")
 # A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)
 # and report rows: it must be safe as one path component, and short enough for a log line.
 MAX_CLIENT_ID_LENGTH = 256

@@ -49,8 +49,7 @@ import torch
 from peft import PeftConfig
 from safetensors.torch import load_file, save_file
 
-from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, write_adapter
-from .aggregation.base import check_state, non_finite_entries
+from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, check_state, non_finite_entries, write_adapter
 from .round_record import RoundRecord
 
 if TYPE_CHECKING:

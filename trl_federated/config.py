@@ -22,14 +22,21 @@ from transformers.trainer_utils import IntervalStrategy
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-from .admission import NORM_ACTIONS
-from .aggregation import AGGREGATIONS
-from .aggregation.robust import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS
-from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
-from .aggregation.server_optim import SERVER_LEARNING_RATES, SERVER_OPTIMIZERS
-from .fast_generation import GENERATION_DTYPE_CHOICES, has_native_bf16
+from .choices import (
+    AGGREGATION_SERVER_OPTIMIZERS,
+    GENERATION_DTYPE_CHOICES,
+    LORA_AGGREGATIONS,
+    MIN_TRIMMED_CLIENTS,
+    NORM_ACTIONS,
+    ROBUST_AGGREGATIONS,
+    SCAFFOLD_CORRECTIONS,
+    SERVER_LEARNING_RATES,
+    SERVER_OPTIMIZERS,
+    TRANSFER_DTYPES,
+    either,
+)
+from .devices import has_native_bf16
 from .sampling import participation_errors
-from .transport import DTYPES, LORA_AGGREGATIONS
 
 # Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
 # and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
@@ -37,12 +44,6 @@ SERVER_ADAM_SCALE = 0.5
 PAPER_SERVER_EPSILON = 1e-8  # the paper's server Adam ε (Algorithm 1)
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
-
-
-def _either(choices: tuple[str, ...]) -> str:
-    """The choices of a field as its error message names them: "'a', 'b' or 'c'"."""
-    *others, last = choices
-    return f"{', '.join(map(repr, others))} or {last!r}" if others else repr(last)
 
 
 def _is_of_type(value, type_name: str) -> bool:
@@ -539,7 +540,7 @@ class FedGRPOConfig(GRPOConfig):
             "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
             "volume), 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`) or "
             "'scaffold' (data volume plus control variates, see `scaffold_correction`).",
-            "choices": list(AGGREGATIONS),
+            "choices": list(AGGREGATION_SERVER_OPTIMIZERS),
         },
     )
     rpg_lambda_base: float = field(
@@ -622,7 +623,7 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": "Precision of each client's update on the wire: 'float32' sends the adapter as trained, "
             "'bfloat16' the round's change θ_i − θ (half the bytes, rounded relative to the change, not the weights).",
-            "choices": list(DTYPES),
+            "choices": list(TRANSFER_DTYPES),
         },
     )
 
@@ -789,8 +790,8 @@ class FedGRPOConfig(GRPOConfig):
             raise TypeError(message)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
-        if self.server_optimizer is None and self.aggregation in AGGREGATIONS:  # each method's own server step
-            self.server_optimizer = AGGREGATIONS[self.aggregation].server_optimizer
+        if self.server_optimizer is None and self.aggregation in AGGREGATION_SERVER_OPTIMIZERS:  # the method's own
+            self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]
         # Whether `server_learning_rate` was derived (`derived_server_learning_rate`): a resumed run then takes the
         # value its checkpoint recorded (`FederatedServer.load_checkpoint`). Copies of the config keep it.
         self.server_learning_rate_derived = self.server_learning_rate is None
@@ -927,12 +928,12 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`eval_every` must be >= 0, got {self.eval_every}."
         if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):
             yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
-        if self.aggregation not in AGGREGATIONS:
-            yield f"`aggregation` must be one of {tuple(AGGREGATIONS)}, got {self.aggregation!r}."
+        if self.aggregation not in AGGREGATION_SERVER_OPTIMIZERS:
+            yield f"`aggregation` must be one of {tuple(AGGREGATION_SERVER_OPTIMIZERS)}, got {self.aggregation!r}."
         if self.lora_aggregation not in LORA_AGGREGATIONS:
             yield f"`lora_aggregation` must be one of {LORA_AGGREGATIONS}, got {self.lora_aggregation!r}."
-        if self.transfer_dtype not in DTYPES:
-            yield f"`transfer_dtype` must be one of {tuple(DTYPES)}, got {self.transfer_dtype!r}."
+        if self.transfer_dtype not in TRANSFER_DTYPES:
+            yield f"`transfer_dtype` must be one of {TRANSFER_DTYPES}, got {self.transfer_dtype!r}."
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             yield f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}."
         for name in ("rpg_lambda_base", "rpg_iota"):
@@ -953,11 +954,11 @@ class FedGRPOConfig(GRPOConfig):
         if self.rpg_tau_min > self.rpg_tau_max:
             yield f"`rpg_tau_min` ({self.rpg_tau_min}) must not exceed `rpg_tau_max` ({self.rpg_tau_max})."
         if self.scaffold_correction not in SCAFFOLD_CORRECTIONS:
-            yield f"`scaffold_correction` must be {_either(SCAFFOLD_CORRECTIONS)}, got {self.scaffold_correction!r}."
+            yield f"`scaffold_correction` must be {either(SCAFFOLD_CORRECTIONS)}, got {self.scaffold_correction!r}."
         if self.fedprox_mu < 0:
             yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
         if self.generation_dtype not in GENERATION_DTYPE_CHOICES:
-            yield f"`generation_dtype` must be {_either(GENERATION_DTYPE_CHOICES)}, got {self.generation_dtype!r}."
+            yield f"`generation_dtype` must be {either(GENERATION_DTYPE_CHOICES)}, got {self.generation_dtype!r}."
         for name in ("beta", "max_grad_norm"):  # TRL's fields, with this config's help: 0 turns each off
             if getattr(self, name) < 0:
                 yield f"`{name}` must be >= 0, got {getattr(self, name)}."
@@ -975,9 +976,9 @@ class FedGRPOConfig(GRPOConfig):
         if self.update_norm_bound is not None and not self.update_norm_bound > 0:
             yield f"`update_norm_bound` must be > 0 or None, got {self.update_norm_bound}."
         if self.update_norm_action not in NORM_ACTIONS:
-            yield f"`update_norm_action` must be {_either(NORM_ACTIONS)}, got {self.update_norm_action!r}."
+            yield f"`update_norm_action` must be {either(NORM_ACTIONS)}, got {self.update_norm_action!r}."
         if self.robust_aggregation not in ROBUST_AGGREGATIONS:
-            yield f"`robust_aggregation` must be {_either(ROBUST_AGGREGATIONS)}, got {self.robust_aggregation!r}."
+            yield f"`robust_aggregation` must be {either(ROBUST_AGGREGATIONS)}, got {self.robust_aggregation!r}."
         if not 0 < self.robust_trim_fraction < 0.5:
             yield f"`robust_trim_fraction` must lie in (0, 0.5), got {self.robust_trim_fraction}."
         if self.robust_aggregation == "trimmed_mean" and self.min_clients_per_round < MIN_TRIMMED_CLIENTS:

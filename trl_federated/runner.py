@@ -14,7 +14,7 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl import GRPOTrainer
 
-from .adapters import with_federated_adapter
+from .adapters import WireFormat, freeze_lora_a, with_federated_adapter
 from .admission import UpdateGate
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from .callbacks import IntegrationLog, TrainerLogCallback
@@ -26,7 +26,6 @@ from .master_weights import check_float32_adapter
 from .reporting import RunProgress
 from .round_record import RoundRecord
 from .server import FederatedServer, NotEnoughClientsError, ServerStateView
-from .transport import WireFormat, freeze_lora_a
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError"]
 

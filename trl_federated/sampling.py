@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .config import FedGRPOConfig
 
 
 def clients_per_round(num_clients: int, fraction: float, minimum: int) -> int:
@@ -44,8 +40,9 @@ def sample_clients(
     return sorted(sorted(range(num_clients), key=keys.__getitem__)[:size])
 
 
-def participation_errors(args: FedGRPOConfig, num_clients: int):
-    """Yield one message per sampling setting of `args` that a federation of `num_clients` clients cannot meet:
+def participation_errors(args, num_clients: int):
+    """Yield one message per sampling setting of `args` (a `FedGRPOConfig`) that a federation of `num_clients`
+    clients cannot meet:
     a minimum above N (Flower would wait for nodes forever; `min_evaluate_clients` only counts with
     `fraction_evaluate` > 0), or a `min_clients_per_round` above the clients each round samples, so that no round
     could ever aggregate."""

@@ -40,10 +40,18 @@ from typing import Any
 from datasets import Dataset
 from peft import PeftModel
 
-from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
+from .adapters import (
+    AdapterState,
+    WireFormat,
+    check_state,
+    get_adapter_state,
+    save_adapter,
+    set_adapter_state,
+    state_nbytes,
+    state_norm,
+)
 from .admission import UpdateGate, check_client_id
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import check_state, state_norm
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
@@ -63,7 +71,6 @@ from .rewards import combined_reward_range
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, run_identity
 from .sampling import clients_per_round, participation_errors, sample_clients
-from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
 

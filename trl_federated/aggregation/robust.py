@@ -23,12 +23,7 @@ import math
 
 import torch
 
-# The values of `FedGRPOConfig.robust_aggregation` (`combiner_from_config`): 'none' is the weighted mean.
-ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")
-
-
-# The fewest clients a trimmed mean combines: one trimmed at each end and one kept.
-MIN_TRIMMED_CLIENTS = 3
+from ..choices import MIN_TRIMMED_CLIENTS
 
 
 class TrimmedMean:

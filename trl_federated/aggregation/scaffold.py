@@ -9,25 +9,16 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..adapters import AdapterState, check_state, non_finite_entries, norm_scale, state_norm
+from ..choices import SCAFFOLD_CORRECTIONS
 from ..local_trainer import linear_term
 from ..master_weights import adapter_parameters, read_master, write_master
-from .base import (
-    AdapterState,
-    AggregationError,
-    ClientHook,
-    ClientUpdate,
-    check_state,
-    non_finite_entries,
-    norm_scale,
-    state_norm,
-)
+from .base import AggregationError, ClientHook, ClientUpdate
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
 
 # The extras SCAFFOLD exchanges with a client: c and c_i down, Δc_i up.
 SERVER_CONTROL, CLIENT_CONTROL, CONTROL_DELTA = "server_control", "client_control", "control_delta"
-# Where the correction c − c_i meets a local Adam (`ScaffoldCorrection`; `FedGRPOConfig.scaffold_correction`).
-SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
 
 
 class ScaffoldAggregator(FedAvgAggregator):

@@ -247,7 +247,7 @@ class FederatedStrategy(ServerStateView, Strategy):
         return self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=timeout))
 
     def _set_initial_adapter(self, initial_arrays: ArrayRecord) -> None:
-        from ..aggregation.base import check_state
+        from ..adapters import check_state
 
         state = array_record_to_state(initial_arrays)
         check_state(state, self.server.global_state, "`initial_arrays`")
