@@ -185,27 +185,27 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
                             reference.aggregator.client_controls[client_id])
 
 
-def test_checkpoint_with_scaffold_client_controls_beside_the_aggregator_state_reads_back(tmp_path):
-    # Checkpoints written before SCAFFOLD's aggregator kept its c_i held them in a top-level "client_controls" entry.
+def test_checkpoint_with_scaffold_client_controls_beside_the_aggregator_state_is_refused_by_name(tmp_path):
+    # Checkpoints written before SCAFFOLD's aggregator kept its c_i held them in a top-level "client_controls" entry,
+    # and named no format: such a checkpoint is refused, by name, rather than read in an old layout.
     import trl_federated.checkpoint as checkpoint_module
+    from trl_federated.checkpoint import OutdatedCheckpointError
 
     controls = {"site-0": {"w": torch.tensor([0.25, -0.5])}, "site-1": {"w": torch.tensor([1.0, 2.0])}}
     aggregator = {"server_optimizer": {}, "control": {"w": torch.tensor([0.5, 0.75])}, "client_controls": controls}
     path = write_checkpoint(Checkpoint(0, {"w": torch.zeros(2)}, aggregator, [], {}, {}), tmp_path,
                             LoraConfig(r=2, target_modules=["q_proj"]))
+    assert set(read_checkpoint(path).aggregator["client_controls"]) == {"site-0", "site-1"}  # today's layout
     state = json.loads((path / "federation.json").read_text())
     state["client_controls"] = state["aggregator"].pop("client_controls")
+    del state["format"]
     (path / "federation.json").write_text(json.dumps(state))
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["federation.json"] = checkpoint_module._file_digest(path / "federation.json")
     (path / "manifest.json").write_text(json.dumps(manifest))
-    loaded = read_checkpoint(path).aggregator
-    assert set(loaded["client_controls"]) == {"site-0", "site-1"}
-    for client_id, control in controls.items():
-        assert_states_equal(loaded["client_controls"][client_id], control)
-    scaffold = ScaffoldAggregator()
-    scaffold.load_state_dict(loaded)
-    assert_states_equal(scaffold.client_controls["site-1"], controls["site-1"])
+    with pytest.raises(OutdatedCheckpointError, match=re.escape(f"Checkpoint {path} was written by an earlier "
+                                                                "version of trl-federated (checkpoint format None")):
+        read_checkpoint(path)
 
 
 def checkpoint_of(round_idx, value, m=1.0):

@@ -25,12 +25,12 @@ import logging
 import math
 import re
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 
 from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, state_distance
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import refuse_extras
+from .aggregation.base import RoundMetric, refuse_extras
 from .callbacks import is_reserved_metric
 from .choices import NORM_ACTIONS
 
@@ -70,12 +70,15 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9_.:@+-]+(/[A-Za-z0-9_.:@+-]+)*")
 STEP_REWARDS, WALL_CLOCK = "step_rewards", "wall_clock"
 
 
-def bound_metrics(metrics: dict, client_id: str, local_steps: int | None = None) -> dict:
+def bound_metrics(
+    metrics: dict, client_id: str, local_steps: int | None = None, round_metrics: Iterable[RoundMetric] = ()
+) -> dict:
     """The metrics of client `client_id` the server keeps: finite numbers (as floats), under names of at most
     `MAX_METRIC_NAME_LENGTH` characters of `METRIC_NAME`'s alphabet that are not the round log's own
-    (`callbacks.is_reserved_metric`), and the two lists a client sends: `step_rewards`, at most `local_steps` numbers
-    (NaN marks a step whose rewards scored nothing; no ±Inf), and `wall_clock`, two finite numbers. Anything else is
-    dropped, with one warning naming each and why; more than `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
+    (`callbacks.is_reserved_metric`, with the aggregator's `round_metrics`), and the two lists a client sends:
+    `step_rewards`, at most `local_steps` numbers (NaN marks a step whose rewards scored nothing; no ±Inf), and
+    `wall_clock`, two finite numbers. Anything else is dropped, with one warning naming each and why; more than
+    `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
     if len(metrics) > MAX_CLIENT_METRICS:
         raise ValueError(f"it sends {len(metrics)} metrics, more than the {MAX_CLIENT_METRICS} a client may send")
     lengths = {STEP_REWARDS: local_steps, WALL_CLOCK: 2}
@@ -83,7 +86,7 @@ def bound_metrics(metrics: dict, client_id: str, local_steps: int | None = None)
     for name, value in metrics.items():
         if len(name) > MAX_METRIC_NAME_LENGTH or not METRIC_NAME.fullmatch(name):
             dropped.append(f"{bounded_text(repr(name), 60)} (not a metric name)")
-        elif is_reserved_metric(name):
+        elif is_reserved_metric(name, round_metrics):
             dropped.append(f"{name!r} (a name of the server's round log)")
         elif name in lengths:
             limit = lengths[name]
@@ -246,7 +249,8 @@ class UpdateGate:
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
         try:
-            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps)
+            round_metrics = () if self.aggregator is None else self.aggregator.round_metrics()
+            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics)
             if self.reward_window is not None:
                 check_window_reward(update, self.reward_window)
             if self.aggregator is None:

@@ -20,24 +20,31 @@ ROUND_NUMBERING = (
 
 
 def format_round_table(history: list[RoundRecord]) -> str:
-    """Markdown table of every client's R̄, h, ω and traffic, round by round, and of the clients dropped (their
-    reasons are in metrics.jsonl); rounds are numbered t = 0, 1, ... (`ROUND_NUMBERING`), the paper's t that sets
-    τ^{[t]}."""
+    """Markdown table of every client's R̄, ω and traffic, round by round, with the aggregator's round metrics (RPG:
+    τ for the round, h per client, as `RoundMetric.show` prints them; "-" where it has none), and of the clients
+    dropped (their reasons are in metrics.jsonl); rounds are numbered t = 0, 1, ... (`ROUND_NUMBERING`), the
+    paper's t that sets τ^{[t]}."""
     lines = [
-        "| Round | τ | Client | R̄ | h | ω | Sent (bytes) | Received (bytes) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| Round | Round metrics | Client | R̄ | Client metrics | ω | Sent (bytes) | Received (bytes) |",
+        "|---:|---|---|---:|---|---:|---:|---:|",
     ]
     for record in history:
-        temperature = f"{record.temperature:.3f}" if record.temperature is not None else "-"
+        shown = ", ".join(
+            metric.show(metric.value) for metric in record.round_metrics
+            if not metric.per_client and metric.value is not None
+        ) or "-"
         for client_id, reward in record.rewards.items():
-            gain = record.gains.get(client_id)
+            per_client = ", ".join(
+                metric.show(value) for metric in record.round_metrics
+                if metric.per_client and (value := (metric.value or {}).get(client_id)) is not None
+            ) or "-"
             lines.append(
-                f"| {record.round_idx} | {temperature} | {client_id} | {reward:.3f} | "
-                f"{'-' if gain is None else f'{gain:+.3f}'} | {record.weights[client_id]:.3f} | "
-                f"{record.bytes_sent[client_id]:,} | {record.bytes_received[client_id]:,} |"
+                f"| {record.round_idx} | {shown} | {client_id} | {reward:.3f} | {per_client} | "
+                f"{record.weights[client_id]:.3f} | {record.bytes_sent[client_id]:,} | "
+                f"{record.bytes_received[client_id]:,} |"
             )
         for client_id in record.dropped:
-            lines.append(f"| {record.round_idx} | {temperature} | {client_id} | dropped | - | - | - | - |")
+            lines.append(f"| {record.round_idx} | {shown} | {client_id} | dropped | - | - | - | - |")
     return "\n".join(lines)
 
 

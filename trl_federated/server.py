@@ -244,14 +244,16 @@ class FederatedServer:
             push_to_hub(self.args)
 
     def write_result(self, path: str | Path, wall_time: float) -> Path:
-        """`result.json`, written atomically: the evaluations and each round's R̄, h, ω, τ and traffic. Its presence
-        marks a finished run (`trl-federated compare` relies on it)."""
-        keys = ("round_idx", "sampled", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received",
-                "dropped")
+        """`result.json`, written atomically: the evaluations and each round's R̄, ω, traffic and the aggregator's
+        round metrics (RPG: h as "gains", τ as "temperature"). Its presence marks a finished run (`trl-federated
+        compare` relies on it)."""
+        keys = ("round_idx", "sampled", "rewards", "weights", "bytes_sent", "bytes_received", "dropped")
         result = {
             "wall_time": wall_time,
             "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
-            "rounds": [{key: getattr(record, key) for key in keys} for record in self.history],
+            "rounds": [
+                {**{key: getattr(record, key) for key in keys}, **record.metric_values()} for record in self.history
+            ],
         }
         path = Path(path)
         temporary = path.with_suffix(".json.tmp")
@@ -500,20 +502,26 @@ class FederatedServer:
 
 def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:
     """A finished round in a few log lines: the clients sampled when not all `num_clients`, each aggregated client's
-    R̄, h, ω and traffic, τ, the drops and the evaluation, so that a console (`flwr run --stream`, a SuperLink's log)
-    shows what metrics.jsonl records."""
-    temperature = "" if record.temperature is None else f", τ = {record.temperature:.3f}"
+    R̄, ω, traffic and the aggregator's per-client round metrics (RPG: h), its round metrics (RPG: τ), the drops and
+    the evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
+    per_client = [metric for metric in record.round_metrics if metric.per_client]
+    shown = "".join(
+        f", {metric.show(metric.value)}" for metric in record.round_metrics
+        if not metric.per_client and metric.value is not None
+    )
     step = "" if record.server_step_ratio is None else f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
     sampled = record.sampled
     sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
     lines = [
         f"Round {record.round_idx + 1}/{num_rounds}: {len(record.weights)} clients aggregated{sampling}, "
-        f"{len(record.dropped)} dropped{temperature}{step}, {record.wall_time:.1f} s"
+        f"{len(record.dropped)} dropped{shown}{step}, {record.wall_time:.1f} s"
     ]
     for client_id, reward in record.rewards.items():
-        gain, cosine = record.gains.get(client_id), record.update_cosines.get(client_id)
+        cosine = record.update_cosines.get(client_id)
+        values = [(metric, (metric.value or {}).get(client_id)) for metric in per_client]
         lines.append(
-            f"  {client_id}: R̄ = {reward:.4f}" + ("" if gain is None else f", h = {gain:+.4f}")
+            f"  {client_id}: R̄ = {reward:.4f}"
+            + "".join(f", {metric.show(value)}" for metric, value in values if value is not None)
             + f", ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}"
             + ("" if cosine is None else f", cos(u, Δ) = {cosine:+.3f}")
             + f", sent {record.bytes_sent[client_id]:,} B, "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_OPTIMIZERS
-from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, pseudo_gradient
+from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
@@ -101,6 +101,7 @@ __all__ = [
     "CoordinateMedian",
     "FedAvgAggregator",
     "RPGAggregator",
+    "RoundMetric",
     "ScaffoldAggregator",
     "ServerAdam",
     "ServerFedAdam",

@@ -48,6 +48,45 @@ class ClientUpdate:
     wire_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class RoundMetric:
+    """A value an aggregator reports for a round (`Aggregator.round_metrics`), with how to print it. The round record
+    keeps it (`RoundRecord.round_metrics`; `record.<name>` reads its value), metrics.jsonl and result.json under
+    `name`, the round log (`callbacks.round_logs`) as `<log_name>`, per client `<client_id>/<log_name>`, and the
+    console line (`server.format_round_log`) and summary.md (`reporting.format_round_table`) as
+    `<label> = <value>`, the value printed with `format`.
+
+    Args:
+        name: Its key in the record, metrics.jsonl and result.json (not one of `RoundRecord`'s own fields).
+        label: Its name where it is printed: a symbol such as "τ".
+        value: This round's value: a number (None: none this round); with `per_client`, a number per aggregated
+            client, by client id.
+        per_client: Whether `value` holds one number per client.
+        format: The format spec of one value (`format(value, spec)`).
+        log_name: Its entry in the round log (default: `name`).
+    """
+
+    name: str
+    label: str
+    value: Any = None
+    per_client: bool = False
+    format: str = ".4g"
+    log_name: str | None = None
+
+    @property
+    def log_entry(self) -> str:
+        return self.log_name or self.name
+
+    def show(self, value) -> str:
+        """`value` (one of this metric's numbers) as printed: "τ = 2.500"."""
+        return f"{self.label} = {format(value, self.format)}"
+
+    def spec(self) -> dict[str, Any]:
+        """What a record keeps besides the value: how to name and print it."""
+        return {"name": self.name, "label": self.label, "per_client": self.per_client, "format": self.format,
+                "log_name": self.log_name}
+
+
 class ClientHook(NamedTuple):
     """A strategy's part of one client round (`Aggregator.client_hook`): `callback`, a `transformers.TrainerCallback`,
     joins the client's trainer; after training, `reply()` gives what the client sends back besides its adapter
@@ -156,6 +195,9 @@ class Aggregator(ABC):
     per-client state it would commit), `correction_norm` how far the extras sent move the client's adapter, and
     `accept` commits an admitted update's per-client state. By default a strategy exchanges nothing else.
 
+    `round_metrics` is what a strategy reports about each aggregation besides ω (RPG: its gains h and temperature τ):
+    the round record, the round log, the reports and result.json show whatever it returns.
+
     `combiner` (see `robust`) replaces the weighted mean in Δ by a coordinate-wise trimmed mean or median.
     `aggregate` checks its own inputs (`check_updates`: distinct client ids, the global adapter's keys and shapes,
     finite floating-point values; each strategy checks the fields it weighs by) before it changes any state, and
@@ -239,6 +281,13 @@ class Aggregator(ABC):
         """`ValueError` unless `updates` can be aggregated (see the function `check_updates`); a strategy extends
         it with the fields it needs beyond the weights (which `client_weights` checks)."""
         check_updates(global_state, updates, check_finite)
+
+    def round_metrics(self) -> list[RoundMetric]:
+        """What this strategy reports about its last aggregation besides ω and the step's geometry, each with how to
+        print it (`RoundMetric`): the round record, the round log, summary.md and result.json show them, and a
+        client metric never takes one of their log names. The same metrics, in the same order, whether or not a
+        round has been aggregated yet (then without values). None by default; RPG reports its gains h and τ."""
+        return []
 
     # Per-client state ----------------------------------------------------------------------------------------
 

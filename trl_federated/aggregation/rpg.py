@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Aggregator, ClientUpdate, check_number
+from .base import Aggregator, ClientUpdate, RoundMetric, check_number
 from .server_optim import ServerAdam, ServerOptimizer
 
 
@@ -112,6 +112,13 @@ class RPGAggregator(Aggregator):
         self.last_gains = {update.client_id: gain for update, gain in zip(updates, gains)}
         self.last_temperature = temperature
         return weights
+
+    def round_metrics(self) -> list[RoundMetric]:
+        """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round."""
+        return [
+            RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain"),
+            RoundMetric("temperature", "τ", self.last_temperature, format=".3f"),
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {
