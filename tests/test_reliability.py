@@ -290,7 +290,7 @@ def other_model_dir(tmp_path_factory):
     ],
 )
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, other_model_dir, change, message):
-    make_runner(tiny_model_dir, tmp_path / "run").save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path / "run").server.save_checkpoint(0)
     model_dir, clients, overrides, peft_config = tiny_model_dir, None, {}, None
     if change == "model":
         model_dir = other_model_dir
@@ -325,19 +325,19 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, ot
     ({"learning_rate": 1e-3}, r"learning_rate \(checkpoint: 0.01, now: 0.001\).*resume_allow_changes"),
 ])
 def test_resume_refuses_other_training_settings_by_name(tmp_path, tiny_model_dir, change, message):
-    make_runner(tiny_model_dir, tmp_path, num_rounds=1).save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1).server.save_checkpoint(0)
     with pytest.raises(CheckpointMismatchError, match=message):
         make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", **change).run()
 
 
 def test_resume_from_sgd_to_adam_is_a_mismatch_not_a_key_error(tmp_path, tiny_model_dir):
-    make_runner(tiny_model_dir, tmp_path, num_rounds=1, server_optimizer="sgd").save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1, server_optimizer="sgd").server.save_checkpoint(0)
     with pytest.raises(CheckpointMismatchError, match="server optimizer differs .*ServerSGD, now: ServerAdam"):
         make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true").run()
 
 
 def test_resume_allow_changes_lets_named_training_settings_change(tmp_path, tiny_model_dir, caplog):
-    make_runner(tiny_model_dir, tmp_path, num_rounds=1).save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1).server.save_checkpoint(0)
     runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", learning_rate=1e-3,
                          rpg_tau_min=1.0, resume_allow_changes="learning_rate, rpg_tau_min")
     runner.run()
@@ -626,7 +626,7 @@ def admit(update, reward_range):
     and R̄, `ScaffoldAggregator.check_extras` the control_delta."""
     gate = UpdateGate(reward_range=reward_range, aggregator=ScaffoldAggregator())
     gate.open_round(GLOBAL)
-    return gate.admit(update.client_id, lambda: update)
+    return gate.check(update.client_id, update)
 
 
 def test_combined_reward_range_follows_trl_reward_weights():
@@ -660,7 +660,7 @@ class Tampering(FederatedRunner):
 def test_invalid_updates_are_rejected_before_touching_server_state(tmp_path, tiny_model_dir):
     runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=bounded_length_reward, runner_class=Tampering,
                          clients=prompt_clients("honest", "liar", "broken"), num_rounds=1)
-    assert runner.reward_range == (0.0, 1.0)
+    assert runner.server.reward_range == (0.0, 1.0)
     record = runner.run()[0]
     assert record.weights == {"honest": 1.0}
     assert set(runner.aggregator.baselines) == {"honest"}

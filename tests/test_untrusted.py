@@ -54,7 +54,7 @@ def reply(server, client_id, state=None, reward=0.5, num_samples=10, metrics=Non
     sent = ClientUpdate(client_id, server.wire.encode(state, server.global_state), num_samples, reward,
                         metrics if metrics is not None else {}, extras or {})
     try:
-        update = server.admit(client_id, lambda: sent)
+        update = server.admit(client_id, sent)
     except InvalidUpdateError as error:
         server.drop(client_id, "invalid_update", str(error))
         return None

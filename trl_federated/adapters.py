@@ -26,7 +26,7 @@ from peft import (
 from safetensors.torch import save_file
 from transformers import PreTrainedModel, set_seed
 
-from .choices import TRANSFER_DTYPES
+from .choices import LORA_AGGREGATIONS, TRANSFER_DTYPES, check_choice
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +211,8 @@ class WireFormat:
     def of(cls, lora_aggregation: str, transfer_dtype: str, global_state: AdapterState) -> WireFormat:
         """The wire format of `FedGRPOConfig.lora_aggregation` and `transfer_dtype` for an adapter shaped like
         `global_state`; `ValueError` for a dtype it does not know."""
-        if transfer_dtype not in DTYPES:
-            raise ValueError(f"transfer_dtype must be one of {list(DTYPES)}, got {transfer_dtype!r}.")
+        check_choice("lora_aggregation", lora_aggregation, LORA_AGGREGATIONS)
+        check_choice("transfer_dtype", transfer_dtype, TRANSFER_DTYPES)
         frozen = (
             frozenset(key for key in global_state if is_lora_a(key)) if lora_aggregation == "freeze_a" else frozenset()
         )

@@ -3,7 +3,8 @@
 Whatever the transport (the in-process runner's wire simulation, a Flower reply), a reply is decoded, checked
 against what the server itself knows, and bounded before any server state sees it:
 
-1. decoding: the transport's own decoder (`WireFormat.decode`, `flower.records.content_to_update`);
+1. decoding, once, by whoever holds the bytes (`read_reply` around the transport's own decoder: the Flower
+   strategy's `flower.records.content_to_update`, then the server's `WireFormat.decode` in `FederatedServer.admit`);
 2. identity: the update must speak for the client the server asked (the server's map, not the reply's claim),
    and only once per round;
 3. values: `validate_update` (the adapter's keys, shapes, dtypes and finite values, the sample count, R̄ in
@@ -15,8 +16,9 @@ against what the server itself knows, and bounded before any server state sees i
 5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`), else the update is rejected or clipped
    (`update_norm_action`).
 
-Anything that fails, including an exception no check foresaw, is that client's `InvalidUpdateError` with a reason,
-never an exception out of the server.
+Steps 2 to 5 are `UpdateGate.check`, which takes the decoded update and calls back into nothing. Anything that fails,
+including an exception no check foresaw, is that client's `InvalidUpdateError` with a reason, never an exception out
+of the server.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
+from typing import TypeVar
 
 from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, state_distance
 from .aggregation import Aggregator, ClientUpdate
 from .aggregation.base import RoundMetric, refuse_extras
 from .callbacks import is_reserved_metric
-from .choices import NORM_ACTIONS
+from .choices import NORM_ACTIONS, check_choice
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)
 # and report rows: it must be safe as one path component, and short enough for a log line.
@@ -169,8 +173,7 @@ class UpdateGate:
         reward_window: int | None = None,
         learning_rate: float | None = None,
     ):
-        if norm_action not in NORM_ACTIONS:
-            raise ValueError(f"`norm_action` must be one of {NORM_ACTIONS}, got {norm_action!r}.")
+        check_choice("update_norm_action", norm_action, NORM_ACTIONS)
         self.reward_range = reward_range
         self.max_update_norm, self.norm_action = max_update_norm, norm_action
         self.num_samples = dict(num_samples or {})
@@ -211,18 +214,9 @@ class UpdateGate:
         self.global_state = global_state
         self.admitted = set()
 
-    def admit(self, client_id: str, receive: Callable[[], ClientUpdate]) -> ClientUpdate:
-        """The update of client `client_id` that `receive()` decodes, checked and bounded; `InvalidUpdateError`
-        (naming the client and the fault) for anything else, whatever `receive` raised."""
-        try:
-            update = receive()
-        except InvalidUpdateError:
-            raise
-        except Exception as error:  # any decoding fault is this client's, not the server's
-            raise InvalidUpdateError(
-                f"Update of client {client_id!r} rejected: unreadable reply ({type(error).__name__}: "
-                f"{bounded_text(error)})."
-            ) from error
+    def check(self, client_id: str, update: ClientUpdate) -> ClientUpdate:
+        """`update`, decoded from client `client_id`'s reply (`read_reply`), checked and bounded;
+        `InvalidUpdateError` (naming the client and the fault) for anything else."""
         try:
             return self._check(client_id, update)
         except InvalidUpdateError:
@@ -297,6 +291,20 @@ class UpdateGate:
                 ).to(reference.dtype)
                 for key, reference in self.global_state.items()
             }
+
+
+def read_reply(client_id: str, decode: Callable[[], T]) -> T:
+    """What `decode()` reads from client `client_id`'s reply; any fault in it (a malformed record, a payload that
+    does not decode, a `MemoryError`) is that client's `InvalidUpdateError`, never the server's exception."""
+    try:
+        return decode()
+    except InvalidUpdateError:
+        raise
+    except Exception as error:
+        raise InvalidUpdateError(
+            f"Update of client {client_id!r} rejected: unreadable reply ({type(error).__name__}: "
+            f"{bounded_text(error)})."
+        ) from error
 
 
 def validate_update(

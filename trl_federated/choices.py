@@ -39,7 +39,19 @@ GENERATION_DTYPES = ("float32", "bfloat16")
 GENERATION_DTYPE_CHOICES = ("auto", *GENERATION_DTYPES)
 
 
-def either(choices: tuple[str, ...]) -> str:
+def either(choices) -> str:
     """The choices of a field as an error message names them: "'a', 'b' or 'c'"."""
     *others, last = choices
     return f"{', '.join(map(repr, others))} or {last!r}" if others else repr(last)
+
+
+def choice_error(name: str, value, choices) -> str | None:
+    """The one message for a value of the field `name` that is not among its `choices` (None when it is): the
+    configuration yields it, and an implementation given the value directly raises it (`check_choice`)."""
+    return None if value in choices else f"`{name}` must be {either(tuple(choices))}, got {value!r}."
+
+
+def check_choice(name: str, value, choices) -> None:
+    """`ValueError` (`choice_error`) unless `value` is one of the field `name`'s `choices`."""
+    if message := choice_error(name, value, choices):
+        raise ValueError(message)

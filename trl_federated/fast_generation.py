@@ -55,8 +55,7 @@ def resolve_generation_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype of `generation_dtype` `name` on `device`: "auto" is bfloat16 where `has_native_bf16`, else float32."""
     if name == "auto":
         return torch.bfloat16 if has_native_bf16(device) else torch.float32
-    if name not in GENERATION_DTYPES:
-        raise ValueError(f"generation_dtype must be one of {choices.GENERATION_DTYPE_CHOICES}, got {name!r}.")
+    choices.check_choice("generation_dtype", name, choices.GENERATION_DTYPE_CHOICES)
     return GENERATION_DTYPES[name]
 
 

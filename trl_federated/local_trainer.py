@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .distributed import from_main_process
-from .master_weights import read_master
+from .master_weights import linear_term, read_master
 from .speedups import FastGRPOMixin, base_name
 
 
@@ -192,15 +192,6 @@ class ProximalTerm(TrainerCallback):
 
     def loss_term(self) -> torch.Tensor:
         return linear_term(self.params, self.pull)
-
-
-def linear_term(params: list[torch.Tensor], gradient: list[torch.Tensor]) -> torch.Tensor:
-    """A loss term whose value is 0 and whose gradient with respect to `params` is `gradient` (cast to each
-    parameter's dtype): Σ ⟨g, θ − stopgrad(θ)⟩. Added to the training loss, it adds `gradient` to every engine's
-    gradient with the loss's own scaling, and leaves the logged loss as it is."""
-    return sum(
-        ((param - param.detach()) * grad.to(param.device, param.dtype)).sum() for param, grad in zip(params, gradient)
-    )
 
 
 class Deadline(TrainerCallback):

@@ -15,9 +15,8 @@ class RoundRecord:
     """What happened in one round; `FederatedRunner.run()` returns one per round.
 
     `sampled` lists the indices of the clients the round trained (`sampling.sample_clients`; the order of the runner's
-    `client_datasets`, a SuperNode's `partition-id`); None in a record from before client sampling, whose round
-    trained every client. Per-client dicts are keyed by client id and hold only the clients whose updates were
-    aggregated this round; `dropped` holds the others (a client that raised, timed out or sent an invalid update)
+    `client_datasets`, a SuperNode's `partition-id`); None only in a record built by hand. Per-client dicts are
+    keyed by client id and hold only the clients whose updates were aggregated this round; `dropped` holds the others (a client that raised, timed out or sent an invalid update)
     with the reason. A client that was not sampled sat the round out; a sampled one with neither weight nor drop had
     no SuperNode connected (Flower). A client's `client_metrics` hold the means over its local steps of TRL's step
     metrics, `frac_reward_zero_std` among them: the fraction of its GRPO groups whose K rewards were all equal, which

@@ -8,8 +8,8 @@ server happens here, once:
                             (`sampling.sample_clients`: `fraction_train`, `min_train_clients`, from seed and t)
     broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and the
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
-    admit(client_id, ...)   a reply, as it came off the wire, decoded (`transport.WireFormat`), checked and
-                            bounded (`admission.UpdateGate`), its bytes counted
+    admit(client_id, ...)   a reply, as it came off the wire, decoded once (`adapters.WireFormat`), its bytes
+                            counted, then checked and bounded (`admission.UpdateGate.check`)
     accept(update)          an admitted update joins the round, and the aggregator commits its per-client state
                             (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i)
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
@@ -50,7 +50,7 @@ from .adapters import (
     state_nbytes,
     state_norm,
 )
-from .admission import UpdateGate, check_client_id
+from .admission import UpdateGate, check_client_id, read_reply
 from .aggregation import Aggregator, ClientUpdate
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
@@ -283,19 +283,19 @@ class FederatedServer:
             self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
         return self.wire.sent(self.global_state), extras
 
-    def admit(self, client_id: str, receive: Callable[[], ClientUpdate]) -> ClientUpdate:
-        """The update of `client_id` that `receive()` returns as it came off the wire (its `state` the wire
-        payload, `transport.WireFormat.encode`), decoded, checked and bounded, with its `wire_bytes` counted;
-        `InvalidUpdateError`, naming the client and the fault, for anything else (`admission.UpdateGate`)."""
-        return self.gate.admit(client_id, lambda: self.unpack(receive()))
+    def admit(self, client_id: str, update: ClientUpdate) -> ClientUpdate:
+        """`update` of `client_id` as it came off the wire (its `state` the wire payload, `WireFormat.encode`),
+        decoded into the client's full adapter (the server aggregates what the wire delivers) with `wire_bytes` set
+        to everything it carried (the payload and the extras), then checked and bounded (`UpdateGate.check`);
+        `InvalidUpdateError`, naming the client and the fault, for anything else."""
 
-    def unpack(self, update: ClientUpdate) -> ClientUpdate:
-        """`update` with its wire payload decoded into the client's full adapter (the server aggregates what the
-        wire delivers) and `wire_bytes` set to everything it carried: the payload and the extras."""
-        payload = update.state
-        update.state = self.wire.decode(payload, self.gate.global_state)
-        update.wire_bytes = state_nbytes(payload) + sum(state_nbytes(extra) for extra in update.extras.values())
-        return update
+        def decode() -> ClientUpdate:
+            payload = update.state
+            update.state = self.wire.decode(payload, self.gate.global_state)
+            update.wire_bytes = state_nbytes(payload) + sum(state_nbytes(extra) for extra in update.extras.values())
+            return update
+
+        return self.gate.check(client_id, read_reply(client_id, decode))
 
     def accept(self, update: ClientUpdate) -> None:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
@@ -484,13 +484,12 @@ class FederatedServer:
 
     def keep_server_learning_rate(self, saved_identity: dict[str, Any]) -> None:
         """A derived server learning rate (`server_learning_rate` left unset) is resolved once per run: resumed, the
-        run takes the value its checkpoint recorded, that of a checkpoint written before the rate was derived from
-        the local budget included, even where the fields it derives from have changed since
+        run takes the value its checkpoint recorded, even where the fields it derives from have changed since
         (`resume_allow_changes`). An explicit value is checked against the checkpoint as any training setting."""
-        saved = saved_identity.get("training", {}).get("server_learning_rate")
+        saved = saved_identity["training"]["server_learning_rate"]
         current = self.args.server_learning_rate
-        same_optimizer = saved_identity.get("server_optimizer") == self.identity["server_optimizer"]
-        if not (self.args.server_learning_rate_derived and same_optimizer) or saved is None or saved == current:
+        same_optimizer = saved_identity["server_optimizer"] == self.identity["server_optimizer"]
+        if not (self.args.server_learning_rate_derived and same_optimizer) or saved == current:
             return
         logger.warning(
             "Resuming with the checkpoint's server_learning_rate %g, resolved when the run began (left unset, this "
@@ -536,9 +535,24 @@ def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> 
 
 
 class ServerStateView:
-    """The server's state, read through a driver that owns `self.server` (`FederatedRunner`, the Flower strategy)."""
+    """What a driver that owns `self.server` (`FederatedRunner`, the Flower strategy) shows of the server: the global
+    adapter, the aggregator, the round records, the evaluations and the run's callbacks; the rest is
+    `self.server`'s."""
 
     server: FederatedServer
+
+    @property
+    def evaluations(self) -> dict[int, dict[str, Any]]:
+        return self.server.evaluations
+
+    @property
+    def callbacks(self) -> list:
+        """The run's callbacks: the server fires their round hooks, every client's trainer their trainer hooks."""
+        return self.server.callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: list) -> None:
+        self.server.callbacks = callbacks
 
     @property
     def global_state(self) -> AdapterState:

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..choices import MIN_TRIMMED_CLIENTS
+from ..choices import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS, check_choice
 
 
 class TrimmedMean:
@@ -75,6 +75,7 @@ class CoordinateMedian:
 
 def combiner_from_config(args) -> TrimmedMean | CoordinateMedian | None:
     """The combiner `args.robust_aggregation` names; None for the plain weighted mean."""
+    check_choice("robust_aggregation", args.robust_aggregation, ROBUST_AGGREGATIONS)
     if args.robust_aggregation == "trimmed_mean":
         return TrimmedMean(args.robust_trim_fraction)
     if args.robust_aggregation == "median":

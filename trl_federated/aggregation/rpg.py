@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..config import rpg_errors
 from .base import Aggregator, ClientUpdate, RoundMetric, check_number
 from .server_optim import ServerAdam, ServerOptimizer
 
@@ -52,13 +53,10 @@ class RPGAggregator(Aggregator):
         combiner=None,
     ):
         super().__init__(server_optimizer if server_optimizer is not None else ServerAdam(), combiner)
-        if not (0 < lambda_base <= 1 and 0 < iota <= 1):
-            raise ValueError(f"`lambda_base` and `iota` must lie in (0, 1], got {lambda_base} and {iota}.")
-        if not (0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max):
-            raise ValueError(
-                f"Need 0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max, got σ=[{sigma_min}, {sigma_max}], "
-                f"τ=[{tau_min}, {tau_max}]."
-            )
+        for message in rpg_errors(
+            lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
+        ):
+            raise ValueError(message)
         self.lambda_base, self.iota, self.eps, self.h_max = lambda_base, iota, eps, h_max
         self.sigma_min, self.sigma_max = sigma_min, sigma_max
         self.tau_min, self.tau_max, self.lambda_anneal = tau_min, tau_max, lambda_anneal
