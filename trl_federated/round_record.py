@@ -16,11 +16,11 @@ class RoundRecord:
 
     `sampled` lists the indices of the clients the round trained (`sampling.sample_clients`; the order of the runner's
     `client_datasets`, a SuperNode's `partition-id`); None only in a record built by hand. Per-client dicts are
-    keyed by client id and hold only the clients whose updates were aggregated this round; `dropped` holds the others (a client that raised, timed out or sent an invalid update)
-    with the reason. A client that was not sampled sat the round out; a sampled one with neither weight nor drop had
-    no SuperNode connected (Flower). A client's `client_metrics` hold the means over its local steps of TRL's step
-    metrics, `frac_reward_zero_std` among them: the fraction of its GRPO groups whose K rewards were all equal, which
-    carry no learning signal.
+    keyed by client id and hold only the clients whose updates were aggregated this round; `dropped` holds the
+    others (a client that raised, timed out or sent an invalid update) with the reason. A client that was not
+    sampled sat the round out; a sampled one with neither weight nor drop had no SuperNode connected (Flower). A
+    client's `client_metrics` hold the means over its local steps of TRL's step metrics, `frac_reward_zero_std`
+    among them: the fraction of its GRPO groups whose K rewards were all equal, which carry no learning signal.
 
     `round_metrics` are what the aggregator reports about the round besides ω (`Aggregator.round_metrics`: RPG's
     gains h and temperature τ), each readable as `record.<name>` (`record.gains`, `record.temperature`).
