@@ -209,7 +209,8 @@ def test_a_registered_aggregations_own_metrics_reach_the_record_the_log_the_repo
 
     # 3. the report
     summary = (tmp_path / "run" / "summary.md").read_text()
-    assert f"| 1 | #μ = 2 | client_1 | {record.rewards['client_1']:.3f} | ‖μ‖ = {expected['client_1']:.4g} |" in summary
+    assert "| Round | #μ | Client | R̄ | ‖μ‖ | ω |" in summary
+    assert f"| 1 | 2 | client_1 | {record.rewards['client_1']:.3f} | {expected['client_1']:.4g} |" in summary
 
     # 4. result.json
     result = json.loads((tmp_path / "run" / "result.json").read_text())

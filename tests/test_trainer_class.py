@@ -290,3 +290,15 @@ def test_micro_batches_are_regrouped_only_under_grpo_trainers_own_loss(tmp_path,
         )  # fmt: skip
         regrouped[trainer_class.__name__] = trainer._groups_micro_batches_by_prompt
     assert regrouped == {"FedGRPOTrainer": True, "OwnLoss": False, "FedBonusTrainer": False}
+
+
+def test_the_speedups_join_the_clients_class_only_when_switched_on(tmp_path):
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    private = ("_prepare_inputs", "_buffered_inputs", "_get_per_token_logps_and_entropies", "_generate_single_turn")
+    plain = local_trainer(GRPOTrainer, FedGRPOConfig(**common))
+    added = plain.__mro__[: plain.__mro__.index(GRPOTrainer)]
+    assert not issubclass(plain, FastGRPOMixin)
+    assert not [name for klass in added for name in private if name in vars(klass)]  # as little as TRL's GMPO
+    for speedup in ("shared_prefix", "recompute_gated_mlp", "fast_generation"):
+        fast = local_trainer(GRPOTrainer, FedGRPOConfig(**common, **{speedup: True}))
+        assert fast.__mro__[1] is FastGRPOMixin and issubclass(fast, plain), speedup

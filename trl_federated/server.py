@@ -276,7 +276,7 @@ class FederatedServer:
 
     def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
-        frozen ones, `transport.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
+        frozen ones, `adapters.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
         whose bytes count in the round's traffic."""
         extras = self.aggregator.client_extras(client_id, self.global_state)
         if self._round is not None:
