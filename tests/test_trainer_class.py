@@ -302,3 +302,19 @@ def test_the_speedups_join_the_clients_class_only_when_switched_on(tmp_path):
     for speedup in ("shared_prefix", "recompute_gated_mlp", "fast_generation"):
         fast = local_trainer(GRPOTrainer, FedGRPOConfig(**common, **{speedup: True}))
         assert fast.__mro__[1] is FastGRPOMixin and issubclass(fast, plain), speedup
+
+
+def test_the_drop_in_trainer_takes_the_speedups_only_when_switched_on(tmp_path, tiny_model_dir, tiny_tokenizer):
+    from datasets import Dataset
+
+    def build(**speedups):
+        args = FedGRPOConfig(output_dir=str(tmp_path), **FAST_GRPO, max_steps=1, **speedups)
+        return FedGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=lambda completions, **_: [0.0]
+            * len(completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
+            processing_class=tiny_tokenizer, peft_config=default_lora_config(), eval_reward_funcs=None,
+        )
+
+    plain, fast = build(), build(shared_prefix=True)
+    assert type(plain) is FedGRPOTrainer and not isinstance(plain, FastGRPOMixin)
+    assert type(fast).__mro__[1:3] == (FastGRPOMixin, FedGRPOTrainer) and fast.shared_prefix_stats.rows == 0

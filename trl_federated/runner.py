@@ -183,10 +183,6 @@ class FederatedRunner(ServerStateView):
 
     # One client --------------------------------------------------------------------------------------------
 
-    def client_args(self, round_idx: int, client_index: int, client_id: str) -> FedGRPOConfig:
-        """The local-training configuration of one client in one round (see `client.local_training_args`)."""
-        return local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id)
-
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
         """Run one client's local round from the current global adapter and return its update as the client sends it
         (`client.train_local_round`: its adapter encoded for the wire, so that the server aggregates what the wire
@@ -201,7 +197,7 @@ class FederatedRunner(ServerStateView):
             self.global_state,
             client_id,
             self.client_datasets[client_id],
-            self.client_args(round_idx, client_index, client_id),
+            local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id),
             self.reward_funcs,
             self.processing_class,
             callbacks=[*self.callbacks, self.progress] if self.progress is not None else self.callbacks,

@@ -43,10 +43,14 @@ class FederatedGRPOMixin(LocalGRPOMixin):
     (`FedGRPOConfig.check_vllm`: `vllm_mode="colocate"`) is refused before the model loads.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args, eval_reward_funcs=None, **kwargs):
         # `speedups.FastGRPOMixin` joins the class only when the config turns a speed-up on: by default the trainer
-        # overrides none of GRPOTrainer's private methods (the instance's class is then `Fast<cls>`).
-        config = _named_arguments(functools.partial(_trainer_init(cls), None), args, kwargs).get("args")
+        # overrides none of GRPOTrainer's private methods (the instance's class is then `Fast<cls>`). Arguments that
+        # do not fit the constructor are left for `__init__` to refuse.
+        try:
+            config = _named_arguments(functools.partial(_trainer_init(cls), None), args, kwargs).get("args")
+        except TypeError:
+            config = None
         return super().__new__(with_speedups(cls, config))
 
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_OPTIMIZERS
+from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_OPTIMIZERS, check_choice
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     """The server step `args.server_optimizer` names (`choices.SERVER_OPTIMIZERS`), with its `server_*`."""
+    check_choice("server_optimizer", args.server_optimizer, SERVER_OPTIMIZERS)
     rate, beta1, beta2, epsilon = args.server_learning_rate, args.server_beta1, args.server_beta2, args.server_epsilon
     if args.server_optimizer == "sgd":
         return ServerSGD(learning_rate=rate)
@@ -87,6 +88,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
         "Aggregation %r with server optimizer %r (learning rate %g).",
         args.aggregation, args.server_optimizer, args.server_learning_rate,
     )
+    check_choice("aggregation", args.aggregation, AGGREGATIONS)
     aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
     return aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
 
