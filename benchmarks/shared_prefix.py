@@ -41,9 +41,12 @@ def build_trainer(model_path: str | None, output_dir: str, micro_batch: int):
     from trl_federated.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_path)
+    # `shared_prefix` on, so that the speed-ups' mixin joins the trainer (it joins only a trainer whose config turns
+    # one on); each measurement then switches it, and `recompute_gated_mlp`, per step.
     args = FedGRPOConfig(
         output_dir=output_dir, bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
         per_device_train_batch_size=micro_batch, num_generations=2, max_completion_length=COMPLETION_LENGTH,
+        shared_prefix=True,
     )  # fmt: skip
     trainer = FedGRPOTrainer(
         model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import length_reward
 from trl_federated import ClientUpdate, FederatedRunner
 from trl_federated.adapters import InvalidUpdateError
-from trl_federated.admission import UpdateGate, state_distance, update_norm_unit
+from trl_federated.admission import UpdateGate, read_reply, state_distance, update_norm_unit
 from trl_federated.aggregation import ScaffoldAggregator
 
 GLOBAL = {"a": torch.zeros(2, 3), "b": torch.ones(4)}
@@ -34,12 +34,12 @@ def gate(**kwargs):
 def test_the_update_must_speak_for_the_client_asked_and_only_once():
     admission = gate()
     with pytest.raises(InvalidUpdateError, match=r"client 'site-0' rejected: it speaks for client 'site-1'"):
-        admission.admit("site-0", lambda: update("site-1"))
-    admission.admit("site-0", lambda: update("site-0"))
+        admission.check("site-0", update("site-1"))
+    admission.check("site-0", update("site-0"))
     with pytest.raises(InvalidUpdateError, match="already had an update accepted this round"):
-        admission.admit("site-0", lambda: update("site-0"))
+        admission.check("site-0", update("site-0"))
     admission.open_round(GLOBAL)  # a new round
-    admission.admit("site-0", lambda: update("site-0"))
+    admission.check("site-0", update("site-0"))
 
 
 def test_any_decoding_error_is_the_clients_invalid_update():
@@ -47,27 +47,27 @@ def test_any_decoding_error_is_the_clients_invalid_update():
         raise MemoryError("cannot allocate 2**62 bytes")
 
     with pytest.raises(InvalidUpdateError, match=r"client 'site-0' rejected: unreadable reply \(MemoryError: cannot"):
-        gate().admit("site-0", broken)
+        read_reply("site-0", broken)
     with pytest.raises(InvalidUpdateError, match=r"client 'site-0' rejected: the reply decodes to a dict"):
-        gate().admit("site-0", lambda: {"state": GLOBAL})
+        gate().check("site-0", {"state": GLOBAL})
 
 
 def test_update_norm_bound_rejects_or_clips():
     honest, poisoned = update(scale=0.1), update(scale=1e6)  # ‖θ_i − θ‖ = 0.1·√10 and 1e6·√10
     bound = 1.0
     admission = gate(max_update_norm=bound)
-    assert admission.admit("site-0", lambda: honest) is honest
+    assert admission.check("site-0", honest) is honest
     admission.open_round(GLOBAL)
     with pytest.raises(InvalidUpdateError, match=r"‖θ_i − θ‖ = 3.162e\+06 exceeds update_norm_bound \(1\)"):
-        admission.admit("site-0", lambda: poisoned)
+        admission.check("site-0", poisoned)
 
-    clipped = gate(max_update_norm=bound, norm_action="clip").admit("site-0", lambda: update(scale=1e6))
+    clipped = gate(max_update_norm=bound, norm_action="clip").check("site-0", update(scale=1e6))
     assert state_distance(clipped.state, GLOBAL) == pytest.approx(bound)
     for key in GLOBAL:  # the direction is kept
         assert torch.allclose(clipped.state[key] - GLOBAL[key], torch.full_like(GLOBAL[key], bound / math.sqrt(10)))
     # values around 1e30 are finite, but their square is not in float32: still bounded, in float64
     with pytest.raises(InvalidUpdateError, match="exceeds update_norm_bound"):
-        gate(max_update_norm=bound).admit("site-0", lambda: update(scale=1e30))
+        gate(max_update_norm=bound).check("site-0", update(scale=1e30))
 
 
 def test_scaffold_control_delta_is_required_bounded_and_refused_elsewhere():
@@ -75,23 +75,23 @@ def test_scaffold_control_delta_is_required_bounded_and_refused_elsewhere():
     scaffold = ScaffoldAggregator()
     bound = 1 / math.sqrt(10)  # update_norm_bound in SCAFFOLD's unit, √d: a bound of 1 on ‖c_i + Δc_i‖ (c_i = 0 here)
     with pytest.raises(InvalidUpdateError, match="SCAFFOLD needs its control_delta"):
-        gate(aggregator=scaffold).admit("site-0", lambda: update())
+        gate(aggregator=scaffold).check("site-0", update())
     with pytest.raises(InvalidUpdateError, match=r"sends \['control_delta'\], but the aggregation takes nothing but"):
-        gate().admit("site-0", lambda: update(extras={"control_delta": control}))
+        gate().check("site-0", update(extras={"control_delta": control}))
     with pytest.raises(InvalidUpdateError, match=r"‖c_i \+ Δc_i‖ = 31.62 exceeds the control bound"):
-        gate(aggregator=scaffold, extras_norm_bound=bound).admit(
-            "site-0", lambda: update(extras={"control_delta": dict(control)}))
-    clipped = gate(aggregator=scaffold, extras_norm_bound=bound, norm_action="clip").admit(
-        "site-0", lambda: update(extras={"control_delta": dict(control)}))
+        gate(aggregator=scaffold, extras_norm_bound=bound).check(
+            "site-0", update(extras={"control_delta": dict(control)}))
+    clipped = gate(aggregator=scaffold, extras_norm_bound=bound, norm_action="clip").check(
+        "site-0", update(extras={"control_delta": dict(control)}))
     clipped_delta = clipped.extras["control_delta"]
     assert math.sqrt(sum(value.square().sum() for value in clipped_delta.values())) == pytest.approx(1.0)
 
 
 def test_sample_counts_the_server_knows_replace_the_report_and_others_are_capped():
     admission = gate(num_samples={"site-0": 12}, max_client_samples=1000)
-    assert admission.admit("site-0", lambda: update("site-0", num_samples=2**62)).num_samples == 12
-    assert admission.admit("site-1", lambda: update("site-1", num_samples=2**62)).num_samples == 1000
-    assert admission.admit("site-2", lambda: update("site-2", num_samples=40)).num_samples == 40
+    assert admission.check("site-0", update("site-0", num_samples=2**62)).num_samples == 12
+    assert admission.check("site-1", update("site-1", num_samples=2**62)).num_samples == 1000
+    assert admission.check("site-2", update("site-2", num_samples=40)).num_samples == 40
 
 
 def test_update_norm_bound_from_config_is_in_units_of_adam_steps(fast_args):
@@ -106,10 +106,10 @@ def test_update_norm_bound_from_config_is_in_units_of_adam_steps(fast_args):
         admission.open_round(GLOBAL)
         control = {"control_delta": {key: torch.full_like(reference, value) for key, reference in GLOBAL.items()}}
         if value < 10:
-            admission.admit("site-0", lambda: update(extras=control))
+            admission.check("site-0", update(extras=control))
         else:
             with pytest.raises(InvalidUpdateError, match=r"exceeds the control bound \(31.62\)"):
-                admission.admit("site-0", lambda: update(extras=control))
+                admission.check("site-0", update(extras=control))
     assert admission.norm_action == "reject" and admission.max_client_samples == 1_000_000
     assert UpdateGate.from_config(fast_args(update_norm_bound=None), GLOBAL).max_update_norm is None
 
@@ -172,7 +172,7 @@ def mutate(rng, update, global_state):
 
 def sent(runner, update):
     """`update` as `client.train_local_round` returns it: its adapter encoded for the runner's wire format."""
-    update.state = runner.wire.encode(update.state, runner.global_state)
+    update.state = runner.server.wire.encode(update.state, runner.global_state)
     return update
 
 
@@ -182,15 +182,15 @@ def test_fuzz_every_field_of_an_in_process_update(tmp_path, tiny_model_dir, tiny
         runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward,
                                  fast_args(**settings), clients, processing_class=tiny_tokenizer)
         reference = {key: value.clone() for key, value in runner.global_state.items()}
-        bound = runner.gate.max_update_norm
+        bound = runner.server.gate.max_update_norm
         rng = random.Random(0)
         outcomes = {"accepted": 0, "rejected": 0}
         for case in range(300):
-            runner.gate.open_round(runner.global_state)
+            runner.server.gate.open_round(runner.global_state)
             honest = ClientUpdate("site-0", {key: value + 1e-3 for key, value in reference.items()}, 4, 0.5)
             faulty = mutate(rng, honest, reference)
             try:
-                admitted = runner.server.admit("site-0", lambda: sent(runner, faulty))
+                admitted = runner.server.admit("site-0", read_reply("site-0", lambda: sent(runner, faulty)))
             except InvalidUpdateError as error:
                 assert "client 'site-0' rejected: " in str(error) and len(str(error)) < 1500, (case, str(error))
                 outcomes["rejected"] += 1

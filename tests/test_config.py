@@ -6,9 +6,9 @@ from transformers import HfArgumentParser
 from trl import GRPOConfig, TrlParser
 
 from trl_federated import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
-from trl_federated.admission import NORM_ACTIONS
+from trl_federated.adapters import DTYPES
+from trl_federated.choices import NORM_ACTIONS
 from trl_federated.config import TRL_RESULT_FIELDS, ResultHelp, result_fields
-from trl_federated.transport import DTYPES
 
 
 def make(tmp_path, **kwargs):

@@ -150,6 +150,10 @@ def test_generation_dtype_auto_follows_the_device():
         resolve_generation_dtype("float16", torch.device("cpu"))
 
 
+class FastFedGRPOTrainer(FastGRPOMixin, FedGRPOTrainer):
+    """`FedGRPOTrainer` with the speed-ups' mixin whatever its config turns on."""
+
+
 def make_trainer(tmp_path, tiny_model_dir, tokenizer, trainer_class=FedGRPOTrainer, **overrides):
     values = dict(FAST_GRPO, output_dir=str(tmp_path), max_steps=2, seed=3, disable_tqdm=True)
     values.update(overrides)
@@ -178,9 +182,11 @@ def test_trainer_samples_trls_completions_in_float32(tmp_path, tiny_model_dir, t
     """Two sampled GRPO steps: the same completions (so the same rewards and updates) as TRL's generation."""
     runs = {}
     for fast in (False, True):
+        # Both with `FastGRPOMixin` (a trainer takes it by itself only when a speed-up is on): the standard path is
+        # the mixin's with `fast_generation` off.
         trainer = make_trainer(
-            tmp_path / str(fast), tiny_model_dir, tiny_tokenizer, fast_generation=fast, generation_dtype="float32",
-            top_k=20, top_p=0.95,
+            tmp_path / str(fast), tiny_model_dir, tiny_tokenizer, trainer_class=FastFedGRPOTrainer,
+            fast_generation=fast, generation_dtype="float32", top_k=20, top_p=0.95,
         )  # fmt: skip
         runs[fast] = recorded_completions(trainer), trainer
     assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2

@@ -2,8 +2,8 @@
 
 import pytest
 
+from trl_federated.aggregation import AGGREGATIONS
 from trl_federated.config import (
-    AGGREGATIONS,
     CONFIG_CLASSES,
     SERVER_OPTIMIZERS,
     FedDAPOConfig,

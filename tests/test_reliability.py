@@ -185,27 +185,27 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
                             reference.aggregator.client_controls[client_id])
 
 
-def test_checkpoint_with_scaffold_client_controls_beside_the_aggregator_state_reads_back(tmp_path):
-    # Checkpoints written before SCAFFOLD's aggregator kept its c_i held them in a top-level "client_controls" entry.
+def test_checkpoint_with_scaffold_client_controls_beside_the_aggregator_state_is_refused_by_name(tmp_path):
+    # Checkpoints written before SCAFFOLD's aggregator kept its c_i held them in a top-level "client_controls" entry,
+    # and named no format: such a checkpoint is refused, by name, rather than read in an old layout.
     import trl_federated.checkpoint as checkpoint_module
+    from trl_federated.checkpoint import OutdatedCheckpointError
 
     controls = {"site-0": {"w": torch.tensor([0.25, -0.5])}, "site-1": {"w": torch.tensor([1.0, 2.0])}}
     aggregator = {"server_optimizer": {}, "control": {"w": torch.tensor([0.5, 0.75])}, "client_controls": controls}
     path = write_checkpoint(Checkpoint(0, {"w": torch.zeros(2)}, aggregator, [], {}, {}), tmp_path,
                             LoraConfig(r=2, target_modules=["q_proj"]))
+    assert set(read_checkpoint(path).aggregator["client_controls"]) == {"site-0", "site-1"}  # today's layout
     state = json.loads((path / "federation.json").read_text())
     state["client_controls"] = state["aggregator"].pop("client_controls")
+    del state["format"]
     (path / "federation.json").write_text(json.dumps(state))
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["federation.json"] = checkpoint_module._file_digest(path / "federation.json")
     (path / "manifest.json").write_text(json.dumps(manifest))
-    loaded = read_checkpoint(path).aggregator
-    assert set(loaded["client_controls"]) == {"site-0", "site-1"}
-    for client_id, control in controls.items():
-        assert_states_equal(loaded["client_controls"][client_id], control)
-    scaffold = ScaffoldAggregator()
-    scaffold.load_state_dict(loaded)
-    assert_states_equal(scaffold.client_controls["site-1"], controls["site-1"])
+    with pytest.raises(OutdatedCheckpointError, match=re.escape(f"Checkpoint {path} was written by an earlier "
+                                                                "version of trl-federated (checkpoint format None")):
+        read_checkpoint(path)
 
 
 def checkpoint_of(round_idx, value, m=1.0):
@@ -290,7 +290,7 @@ def other_model_dir(tmp_path_factory):
     ],
 )
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, other_model_dir, change, message):
-    make_runner(tiny_model_dir, tmp_path / "run").save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path / "run").server.save_checkpoint(0)
     model_dir, clients, overrides, peft_config = tiny_model_dir, None, {}, None
     if change == "model":
         model_dir = other_model_dir
@@ -325,19 +325,19 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_model_dir, ot
     ({"learning_rate": 1e-3}, r"learning_rate \(checkpoint: 0.01, now: 0.001\).*resume_allow_changes"),
 ])
 def test_resume_refuses_other_training_settings_by_name(tmp_path, tiny_model_dir, change, message):
-    make_runner(tiny_model_dir, tmp_path, num_rounds=1).save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1).server.save_checkpoint(0)
     with pytest.raises(CheckpointMismatchError, match=message):
         make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", **change).run()
 
 
 def test_resume_from_sgd_to_adam_is_a_mismatch_not_a_key_error(tmp_path, tiny_model_dir):
-    make_runner(tiny_model_dir, tmp_path, num_rounds=1, server_optimizer="sgd").save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1, server_optimizer="sgd").server.save_checkpoint(0)
     with pytest.raises(CheckpointMismatchError, match="server optimizer differs .*ServerSGD, now: ServerAdam"):
         make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true").run()
 
 
 def test_resume_allow_changes_lets_named_training_settings_change(tmp_path, tiny_model_dir, caplog):
-    make_runner(tiny_model_dir, tmp_path, num_rounds=1).save_checkpoint(0)
+    make_runner(tiny_model_dir, tmp_path, num_rounds=1).server.save_checkpoint(0)
     runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true", learning_rate=1e-3,
                          rpg_tau_min=1.0, resume_allow_changes="learning_rate, rpg_tau_min")
     runner.run()
@@ -626,7 +626,7 @@ def admit(update, reward_range):
     and R̄, `ScaffoldAggregator.check_extras` the control_delta."""
     gate = UpdateGate(reward_range=reward_range, aggregator=ScaffoldAggregator())
     gate.open_round(GLOBAL)
-    return gate.admit(update.client_id, lambda: update)
+    return gate.check(update.client_id, update)
 
 
 def test_combined_reward_range_follows_trl_reward_weights():
@@ -660,7 +660,7 @@ class Tampering(FederatedRunner):
 def test_invalid_updates_are_rejected_before_touching_server_state(tmp_path, tiny_model_dir):
     runner = make_runner(tiny_model_dir, tmp_path / "run", reward_funcs=bounded_length_reward, runner_class=Tampering,
                          clients=prompt_clients("honest", "liar", "broken"), num_rounds=1)
-    assert runner.reward_range == (0.0, 1.0)
+    assert runner.server.reward_range == (0.0, 1.0)
     record = runner.run()[0]
     assert record.weights == {"honest": 1.0}
     assert set(runner.aggregator.baselines) == {"honest"}

@@ -27,12 +27,18 @@ LOSSES = {
 def make_trainer(tmp_path, model, tokenizer, **overrides):
     values = dict(FAST_GRPO, output_dir=str(tmp_path), max_steps=2, seed=3, disable_tqdm=True)
     values.update(overrides)
-    return FedGRPOTrainer(
+    # `FastGRPOMixin` joins a trainer's class only when its config turns a speed-up on: the trainer is built with the
+    # mixin (`FastFedGRPOTrainer`) and `shared_prefix` as asked (off by default), which a test may switch per call.
+    return FastFedGRPOTrainer(
         model=model, reward_funcs=length_reward, args=FedGRPOConfig(**values), train_dataset=PROMPTS,
         processing_class=tokenizer,
         # init_lora_weights=False: a random B, so that the adapter changes the logits and A gets a gradient too.
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
     )  # fmt: skip
+
+
+class FastFedGRPOTrainer(FastGRPOMixin, FedGRPOTrainer):
+    """`FedGRPOTrainer` with the speed-ups' mixin whatever its config turns on."""
 
 
 def tiny_llama(tokenizer):

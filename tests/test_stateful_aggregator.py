@@ -1,7 +1,12 @@
 """An aggregation with per-client state, defined here and registered with one line, runs, checkpoints and resumes in
 the in-process runner and in the Flower strategy through the package's hooks alone (`Aggregator.client_extras`,
-`check_extras`, `accept`, `client_hook`, `state_dict`), with no change to the package."""
+`check_extras`, `accept`, `client_hook`, `state_dict`), with no change to the package; the metrics it reports of its
+own (`Aggregator.round_metrics`) reach the round record, the round log, the report and result.json."""
 
+import json
+import logging
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
@@ -14,8 +19,9 @@ from test_flower import (  # noqa: F401
     task_identity,
 )
 from trl_federated import FedAvgAggregator, FederatedRunner
-from trl_federated.aggregation import ClientHook, register_aggregation
-from trl_federated.aggregation.base import check_state
+from trl_federated.adapters import check_state, state_norm
+from trl_federated.aggregation import ClientHook, RoundMetric, register_aggregation
+from trl_federated.callbacks import round_logs
 from trl_federated.checkpoint import list_checkpoints, read_checkpoint
 
 
@@ -59,6 +65,14 @@ class ClientAverageAggregator(FedAvgAggregator):
         previous = self.client_extras(update.client_id, update.state)["average"]
         self.averages[update.client_id] = {key: 0.5 * previous[key] + 0.5 * value.float()
                                            for key, value in update.state.items()}
+
+    def round_metrics(self):
+        # Its own metrics: each client's ‖μ_i‖ and how many clients it keeps an average for.
+        return [
+            RoundMetric("average_norms", "‖μ‖", {client_id: state_norm(average) for client_id, average in
+                                                  self.averages.items()}, per_client=True, log_name="average_norm"),
+            RoundMetric("clients_remembered", "#μ", len(self.averages), format="d"),
+        ]
 
     @classmethod
     def client_hook(cls, extras, args):
@@ -162,3 +176,47 @@ def test_the_flower_strategy_runs_and_resumes_a_registered_stateful_aggregation(
     assert [record.round_idx for record in resumed.history] == [0, 1]
     assert_states_equal(resumed.global_state, runner.global_state)
     assert_same_averages(resumed.aggregator, runner.aggregator)
+
+
+def test_a_registered_aggregations_own_metrics_reach_the_record_the_log_the_report_and_the_result(
+    tmp_path, tiny_model_dir, caplog
+):
+    args = loopback_app.federation_args(str(tmp_path / "run"), {"aggregation": "client-average", "num-rounds": 2})
+    runner = FederatedRunner(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), loopback_app.length_reward, args,
+        dict(zip(CLIENTS, prompt_datasets())), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        report_header="",
+    )
+    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+        runner.run()
+    expected = {client_id: state_norm(runner.aggregator.averages[client_id]) for client_id in CLIENTS}
+
+    # 1. the round record, by the metric's name
+    record = runner.history[-1]
+    assert record.average_norms == pytest.approx(expected) and all(norm > 0 for norm in expected.values())
+    assert record.clients_remembered == 2
+
+    # 2. the round log (`round_logs`, what `report_to` and Flower's Result get; metrics.jsonl keeps the record), and
+    # the console line of the round
+    logs = round_logs(record)
+    assert logs["clients_remembered"] == 2
+    assert {client_id: logs[f"{client_id}/average_norm"] for client_id in CLIENTS} == pytest.approx(expected)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last_round = [line for line in lines if line["event"] == "round"][-1]
+    assert last_round["average_norms"] == pytest.approx(expected) and last_round["clients_remembered"] == 2
+    assert "Round 2/2: 2 clients aggregated, 0 dropped, #μ = 2" in caplog.text
+    assert f"client_0: R̄ = {record.rewards['client_0']:.4f}, ‖μ‖ = {expected['client_0']:.4g}, ω = " in caplog.text
+
+    # 3. the report
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "| Round | #μ | Client | R̄ | ‖μ‖ | ω |" in summary
+    assert f"| 1 | 2 | client_1 | {record.rewards['client_1']:.3f} | {expected['client_1']:.4g} |" in summary
+
+    # 4. result.json
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["rounds"][-1]["average_norms"] == pytest.approx(expected)
+    assert [entry["clients_remembered"] for entry in result["rounds"]] == [2, 2]
+
+    # and a checkpoint brings them back with how to print them
+    saved = read_checkpoint(list_checkpoints(tmp_path / "run")[-1]).history[-1]
+    assert saved.round_metrics == record.round_metrics

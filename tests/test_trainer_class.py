@@ -290,3 +290,31 @@ def test_micro_batches_are_regrouped_only_under_grpo_trainers_own_loss(tmp_path,
         )  # fmt: skip
         regrouped[trainer_class.__name__] = trainer._groups_micro_batches_by_prompt
     assert regrouped == {"FedGRPOTrainer": True, "OwnLoss": False, "FedBonusTrainer": False}
+
+
+def test_the_speedups_join_the_clients_class_only_when_switched_on(tmp_path):
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    private = ("_prepare_inputs", "_buffered_inputs", "_get_per_token_logps_and_entropies", "_generate_single_turn")
+    plain = local_trainer(GRPOTrainer, FedGRPOConfig(**common))
+    added = plain.__mro__[: plain.__mro__.index(GRPOTrainer)]
+    assert not issubclass(plain, FastGRPOMixin)
+    assert not [name for klass in added for name in private if name in vars(klass)]  # as little as TRL's GMPO
+    for speedup in ("shared_prefix", "recompute_gated_mlp", "fast_generation"):
+        fast = local_trainer(GRPOTrainer, FedGRPOConfig(**common, **{speedup: True}))
+        assert fast.__mro__[1] is FastGRPOMixin and issubclass(fast, plain), speedup
+
+
+def test_the_drop_in_trainer_takes_the_speedups_only_when_switched_on(tmp_path, tiny_model_dir, tiny_tokenizer):
+    from datasets import Dataset
+
+    def build(**speedups):
+        args = FedGRPOConfig(output_dir=str(tmp_path), **FAST_GRPO, max_steps=1, **speedups)
+        return FedGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=lambda completions, **_: [0.0]
+            * len(completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
+            processing_class=tiny_tokenizer, peft_config=default_lora_config(), eval_reward_funcs=None,
+        )
+
+    plain, fast = build(), build(shared_prefix=True)
+    assert type(plain) is FedGRPOTrainer and not isinstance(plain, FastGRPOMixin)
+    assert type(fast).__mro__[1:3] == (FastGRPOMixin, FedGRPOTrainer) and fast.shared_prefix_stats.rows == 0

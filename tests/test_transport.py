@@ -7,8 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import length_reward
 from trl_federated import FedAvgAggregator, FederatedRunner, RoundCallback, ServerSGD
-from trl_federated.adapters import state_nbytes
-from trl_federated.transport import WireFormat, is_lora_a
+from trl_federated.adapters import WireFormat, is_lora_a, state_nbytes
 
 CLIENTS = {
     f"site-{c}": Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(8)]})

@@ -54,7 +54,7 @@ def reply(server, client_id, state=None, reward=0.5, num_samples=10, metrics=Non
     sent = ClientUpdate(client_id, server.wire.encode(state, server.global_state), num_samples, reward,
                         metrics if metrics is not None else {}, extras or {})
     try:
-        update = server.admit(client_id, lambda: sent)
+        update = server.admit(client_id, sent)
     except InvalidUpdateError as error:
         server.drop(client_id, "invalid_update", str(error))
         return None
@@ -225,7 +225,7 @@ def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_arg
 def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_clients_rejected(
     tmp_path, tiny_model_dir, fast_args, action
 ):
-    from trl_federated.aggregation.base import state_norm
+    from trl_federated.adapters import state_norm
 
     server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="scaffold",
                          num_rounds=6, update_norm_action=action)

@@ -3,7 +3,8 @@
 Whatever the transport (the in-process runner's wire simulation, a Flower reply), a reply is decoded, checked
 against what the server itself knows, and bounded before any server state sees it:
 
-1. decoding: the transport's own decoder (`WireFormat.decode`, `flower.records.content_to_update`);
+1. decoding, once, by whoever holds the bytes (`read_reply` around the transport's own decoder: the Flower
+   strategy's `flower.records.content_to_update`, then the server's `WireFormat.decode` in `FederatedServer.admit`);
 2. identity: the update must speak for the client the server asked (the server's map, not the reply's claim),
    and only once per round;
 3. values: `validate_update` (the adapter's keys, shapes, dtypes and finite values, the sample count, R̄ in
@@ -15,8 +16,9 @@ against what the server itself knows, and bounded before any server state sees i
 5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`), else the update is rejected or clipped
    (`update_norm_action`).
 
-Anything that fails, including an exception no check foresaw, is that client's `InvalidUpdateError` with a reason,
-never an exception out of the server.
+Steps 2 to 5 are `UpdateGate.check`, which takes the decoded update and calls back into nothing. Anything that fails,
+including an exception no check foresaw, is that client's `InvalidUpdateError` with a reason, never an exception out
+of the server.
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ import logging
 import math
 import re
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
+from typing import TypeVar
 
-from .adapters import AdapterState, InvalidUpdateError
+from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, state_distance
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import check_state, norm_scale, refuse_extras, state_distance
+from .aggregation.base import RoundMetric, refuse_extras
 from .callbacks import is_reserved_metric
+from .choices import NORM_ACTIONS, check_choice
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-NORM_ACTIONS = ("reject", "clip")
 # A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)
 # and report rows: it must be safe as one path component, and short enough for a log line.
 MAX_CLIENT_ID_LENGTH = 256
@@ -70,12 +74,15 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9_.:@+-]+(/[A-Za-z0-9_.:@+-]+)*")
 STEP_REWARDS, WALL_CLOCK = "step_rewards", "wall_clock"
 
 
-def bound_metrics(metrics: dict, client_id: str, local_steps: int | None = None) -> dict:
+def bound_metrics(
+    metrics: dict, client_id: str, local_steps: int | None = None, round_metrics: Iterable[RoundMetric] = ()
+) -> dict:
     """The metrics of client `client_id` the server keeps: finite numbers (as floats), under names of at most
     `MAX_METRIC_NAME_LENGTH` characters of `METRIC_NAME`'s alphabet that are not the round log's own
-    (`callbacks.is_reserved_metric`), and the two lists a client sends: `step_rewards`, at most `local_steps` numbers
-    (NaN marks a step whose rewards scored nothing; no ±Inf), and `wall_clock`, two finite numbers. Anything else is
-    dropped, with one warning naming each and why; more than `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
+    (`callbacks.is_reserved_metric`, with the aggregator's `round_metrics`), and the two lists a client sends:
+    `step_rewards`, at most `local_steps` numbers (NaN marks a step whose rewards scored nothing; no ±Inf), and
+    `wall_clock`, two finite numbers. Anything else is dropped, with one warning naming each and why; more than
+    `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
     if len(metrics) > MAX_CLIENT_METRICS:
         raise ValueError(f"it sends {len(metrics)} metrics, more than the {MAX_CLIENT_METRICS} a client may send")
     lengths = {STEP_REWARDS: local_steps, WALL_CLOCK: 2}
@@ -83,7 +90,7 @@ def bound_metrics(metrics: dict, client_id: str, local_steps: int | None = None)
     for name, value in metrics.items():
         if len(name) > MAX_METRIC_NAME_LENGTH or not METRIC_NAME.fullmatch(name):
             dropped.append(f"{bounded_text(repr(name), 60)} (not a metric name)")
-        elif is_reserved_metric(name):
+        elif is_reserved_metric(name, round_metrics):
             dropped.append(f"{name!r} (a name of the server's round log)")
         elif name in lengths:
             limit = lengths[name]
@@ -166,8 +173,7 @@ class UpdateGate:
         reward_window: int | None = None,
         learning_rate: float | None = None,
     ):
-        if norm_action not in NORM_ACTIONS:
-            raise ValueError(f"`norm_action` must be one of {NORM_ACTIONS}, got {norm_action!r}.")
+        check_choice("update_norm_action", norm_action, NORM_ACTIONS)
         self.reward_range = reward_range
         self.max_update_norm, self.norm_action = max_update_norm, norm_action
         self.num_samples = dict(num_samples or {})
@@ -208,18 +214,9 @@ class UpdateGate:
         self.global_state = global_state
         self.admitted = set()
 
-    def admit(self, client_id: str, receive: Callable[[], ClientUpdate]) -> ClientUpdate:
-        """The update of client `client_id` that `receive()` decodes, checked and bounded; `InvalidUpdateError`
-        (naming the client and the fault) for anything else, whatever `receive` raised."""
-        try:
-            update = receive()
-        except InvalidUpdateError:
-            raise
-        except Exception as error:  # any decoding fault is this client's, not the server's
-            raise InvalidUpdateError(
-                f"Update of client {client_id!r} rejected: unreadable reply ({type(error).__name__}: "
-                f"{bounded_text(error)})."
-            ) from error
+    def check(self, client_id: str, update: ClientUpdate) -> ClientUpdate:
+        """`update`, decoded from client `client_id`'s reply (`read_reply`), checked and bounded;
+        `InvalidUpdateError` (naming the client and the fault) for anything else."""
         try:
             return self._check(client_id, update)
         except InvalidUpdateError:
@@ -246,7 +243,8 @@ class UpdateGate:
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
         try:
-            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps)
+            round_metrics = () if self.aggregator is None else self.aggregator.round_metrics()
+            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics)
             if self.reward_window is not None:
                 check_window_reward(update, self.reward_window)
             if self.aggregator is None:
@@ -293,6 +291,20 @@ class UpdateGate:
                 ).to(reference.dtype)
                 for key, reference in self.global_state.items()
             }
+
+
+def read_reply(client_id: str, decode: Callable[[], T]) -> T:
+    """What `decode()` reads from client `client_id`'s reply; any fault in it (a malformed record, a payload that
+    does not decode, a `MemoryError`) is that client's `InvalidUpdateError`, never the server's exception."""
+    try:
+        return decode()
+    except InvalidUpdateError:
+        raise
+    except Exception as error:
+        raise InvalidUpdateError(
+            f"Update of client {client_id!r} rejected: unreadable reply ({type(error).__name__}: "
+            f"{bounded_text(error)})."
+        ) from error
 
 
 def validate_update(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
+from .aggregation.base import RoundMetric
 from .round_record import RoundRecord
 
 
@@ -32,7 +33,8 @@ class RoundCallback(TrainerCallback):
         """Client `client_id` is left out of round `round_idx`: `kind` is 'error', 'timeout' or 'invalid_update'."""
 
     def on_round_end(self, args, record: RoundRecord, **kwargs):
-        """After aggregation: `record` holds R̄, h, ω, τ, bytes and metrics of the round."""
+        """After aggregation: `record` holds R̄, ω, the aggregator's round metrics (RPG: h, τ), bytes and metrics of
+        the round."""
 
     def on_resume(
         self, args, round_idx: int, history: list[RoundRecord], evaluations: dict[int, dict[str, Any]], **kwargs
@@ -50,18 +52,19 @@ class RoundCallback(TrainerCallback):
 
 
 # The round log's own entries (`round_logs`): the server's, and under `<client_id>/` each client's, with the
-# evaluation's `eval_` entries. A client's metrics never take these names (`admission.UpdateGate` drops such a
-# metric, and `round_logs` writes the server's entries last).
+# evaluation's `eval_` entries, and the aggregator's round metrics under their log names (`RoundMetric.log_entry`). A
+# client's metrics never take these names (`admission.UpdateGate` drops such a metric, and `round_logs` writes the
+# server's entries last).
 # The server step's entries, `RoundRecord` fields of the same names.
 SERVER_STEP_LOGS = (
-    "temperature", "delta_norm", "server_step_norm", "server_step_ratio", "server_step_cosine",
-    "server_step_momentum_cosine", "server_step_norm_a", "server_step_norm_b",
+    "delta_norm", "server_step_norm", "server_step_ratio", "server_step_cosine", "server_step_momentum_cosine",
+    "server_step_norm_a", "server_step_norm_b",
 )
 ROUND_LOG_NAMES = frozenset({
     "round", "num_clients", "num_sampled", "reward", *SERVER_STEP_LOGS, "bytes_sent", "bytes_received",
     "num_dropped", "step", "epoch",
 })
-CLIENT_LOG_NAMES = frozenset({"reward_window", "rpg_gain", "weight", "bytes_sent", "update_norm", "update_cosine"})
+CLIENT_LOG_NAMES = frozenset({"reward_window", "weight", "bytes_sent", "update_norm", "update_cosine"})
 EVALUATION_LOG_PREFIX = "eval_"
 
 
@@ -70,12 +73,15 @@ def metric_log_name(name: str) -> str:
     return name.removeprefix("train_")
 
 
-def is_reserved_metric(name: str) -> bool:
+def is_reserved_metric(name: str, round_metrics: Iterable[RoundMetric] = ()) -> bool:
     """Whether a client metric named `name` would take the name of one of the round log's own entries: the server's,
-    an evaluation's, or a client's (`weight`, and `<any client>/weight`)."""
+    an evaluation's, a client's (`weight`, and `<any client>/weight`), or one of the aggregator's `round_metrics`."""
     name = metric_log_name(name)
+    round_metrics = list(round_metrics)
+    round_names = ROUND_LOG_NAMES | {metric.log_entry for metric in round_metrics if not metric.per_client}
+    client_names = CLIENT_LOG_NAMES | {metric.log_entry for metric in round_metrics if metric.per_client}
     return (
-        name in ROUND_LOG_NAMES or name.rsplit("/", 1)[-1] in CLIENT_LOG_NAMES
+        name in round_names or name.rsplit("/", 1)[-1] in client_names
         or name.startswith(EVALUATION_LOG_PREFIX)
     )
 
@@ -83,15 +89,16 @@ def is_reserved_metric(name: str) -> bool:
 def round_logs(record: RoundRecord) -> dict[str, float]:
     """One round as a flat log entry named as TRL names its step logs.
 
-    Each client's values are under `<client_id>/`: R̄ (`reward_window`), h (`rpg_gain`), ω (`weight`),
+    Each client's values are under `<client_id>/`: R̄ (`reward_window`), ω (`weight`),
     `bytes_sent`, its update's norm ‖θ_i − θ^{[t]}‖ (`update_norm`) and cosine with the clients' mean change Δ
     (`update_cosine`), and its scalar metrics (`loss`, `seconds`, and the means over its local steps of TRL's step
     metrics: `completions/mean_length`, `kl`, `frac_reward_zero_std` (its GRPO groups whose rewards were all equal),
     ...). Their means over the aggregated clients keep TRL's own names (`reward` is the mean R̄), so the curves
-    overlay a `GRPOTrainer` run's; then the round's totals (`num_clients` aggregated of `num_sampled`), τ, the
-    server step s (`delta_norm` ‖Δ‖, `server_step_norm` ‖s‖ = ‖θ^{[t+1]} − θ^{[t]}‖ and their ratio
-    `server_step_ratio`, `server_step_cosine` cos(s, Δ), `server_step_momentum_cosine` cos(s, s^{[t-1]}), and ‖s‖
-    over the LoRA A and B factors, `server_step_norm_a` and `_b`), and
+    overlay a `GRPOTrainer` run's; then the round's totals (`num_clients` aggregated of `num_sampled`), the
+    aggregator's round metrics under their log names (`RoundMetric`: RPG's τ as `temperature`, each client's h as
+    `<client_id>/rpg_gain`), the server step s (`delta_norm` ‖Δ‖, `server_step_norm` ‖s‖ = ‖θ^{[t+1]} − θ^{[t]}‖
+    and their ratio `server_step_ratio`, `server_step_cosine` cos(s, Δ), `server_step_momentum_cosine`
+    cos(s, s^{[t-1]}), and ‖s‖ over the LoRA A and B factors, `server_step_norm_a` and `_b`), and
     the evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations
     show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
     """
@@ -101,7 +108,8 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         client_id: {
             metric_log_name(name): value
             for name, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not is_reserved_metric(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not is_reserved_metric(name, record.round_metrics)
         }
         for client_id, metrics in record.client_metrics.items()
     }
@@ -119,6 +127,9 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         logs["num_sampled"] = len(record.sampled)
     if record.rewards:
         logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
+    for metric in record.round_metrics:
+        if not metric.per_client and metric.value is not None:
+            logs[metric.log_entry] = metric.value
     for name in SERVER_STEP_LOGS:
         if getattr(record, name) is not None:
             logs[name] = getattr(record, name)
@@ -127,7 +138,7 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     logs["num_dropped"] = len(record.dropped)
     per_client = {
         "reward_window": record.rewards,
-        "rpg_gain": record.gains,
+        **{metric.log_entry: metric.value or {} for metric in record.round_metrics if metric.per_client},
         "weight": record.weights,
         "bytes_sent": record.bytes_sent,
         "update_norm": record.update_norms,

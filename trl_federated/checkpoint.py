@@ -49,8 +49,7 @@ import torch
 from peft import PeftConfig
 from safetensors.torch import load_file, save_file
 
-from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, write_adapter
-from .aggregation.base import check_state, non_finite_entries
+from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, check_state, non_finite_entries, write_adapter
 from .round_record import RoundRecord
 
 if TYPE_CHECKING:
@@ -58,6 +57,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The layout of `federation.json`, recorded in it as "format": 2 since round records carry the aggregator's
+# `round_metrics`. A checkpoint without it, or of another format, is refused (`OutdatedCheckpointError`).
+CHECKPOINT_FORMAT = 2
 TENSORS_FILE = "federation.safetensors"
 STATE_FILE = "federation.json"
 MANIFEST_FILE = "manifest.json"
@@ -75,9 +77,21 @@ LOCK_FILE = ".trl-federated.lock"
 class CorruptCheckpointError(ValueError):
     """A checkpoint folder whose files do not match its manifest, or whose contents are malformed or non-finite."""
 
-    def __init__(self, path: str | Path, fault: str):
-        super().__init__(f"Checkpoint {path} is damaged: {fault}.")
+    def __init__(self, path: str | Path, fault: str, message: str | None = None):
+        super().__init__(message or f"Checkpoint {path} is damaged: {fault}.")
         self.path, self.fault = Path(path), fault
+
+
+class OutdatedCheckpointError(CorruptCheckpointError):
+    """A checkpoint in a layout this version no longer reads (`CHECKPOINT_FORMAT`): written by an earlier version of
+    this unreleased package. It is refused by name; nothing converts it."""
+
+    def __init__(self, path: str | Path, found):
+        fault = f"checkpoint format {found!r}, this version reads format {CHECKPOINT_FORMAT}"
+        super().__init__(path, fault, (
+            f"Checkpoint {path} was written by an earlier version of trl-federated ({fault}: the round records carry "
+            "the aggregator's own metrics since). Resume it with the version that wrote it, or start the run afresh."
+        ))
 
 
 @dataclass
@@ -111,6 +125,7 @@ def write_checkpoint(
     staging.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     state = {
+        "format": CHECKPOINT_FORMAT,
         "round_idx": checkpoint.round_idx,
         "identity": checkpoint.identity,
         "aggregator": _split_tensors(checkpoint.aggregator, "aggregator", tensors),
@@ -170,15 +185,21 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     verify_files(path)
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        if not isinstance(state, dict):
+            raise TypeError(f"{STATE_FILE} holds no JSON object")
+        found = state.get("format")  # None: a checkpoint from before formats were named
+    except Exception as error:  # JSONDecodeError, TypeError (no JSON object): all the same to a resume
+        raise CorruptCheckpointError(path, f"unreadable ({type(error).__name__}: {error})") from error
+    if found != CHECKPOINT_FORMAT:
+        raise OutdatedCheckpointError(path, found)
+    try:
         tensors = load_file(path / TENSORS_FILE)
         aggregator = _join_tensors(state["aggregator"], tensors)
-        if state.get("client_controls"):  # written before SCAFFOLD's aggregator kept its c_i in its own state
-            aggregator["client_controls"] = _join_tensors(state["client_controls"], tensors)
         checkpoint = Checkpoint(
             round_idx=state["round_idx"],
             global_state=load_file(path / ADAPTER_FILE),
             aggregator=aggregator,
-            history=[RoundRecord(**record) for record in state["history"]],
+            history=[RoundRecord.from_dict(record) for record in state["history"]],
             evaluations={int(round_idx): results for round_idx, results in state["evaluations"].items()},
             identity=state["identity"],
         )

@@ -23,13 +23,12 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
-from .adapters import AdapterState, InvalidUpdateError, set_adapter_state
+from .adapters import AdapterState, InvalidUpdateError, WireFormat, set_adapter_state
 from .aggregation import AGGREGATIONS, Aggregator, ClientUpdate
 from .config import FedGRPOConfig
 from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
 from .master_weights import read_master_state, write_master_state
 from .memory import ReleaseFreeMemory, release_free_memory
-from .transport import WireFormat
 from .vllm_server import reuse_vllm_client
 
 
@@ -125,7 +124,7 @@ def train_local_round(
             freshly initialised LoRA.
         trainer_class: The `GRPOTrainer` subclass that trains the round, with `local_trainer.LocalGRPOMixin`
             (default: `FedGRPOTrainer`).
-        wire: The wire format the adapter is sent in (`transport.WireFormat.encode`; default: all of it, in float32).
+        wire: The wire format the adapter is sent in (`adapters.WireFormat.encode`; default: all of it, in float32).
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
@@ -145,7 +144,7 @@ def train_local_round(
     trainer, patches = None, module_patches(model)
     try:
         with reuse_vllm_client():  # vLLM server mode: one client and weight-sync group per process (`vllm_server`)
-            trainer = local_trainer(trainer_class or GRPOTrainer)(
+            trainer = local_trainer(trainer_class or GRPOTrainer, args)(
                 model=model,
                 reward_funcs=reward_funcs,
                 args=args,

@@ -24,14 +24,21 @@ from transformers.trainer_utils import IntervalStrategy
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-from .admission import NORM_ACTIONS
-from .aggregation import AGGREGATIONS
-from .aggregation.robust import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS
-from .aggregation.scaffold import SCAFFOLD_CORRECTIONS
-from .aggregation.server_optim import SERVER_LEARNING_RATES, SERVER_OPTIMIZERS
-from .fast_generation import GENERATION_DTYPE_CHOICES, has_native_bf16
+from .choices import (
+    AGGREGATION_SERVER_OPTIMIZERS,
+    GENERATION_DTYPE_CHOICES,
+    LORA_AGGREGATIONS,
+    MIN_TRIMMED_CLIENTS,
+    NORM_ACTIONS,
+    ROBUST_AGGREGATIONS,
+    SCAFFOLD_CORRECTIONS,
+    SERVER_LEARNING_RATES,
+    SERVER_OPTIMIZERS,
+    TRANSFER_DTYPES,
+    choice_error,
+)
+from .devices import has_native_bf16
 from .sampling import participation_errors
-from .transport import DTYPES, LORA_AGGREGATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +48,6 @@ SERVER_ADAM_SCALE = 0.5
 PAPER_SERVER_EPSILON = 1e-8  # the paper's server Adam ε (Algorithm 1)
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
-
-
-def _either(choices: tuple[str, ...]) -> str:
-    """The choices of a field as its error message names them: "'a', 'b' or 'c'"."""
-    *others, last = choices
-    return f"{', '.join(map(repr, others))} or {last!r}" if others else repr(last)
 
 
 def _is_of_type(value, type_name: str) -> bool:
@@ -575,7 +576,7 @@ class FedGRPOConfig(GRPOConfig):
             "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
             "volume), 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`) or "
             "'scaffold' (data volume plus control variates, see `scaffold_correction`).",
-            "choices": list(AGGREGATIONS),
+            "choices": list(AGGREGATION_SERVER_OPTIMIZERS),
         },
     )
     rpg_lambda_base: float = field(
@@ -658,7 +659,7 @@ class FedGRPOConfig(GRPOConfig):
         metadata={
             "help": "Precision of each client's update on the wire: 'float32' sends the adapter as trained, "
             "'bfloat16' the round's change θ_i − θ (half the bytes, rounded relative to the change, not the weights).",
-            "choices": list(DTYPES),
+            "choices": list(TRANSFER_DTYPES),
         },
     )
 
@@ -828,8 +829,8 @@ class FedGRPOConfig(GRPOConfig):
             raise TypeError(message)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
-        if self.server_optimizer is None and self.aggregation in AGGREGATIONS:  # each method's own server step
-            self.server_optimizer = AGGREGATIONS[self.aggregation].server_optimizer
+        if self.server_optimizer is None and self.aggregation in AGGREGATION_SERVER_OPTIMIZERS:  # the method's own
+            self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]
         # Whether `server_learning_rate` was derived (`derived_server_learning_rate`): a resumed run then takes the
         # value its checkpoint recorded (`FederatedServer.load_checkpoint`). Copies of the config keep it.
         self.server_learning_rate_derived = self.server_learning_rate is None
@@ -949,11 +950,6 @@ class FedGRPOConfig(GRPOConfig):
                 yield f"`{name}` must be a positive integer, got {value!r}."
         if self.reward_window > self.local_steps:
             yield f"`reward_window` (W={self.reward_window}) must not exceed `local_steps` (E={self.local_steps})."
-        if self.num_clients > 1 and self.min_clients_per_round > self.num_clients:
-            yield (
-                f"`min_clients_per_round` ({self.min_clients_per_round}) must not exceed `num_clients` "
-                f"({self.num_clients})."
-            )
         if not 0 <= self.fraction_evaluate <= 1:
             yield f"`fraction_evaluate` must lie in [0, 1], got {self.fraction_evaluate}."
         if not 0 < self.fraction_train <= 1:
@@ -972,19 +968,18 @@ class FedGRPOConfig(GRPOConfig):
             yield f"`eval_every` must be >= 0, got {self.eval_every}."
         if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):
             yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
-        if self.aggregation not in AGGREGATIONS:
-            yield f"`aggregation` must be one of {tuple(AGGREGATIONS)}, got {self.aggregation!r}."
-        if self.lora_aggregation not in LORA_AGGREGATIONS:
-            yield f"`lora_aggregation` must be one of {LORA_AGGREGATIONS}, got {self.lora_aggregation!r}."
-        if self.transfer_dtype not in DTYPES:
-            yield f"`transfer_dtype` must be one of {tuple(DTYPES)}, got {self.transfer_dtype!r}."
-        if self.server_optimizer not in SERVER_OPTIMIZERS:
-            yield f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}."
-        for name in ("rpg_lambda_base", "rpg_iota"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                yield f"`{name}` must lie in (0, 1], got {value}."
-        for name in ("rpg_sigma_min", "rpg_tau_min", "rpg_eps", "server_learning_rate", "server_epsilon"):
+        for name, choices in (
+            ("aggregation", AGGREGATION_SERVER_OPTIMIZERS), ("lora_aggregation", LORA_AGGREGATIONS),
+            ("transfer_dtype", TRANSFER_DTYPES), ("server_optimizer", SERVER_OPTIMIZERS),
+            ("scaffold_correction", SCAFFOLD_CORRECTIONS), ("generation_dtype", GENERATION_DTYPE_CHOICES),
+        ):
+            if message := choice_error(name, getattr(self, name), choices):
+                yield message
+        yield from rpg_errors(
+            self.rpg_lambda_base, self.rpg_iota, self.rpg_sigma_min, self.rpg_sigma_max, self.rpg_tau_min,
+            self.rpg_tau_max, self.rpg_lambda_anneal, self.rpg_eps, self.rpg_h_max,
+        )
+        for name in ("server_learning_rate", "server_epsilon"):
             value = getattr(self, name)
             if value is None and name == "server_epsilon":  # FedAdam's τ, derived from the first Δ
                 continue
@@ -993,23 +988,11 @@ class FedGRPOConfig(GRPOConfig):
                 yield f"`{name}` must be > 0, got {value}" + (
                     f" (derived from `learning_rate` {self.learning_rate}: set one of them)." if derived else "."
                 )
-        if self.rpg_sigma_min > self.rpg_sigma_max:
-            yield f"`rpg_sigma_min` ({self.rpg_sigma_min}) must not exceed `rpg_sigma_max` ({self.rpg_sigma_max})."
-        if self.rpg_tau_min > self.rpg_tau_max:
-            yield f"`rpg_tau_min` ({self.rpg_tau_min}) must not exceed `rpg_tau_max` ({self.rpg_tau_max})."
-        if self.scaffold_correction not in SCAFFOLD_CORRECTIONS:
-            yield f"`scaffold_correction` must be {_either(SCAFFOLD_CORRECTIONS)}, got {self.scaffold_correction!r}."
         if self.fedprox_mu < 0:
             yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
-        if self.generation_dtype not in GENERATION_DTYPE_CHOICES:
-            yield f"`generation_dtype` must be {_either(GENERATION_DTYPE_CHOICES)}, got {self.generation_dtype!r}."
         for name in ("beta", "max_grad_norm"):  # TRL's fields, with this config's help: 0 turns each off
             if getattr(self, name) < 0:
                 yield f"`{name}` must be >= 0, got {getattr(self, name)}."
-        if self.rpg_lambda_anneal < 0:
-            yield f"`rpg_lambda_anneal` must be >= 0, got {self.rpg_lambda_anneal}."
-        if self.rpg_h_max is not None and not self.rpg_h_max > 0:
-            yield f"`rpg_h_max` must be > 0 or None, got {self.rpg_h_max}."
         for name in ("server_beta1", "server_beta2"):
             value = getattr(self, name)
             if not 0 <= value < 1:
@@ -1019,10 +1002,9 @@ class FedGRPOConfig(GRPOConfig):
         """Yield one message per invalid field of the "Robustness" block."""
         if self.update_norm_bound is not None and not self.update_norm_bound > 0:
             yield f"`update_norm_bound` must be > 0 or None, got {self.update_norm_bound}."
-        if self.update_norm_action not in NORM_ACTIONS:
-            yield f"`update_norm_action` must be {_either(NORM_ACTIONS)}, got {self.update_norm_action!r}."
-        if self.robust_aggregation not in ROBUST_AGGREGATIONS:
-            yield f"`robust_aggregation` must be {_either(ROBUST_AGGREGATIONS)}, got {self.robust_aggregation!r}."
+        for name, choices in (("update_norm_action", NORM_ACTIONS), ("robust_aggregation", ROBUST_AGGREGATIONS)):
+            if message := choice_error(name, getattr(self, name), choices):
+                yield message
         if not 0 < self.robust_trim_fraction < 0.5:
             yield f"`robust_trim_fraction` must lie in (0, 0.5), got {self.robust_trim_fraction}."
         if self.robust_aggregation == "trimmed_mean" and self.min_clients_per_round < MIN_TRIMMED_CLIENTS:
@@ -1107,6 +1089,27 @@ class FedGSPOConfig(FedGRPOConfig):
 # The local algorithms by name (`trl-federated run --algorithm`, `methods.Method.algorithm`): each one's config
 # class, whose defaults are the algorithm's recipe.
 CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
+
+
+def rpg_errors(
+    lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
+):
+    """One message per RPG setting out of its range, named as `FedGRPOConfig`'s `rpg_*` field: the one rule for
+    the config's fields and `aggregation.RPGAggregator`'s arguments."""
+    for name, value in (("rpg_lambda_base", lambda_base), ("rpg_iota", iota)):
+        if not 0 < value <= 1:
+            yield f"`{name}` must lie in (0, 1], got {value}."
+    for name, value in (("rpg_sigma_min", sigma_min), ("rpg_tau_min", tau_min), ("rpg_eps", eps)):
+        if not value > 0:
+            yield f"`{name}` must be > 0, got {value}."
+    if sigma_min > sigma_max:
+        yield f"`rpg_sigma_min` ({sigma_min}) must not exceed `rpg_sigma_max` ({sigma_max})."
+    if tau_min > tau_max:
+        yield f"`rpg_tau_min` ({tau_min}) must not exceed `rpg_tau_max` ({tau_max})."
+    if lambda_anneal < 0:
+        yield f"`rpg_lambda_anneal` must be >= 0, got {lambda_anneal}."
+    if h_max is not None and not h_max > 0:
+        yield f"`rpg_h_max` must be > 0 or None, got {h_max}."
 
 
 def result_fields(config: FedGRPOConfig | type[FedGRPOConfig]) -> tuple[str, ...]:

@@ -41,31 +41,21 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.initialization import no_init_weights
 from transformers.masking_utils import eager_mask
 
+from . import choices
+from .devices import has_native_bf16
 from .shared_prefix import SharedPrefixStats, cache_keyword, has_full_attention_cache
 
 logger = logging.getLogger(__name__)
 
-GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GENERATION_DTYPES = {name: getattr(torch, name) for name in choices.GENERATION_DTYPES}
 """The weight dtypes fast generation can run in, by the names `generation_dtype` takes ("auto" picks one)."""
-GENERATION_DTYPE_CHOICES = ("auto", *GENERATION_DTYPES)
-
-
-def has_native_bf16(device: torch.device) -> bool:
-    """Whether `device` computes bf16 matrix products natively: a CPU with AVX512-BF16 or AMX tiles, a CUDA device
-    that supports bf16. Elsewhere bf16 is emulated and slower than float32."""
-    if device.type == "cpu":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return False
 
 
 def resolve_generation_dtype(name: str, device: torch.device) -> torch.dtype:
     """The dtype of `generation_dtype` `name` on `device`: "auto" is bfloat16 where `has_native_bf16`, else float32."""
     if name == "auto":
         return torch.bfloat16 if has_native_bf16(device) else torch.float32
-    if name not in GENERATION_DTYPES:
-        raise ValueError(f"generation_dtype must be one of {GENERATION_DTYPE_CHOICES}, got {name!r}.")
+    choices.check_choice("generation_dtype", name, choices.GENERATION_DTYPE_CHOICES)
     return GENERATION_DTYPES[name]
 
 

@@ -6,7 +6,7 @@ recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
 on `LocalGRPOMixin` and adds federated `train()`, which drives `FederatedRunner`. The modules import downwards only:
-trainer → runner → client → local_trainer → speedups.
+trainer → runner → client → local_trainer → speedups; `FastGRPOMixin` joins a class only when a speed-up is on.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .distributed import from_main_process
-from .master_weights import read_master
-from .speedups import FastGRPOMixin, base_name
+from .master_weights import linear_term, read_master
+from .speedups import FastGRPOMixin, TrainerMixin, base_name, wants_speedups
 
 
-class LocalGRPOMixin(FastGRPOMixin):
+class LocalGRPOMixin(TrainerMixin):
     """What a client's trainer adds to any `trl.GRPOTrainer` subclass; put it first among the bases, or let
     `local_trainer(MyTrainer)` do so. With its own config the trainer trains exactly like the class it extends.
 
@@ -35,9 +35,9 @@ class LocalGRPOMixin(FastGRPOMixin):
     `window_reward()` gives the client's report R̄^{[t]}: the mean of the last `reward_window` (W) steps. With a
     `FedGRPOConfig` it also adds FedProx's proximal term (`fedprox_mu`), the `loss_term()` of any callback that
     has one (`compute_loss`) and, for a client of a federation
-    (`federation_round` set), the learning-rate schedule of the whole federation. It builds on
-    `speedups.FastGRPOMixin`, so a client trains with the speed-ups its config turns on (`shared_prefix`,
-    `recompute_gated_mlp`).
+    (`federation_round` set), the learning-rate schedule of the whole federation. It overrides none of
+    GRPOTrainer's private methods: `speedups.FastGRPOMixin` joins a client's class only when its config turns a
+    speed-up on (`local_trainer(trainer_class, args)`).
     """
 
     def __init__(self, *args, **kwargs):
@@ -133,13 +133,23 @@ class LocalGRPOMixin(FastGRPOMixin):
 
 
 
-def local_trainer(trainer_class: type[GRPOTrainer]) -> type[LocalGRPOMixin]:
+def local_trainer(trainer_class: type[GRPOTrainer], args=None) -> type[LocalGRPOMixin]:
     """`trainer_class`, a `trl.GRPOTrainer` subclass, with `LocalGRPOMixin` mixed in (a class that has it already,
-    such as `FedGRPOTrainer` or `federated(...)`'s, is returned as it is); made once per class."""
+    such as `FedGRPOTrainer` or `federated(...)`'s, keeps its own), and `speedups.FastGRPOMixin` first when `args`
+    turns a speed-up on (`speedups.wants_speedups`); made once per class."""
     require_grpo_trainer(trainer_class)
-    if issubclass(trainer_class, LocalGRPOMixin):
+    local = trainer_class if issubclass(trainer_class, LocalGRPOMixin) else mixed_class(
+        LocalGRPOMixin, trainer_class, "Local"
+    )
+    return with_speedups(local, args)
+
+
+def with_speedups(trainer_class: type, args) -> type:
+    """`trainer_class` with `speedups.FastGRPOMixin` first among its bases when `args` turns a speed-up on, else as
+    it is: a trainer overrides GRPOTrainer's private methods only for a speed-up it uses."""
+    if not wants_speedups(args) or issubclass(trainer_class, FastGRPOMixin):
         return trainer_class
-    return mixed_class(LocalGRPOMixin, trainer_class, "Local")
+    return mixed_class(FastGRPOMixin, trainer_class, "Fast")
 
 
 @functools.cache
@@ -192,15 +202,6 @@ class ProximalTerm(TrainerCallback):
 
     def loss_term(self) -> torch.Tensor:
         return linear_term(self.params, self.pull)
-
-
-def linear_term(params: list[torch.Tensor], gradient: list[torch.Tensor]) -> torch.Tensor:
-    """A loss term whose value is 0 and whose gradient with respect to `params` is `gradient` (cast to each
-    parameter's dtype): Σ ⟨g, θ − stopgrad(θ)⟩. Added to the training loss, it adds `gradient` to every engine's
-    gradient with the loss's own scaling, and leaves the logged loss as it is."""
-    return sum(
-        ((param - param.detach()) * grad.to(param.device, param.dtype)).sum() for param, grad in zip(params, gradient)
-    )
 
 
 class Deadline(TrainerCallback):

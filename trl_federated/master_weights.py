@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from peft import get_peft_model_state_dict
 
-from .aggregation.base import AdapterState
+from .adapters import AdapterState
 
 
 class MasterWeightsError(ValueError):
@@ -74,6 +74,16 @@ def write_master_state(model, state: AdapterState) -> None:
         raise KeyError(f"Adapter state has keys the model's adapter lacks: {unexpected[:5]}")
     for key, value in state.items():
         write_master(parameters[key], value)
+
+
+def linear_term(params: list[torch.Tensor], gradient: list[torch.Tensor]) -> torch.Tensor:
+    """A loss term whose value is 0 and whose gradient with respect to `params` is `gradient` (cast to each
+    parameter's dtype): Σ ⟨g, θ − stopgrad(θ)⟩. Added to the training loss, it adds `gradient` to every engine's
+    gradient with the loss's own scaling, and leaves the logged loss as it is: how FedProx's pull
+    (`local_trainer.ProximalTerm`) and SCAFFOLD's gradient correction (`aggregation.scaffold`) reach the step."""
+    return sum(
+        ((param - param.detach()) * grad.to(param.device, param.dtype)).sum() for param, grad in zip(params, gradient)
+    )
 
 
 def check_float32_adapter(model) -> None:

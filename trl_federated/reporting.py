@@ -26,24 +26,41 @@ def round_label(round_idx: int, num_rounds: int) -> str:
 
 
 def format_round_table(history: list[RoundRecord]) -> str:
-    """Markdown table of every client's R̄, h, ω and traffic, round by round, and of the clients dropped (their
-    reasons are in metrics.jsonl); rounds are numbered t = 0, 1, ... (`ROUND_NUMBERING`), the paper's t that sets
-    τ^{[t]}."""
+    """Markdown table of every client's R̄, ω and traffic, round by round, with a column per round metric of the
+    aggregator (`RoundRecord.round_metrics`, headed by its label and printed in its format: RPG's τ per round, h per
+    client; "-" where a round has none), and of the clients dropped (their reasons are in metrics.jsonl); rounds are
+    numbered t = 0, 1, ... (`ROUND_NUMBERING`), the paper's t that sets τ^{[t]}. An aggregator without round metrics
+    leaves one column of "-" in their place."""
+    specs = {metric.name: metric for record in history for metric in record.round_metrics}
+    per_round = [metric for metric in specs.values() if not metric.per_client] or [None]
+    per_client = [metric for metric in specs.values() if metric.per_client] or [None]
+
+    def header(metrics) -> str:
+        return " | ".join("-" if metric is None else metric.label for metric in metrics)
+
+    def cell(metric, values: dict, client_id: str | None = None) -> str:
+        value = None if metric is None else values.get(metric.name)
+        if client_id is not None and isinstance(value, dict):
+            value = value.get(client_id)
+        return "-" if value is None or isinstance(value, dict) else format(value, metric.format)
+
     lines = [
-        "| Round | τ | Client | R̄ | h | ω | Sent (bytes) | Received (bytes) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        f"| Round | {header(per_round)} | Client | R̄ | {header(per_client)} | ω | Sent (bytes) | Received (bytes) |",
+        "|" + "---:|" * (1 + len(per_round)) + "---|" + "---:|" * (4 + len(per_client)),
     ]
     for record in history:
-        temperature = f"{record.temperature:.3f}" if record.temperature is not None else "-"
+        values = record.metric_values()
+        shown = " | ".join(cell(metric, values) for metric in per_round)
         for client_id, reward in record.rewards.items():
-            gain = record.gains.get(client_id)
+            clients = " | ".join(cell(metric, values, client_id) for metric in per_client)
             lines.append(
-                f"| {record.round_idx} | {temperature} | {client_id} | {reward:.3f} | "
-                f"{'-' if gain is None else f'{gain:+.3f}'} | {record.weights[client_id]:.3f} | "
-                f"{record.bytes_sent[client_id]:,} | {record.bytes_received[client_id]:,} |"
+                f"| {record.round_idx} | {shown} | {client_id} | {reward:.3f} | {clients} | "
+                f"{record.weights[client_id]:.3f} | {record.bytes_sent[client_id]:,} | "
+                f"{record.bytes_received[client_id]:,} |"
             )
         for client_id in record.dropped:
-            lines.append(f"| {record.round_idx} | {temperature} | {client_id} | dropped | - | - | - | - |")
+            dashes = " | ".join("-" for _ in per_client)
+            lines.append(f"| {record.round_idx} | {shown} | {client_id} | dropped | {dashes} | - | - | - |")
     return "\n".join(lines)
 
 

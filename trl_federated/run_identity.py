@@ -104,9 +104,7 @@ def check_identity(
                     f"client {now['id']!r} holds other data ({now['num_rows']} rows now, {before['num_rows']} in "
                     "the checkpoint, or the same number of different rows)"
                 )
-    # A checkpoint from before the wire options carries none: it used the defaults.
-    default_wire = {"lora_aggregation": "separate", "transfer_dtype": "float32"}
-    if differences := _differences(saved.get("wire", default_wire), current.get("wire", default_wire)):
+    if "wire" in current and (differences := _differences(saved["wire"], current["wire"])):
         problems.append(f"the wire format differs in {differences}")
     if saved["aggregator"] != current["aggregator"]:
         problems.append(f"the aggregator differs (checkpoint: {saved['aggregator']}, now: {current['aggregator']})")

@@ -14,8 +14,7 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl import GRPOTrainer
 
-from .adapters import with_federated_adapter
-from .admission import UpdateGate
+from .adapters import freeze_lora_a, with_federated_adapter
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from .callbacks import IntegrationLog, TrainerLogCallback
 from .client import describe_failure, load_reward_models, local_training_args, train_local_round
@@ -26,7 +25,6 @@ from .master_weights import check_float32_adapter
 from .reporting import RunProgress
 from .round_record import RoundRecord
 from .server import FederatedServer, NotEnoughClientsError, ServerStateView
-from .transport import WireFormat, freeze_lora_a
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError"]
 
@@ -156,50 +154,6 @@ class FederatedRunner(ServerStateView):
         # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
         self.reference_state = self.server.global_state if args.beta != 0 else None
 
-    # The server's state, as the runner has always exposed it -----------------------------------------------
-
-    @property
-    def gate(self) -> UpdateGate:
-        return self.server.gate
-
-    @property
-    def wire(self) -> WireFormat:
-        return self.server.wire
-
-    @property
-    def evaluations(self) -> dict[int, dict[str, Any]]:
-        return self.server.evaluations
-
-    @property
-    def eval_dataset(self) -> Dataset | None:
-        return self.server.eval_dataset
-
-    @property
-    def reward_range(self) -> tuple[float, float] | None:
-        """The interval R̄ must lie in, from the reward functions' declared ranges (None: not known)."""
-        return self.server.reward_range
-
-    @property
-    def callbacks(self) -> list:
-        """The run's callbacks: the server fires their round hooks, every client's trainer their trainer hooks."""
-        return self.server.callbacks
-
-    @callbacks.setter
-    def callbacks(self, callbacks: list) -> None:
-        self.server.callbacks = callbacks
-
-    def evaluate(self, round_idx: int) -> dict[str, Any] | None:
-        """Evaluate the current global adapter (`server.FederatedServer.evaluate`)."""
-        return self.server.evaluate(round_idx)
-
-    def save_checkpoint(self, round_idx: int):
-        """Write `output_dir/checkpoint-<round_idx>` (`server.FederatedServer.save_checkpoint`)."""
-        return self.server.save_checkpoint(round_idx)
-
-    def load_checkpoint(self, path) -> int:
-        """Restore a checkpoint of this run; returns its round (`server.FederatedServer.load_checkpoint`)."""
-        return self.server.load_checkpoint(path)
-
     @staticmethod
     def _named_clients(client_datasets) -> dict[str, Dataset]:
         if isinstance(client_datasets, Mapping):
@@ -215,12 +169,7 @@ class FederatedRunner(ServerStateView):
 
     def _check_clients(self) -> None:
         """Fail now, naming the clients, on a federation that could never run a round."""
-        args, num_clients = self.args, len(self.client_datasets)
-        if args.min_clients_per_round > num_clients:
-            raise ValueError(
-                f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds the {num_clients} clients of the "
-                "federation: no round could ever aggregate."
-            )
+        args = self.args  # the clients against the sampling settings: `FederatedServer` (`participation_errors`)
         # TRL's sampler draws generation_batch_size / num_generations distinct prompts per generation batch and
         # skips an incomplete batch, so a smaller client would never take a step.
         needed = args.generation_batch_size // args.num_generations
@@ -233,10 +182,6 @@ class FederatedRunner(ServerStateView):
             )
 
     # One client --------------------------------------------------------------------------------------------
-
-    def client_args(self, round_idx: int, client_index: int, client_id: str) -> FedGRPOConfig:
-        """The local-training configuration of one client in one round (see `client.local_training_args`)."""
-        return local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id)
 
     def train_client(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate:
         """Run one client's local round from the current global adapter and return its update as the client sends it
@@ -252,7 +197,7 @@ class FederatedRunner(ServerStateView):
             self.global_state,
             client_id,
             self.client_datasets[client_id],
-            self.client_args(round_idx, client_index, client_id),
+            local_training_args(self.args, round_idx, client_index, len(self.client_datasets), client_id),
             self.reward_funcs,
             self.processing_class,
             callbacks=[*self.callbacks, self.progress] if self.progress is not None else self.callbacks,
@@ -261,7 +206,7 @@ class FederatedRunner(ServerStateView):
             aggregator_class=type(self.aggregator),
             reference_state=self.reference_state,
             trainer_class=self.trainer_class,
-            wire=self.wire,
+            wire=self.server.wire,
         )
 
     # Rounds ------------------------------------------------------------------------------------------------
@@ -327,7 +272,7 @@ class FederatedRunner(ServerStateView):
         update, fault, error = None, None, None
         try:
             trained = self.train_client(round_idx, client_index, client_id)
-            update = self.server.admit(client_id, lambda: trained)
+            update = self.server.admit(client_id, trained)
         except Exception as caught:  # any client fault costs that client its round, not the federation its run
             error = caught
             fault = describe_failure(error)

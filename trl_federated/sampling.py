@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .config import FedGRPOConfig
 
 
 def clients_per_round(num_clients: int, fraction: float, minimum: int) -> int:
@@ -44,11 +40,13 @@ def sample_clients(
     return sorted(sorted(range(num_clients), key=keys.__getitem__)[:size])
 
 
-def participation_errors(args: FedGRPOConfig, num_clients: int):
-    """Yield one message per sampling setting of `args` that a federation of `num_clients` clients cannot meet:
+def participation_errors(args, num_clients: int):
+    """Yield one message per sampling setting of `args` (a `FedGRPOConfig`) that a federation of `num_clients`
+    clients cannot meet:
     a minimum above N (Flower would wait for nodes forever; `min_evaluate_clients` only counts with
     `fraction_evaluate` > 0), or a `min_clients_per_round` above the clients each round samples, so that no round
-    could ever aggregate."""
+    could ever aggregate. The one check of these settings against the clients: the config runs it for the
+    `num_clients` it declares, `server.FederatedServer` for the clients it serves."""
     if args.min_train_clients > num_clients:
         yield f"`min_train_clients` ({args.min_train_clients}) exceeds the {num_clients} clients of the federation."
     if args.fraction_evaluate > 0 and args.min_evaluate_clients > num_clients:
@@ -58,6 +56,7 @@ def participation_errors(args: FedGRPOConfig, num_clients: int):
         yield (
             f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds the {sampled} clients sampled each "
             f"round (`fraction_train` {args.fraction_train} of {num_clients} clients, at least `min_train_clients` "
-            f"{args.min_train_clients}): no round could ever aggregate. Raise `fraction_train` or "
-            "`min_train_clients`, or lower `min_clients_per_round`."
+            f"{args.min_train_clients}): no round could ever aggregate. `min_clients_per_round` "
+            f"({args.min_clients_per_round}) must not exceed them: raise `fraction_train` or `min_train_clients`, or "
+            "lower `min_clients_per_round`."
         )

@@ -8,8 +8,8 @@ server happens here, once:
                             (`sampling.sample_clients`: `fraction_train`, `min_train_clients`, from seed and t)
     broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and the
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
-    admit(client_id, ...)   a reply, as it came off the wire, decoded (`transport.WireFormat`), checked and
-                            bounded (`admission.UpdateGate`), its bytes counted
+    admit(client_id, ...)   a reply, as it came off the wire, decoded once (`adapters.WireFormat`), its bytes
+                            counted, then checked and bounded (`admission.UpdateGate.check`)
     accept(update)          an admitted update joins the round, and the aggregator commits its per-client state
                             (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i)
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
@@ -40,10 +40,18 @@ from typing import Any
 from datasets import Dataset
 from peft import PeftModel
 
-from .adapters import AdapterState, get_adapter_state, save_adapter, set_adapter_state, state_nbytes
-from .admission import UpdateGate, check_client_id
+from .adapters import (
+    AdapterState,
+    WireFormat,
+    check_state,
+    get_adapter_state,
+    save_adapter,
+    set_adapter_state,
+    state_nbytes,
+    state_norm,
+)
+from .admission import UpdateGate, check_client_id, read_reply
 from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import check_state, state_norm
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
@@ -63,7 +71,6 @@ from .rewards import combined_reward_range
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, run_identity
 from .sampling import clients_per_round, participation_errors, sample_clients
-from .transport import WireFormat
 
 logger = logging.getLogger(__name__)
 
@@ -237,14 +244,16 @@ class FederatedServer:
             push_to_hub(self.args)
 
     def write_result(self, path: str | Path, wall_time: float) -> Path:
-        """`result.json`, written atomically: the evaluations and each round's R̄, h, ω, τ and traffic. Its presence
-        marks a finished run (`trl-federated compare` relies on it)."""
-        keys = ("round_idx", "sampled", "rewards", "gains", "weights", "temperature", "bytes_sent", "bytes_received",
-                "dropped")
+        """`result.json`, written atomically: the evaluations and each round's R̄, ω, traffic and the aggregator's
+        round metrics (RPG: h as "gains", τ as "temperature"). Its presence marks a finished run (`trl-federated
+        compare` relies on it)."""
+        keys = ("round_idx", "sampled", "rewards", "weights", "bytes_sent", "bytes_received", "dropped")
         result = {
             "wall_time": wall_time,
             "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
-            "rounds": [{key: getattr(record, key) for key in keys} for record in self.history],
+            "rounds": [
+                {**{key: getattr(record, key) for key in keys}, **record.metric_values()} for record in self.history
+            ],
         }
         path = Path(path)
         temporary = path.with_suffix(".json.tmp")
@@ -267,26 +276,26 @@ class FederatedServer:
 
     def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
-        frozen ones, `transport.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
+        frozen ones, `adapters.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
         whose bytes count in the round's traffic."""
         extras = self.aggregator.client_extras(client_id, self.global_state)
         if self._round is not None:
             self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
         return self.wire.sent(self.global_state), extras
 
-    def admit(self, client_id: str, receive: Callable[[], ClientUpdate]) -> ClientUpdate:
-        """The update of `client_id` that `receive()` returns as it came off the wire (its `state` the wire
-        payload, `transport.WireFormat.encode`), decoded, checked and bounded, with its `wire_bytes` counted;
-        `InvalidUpdateError`, naming the client and the fault, for anything else (`admission.UpdateGate`)."""
-        return self.gate.admit(client_id, lambda: self.unpack(receive()))
+    def admit(self, client_id: str, update: ClientUpdate) -> ClientUpdate:
+        """`update` of `client_id` as it came off the wire (its `state` the wire payload, `WireFormat.encode`),
+        decoded into the client's full adapter (the server aggregates what the wire delivers) with `wire_bytes` set
+        to everything it carried (the payload and the extras), then checked and bounded (`UpdateGate.check`);
+        `InvalidUpdateError`, naming the client and the fault, for anything else."""
 
-    def unpack(self, update: ClientUpdate) -> ClientUpdate:
-        """`update` with its wire payload decoded into the client's full adapter (the server aggregates what the
-        wire delivers) and `wire_bytes` set to everything it carried: the payload and the extras."""
-        payload = update.state
-        update.state = self.wire.decode(payload, self.gate.global_state)
-        update.wire_bytes = state_nbytes(payload) + sum(state_nbytes(extra) for extra in update.extras.values())
-        return update
+        def decode() -> ClientUpdate:
+            payload = update.state
+            update.state = self.wire.decode(payload, self.gate.global_state)
+            update.wire_bytes = state_nbytes(payload) + sum(state_nbytes(extra) for extra in update.extras.values())
+            return update
+
+        return self.gate.check(client_id, read_reply(client_id, decode))
 
     def accept(self, update: ClientUpdate) -> None:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
@@ -475,13 +484,12 @@ class FederatedServer:
 
     def keep_server_learning_rate(self, saved_identity: dict[str, Any]) -> None:
         """A derived server learning rate (`server_learning_rate` left unset) is resolved once per run: resumed, the
-        run takes the value its checkpoint recorded, that of a checkpoint written before the rate was derived from
-        the local budget included, even where the fields it derives from have changed since
+        run takes the value its checkpoint recorded, even where the fields it derives from have changed since
         (`resume_allow_changes`). An explicit value is checked against the checkpoint as any training setting."""
-        saved = saved_identity.get("training", {}).get("server_learning_rate")
+        saved = saved_identity["training"]["server_learning_rate"]
         current = self.args.server_learning_rate
-        same_optimizer = saved_identity.get("server_optimizer") == self.identity["server_optimizer"]
-        if not (self.args.server_learning_rate_derived and same_optimizer) or saved is None or saved == current:
+        same_optimizer = saved_identity["server_optimizer"] == self.identity["server_optimizer"]
+        if not (self.args.server_learning_rate_derived and same_optimizer) or saved == current:
             return
         logger.warning(
             "Resuming with the checkpoint's server_learning_rate %g, resolved when the run began (left unset, this "
@@ -493,20 +501,26 @@ class FederatedServer:
 
 def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:
     """A finished round in a few log lines: the clients sampled when not all `num_clients`, each aggregated client's
-    R̄, h, ω and traffic, τ, the drops and the evaluation, so that a console (`flwr run --stream`, a SuperLink's log)
-    shows what metrics.jsonl records."""
-    temperature = "" if record.temperature is None else f", τ = {record.temperature:.3f}"
+    R̄, ω, traffic and the aggregator's per-client round metrics (RPG: h), its round metrics (RPG: τ), the drops and
+    the evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
+    per_client = [metric for metric in record.round_metrics if metric.per_client]
+    shown = "".join(
+        f", {metric.show(metric.value)}" for metric in record.round_metrics
+        if not metric.per_client and metric.value is not None
+    )
     step = "" if record.server_step_ratio is None else f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
     sampled = record.sampled
     sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
     lines = [
         f"Round {round_label(record.round_idx, num_rounds)}: {len(record.weights)} clients aggregated{sampling}, "
-        f"{len(record.dropped)} dropped{temperature}{step}, {record.wall_time:.1f} s"
+        f"{len(record.dropped)} dropped{shown}{step}, {record.wall_time:.1f} s"
     ]
     for client_id, reward in record.rewards.items():
-        gain, cosine = record.gains.get(client_id), record.update_cosines.get(client_id)
+        cosine = record.update_cosines.get(client_id)
+        values = [(metric, (metric.value or {}).get(client_id)) for metric in per_client]
         lines.append(
-            f"  {client_id}: R̄ = {reward:.4f}" + ("" if gain is None else f", h = {gain:+.4f}")
+            f"  {client_id}: R̄ = {reward:.4f}"
+            + "".join(f", {metric.show(value)}" for metric, value in values if value is not None)
             + f", ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}"
             + ("" if cosine is None else f", cos(u, Δ) = {cosine:+.3f}")
             + f", sent {record.bytes_sent[client_id]:,} B, "
@@ -521,9 +535,24 @@ def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> 
 
 
 class ServerStateView:
-    """The server's state, read through a driver that owns `self.server` (`FederatedRunner`, the Flower strategy)."""
+    """What a driver that owns `self.server` (`FederatedRunner`, the Flower strategy) shows of the server: the global
+    adapter, the aggregator, the round records, the evaluations and the run's callbacks; the rest is
+    `self.server`'s."""
 
     server: FederatedServer
+
+    @property
+    def evaluations(self) -> dict[int, dict[str, Any]]:
+        return self.server.evaluations
+
+    @property
+    def callbacks(self) -> list:
+        """The run's callbacks: the server fires their round hooks, every client's trainer their trainer hooks."""
+        return self.server.callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks: list) -> None:
+        self.server.callbacks = callbacks
 
     @property
     def global_state(self) -> AdapterState:

@@ -8,8 +8,9 @@ and the gated-MLP recomputation (`gated_mlp.py`), which leave its results unchan
     args.shared_prefix = True  # a field of FedGRPOConfig; on another config, an attribute
     FastGRPOTrainer(model=..., reward_funcs=..., args=args, ...).train()  # GRPOTrainer's logs and adapter, faster
 
-The federated client trainer (`local_trainer.LocalGRPOMixin`) builds on `FastGRPOMixin`, so every client trains with
-the speed-ups its `FedGRPOConfig` turns on.
+A federated client's trainer class takes `FastGRPOMixin` only when its `FedGRPOConfig` turns a speed-up on
+(`local_trainer.local_trainer(trainer_class, args)`, `trainer.FederatedGRPOMixin`): by default it overrides none of
+GRPOTrainer's private methods.
 """
 
 from __future__ import annotations
@@ -33,8 +34,22 @@ from .shared_prefix import (
     unsupported_reason,
 )
 
+# The fields that turn a speed-up on (`FedGRPOConfig`'s "Exact speed-ups" and "Fast generation" blocks).
+SPEEDUP_FIELDS = ("shared_prefix", "recompute_gated_mlp", "fast_generation")
 
-class FastGRPOMixin:
+
+def wants_speedups(args) -> bool:
+    """Whether `args` (any config) turns on one of the speed-ups `FastGRPOMixin` implements."""
+    return any(getattr(args, name, False) for name in SPEEDUP_FIELDS)
+
+
+class TrainerMixin:
+    """What the package's trainer mixins (`FastGRPOMixin`, `local_trainer.LocalGRPOMixin`,
+    `trainer.FederatedGRPOMixin`) have in common, as opposed to a trainer class they extend: the mark that tells them
+    apart in a trainer's MRO (`base_name`)."""
+
+
+class FastGRPOMixin(TrainerMixin):
     """Exact speed-ups for any `trl.GRPOTrainer` subclass; put it first among the bases. The trainer trains like the
     class it extends, with what its `args` turn on (read at every call; False when `args` lacks them):
 
@@ -174,14 +189,13 @@ class FastGRPOMixin:
 
 def base_name(trainer_class: type) -> str:
     """The name of the trainer class a class with the mixins extends (its first class without them)."""
-    base = next((klass for klass in trainer_class.__mro__ if not issubclass(klass, FastGRPOMixin)), trainer_class)
+    base = next((klass for klass in trainer_class.__mro__ if not issubclass(klass, TrainerMixin)), trainer_class)
     return f"{base.__module__}.{base.__qualname__}"
 
 
 def _is_mixin(klass: type) -> bool:
-    """`FastGRPOMixin` or a mixin built on it (`local_trainer.LocalGRPOMixin`, `trainer.FederatedGRPOMixin`), as
-    opposed to a trainer class."""
-    return issubclass(klass, FastGRPOMixin) and not issubclass(klass, GRPOTrainer)
+    """One of the package's mixins (`TrainerMixin`), as opposed to a trainer class."""
+    return issubclass(klass, TrainerMixin) and not issubclass(klass, GRPOTrainer)
 
 
 def _overrides(trainer_class: type, name: str) -> bool:

@@ -7,6 +7,7 @@ The top of the package's layers: federated `train()` drives `FederatedRunner`, w
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
@@ -18,9 +19,9 @@ from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
 from .data import partition_clients
-from .local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer
+from .local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer, with_speedups
 from .runner import FederatedRunner
-from .speedups import FastGRPOMixin
+from .speedups import TrainerMixin
 
 
 class FederatedGRPOMixin(LocalGRPOMixin):
@@ -29,7 +30,8 @@ class FederatedGRPOMixin(LocalGRPOMixin):
 
     The trainer keeps its constructor and, with its own config or a `FedGRPOConfig` with `num_clients=1`, trains
     exactly like the class it extends, with what `LocalGRPOMixin` adds for a client: R̄ in `step_rewards` and
-    `window_reward()`, FedProx's proximal term and the speed-ups of `speedups.FastGRPOMixin` when configured.
+    `window_reward()`, FedProx's proximal term, and the speed-ups of `speedups.FastGRPOMixin` when its config turns
+    one on (the instance's class is then `Fast<class>`, with the mixin first; otherwise the mixin is not there).
 
     With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
     `train_dataset` across the clients and hands over to `FederatedRunner`, whose clients train this same class;
@@ -41,10 +43,20 @@ class FederatedGRPOMixin(LocalGRPOMixin):
     (`FedGRPOConfig.check_vllm`: `vllm_mode="colocate"`) is refused before the model loads.
     """
 
+    def __new__(cls, *args, eval_reward_funcs=None, **kwargs):
+        # `speedups.FastGRPOMixin` joins the class only when the config turns a speed-up on: by default the trainer
+        # overrides none of GRPOTrainer's private methods (the instance's class is then `Fast<cls>`). Arguments that
+        # do not fit the constructor are left for `__init__` to refuse.
+        try:
+            config = _named_arguments(functools.partial(_trainer_init(cls), None), args, kwargs).get("args")
+        except TypeError:
+            config = None
+        return super().__new__(with_speedups(cls, config))
+
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
         # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
         # (Named after the constructor of the class the mixins extend: the mixins' `__init__` take anything.)
-        self._init_arguments = _named_arguments(super(FastGRPOMixin, self).__init__, args, kwargs)
+        self._init_arguments = _named_arguments(_trainer_init(type(self)).__get__(self), args, kwargs)
         self.eval_reward_funcs = eval_reward_funcs
         if _federating(self._init_arguments.get("args")):
             # Before GRPOTrainer's constructor loads a model given by name and starts a colocated vLLM engine.
@@ -153,6 +165,11 @@ def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
     if trainer_class is GRPOTrainer:
         return FedGRPOTrainer
     return mixed_class(FederatedGRPOMixin, trainer_class, "Fed")
+
+
+def _trainer_init(cls: type):
+    """The `__init__` of the trainer class that `cls`'s mixins extend (its first class that is no mixin), unbound."""
+    return next(klass for klass in cls.__mro__ if not issubclass(klass, TrainerMixin)).__init__
 
 
 def _named_arguments(init, args: tuple, kwargs: dict) -> dict:

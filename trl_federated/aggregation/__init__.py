@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, pseudo_gradient
+from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_OPTIMIZERS, check_choice
+from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
-    """The server step `args.server_optimizer` names (`server_optim.SERVER_OPTIMIZERS`), with its `server_*`."""
+    """The server step `args.server_optimizer` names (`choices.SERVER_OPTIMIZERS`), with its `server_*`."""
+    check_choice("server_optimizer", args.server_optimizer, SERVER_OPTIMIZERS)
     rate, beta1, beta2, epsilon = args.server_learning_rate, args.server_beta1, args.server_beta2, args.server_epsilon
     if args.server_optimizer == "sgd":
         return ServerSGD(learning_rate=rate)
@@ -46,7 +48,7 @@ def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
 @dataclass(frozen=True)
 class Aggregation:
     """A registered aggregation: the server strategy (`aggregator_class.from_config` builds it) and the server
-    optimizer it takes when `FedGRPOConfig.server_optimizer` is left unset."""
+    optimizer it takes when `FedGRPOConfig.server_optimizer` is left unset (`choices.AGGREGATION_SERVER_OPTIMIZERS`)."""
 
     aggregator_class: type[Aggregator]
     server_optimizer: str = "sgd"
@@ -56,15 +58,21 @@ AGGREGATIONS: dict[str, Aggregation] = {}
 """The aggregations `FedGRPOConfig.aggregation` may name, by name (`register_aggregation`)."""
 
 
-def register_aggregation(name: str, aggregator_class: type[Aggregator], server_optimizer: str = "sgd") -> None:
+def register_aggregation(name: str, aggregator_class: type[Aggregator], server_optimizer: str | None = None) -> None:
     """Make `name` a value of `FedGRPOConfig.aggregation`: `aggregator_from_config` builds `aggregator_class` for it
-    (`Aggregator.from_config`), with `server_optimizer` ("sgd" or "adam") unless the config names another."""
+    (`Aggregator.from_config`), with `server_optimizer` (one of `choices.SERVER_OPTIMIZERS`) unless the config names
+    another; None keeps the method's row of `choices.AGGREGATION_SERVER_OPTIMIZERS` ("sgd" for a new name). The
+    config validates `aggregation` against that table, which this adds the name to."""
+    server_optimizer = server_optimizer or AGGREGATION_SERVER_OPTIMIZERS.get(name, "sgd")
+    if server_optimizer not in SERVER_OPTIMIZERS:
+        raise ValueError(f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {server_optimizer!r}.")
+    AGGREGATION_SERVER_OPTIMIZERS[name] = server_optimizer
     AGGREGATIONS[name] = Aggregation(aggregator_class, server_optimizer)
 
 
-# Each method as its paper defines it: FGRPO's server step is Adam (Algorithm 1, line 23); FedAvg, FedProx and
-# SCAFFOLD average the client models, i.e. SGD with learning rate 1 (SCAFFOLD's global step size η_g = 1).
-register_aggregation("rpg", RPGAggregator, server_optimizer="adam")
+# Each method's server step is its row of `choices.AGGREGATION_SERVER_OPTIMIZERS` (FGRPO: Adam; the others: SGD with
+# learning rate 1, model averaging).
+register_aggregation("rpg", RPGAggregator)
 register_aggregation("fedavg", FedAvgAggregator)
 register_aggregation("fedprox", FedAvgAggregator)  # FedProx differs on the clients only (`fedprox_mu`)
 register_aggregation("scaffold", ScaffoldAggregator)
@@ -80,6 +88,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
         "Aggregation %r with server optimizer %r (learning rate %g).",
         args.aggregation, args.server_optimizer, args.server_learning_rate,
     )
+    check_choice("aggregation", args.aggregation, AGGREGATIONS)
     aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
     return aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
 
@@ -94,6 +103,7 @@ __all__ = [
     "CoordinateMedian",
     "FedAvgAggregator",
     "RPGAggregator",
+    "RoundMetric",
     "ScaffoldAggregator",
     "ServerAdam",
     "ServerFedAdam",

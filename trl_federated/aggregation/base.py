@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from ..adapters import AdapterState, check_state, non_finite_entries, state_norm, tensor_norm
 from .blocks import blocks
 from .server_optim import ServerOptimizer, ServerSGD
 
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
-
-AdapterState = dict[str, torch.Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class ClientUpdate:
         metrics: Anything else worth logging (step rewards, loss, wall time).
         extras: What a strategy with per-client state takes back from the client besides its adapter
             (`Aggregator.check_extras`), by name, each keyed like `state` (SCAFFOLD: Δc_i as "control_delta").
-        wire_bytes: What the update took on the wire (see `transport.WireFormat`); None until it was sent.
+        wire_bytes: What the update took on the wire (see `adapters.WireFormat`); None until it was sent.
     """
 
     client_id: str
@@ -47,6 +46,45 @@ class ClientUpdate:
     metrics: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, AdapterState] = field(default_factory=dict)
     wire_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class RoundMetric:
+    """A value an aggregator reports for a round (`Aggregator.round_metrics`), with how to print it. The round record
+    keeps it (`RoundRecord.round_metrics`; `record.<name>` reads its value), metrics.jsonl and result.json under
+    `name`, the round log (`callbacks.round_logs`) as `<log_name>`, per client `<client_id>/<log_name>`, and the
+    console line (`server.format_round_log`) and summary.md (`reporting.format_round_table`) as
+    `<label> = <value>`, the value printed with `format`.
+
+    Args:
+        name: Its key in the record, metrics.jsonl and result.json (not one of `RoundRecord`'s own fields).
+        label: Its name where it is printed: a symbol such as "τ".
+        value: This round's value: a number (None: none this round); with `per_client`, a number per aggregated
+            client, by client id.
+        per_client: Whether `value` holds one number per client.
+        format: The format spec of one value (`format(value, spec)`).
+        log_name: Its entry in the round log (default: `name`).
+    """
+
+    name: str
+    label: str
+    value: Any = None
+    per_client: bool = False
+    format: str = ".4g"
+    log_name: str | None = None
+
+    @property
+    def log_entry(self) -> str:
+        return self.log_name or self.name
+
+    def show(self, value) -> str:
+        """`value` (one of this metric's numbers) as printed: "τ = 2.500"."""
+        return f"{self.label} = {format(value, self.format)}"
+
+    def spec(self) -> dict[str, Any]:
+        """What a record keeps besides the value: how to name and print it."""
+        return {"name": self.name, "label": self.label, "per_client": self.per_client, "format": self.format,
+                "log_name": self.log_name}
 
 
 class ClientHook(NamedTuple):
@@ -107,7 +145,7 @@ class _StepGeometry:
         for key, value in block.items():
             step = new[key].float() - value.float()
             self.steps[key] = step
-            step_sq = _norm(step) ** 2
+            step_sq = tensor_norm(step) ** 2
             self.step_sq += step_sq
             self.step_delta_dot += torch.dot(step.view(-1), delta[key].view(-1)).item()
             factor = next((name for name in self.factor_sq if f".{name}." in f".{key}."), None)
@@ -116,12 +154,12 @@ class _StepGeometry:
             if self.previous_steps is not None and key in self.previous_steps:
                 previous = self.previous_steps[key]
                 self.step_previous_dot += torch.dot(step.view(-1), previous.view(-1)).item()
-                self.previous_sq += _norm(previous) ** 2
+                self.previous_sq += tensor_norm(previous) ** 2
         for index, state in enumerate(client_states):
             for key, value in block.items():
                 update = self.buffer[: value.numel()]
                 torch.sub(state[key].view(-1), value.view(-1), out=update)
-                self.update_sq[index] += _norm(update) ** 2
+                self.update_sq[index] += tensor_norm(update) ** 2
                 self.dots[index] += torch.dot(update, delta[key].view(-1)).item()
 
     def result(self, client_ids: list[str]) -> ServerStep:
@@ -156,6 +194,9 @@ class Aggregator(ABC):
     trains with them and sends back, `check_extras` how the admission gate checks and bounds that reply (and the
     per-client state it would commit), `correction_norm` how far the extras sent move the client's adapter, and
     `accept` commits an admitted update's per-client state. By default a strategy exchanges nothing else.
+
+    `round_metrics` is what a strategy reports about each aggregation besides ω (RPG: its gains h and temperature τ):
+    the round record, the round log, the reports and result.json show whatever it returns.
 
     `combiner` (see `robust`) replaces the weighted mean in Δ by a coordinate-wise trimmed mean or median.
     `aggregate` checks its own inputs (`check_updates`: distinct client ids, the global adapter's keys and shapes,
@@ -241,6 +282,13 @@ class Aggregator(ABC):
         it with the fields it needs beyond the weights (which `client_weights` checks)."""
         check_updates(global_state, updates, check_finite)
 
+    def round_metrics(self) -> list[RoundMetric]:
+        """What this strategy reports about its last aggregation besides ω and the step's geometry, each with how to
+        print it (`RoundMetric`): the round record, the round log, summary.md and result.json show them, and a
+        client metric never takes one of their log names. The same metrics, in the same order, whether or not a
+        round has been aggregated yet (then without values). None by default; RPG reports its gains h and τ."""
+        return []
+
     # Per-client state ----------------------------------------------------------------------------------------
 
     def client_extras(self, client_id: str, global_state: AdapterState) -> dict[str, AdapterState]:
@@ -316,31 +364,6 @@ def check_updates(
         check_state(update.state, global_state, f"client {update.client_id!r}'s adapter", check_finite)
 
 
-def check_state(
-    state: Any, reference: dict[str, torch.Tensor], name: str, check_finite: bool = True, same_dtype: bool = False
-) -> None:
-    """Raise `ValueError` unless `state` has exactly `reference`'s keys and shapes and floating-point values (with
-    `same_dtype`, `reference`'s dtypes), finite (unless `check_finite=False`)."""
-    if not isinstance(state, dict) or set(state) != set(reference):
-        keys = set(state) if isinstance(state, dict) else set()
-        raise ValueError(f"{name} must have the global adapter's keys (missing {sorted(set(reference) - keys)[:3]}, "
-                         f"unexpected {sorted(map(str, keys - set(reference)))[:3]}).")
-    for key, expected in reference.items():
-        tensor = state[key]
-        if (
-            not isinstance(tensor, torch.Tensor)
-            or tensor.shape != expected.shape
-            or not (tensor.dtype == expected.dtype if same_dtype else tensor.is_floating_point())
-        ):
-            described = (
-                f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            )
-            dtype = expected.dtype if same_dtype else "floating point"
-            raise ValueError(f"{name}[{key!r}] is {described}, expected {dtype} {tuple(expected.shape)}.")
-        if check_finite and not is_finite(tensor):
-            raise ValueError(f"{name}[{key!r}] holds NaN or Inf.")
-
-
 def check_number(value: Any, name: str, positive_int: bool = False) -> None:
     """Raise `ValueError` unless `value` is a finite real number (a positive int with `positive_int`)."""
     if positive_int:
@@ -348,56 +371,6 @@ def check_number(value: Any, name: str, positive_int: bool = False) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r:.100}.")
     elif isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r:.100}.")
-
-
-def is_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of `tensor` is finite, in one pass that allocates nothing: NaN propagates into the minimum
-    and maximum, and ±Inf shows there (7x faster than `torch.isfinite(tensor).all()` on an adapter)."""
-    if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
-        return True
-    if tensor.is_complex():
-        return bool(torch.isfinite(tensor).all())
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
-def non_finite_entries(tree: Any, name: str) -> list[str]:
-    """The paths in `tree` (nested dicts of tensors and numbers) of the tensors and floats that are not finite."""
-    if isinstance(tree, torch.Tensor):
-        return [] if is_finite(tree) else [name]
-    if isinstance(tree, float):
-        return [] if math.isfinite(tree) else [name]
-    if isinstance(tree, dict):
-        return [path for key, value in tree.items() for path in non_finite_entries(value, f"{name}[{key!r}]")]
-    return []
-
-
-def state_distance(state: AdapterState, reference: AdapterState) -> float:
-    """‖state − reference‖₂ over all entries (keys of `reference`)."""
-    return math.sqrt(sum(_norm(state[key].float() - value.float()) ** 2 for key, value in reference.items()))
-
-
-def state_norm(state: AdapterState) -> float:
-    """‖state‖₂ over all entries."""
-    return math.sqrt(sum(_norm(value.float()) ** 2 for value in state.values()))
-
-
-def norm_scale(norm: float, bound: float, norm_action: str, measured: str, bound_name: str, client_id: str) -> float:
-    """The factor that brings a client's `measured` quantity (its norm `norm`) within `bound`: 1 when it is within;
-    over it, `ValueError` naming both with `norm_action="reject"`, else (`"clip"`) `bound / norm`, logged."""
-    if norm <= bound:
-        return 1.0
-    if norm_action == "reject":
-        raise ValueError(f"{measured} = {norm:.4g} exceeds {bound_name} ({bound:.4g})")
-    logger.warning("Client %r: %s = %.4g clipped to %.4g.", client_id, measured, norm, bound)
-    return bound / norm
-
-
-def _norm(tensor: torch.Tensor) -> float:
-    """The 2-norm of a float32 tensor, recomputed in float64 where float32 overflows (finite values around 1e20
-    and up, a poisoned update's): then it is its true, large value, never Inf."""
-    norm = torch.linalg.vector_norm(tensor).item()
-    return norm if math.isfinite(norm) else torch.linalg.vector_norm(tensor.double()).item()
 
 
 def pseudo_gradient(

@@ -23,12 +23,7 @@ import math
 
 import torch
 
-# The values of `FedGRPOConfig.robust_aggregation` (`combiner_from_config`): 'none' is the weighted mean.
-ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")
-
-
-# The fewest clients a trimmed mean combines: one trimmed at each end and one kept.
-MIN_TRIMMED_CLIENTS = 3
+from ..choices import MIN_TRIMMED_CLIENTS, ROBUST_AGGREGATIONS, check_choice
 
 
 class TrimmedMean:
@@ -80,6 +75,7 @@ class CoordinateMedian:
 
 def combiner_from_config(args) -> TrimmedMean | CoordinateMedian | None:
     """The combiner `args.robust_aggregation` names; None for the plain weighted mean."""
+    check_choice("robust_aggregation", args.robust_aggregation, ROBUST_AGGREGATIONS)
     if args.robust_aggregation == "trimmed_mean":
         return TrimmedMean(args.robust_trim_fraction)
     if args.robust_aggregation == "median":

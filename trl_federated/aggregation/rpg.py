@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .base import Aggregator, ClientUpdate, check_number
+from ..config import rpg_errors
+from .base import Aggregator, ClientUpdate, RoundMetric, check_number
 from .server_optim import ServerAdam, ServerOptimizer
 
 
@@ -52,13 +53,10 @@ class RPGAggregator(Aggregator):
         combiner=None,
     ):
         super().__init__(server_optimizer if server_optimizer is not None else ServerAdam(), combiner)
-        if not (0 < lambda_base <= 1 and 0 < iota <= 1):
-            raise ValueError(f"`lambda_base` and `iota` must lie in (0, 1], got {lambda_base} and {iota}.")
-        if not (0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max):
-            raise ValueError(
-                f"Need 0 < sigma_min <= sigma_max and 0 < tau_min <= tau_max, got σ=[{sigma_min}, {sigma_max}], "
-                f"τ=[{tau_min}, {tau_max}]."
-            )
+        for message in rpg_errors(
+            lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
+        ):
+            raise ValueError(message)
         self.lambda_base, self.iota, self.eps, self.h_max = lambda_base, iota, eps, h_max
         self.sigma_min, self.sigma_max = sigma_min, sigma_max
         self.tau_min, self.tau_max, self.lambda_anneal = tau_min, tau_max, lambda_anneal
@@ -112,6 +110,13 @@ class RPGAggregator(Aggregator):
         self.last_gains = {update.client_id: gain for update, gain in zip(updates, gains)}
         self.last_temperature = temperature
         return weights
+
+    def round_metrics(self) -> list[RoundMetric]:
+        """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round."""
+        return [
+            RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain"),
+            RoundMetric("temperature", "τ", self.last_temperature, format=".3f"),
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {

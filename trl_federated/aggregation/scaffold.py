@@ -9,25 +9,15 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..local_trainer import linear_term
-from ..master_weights import adapter_parameters, read_master, write_master
-from .base import (
-    AdapterState,
-    AggregationError,
-    ClientHook,
-    ClientUpdate,
-    check_state,
-    non_finite_entries,
-    norm_scale,
-    state_norm,
-)
+from ..adapters import AdapterState, check_state, non_finite_entries, norm_scale, state_norm
+from ..choices import SCAFFOLD_CORRECTIONS, check_choice
+from ..master_weights import adapter_parameters, linear_term, read_master, write_master
+from .base import AggregationError, ClientHook, ClientUpdate
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
 
 # The extras SCAFFOLD exchanges with a client: c and c_i down, Δc_i up.
 SERVER_CONTROL, CLIENT_CONTROL, CONTROL_DELTA = "server_control", "client_control", "control_delta"
-# Where the correction c − c_i meets a local Adam (`ScaffoldCorrection`; `FedGRPOConfig.scaffold_correction`).
-SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
 
 
 class ScaffoldAggregator(FedAvgAggregator):
@@ -185,7 +175,7 @@ class ScaffoldAggregator(FedAvgAggregator):
             client_id: {key: tensor.clone() for key, tensor in control.items()}
             for client_id, control in state["client_controls"].items()
         }
-        self.client_sizes = {client_id: int(size) for client_id, size in state.get("client_sizes", {}).items()}
+        self.client_sizes = {client_id: int(size) for client_id, size in state["client_sizes"].items()}
 
 
 class ScaffoldCorrection(TrainerCallback):
@@ -216,8 +206,7 @@ class ScaffoldCorrection(TrainerCallback):
         client_control: dict[str, torch.Tensor],
         mode: str = "decoupled",
     ):
-        if mode not in SCAFFOLD_CORRECTIONS:
-            raise ValueError(f"`scaffold_correction` must be 'decoupled' or 'gradient', got {mode!r}.")
+        check_choice("scaffold_correction", mode, SCAFFOLD_CORRECTIONS)
         self.mode = mode
         self.keys = list(server_control)
         self.correction = [server_control[key] - client_control[key] for key in self.keys]  # c − c_i

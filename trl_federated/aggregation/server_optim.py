@@ -23,11 +23,6 @@ import torch
 from .blocks import blocks
 
 # The values of `FedGRPOConfig.server_optimizer` (`aggregation.server_optimizer_from_config`).
-SERVER_OPTIMIZERS = ("adam", "sgd", "fedadam", "adam-norm", "nesterov")
-# The learning rate each takes when `server_learning_rate` is unset, but "adam", derived from the local budget
-# (`FedGRPOConfig.derived_server_learning_rate`). Dimensionless multiples of the clients' change: 1 for the steps
-# scaled to Δ (FedAvg's length in their first round), DiLoCo's 0.7 for Nesterov.
-SERVER_LEARNING_RATES = {"sgd": 1.0, "fedadam": 1.0, "adam-norm": 1.0, "nesterov": 0.7}
 
 
 class ServerOptimizer(ABC):

@@ -15,7 +15,7 @@ Server → client, a "train" message (`TrainInstruction`):
                                     (`Aggregator.client_hook`)
 
 Client → server, the reply:
-    "arrays"          ArrayRecord   the client's update as the wire format encodes it (`transport.WireFormat`):
+    "arrays"          ArrayRecord   the client's update as the wire format encodes it (`adapters.WireFormat`):
                                     θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16; without A under freeze_a
     "metrics"         MetricRecord  "num-examples" (D_i), "reward" (R̄_i^{[t]}) and the update's other metrics
                                     ("step_rewards", "train_loss", "train_seconds", "wall_clock", TRL's

@@ -17,7 +17,7 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel
 
 from ..adapters import InvalidUpdateError, with_federated_adapter
-from ..admission import bounded_text
+from ..admission import bounded_text, read_reply
 from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from ..callbacks import round_logs
 from ..config import FedGRPOConfig
@@ -142,11 +142,6 @@ class FederatedStrategy(ServerStateView, Strategy):
     ):
         if not isinstance(args, FedGRPOConfig):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
-        if args.min_clients_per_round > args.num_clients:
-            raise ValueError(
-                f"`min_clients_per_round` ({args.min_clients_per_round}) exceeds `num_clients` ({args.num_clients}): "
-                "no round could ever aggregate."
-            )
         self.binder = NodeBinder(args.num_clients, registry)
         self.args = args
         model = with_federated_adapter(model, args.seed, peft_config)
@@ -247,7 +242,7 @@ class FederatedStrategy(ServerStateView, Strategy):
         return self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=timeout))
 
     def _set_initial_adapter(self, initial_arrays: ArrayRecord) -> None:
-        from ..aggregation.base import check_state
+        from ..adapters import check_state
 
         state = array_record_to_state(initial_arrays)
         check_state(state, self.server.global_state, "`initial_arrays`")
@@ -328,54 +323,68 @@ class FederatedStrategy(ServerStateView, Strategy):
         self, reply: Message, round_idx: int, awaiting: dict[str, _Sent], accepted: list[tuple[int, ClientUpdate]]
     ) -> None:
         """Deliver one reply to the server, for the client its train message was addressed to (`_attribute`)."""
-        sent = self._attribute(reply, round_idx, awaiting)
+        sent = self._attribute(reply, awaiting, round_idx)
         if sent is None:
             return
-        client_id, client_index = sent.client_id, sent.client_index
         if reply.has_error():
-            self.server.drop(client_id, *self._read_failure(reply, sent))
+            self.server.drop(sent.client_id, *self._read_failure(reply, sent))
             return
-
-        def decode() -> ClientUpdate:
-            update, claimed_index = content_to_update(reply.content)
-            if (update.client_id, claimed_index) != (client_id, client_index):
-                raise InvalidUpdateError(
-                    f"Update of client {client_id!r} rejected: it speaks for client {update.client_id!r} at index "
-                    f"{claimed_index}; its node serves {client_id!r} at index {client_index}."
-                )
-            return update
-
         try:
-            update = self.server.admit(client_id, decode)
-        except InvalidUpdateError as error:
-            self.server.drop(client_id, "invalid_update", str(error))
+            update, claimed_index = read_reply(sent.client_id, lambda: content_to_update(reply.content))
+            self._check_claim(sent, update.client_id, claimed_index)
+            update = self.server.admit(sent.client_id, update)
+        except (InvalidUpdateError, ValueError) as error:
+            reason = str(error) if isinstance(error, InvalidUpdateError) else (
+                f"Update of client {sent.client_id!r} rejected: {error}."
+            )
+            self.server.drop(sent.client_id, "invalid_update", reason)
             return
-        accepted.append((client_index, update))
+        accepted.append((sent.client_index, update))
+
+    @staticmethod
+    def _check_claim(sent: _Sent, client_id, client_index) -> None:
+        """`ValueError` unless a reply to `sent` speaks for the client and index the message was addressed to: the
+        server's own record of what it sent decides, never the reply (train and evaluate replies alike)."""
+        if (client_id, client_index) != (sent.client_id, sent.client_index):
+            raise ValueError(
+                f"it speaks for client {bounded_text(repr(client_id), 100)} at index {client_index!r}; its node "
+                f"serves {sent.client_id!r} at index {sent.client_index}"
+            )
 
     def _no_reply(self, sent: _Sent, now: float) -> str:
         return f"no reply after {now - sent.sent_at:.0f} s (reply timeout {self.reply_timeout:.0f} s)"
 
-    def _attribute(self, reply: Message, round_idx: int, awaiting: dict[str, _Sent]) -> _Sent | None:
-        """The message of this round that `reply` answers, taken out of `awaiting`: a reply counts once, in the round
-        it was asked for; a result counts only when it comes from the node the message was sent to, while an error
-        may come from the SuperLink (a node that died). None for any other reply, logged and ignored."""
+    @staticmethod
+    def _attribute(reply: Message, awaiting: dict, round_idx: int | None = None):
+        """The message that `reply` answers, taken out of `awaiting` (message id → what was sent: a `_Sent`, or the
+        node id of an IDENTIFY query), by the server's own record alone: a reply counts once, and in the round it was
+        asked for (`round_idx`; None for a query of no round); a result counts only when it comes from the node the
+        message was sent to, while an error may come from the SuperLink (a node that died). None for any other
+        reply, logged and ignored. The one attribution of train, evaluate and identity replies."""
+        where = "Identify" if round_idx is None else f"Round {round_idx}"
         try:
             answers, group_id, node_id = (
                 reply.metadata.reply_to_message_id, reply.metadata.group_id, reply.metadata.src_node_id
             )
         except Exception as error:  # not a Message: nothing to attribute it to
-            logger.warning("Round %d: ignored a reply without metadata (%s).", round_idx, type(error).__name__)
+            logger.warning("%s: ignored a reply without metadata (%s).", where, type(error).__name__)
             return None
         sent = awaiting.get(answers)
-        if sent is None or group_id != str(round_idx):
+        if sent is None or (round_idx is not None and group_id != str(round_idx)):
             logger.warning(
-                "Round %d: ignored a reply from node %s for round %s: no message of this round awaits it (late, "
-                "duplicate or unasked).", round_idx, node_id, bounded_text(group_id, 40),
+                "%s: ignored a reply from node %s for round %s: no message of this round awaits it (late, duplicate "
+                "or unasked).", where, node_id, bounded_text(group_id, 40),
             )
             return None
-        if not reply.has_error() and node_id != sent.node_id:
-            logger.warning("Round %d: ignored a result from node %s in answer to the message sent to node %d.",
-                           round_idx, node_id, sent.node_id)
+        sent_to = sent if isinstance(sent, int) else sent.node_id
+        try:
+            foreign = not reply.has_error() and node_id != sent_to
+        except Exception as error:  # a malformed reply: nothing to attribute it to
+            logger.warning("%s: ignored a malformed reply (%s).", where, type(error).__name__)
+            return None
+        if foreign:
+            logger.warning("%s: ignored a result from node %s in answer to the message sent to node %d.",
+                           where, node_id, sent_to)
             return None
         return awaiting.pop(answers)
 
@@ -465,13 +474,10 @@ class FederatedStrategy(ServerStateView, Strategy):
         # As for training: a reply is attributed by the query it answers (an error may come from the SuperLink).
         asked = {query.metadata.message_id: query.metadata.dst_node_id for query in queries}
         for reply in replies:
-            metadata = getattr(reply, "metadata", None)
-            node_id = asked.get(getattr(metadata, "reply_to_message_id", None))
+            node_id = self._attribute(reply, asked)
             if node_id is None:
-                continue  # not asked
+                continue  # not asked, or a result from another node: an identity speaks only for its own node
             try:
-                if not reply.has_error() and metadata.src_node_id != node_id:
-                    continue  # an identity speaks only for the node that sends it
                 if reply.has_error():
                     claim = f"did not identify its client ({bounded_text(reply.error.reason, 200)})"
                 else:
@@ -524,16 +530,14 @@ class FederatedStrategy(ServerStateView, Strategy):
         evaluations: list[tuple[int, str, dict]] = []
         failed: dict[str, str] = {}
         for reply in replies:
-            sent = self._attribute(reply, round_idx, awaiting)
+            sent = self._attribute(reply, awaiting, round_idx)
             if sent is None:
                 continue
             if reply.has_error():
                 failed[sent.client_id] = self._read_failure(reply, sent)[1]
                 continue
             try:
-                claimed = read_client_identity(reply.content)
-                if claimed != (sent.client_id, sent.client_index):
-                    raise ValueError(f"it speaks for client {claimed[0]!r} at index {claimed[1]}")
+                self._check_claim(sent, *read_client_identity(reply.content))
                 evaluations.append((sent.client_index, sent.client_id, content_to_evaluation(reply.content)))
             except ValueError as error:
                 failed[sent.client_id] = f"invalid evaluation reply: {bounded_text(error)}"

@@ -1,0 +1,153 @@
+"""The package's import graph, read from its source (an AST walk over `trl_federated/`, every import statement,
+those inside functions and under `TYPE_CHECKING` included): no circle, and no import that runs up the layers.
+
+A module's layer says what it may know about: only its own layer and those below. A new module takes its place in
+`LAYERS` here, which is the architecture section of the README in code."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "trl_federated"
+ROOT = "trl_federated"
+
+# Bottom first. Imports go to the same layer or one below, never above.
+LAYERS = {
+    "leaves and the tensor layer": {
+        "choices", "devices", "sampling", "adapters", "distributed", "memory", "answer_check", "methods", "models",
+        "testing", "vllm_server", "flower.stream", "aggregation.blocks",
+    },
+    "configuration and data": {"config", "rewards", "data", "data.reasoning_gym", "data.paper", "data.partition"},
+    "local training": {"master_weights", "shared_prefix", "gated_mlp", "fast_generation", "speedups", "local_trainer"},
+    "aggregation": {
+        "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.robust", "aggregation.fedavg",
+        "aggregation.rpg", "aggregation.scaffold",
+    },
+    "server core": {
+        "round_record", "callbacks", "evaluation", "reporting", "admission", "checkpoint", "run_identity", "hub",
+        "server",
+    },
+    "drivers and entry points": {
+        "client", "runner", "trainer", "compare", "cli", "", "flower", "flower.records", "flower.identity",
+        "flower.run_config", "flower.strategy", "flower.apps",
+    },
+}  # fmt: skip
+# The modules `config` may import: the configuration reads its choices and checks, and imports no implementation.
+CONFIG_IMPORTS = {"choices", "devices", "sampling"}
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package, by its name relative to the package ("" for the package itself)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules that module `name` imports, anywhere in its source."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    package = [part for part in package if part]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join([ROOT, *base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            # `from . import x` names the module x; `from .m import f` names m.
+            targets = [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target != ROOT and not target.startswith(ROOT + "."):
+                continue
+            relative = target.removeprefix(ROOT).removeprefix(".")
+            while relative not in modules and "." in relative:  # the longest prefix that is a module
+                relative = relative.rsplit(".", 1)[0]
+            if relative not in modules:
+                relative = ""  # a name of the package itself
+            found.add(relative)
+    found.discard(name)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer(graph):
+    placed = [name for layer in LAYERS.values() for name in layer]
+    assert len(placed) == len(set(placed)), "a module is placed in two layers"
+    assert set(graph) == set(placed), (
+        f"unplaced: {sorted(set(graph) - set(placed))}; gone: {sorted(set(placed) - set(graph))}"
+    )
+
+
+def test_no_import_runs_up_the_layers(graph):
+    level = {name: index for index, layer in enumerate(LAYERS.values()) for name in layer}
+    names = list(LAYERS)
+    upward = [
+        f"{module or ROOT} ({names[level[module]]}) imports {target} ({names[level[target]]})"
+        for module, targets in graph.items() for target in targets if level[target] > level[module]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_import_graph_has_no_circle(graph):
+    # Tarjan's strongly connected components: any with more than one module is a circle.
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert not circles, circles
+
+
+def test_config_is_a_leaf(graph):
+    # `config` and everything it imports: its choices, the device check, the participation rule. No implementation.
+    seen, todo = set(), ["config"]
+    while todo:
+        module = todo.pop()
+        for target in graph[module] - seen:
+            seen.add(target)
+            todo.append(target)
+    assert seen <= CONFIG_IMPORTS, sorted(seen - CONFIG_IMPORTS)
+
+
+def test_the_tensor_layer_is_at_the_bottom(graph):
+    # `adapters` (AdapterState and its arithmetic, the wire format) knows only the configuration's choices, and
+    # nothing below the aggregation package imports it.
+    assert graph["adapters"] <= {"choices"}, graph["adapters"]
+    below = [name for layer in list(LAYERS.values())[:3] for name in layer]
+    assert not [name for name in below if any(target.startswith("aggregation") for target in graph[name])]

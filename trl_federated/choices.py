@@ -1,0 +1,57 @@
+"""The values the configuration's choice fields take, declared once: `FedGRPOConfig` validates its fields against
+them and the modules that implement each choice build from the same names. A leaf: it imports nothing of the
+package, so the configuration imports no implementation to know its own choices."""
+
+from __future__ import annotations
+
+# `FedGRPOConfig.server_optimizer`: the server step on the pseudo-gradient Δ (`aggregation.server_optim`).
+SERVER_OPTIMIZERS = ("adam", "sgd", "fedadam", "adam-norm", "nesterov")
+# The learning rate each takes when `server_learning_rate` is unset, but "adam", derived from the local budget
+# (`FedGRPOConfig.derived_server_learning_rate`). Dimensionless multiples of the clients' change: 1 for the steps
+# scaled to Δ (FedAvg's length in their first round), DiLoCo's 0.7 for Nesterov.
+SERVER_LEARNING_RATES = {"sgd": 1.0, "fedadam": 1.0, "adam-norm": 1.0, "nesterov": 0.7}
+
+# `FedGRPOConfig.aggregation` → the server optimizer it takes when `server_optimizer` is left unset. Each method as
+# its paper defines it: FGRPO's server step is Adam (Algorithm 1, line 23); FedAvg, FedProx and SCAFFOLD average the
+# client models, i.e. SGD with learning rate 1 (SCAFFOLD's global step size η_g = 1). The aggregations a config may
+# name are this table's keys: `aggregation.register_aggregation` adds a row with its strategy.
+AGGREGATION_SERVER_OPTIMIZERS: dict[str, str] = {"rpg": "adam", "fedavg": "sgd", "fedprox": "sgd", "scaffold": "sgd"}
+
+# `FedGRPOConfig.update_norm_action`: what happens to an update over `update_norm_bound` (`admission.UpdateGate`).
+NORM_ACTIONS = ("reject", "clip")
+
+# `FedGRPOConfig.robust_aggregation` (`aggregation.robust`): 'none' is the weighted mean.
+ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")
+# The fewest clients a trimmed mean combines: one trimmed at each end and one kept.
+MIN_TRIMMED_CLIENTS = 3
+
+# `FedGRPOConfig.scaffold_correction`: where SCAFFOLD's correction c − c_i meets a local Adam
+# (`aggregation.scaffold.ScaffoldCorrection`).
+SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
+
+# `FedGRPOConfig.transfer_dtype`: the precision of a client's update on the wire (`adapters.WireFormat`).
+TRANSFER_DTYPES = ("float32", "bfloat16")
+# `FedGRPOConfig.lora_aggregation`: "freeze_a" freezes and never sends LoRA A (`adapters.WireFormat`).
+LORA_AGGREGATIONS = ("separate", "freeze_a")
+
+# `FedGRPOConfig.generation_dtype`: the weights dtype of fast generation ("auto" picks one, `fast_generation`).
+GENERATION_DTYPES = ("float32", "bfloat16")
+GENERATION_DTYPE_CHOICES = ("auto", *GENERATION_DTYPES)
+
+
+def either(choices) -> str:
+    """The choices of a field as an error message names them: "'a', 'b' or 'c'"."""
+    *others, last = choices
+    return f"{', '.join(map(repr, others))} or {last!r}" if others else repr(last)
+
+
+def choice_error(name: str, value, choices) -> str | None:
+    """The one message for a value of the field `name` that is not among its `choices` (None when it is): the
+    configuration yields it, and an implementation given the value directly raises it (`check_choice`)."""
+    return None if value in choices else f"`{name}` must be {either(tuple(choices))}, got {value!r}."
+
+
+def check_choice(name: str, value, choices) -> None:
+    """`ValueError` (`choice_error`) unless `value` is one of the field `name`'s `choices`."""
+    if message := choice_error(name, value, choices):
+        raise ValueError(message)
