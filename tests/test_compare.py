@@ -83,3 +83,18 @@ def test_one_server_learning_rate_for_adam_and_sgd_methods_is_refused(tmp_path, 
         main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo", "fedavg",
               "--server_learning_rate=0.5"])
     assert "server_learning_rate" in capsys.readouterr().err
+
+
+def test_a_cell_interrupted_under_an_earlier_checkpoint_format_starts_afresh(tmp_path, capsys):
+    from trl_federated.checkpoint import CHECKPOINT_FORMAT, STATE_FILE
+    from trl_federated.compare import Cell, cell_command
+
+    cell = Cell("fedavg", 1, 3, "0.05")
+    checkpoint = cell.directory(tmp_path) / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / STATE_FILE).write_text('{"round_idx": 3}')  # an earlier version's: no format recorded
+    command = cell_command(cell, "grid.yaml", tmp_path, [])
+    assert command[-2:] == ["--overwrite_output_dir", "true"]
+    assert "earlier format" in capsys.readouterr().out
+    (checkpoint / STATE_FILE).write_text(f'{{"round_idx": 3, "format": {CHECKPOINT_FORMAT}}}')
+    assert cell_command(cell, "grid.yaml", tmp_path, [])[-2:] == ["--resume_from_checkpoint", "true"]

@@ -290,6 +290,16 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=_round_of)
 
 
+def checkpoint_format(path: str | Path) -> Any:
+    """The format a checkpoint folder records (`CHECKPOINT_FORMAT` for one this version reads), None when it names
+    none or cannot be read: what decides, before a resume, whether it can be resumed at all."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state.get("format") if isinstance(state, dict) else None
+
+
 def latest_intact_checkpoint(output_dir: str | Path) -> Path:
     """The newest checkpoint in `output_dir` that `read_checkpoint` accepts; each newer, damaged one is reported with
     a warning naming it and the fault. `CorruptCheckpointError` when none is intact, `FileNotFoundError` when there is

@@ -53,15 +53,22 @@ class Cell:
 
 def cell_command(cell: Cell, config: str, root: Path, extra: list[str]) -> list[str] | None:
     """The `trl-federated run` command of one cell, from its last checkpoint if it has one (else afresh, over
-    whatever an interrupted first round left), or None when its `result.json` exists; says which on stdout."""
-    from .checkpoint import list_checkpoints  # torch and PEFT, which the harness itself does not need
+    whatever an interrupted first round left), or None when its `result.json` exists; says which on stdout. A cell
+    whose checkpoints are all of a format this version no longer reads (written by an earlier version, interrupted)
+    starts afresh: a cell is reproducible at one thread, so it ends where the resume would have."""
+    from .checkpoint import CHECKPOINT_FORMAT, checkpoint_format, list_checkpoints  # torch and PEFT: deferred
 
     directory = cell.directory(root)
+    name = f"{cell.method} {cell.setting} seed {cell.seed}"
     if (directory / "result.json").exists():
-        print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: done, skipped", flush=True)
+        print(f"[compare] {name}: done, skipped", flush=True)
         return None
-    resume = list_checkpoints(directory)
-    print(f"[compare] {cell.method} {cell.setting} seed {cell.seed}: {'resuming' if resume else 'running'}", flush=True)
+    checkpoints = list_checkpoints(directory)
+    resume = any(checkpoint_format(path) == CHECKPOINT_FORMAT for path in checkpoints)
+    if checkpoints and not resume:
+        print(f"[compare] {name}: its checkpoints are of an earlier format, which this version does not resume: "
+              "running it afresh", flush=True)
+    print(f"[compare] {name}: {'resuming' if resume else 'running'}", flush=True)
     start = ["--resume_from_checkpoint", "true"] if resume else ["--overwrite_output_dir", "true"]
     return [sys.executable, "-m", "trl_federated.cli", "run", "--config", config, *extra, *cell.overrides(),
             "--output_dir", str(directory), *start]
