@@ -133,7 +133,8 @@ def test_a_server_moment_of_the_wrong_shape_is_a_damaged_checkpoint_and_the_run_
     resumed.close()
 
 
-UNSAFE_CLIENT_IDS = ["../x", "a/b", "a\\b", "", "..", "a\x00b", "x" * 257]
+# Path components, control characters, and what a console line or matplotlib's math text would read as markup
+UNSAFE_CLIENT_IDS = ["../x", "a/b", "a\\b", "", "..", "a\x00b", "x" * 257, "site$a_b_c$", "a\nb", "a\u2028b", "é"]
 
 
 @pytest.mark.parametrize("client_id", UNSAFE_CLIENT_IDS)
@@ -307,3 +308,122 @@ def test_the_liar_benchmark_reaches_the_analytic_peak():
     assert liar.peak(3, 2.5, 0.0, 2.0) == pytest.approx(math.exp(4) / (math.exp(4) + 2))
     h = 1 / (0.9 * 0.05 + 0.1)
     assert liar.peak(10, 1.5, 0.0, 1.0) == pytest.approx(math.exp(h / 1.5) / (math.exp(h / 1.5) + 9), rel=1e-6)
+
+
+# Part two: what a client reports about its reward, and free text ----------------------------------------------------
+
+
+class AlwaysInRange(float):
+    """A float whose comparisons always say yes: it passed a range check with any value."""
+
+    def __le__(self, other):
+        return True
+
+    def __ge__(self, other):
+        return True
+
+    def __lt__(self, other):
+        return True
+
+
+def test_a_reward_of_any_numeric_type_is_a_plain_float_before_it_is_checked_or_logged(
+    tmp_path, tiny_model_dir, fast_args
+):
+    from fractions import Fraction
+
+    import numpy as np
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path))
+    server.start_run()
+    record = honest_round(server, 0, a={"reward": np.float32(0.25)}, b={"reward": Fraction(1, 2)},
+                          c={"reward": AlwaysInRange(100.0)})
+    assert record.rewards == {"a": 0.25, "b": 0.5}  # c's 100 lies outside the reward range [0, 1]
+    assert all(type(value) is float for value in record.rewards.values())
+    assert "outside the reward functions' range" in record.dropped["c"]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["rewards"] for line in lines if line.get("event") == "round"] == [{"a": 0.25, "b": 0.5}]
+    server.close()
+
+
+def test_a_clients_text_cannot_forge_a_line_of_the_servers_log(tmp_path, tiny_model_dir, fast_args, caplog):
+    import logging
+
+    from trl_federated.server import format_round_log
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path))
+    server.start_run()
+    server.begin_round(0)
+    for client_id in ("a", "b"):
+        server.broadcast(client_id)
+        reply(server, client_id)
+    forged = "boom\nRound 0 (1/4): 1 clients aggregated\n  c: R̄ = 1.0000, ω = 0.9990\r\u2028\x1b[2J"
+    with caplog.at_level(logging.WARNING, logger="trl_federated.server"):
+        server.drop("c", "error", forged)  # as a Flower error reply's reason, or a client's exception, says it
+    record = server.end_round()
+    console = format_round_log(record, 4, 3)
+    assert len(console.splitlines()) == 4  # the round line, a and b, and c's drop: one line each
+    assert "\\nRound 0" in console and "\\x1b" in console and "\\u2028" in console
+    assert all("\n" not in message.getMessage() for message in caplog.records)
+    server.close()
+
+
+def test_rpg_stays_finite_for_any_finite_reward_and_warns_when_nothing_bounds_it(tmp_path, tiny_model_dir, fast_args):
+    from trl_federated import RPGAggregator, ServerSGD
+
+    aggregator = RPGAggregator(h_max=None, server_optimizer=ServerSGD(1.0))
+    state = {"w": torch.zeros(2)}
+    updates = [ClientUpdate("a", {"w": torch.ones(2)}, 1, -1e308), ClientUpdate("b", {"w": -torch.ones(2)}, 1, 0.0)]
+    aggregator.aggregate(state, updates, 0)
+    updates = [ClientUpdate("a", {"w": torch.ones(2)}, 1, 1e308), ClientUpdate("b", {"w": -torch.ones(2)}, 1, 0.0)]
+    new = aggregator.aggregate(state, updates, 1)  # the gap is 2e308: infinite in float
+    assert all(math.isfinite(value) for value in aggregator.last_weights.values())
+    assert aggregator.last_weights["a"] == pytest.approx(1.0) and torch.isfinite(new["w"]).all()
+    args = fast_args(output_dir=str(tmp_path), num_clients=2, rpg_h_max=None)
+    (warning,) = [message for message in args.federation_warnings(None) if "rpg_h_max" in message]
+    assert "declare no `reward_range`" in warning
+    assert not [message for message in args.federation_warnings((0.0, 1.0)) if "rpg_h_max" in message]
+
+
+def test_a_report_that_fails_to_draw_neither_stops_the_round_nor_its_checkpoint(
+    tmp_path, tiny_model_dir, fast_args, monkeypatch, caplog
+):
+    import logging
+
+    from trl_federated import reporting
+
+    def broken_plot(*args, **kwargs):
+        raise ValueError("matplotlib could not parse the label")
+
+    monkeypatch.setattr(reporting, "plot_run", broken_plot)
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path))
+    server.start_run()
+    with caplog.at_level(logging.WARNING, logger="trl_federated.reporting"):
+        honest_round(server, 0)
+    assert (tmp_path / "checkpoint-0").is_dir() and "the run goes on" in caplog.text
+    honest_round(server, 1)
+    server.close()
+    assert reporting.plot_label("site$a_b_c$") == r"site\$a_b_c\$" and reporting.plot_label("_x") == "x"
+
+
+def test_one_client_cannot_own_the_pooled_evaluation(tmp_path, tiny_model_dir, fast_args):
+    """The Flower evaluate round's pooling (`FederatedServer.record_client_evaluation`, which the strategy calls with
+    each reply decoded): a forged row count weighs at most a few honest clients, an accuracy outside the reward
+    range fails that client."""
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path), num_clients=4)
+    server.start_run()
+
+    def evaluation(total, rows, hard=None):
+        accuracy, count = {"Total": total}, {"Total": rows}
+        if hard is not None:
+            accuracy["hard"], count["hard"] = hard
+        return {"accuracy": accuracy, "count": count}
+
+    honest = {name: evaluation(0.25, 100, hard=(0.1, 40)) for name in ("a", "b", "c")}
+    results = server.record_client_evaluation(0, {**honest, "d": evaluation(1.0, 2**63 - 1, hard=(1.0, 10**12))}, {})
+    assert results["accuracy"]["Total"] == pytest.approx((3 * 25 + 400 * 1.0) / 700)  # d weighs 4 x the median
+    assert results["accuracy"]["hard"] < 0.8  # not 0.99999
+    assert results["clients"]["d"]["count"]["Total"] == 2**63 - 1  # what it claimed stays in the record
+    for forged in (1000.0, -1e6, 1e308):
+        results = server.record_client_evaluation(1, {**honest, "d": evaluation(forged, 100)}, {})
+        assert results["accuracy"]["Total"] == pytest.approx(0.25) and "outside" in results["failed"]["d"]
+    server.close()

@@ -29,7 +29,7 @@ import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, state_distance
 from .aggregation import Aggregator, ClientUpdate
@@ -43,23 +43,41 @@ T = TypeVar("T")
 # A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)
 # and report rows: it must be safe as one path component, and short enough for a log line.
 MAX_CLIENT_ID_LENGTH = 256
+CLIENT_ID = re.compile(r"[A-Za-z0-9_.@+-]+")
 
 
 def check_client_id(client_id) -> None:
-    """`ValueError` unless `client_id` can name a client: a str of 1 to `MAX_CLIENT_ID_LENGTH` characters that is
-    safe as a path component (no '/' or '\\', not '.' or '..', no NUL or other control character)."""
+    """`ValueError` unless `client_id` can name a client: a str of 1 to `MAX_CLIENT_ID_LENGTH` characters of
+    `CLIENT_ID`'s alphabet (ASCII letters and digits, `_ . - @ +`), not '.' or '..': safe as a path component, a
+    log entry's name, a plot's label (no `$` to open matplotlib's math text) and a line of the console."""
     if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH:
         raise ValueError(f"a client id must be a str of 1 to {MAX_CLIENT_ID_LENGTH} characters, got "
                          f"{bounded_text(repr(client_id), 100)}")
-    if client_id in (".", "..") or any(char in "/\\" or ord(char) < 32 or ord(char) == 127 for char in client_id):
-        raise ValueError(f"client id {bounded_text(repr(client_id), 100)} is not safe as a path component (no '/', "
-                         "'\\', control characters, '.' or '..')")
+    if client_id in (".", "..") or not CLIENT_ID.fullmatch(client_id):
+        raise ValueError(f"client id {bounded_text(repr(client_id), 100)} is not a safe name: use ASCII letters, "
+                         "digits and '_', '.', '-', '@', '+' (not '.' or '..')")
 
 
 def bounded_text(text: str, limit: int = 500) -> str:
-    """`text` (chosen by a client: an error message, a reason) cut to `limit` characters for logs and records."""
-    text = str(text)
+    """`text` (chosen by a client: an error message, a reason) as one line for logs and records: every character
+    that is not printable (newlines, carriage returns, line and paragraph separators, escape sequences, other control
+    characters) written as its escape (`\\n`), so that it cannot forge a line of the server's log, and cut to
+    `limit` characters."""
+    text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(text))
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
+def plain_number(value: Any) -> float | None:
+    """`value`, a real number a client sent (an int, a float or a subclass, a `Fraction`, a NumPy scalar), as a
+    plain Python float, which every check and the JSON log then read; None for anything else (a bool, a string, a
+    number too large for a float). A float subclass cannot then answer a range check with comparisons of its own."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if type(number) is float else None
 
 
 # What a client's metrics may hold (`bound_metrics`). They are logged, averaged into the round log and kept in every
@@ -94,24 +112,21 @@ def bound_metrics(
             dropped.append(f"{name!r} (a name of the server's round log)")
         elif name in lengths:
             limit = lengths[name]
-            if not isinstance(value, (list, tuple)) or (limit is not None and len(value) > limit) or not all(
-                _is_number(item) and not math.isinf(item) and (name == STEP_REWARDS or math.isfinite(item))
-                for item in value
+            items = [plain_number(item) for item in value] if isinstance(value, (list, tuple)) else None
+            if items is None or (limit is not None and len(items) > limit) or not all(
+                item is not None and not math.isinf(item) and (name == STEP_REWARDS or math.isfinite(item))
+                for item in items
             ):
                 dropped.append(f"{name!r} (not a list of at most {limit} numbers)")
             else:
-                kept[name] = [float(item) for item in value]
-        elif _is_number(value) and math.isfinite(value):
-            kept[name] = float(value)
+                kept[name] = items
+        elif (number := plain_number(value)) is not None and math.isfinite(number):
+            kept[name] = number
         else:
             dropped.append(f"{name!r} (a {type(value).__name__}, not a finite number)")
     if dropped:
         logger.warning("Client %r: metrics dropped: %s.", client_id, bounded_text(", ".join(dropped)))
     return kept
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def check_window_reward(update: ClientUpdate, reward_window: int) -> None:
@@ -329,9 +344,10 @@ def validate_update(
         reject(str(error).rstrip("."))
     if isinstance(update.num_samples, bool) or not isinstance(update.num_samples, int) or update.num_samples < 1:
         reject(f"num_samples must be a positive integer, got {reprlib.repr(update.num_samples)}")
-    reward = update.reward
-    if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(reward):
-        reject(f"reward R̄ must be a finite number, got {reprlib.repr(reward)}")
+    reward = plain_number(update.reward)
+    if reward is None or not math.isfinite(reward):
+        reject(f"reward R̄ must be a finite number, got {bounded_text(reprlib.repr(update.reward), 100)}")
+    update.reward = reward
     if reward_range is not None:
         low, high = reward_range
         tolerance = 1e-6 * max(1.0, high - low)  # step rewards are float32 means

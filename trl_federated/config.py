@@ -905,6 +905,12 @@ class FedGRPOConfig(GRPOConfig):
                 f"({self.num_iterations}) / `gradient_accumulation_steps` ({self.gradient_accumulation_steps}), so "
                 f"R̄ measures θ^{{[t]}}, not the client's local progress: {' or '.join(remedies)}."
             )
+        if self.aggregation == "rpg" and self.rpg_h_max is None and reward_range is None:
+            warnings.append(
+                "`rpg_h_max` is None and the reward functions declare no `reward_range`: nothing bounds the R̄ a "
+                "client reports, so one client can take all of RPG's weight by reporting a large one. Set "
+                "`rpg_h_max` (10 by default), or give every reward function a `reward_range` attribute."
+            )
         if self.aggregation == "rpg" and reward_range is not None and reward_range[1] - reward_range[0] > 1:
             low, high = reward_range
             warnings.append(

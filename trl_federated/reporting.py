@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -9,14 +10,23 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from .admission import bounded_text
 from .callbacks import RoundCallback
 from .round_record import RoundRecord
+
+logger = logging.getLogger(__name__)
 
 # How summary.md numbers rounds: as the files of the run do.
 ROUND_NUMBERING = (
     "Rounds are numbered t = 0, 1, ..., as the global adapters `round-<t>/`, the checkpoints `checkpoint-<t>/` and "
     "`round` in metrics.jsonl: \"Round t\" is the global adapter after round t."
 )
+
+
+def plot_label(text: str) -> str:
+    """A client's name or label as matplotlib shows it literally: its `$` escaped, so a name cannot open math text
+    (whose parser raises on what it cannot read), nor a leading `_` hide the line from the legend."""
+    return str(text).replace("$", r"\$").lstrip("_") or "?"
 
 
 def round_label(round_idx: int, num_rounds: int) -> str:
@@ -135,7 +145,7 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
             for record in history
             for reward in record.client_metrics.get(client_id, {}).get("step_rewards", [])
         ]
-        axis.plot(range(1, len(rewards) + 1), rewards, marker=".", label=client_id)
+        axis.plot(range(1, len(rewards) + 1), rewards, marker=".", label=plot_label(client_id))
     axis.set(xlabel="local step (all rounds)", ylabel="mean step reward R̄[t,e]", title="Reward per local step")
     axis.legend(fontsize="small")
     written.append(_save(figure, output_dir / "rewards.png"))
@@ -144,7 +154,7 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
     axis = figure.subplots()
     for client_id in client_ids:
         points = [(r.round_idx, r.weights[client_id]) for r in history if client_id in r.weights]
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=client_id)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=plot_label(client_id))
     axis.set(xlabel="round t (as round-<t>/)", ylabel="aggregation weight ω", title="Aggregation weights per round")
     axis.xaxis.get_major_locator().set_params(integer=True)
     axis.legend(fontsize="small")
@@ -161,7 +171,7 @@ def plot_run(output_dir: str | Path, history: list[RoundRecord], evaluations: di
                 [100 * evaluations[idx]["accuracy"].get(label, float("nan")) for idx in rounds],
                 marker="o",
                 linewidth=2.5 if label == "Total" else 1.0,
-                label=label,
+                label=plot_label(label),
             )
         axis.set(xlabel="round t (as round-<t>/; -1: before training)", ylabel="accuracy (%)",
                  title="Test accuracy per round")
@@ -200,10 +210,16 @@ class ReportCallback(RoundCallback):
         self.history, self.evaluations = list(history), dict(evaluations)
 
     def _write(self) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_summary(self.output_dir / "summary.md", self.history, self.evaluations, self.header)
-        if self.history:
-            plot_run(self.output_dir, self.history, self.evaluations)
+        """summary.md and the plots; a failure is logged, never raised: a report cannot stop a round (the round is
+        checkpointed whatever becomes of its report, and the next round rewrites it from the whole history)."""
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            write_summary(self.output_dir / "summary.md", self.history, self.evaluations, self.header)
+            if self.history:
+                plot_run(self.output_dir, self.history, self.evaluations)
+        except Exception as error:  # noqa: BLE001 - anything a report does wrong, the run goes on
+            logger.warning("The run's summary and plots were not written (%s: %s); the run goes on.",
+                           type(error).__name__, bounded_text(error, 300))
 
 
 class RunProgress(TrainerCallback):

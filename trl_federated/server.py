@@ -50,7 +50,7 @@ from .adapters import (
     state_nbytes,
     state_norm,
 )
-from .admission import UpdateGate, check_client_id, read_reply
+from .admission import UpdateGate, bounded_text, check_client_id, read_reply
 from .aggregation import Aggregator, ClientUpdate
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
@@ -308,6 +308,7 @@ class FederatedServer:
         """`client_id` leaves the round: `kind` is 'error', 'timeout' or 'invalid_update'; one `client_dropped` line
         in metrics.jsonl."""
         round_idx = self._round.round_idx
+        reason = bounded_text(reason)  # a client's words: one line, escaped, bounded, whoever delivered them
         # The traceback only helps with an unexpected error.
         logger.warning("Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
                        exc_info=error if kind == "error" else None)
@@ -425,7 +426,9 @@ class FederatedServer:
         result (`evaluation.merge_evaluations`: per label, the row-weighted mean), each client's, and the failures go
         to the callbacks (`RoundCallback.on_client_evaluation`, a `client_evaluation` line in metrics.jsonl) and the
         log; returns them."""
-        results = {**merge_evaluations(evaluations.values()), "clients": evaluations, "failed": failed}
+        failed = dict(failed)
+        kept = bound_client_evaluations(evaluations, self.evaluation_range(), failed)
+        results = {**merge_evaluations(kept.values()), "clients": evaluations, "failed": failed}
         self._fire("on_client_evaluation", round_idx=round_idx, results=results)
         total = results["accuracy"].get(TOTAL)
         logger.info(
@@ -435,6 +438,13 @@ class FederatedServer:
             "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items()),
         )
         return results
+
+    def evaluation_range(self) -> tuple[float, float] | None:
+        """The interval an evaluation's mean reward lies in: its reward functions' declared range (the evaluation's
+        own, else the training's, which evaluate by default); None when they declare none."""
+        if self.eval_reward_funcs is not None:
+            return combined_reward_range(self.eval_reward_funcs, self.eval_reward_weights)
+        return self.reward_range
 
     def client_evaluation_recorded(self, round_idx: int) -> bool:
         """Whether the clients' evaluation of round `round_idx` was recorded (its `client_evaluation` line in
@@ -497,6 +507,39 @@ class FederatedServer:
         )
         self.args.server_learning_rate = self.aggregator.server_optimizer.learning_rate = saved
         self.identity["training"]["server_learning_rate"] = saved
+
+
+# The most rows one client's evaluation may count with (a held-out split of that size takes hours to evaluate on the
+# hardware this runs on), and how many times the clients' median count it may weigh in the pooled accuracy.
+MAX_EVALUATION_ROWS = 1_000_000
+EVALUATION_WEIGHT_SPREAD = 4
+
+
+def bound_client_evaluations(
+    evaluations: dict[str, dict[str, Any]], reward_range: tuple[float, float] | None, failed: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """The clients' evaluations as they enter the pooled accuracy, which no one reply can own: an accuracy outside
+    `reward_range` fails that client (named in `failed`); every row count is capped at `MAX_EVALUATION_ROWS` and at
+    `EVALUATION_WEIGHT_SPREAD` times the replying clients' median total count (with 3 or more replies), so a client
+    claiming 2^63 rows weighs at most a few honest clients. The clients' own figures stay in the record as sent."""
+    kept = {}
+    for client_id, evaluation in evaluations.items():
+        if reward_range is not None:
+            low, high = reward_range
+            outside = [label for label, value in evaluation["accuracy"].items() if not low <= value <= high]
+            if outside:
+                failed[client_id] = (f"invalid evaluation reply: its accuracy of {outside[0]!r} lies outside the "
+                                     f"evaluation's reward range [{low}, {high}]")
+                continue
+        kept[client_id] = evaluation
+    totals = sorted(evaluation["count"][TOTAL] for evaluation in kept.values())
+    cap = MAX_EVALUATION_ROWS
+    if len(totals) >= 3:
+        cap = min(cap, EVALUATION_WEIGHT_SPREAD * totals[len(totals) // 2])
+    return {
+        client_id: {**evaluation, "count": {label: min(count, cap) for label, count in evaluation["count"].items()}}
+        for client_id, evaluation in kept.items()
+    }
 
 
 def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:

@@ -11,6 +11,9 @@ from ..config import rpg_errors
 from .base import Aggregator, ClientUpdate, RoundMetric, check_number
 from .server_optim import ServerAdam, ServerOptimizer
 
+# |h| with `h_max=None`: far beyond any honest gain, far below where h / τ overflows a float for any τ_min ≥ 1e-290.
+UNBOUNDED_GAIN_LIMIT = 1e12
+
 
 class RPGAggregator(Aggregator):
     """Weights every reporting client i by how much its reward beats its own history:
@@ -99,8 +102,10 @@ class RPGAggregator(Aggregator):
                 max(self.iota * previous_volatility + (1 - self.iota) * abs(gap), self.sigma_min), self.sigma_max
             )
             gain = gap / (volatility + self.eps)
-            if self.h_max is not None:
-                gain = min(max(gain, -self.h_max), self.h_max)
+            # R̄ far apart in a float's range (±1e308) makes the gap, and so h, infinite: held to a finite bound, the
+            # softmax stays finite (its largest h takes the weight) whatever finite R̄ a client reports.
+            bound = self.h_max if self.h_max is not None else UNBOUNDED_GAIN_LIMIT
+            gain = min(max(gain, -bound), bound)
             self.baselines[update.client_id] = self.lambda_base * reward + (1 - self.lambda_base) * previous_baseline
             self.volatilities[update.client_id] = volatility
             gains.append(gain)
