@@ -204,7 +204,7 @@ def test_a_registered_aggregations_own_metrics_reach_the_record_the_log_the_repo
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last_round = [line for line in lines if line["event"] == "round"][-1]
     assert last_round["average_norms"] == pytest.approx(expected) and last_round["clients_remembered"] == 2
-    assert "Round 2/2: 2 clients aggregated, 0 dropped, #μ = 2" in caplog.text
+    assert "Round 1 (2/2): 2 clients aggregated, 0 dropped, #μ = 2" in caplog.text
     assert f"client_0: R̄ = {record.rewards['client_0']:.4f}, ‖μ‖ = {expected['client_0']:.4g}, ω = " in caplog.text
 
     # 3. the report

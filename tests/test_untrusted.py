@@ -6,6 +6,7 @@ so no client trains: the attacks cost milliseconds."""
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -235,6 +236,7 @@ def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_client
     d = sum(tensor.numel() for tensor in server.global_state.values())
     control_bound = args.update_norm_bound * math.sqrt(d)  # update_norm_bound in units of √d
     budget = args.local_steps * args.learning_rate  # Σ_k η_k of a round
+    refusals = 0
     for round_idx in range(args.num_rounds):
         server.begin_round(round_idx)
         for index, client_id in enumerate(["a", "b", "m"]):
@@ -254,10 +256,13 @@ def test_one_scaffold_client_can_neither_grow_the_controls_nor_get_honest_client
         record = server.end_round()
         assert set(record.weights) >= {"a", "b"}, record.dropped  # the honest clients are never rejected
         controls = server.aggregator.client_controls
-        assert state_norm(controls["m"]) <= control_bound * (1 + 1e-5)
+        assert state_norm(controls.get("m", {"x": torch.zeros(1)})) <= control_bound * (1 + 1e-5)
         assert state_norm(server.aggregator.control) <= control_bound * (1 + 1e-5)
-        if round_idx > 0 and action == "reject":
+        if "m" in record.dropped:  # refused: what it got in before no longer acts on c, and it starts again at 0
             assert "‖c_i + Δc_i‖" in record.dropped["m"] and "exceeds the control bound" in record.dropped["m"]
+            assert "m" not in controls
+            refusals += 1
+    assert refusals >= (2 if action == "reject" else 0)
     server.close()
 
 
@@ -426,4 +431,51 @@ def test_one_client_cannot_own_the_pooled_evaluation(tmp_path, tiny_model_dir, f
     for forged in (1000.0, -1e6, 1e308):
         results = server.record_client_evaluation(1, {**honest, "d": evaluation(forged, 100)}, {})
         assert results["accuracy"]["Total"] == pytest.approx(0.25) and "outside" in results["failed"]["d"]
+    server.close()
+
+
+def test_one_admitted_scaffold_control_cannot_steer_the_federation_for_good(tmp_path, tiny_model_dir, fast_args):
+    """A client gets one control accepted in round 0, within the per-client bound and 10x an honest client's, and
+    is refused every round after: its c_i leaves c at its first refusal. While admitted, its c_i enters c at most at
+    twice the median client's length, however much data it claims."""
+    from trl_federated.adapters import state_norm
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path), aggregation="scaffold", num_clients=4,
+                         num_rounds=4)
+    server.start_run()
+    args, keys = server.args, list(server.global_state)
+    d = sum(tensor.numel() for tensor in server.global_state.values())
+    budget = args.local_steps * args.learning_rate
+    direction = {key: torch.randn(value.shape, generator=torch.Generator().manual_seed(7)) for key, value in
+                 server.global_state.items()}
+    scale = 0.9 * args.update_norm_bound * math.sqrt(d) / state_norm(direction)
+    attack = {key: value * scale for key, value in direction.items()}  # c_m: just inside the bound
+    for round_idx in range(3):
+        server.begin_round(round_idx)
+        for index, client_id in enumerate(["a", "b", "c", "m"]):
+            _, extras = server.broadcast(client_id)
+            c, c_i = extras["server_control"], extras["client_control"]
+            if client_id == "m":
+                if round_idx == 0:
+                    reply(server, "m", state=dict(server.global_state), num_samples=10**6,
+                          extras={"control_delta": attack})
+                else:  # refused from now on
+                    reply(server, "m", state=dict(server.global_state), reward=float("nan"),
+                          extras={"control_delta": {key: torch.zeros_like(value) for key, value in c.items()}})
+                continue
+            g = {key: torch.full_like(value, 0.1 * (-1) ** (round_idx + index)) for key, value in c.items()}
+            state = {key: server.global_state[key] - budget * (g[key] + c[key] - c_i[key]) for key in keys}
+            reply(server, client_id, state=state, extras={"control_delta": {key: g[key] - c_i[key] for key in keys}})
+        record = server.end_round()
+        control = server.aggregator.control
+        flat = torch.cat([control[key].flatten() for key in keys])
+        along = torch.dot(flat, torch.cat([attack[key].flatten() for key in keys])) / (
+            state_norm(attack) * max(state_norm(control), 1e-30))
+        honest = statistics.median(state_norm(server.aggregator.client_controls[name]) for name in "abc")
+        if round_idx == 0:
+            assert "m" in record.weights
+            assert state_norm(control) <= 2 * honest * (1 + 1e-5)  # c_m clipped to 2x the median before weighing
+        else:
+            assert "m" in record.dropped and "m" not in server.aggregator.client_controls
+            assert abs(float(along)) < 0.05  # c no longer points along the attacker's direction
     server.close()

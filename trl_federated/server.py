@@ -313,6 +313,8 @@ class FederatedServer:
         logger.warning("Round %d: client %r dropped (%s): %s", round_idx, client_id, kind, reason,
                        exc_info=error if kind == "error" else None)
         self._round.dropped[client_id] = reason
+        if kind == "invalid_update":  # refused by the gate: its past input stops acting on the others
+            self.aggregator.forget(client_id)
         self._fire("on_client_dropped", round_idx=round_idx, client_id=client_id, kind=kind, reason=reason)
 
     def refuse(self, name: str, reason: str) -> None:

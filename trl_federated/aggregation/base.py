@@ -316,6 +316,10 @@ class Aggregator(ABC):
         rejected for a correction others induced."""
         return 0.0
 
+    def forget(self, client_id: str) -> None:
+        """A client the admission gate refused this round: per-client state that acts on the other clients (SCAFFOLD's
+        c_i in c) stops acting; a strategy without such state keeps what it has."""
+
     def accept(self, update: ClientUpdate) -> None:
         """Commit the per-client state of an admitted update that joins the round (SCAFFOLD: c_i ← c_i + Δc_i); an
         update that is dropped never reaches it."""

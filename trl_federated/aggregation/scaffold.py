@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from .base import AggregationError, ClientHook, ClientUpdate
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
 
+# How many times the median ‖c_i‖ one client's c_i may count with in c (`ScaffoldAggregator.control_scales`).
+CONTROL_MEDIAN_SPREAD = 2.0
 # The extras SCAFFOLD exchanges with a client: c and c_i down, Δc_i up.
 SERVER_CONTROL, CLIENT_CONTROL, CONTROL_DELTA = "server_control", "client_control", "control_delta"
 
@@ -112,6 +115,12 @@ class ScaffoldAggregator(FedAvgAggregator):
         server_control = self.server_control(global_state)
         return state_norm({key: server_control[key] - control[key] for key in server_control})
 
+    def forget(self, client_id: str) -> None:
+        """A client the gate refused: its c_i and D_i leave c from this round's aggregation on, so that what it got
+        in while admitted stops steering the others' steps; a later admitted update starts it again from c_i = 0."""
+        self.client_controls.pop(client_id, None)
+        self.client_sizes.pop(client_id, None)
+
     def accept(self, update: ClientUpdate) -> None:
         # c_i ← c_i⁺ = c_i + Δc_i and D_i, kept only with an accepted update: c is their data-weighted mean.
         delta = update.extras[CONTROL_DELTA]
@@ -151,14 +160,27 @@ class ScaffoldAggregator(FedAvgAggregator):
         sizes = {client_id: size for client_id, size in self.client_sizes.items() if client_id in self.client_controls}
         total = sum(sizes.values()) * max(self.num_clients or 0, len(sizes)) / len(sizes) if sizes else 0
         control = torch._foreach_mul([self.control[key] for key in keys], 0.0)
+        scales = self.control_scales(list(sizes))
         for client_id, size in sizes.items():
-            torch._foreach_add_(control, [self.client_controls[client_id][key] for key in keys], alpha=size / total)
+            torch._foreach_add_(control, [self.client_controls[client_id][key] for key in keys],
+                                alpha=size / total * scales[client_id])
         self.control = control = dict(zip(keys, control))
         if non_finite := non_finite_entries(control, "server control"):
             raise AggregationError(
                 f"Round {round_idx}: SCAFFOLD's {non_finite[0]} is not finite; the round is refused."
             )
         return new_state
+
+    def control_scales(self, client_ids: list[str]) -> dict[str, float]:
+        """The factor each client's c_i enters c with: 1, or, for a c_i longer than `CONTROL_MEDIAN_SPREAD` times
+        the median ‖c_j‖ of the clients kept (3 or more), the factor that brings it to that length. Honest clients'
+        c_i are their mean Adam directions, of like size; one client's c_i, however long the per-client bound lets it
+        be, then moves c at most as much as a few honest ones do, in every later round too."""
+        norms = {client_id: state_norm(self.client_controls[client_id]) for client_id in client_ids}
+        if len(norms) < 3:
+            return dict.fromkeys(client_ids, 1.0)
+        cap = CONTROL_MEDIAN_SPREAD * statistics.median(norms.values())
+        return {client_id: cap / norm if norm > cap else 1.0 for client_id, norm in norms.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {
