@@ -170,13 +170,18 @@ def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
 
 def test_an_unset_bf16_does_not_stop_a_machine_without_an_accelerator(tmp_path):
     """TRL turns bf16 on unless fp16 is; TrainingArguments then refuses a machine with no bf16 accelerator unless
-    `use_cpu` is set. A federation with nothing said about precision must start (in float32) on such a machine."""
+    `use_cpu` is set. A federation with nothing said about device or precision must start on such a machine: on the
+    CPU (as the quickstart, which names no device, so that it runs on a GPU where there is one), in bf16 where the
+    CPU computes it natively."""
     import torch
 
-    if torch.cuda.is_available():
+    from trl_federated.devices import has_native_bf16
+
+    if torch.accelerator.is_available():
         pytest.skip("this machine has an accelerator")
     args = FedGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2)
-    assert args.bf16 is False
+    assert args.use_cpu is True and args.device.type == "cpu"
+    assert args.bf16 is has_native_bf16(torch.device("cpu"))
 
 
 def test_an_unset_bf16_on_cpu_follows_the_cpus_native_bf16(tmp_path, monkeypatch):

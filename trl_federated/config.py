@@ -813,11 +813,15 @@ class FedGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         notice_changed_trl_defaults(self)
+        if not self.use_cpu and not torch.accelerator.is_available():
+            # No GPU (or other accelerator): the CPU, as `Trainer` would fall back to, so that one config (the
+            # quickstart's) runs on a GPU where there is one and on the CPU elsewhere, with no flag to change
+            self.use_cpu = True
         if self.bf16 is None and not self.fp16:
             if self.use_cpu:  # autocast's bf16 products: fast where native, emulated (slower than float32) elsewhere
                 self.bf16 = has_native_bf16(torch.device("cpu"))
             elif not is_torch_bf16_gpu_available():
-                self.bf16 = False  # TRL's default (bf16 unless fp16) stops TrainingArguments with no accelerator
+                self.bf16 = False  # TRL's default (bf16 unless fp16) stops TrainingArguments with no bf16 GPU
         super().__post_init__()
         # YAML hands "inf" and a Python-spelled None over as strings.
         if isinstance(self.partition_column, str) and self.partition_column in ("None", "none", "null"):
