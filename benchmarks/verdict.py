@@ -411,8 +411,13 @@ def cell_diagnostics(directory: Path) -> dict[str, float]:
     for record in read_metrics(directory / "metrics.jsonl"):  # torn lines skipped
         if record.get("event") == "round":
             rounds[record["round_idx"]] = record  # the last line of a round counts (a resumed run may repeat one)
-    ratios, deltas, cosines, zero_std, spreads = [], [], [], [], []
+    ratios, deltas, cosines, zero_std, spreads, entropies = [], [], [], [], [], []
+    step_cosines, momentum_cosines, norms_a, norms_b = [], [], [], []
     for record in rounds.values():
+        for name, values in (("server_step_cosine", step_cosines), ("server_step_momentum_cosine", momentum_cosines),
+                             ("server_step_norm_a", norms_a), ("server_step_norm_b", norms_b)):
+            if record.get(name) is not None:  # a cell from before the step's diagnostics has none
+                values.append(record[name])
         if record.get("server_step_ratio") is not None:
             ratios.append(record["server_step_ratio"])
         if record.get("delta_norm") is not None:
@@ -422,6 +427,8 @@ def cell_diagnostics(directory: Path) -> dict[str, float]:
         for metrics in (record.get("client_metrics") or {}).values():
             if metrics.get("frac_reward_zero_std") is not None:
                 zero_std.append(metrics["frac_reward_zero_std"])
+            if metrics.get("entropy") is not None:
+                entropies.append(metrics["entropy"])
         if record.get("weights"):
             spreads.append(max(record["weights"].values()) - min(record["weights"].values()))
     return {
@@ -431,6 +438,13 @@ def cell_diagnostics(directory: Path) -> dict[str, float]:
         "update_cosine": _mean(cosines),
         "zero_std_groups": _mean(zero_std),
         "weight_spread": _mean(spreads),
+        "entropy": _mean(entropies),
+        "last_entropy": _mean([metrics["entropy"] for metrics in (rounds[max(rounds)].get("client_metrics") or {})
+                               .values() if metrics.get("entropy") is not None]) if rounds else math.nan,
+        "step_cosine": _mean(step_cosines),
+        "momentum_cosine": _mean(momentum_cosines),
+        "step_norm_a": _mean(norms_a),
+        "step_norm_b": _mean(norms_b),
     }
 
 
@@ -690,11 +704,13 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
     )
     diagnostics_header = ["Setting", "Method", "Seeds", "Server step / ‖Δ‖, median of rounds",
                           "Server step / ‖Δ‖, largest", "‖Δ‖", "cos(client update, Δ)",
-                          "Groups with equal rewards", "Weight spread (max ω − min ω)"]
+                          "Groups with equal rewards", "Weight spread (max ω − min ω)", "Clients' entropy",
+                          "Entropy, last round", "cos(s, Δ)", "cos(s, s₋₁)", "‖s‖ LoRA A", "‖s‖ LoRA B"]
     diagnostics_rows = [
         [row["setting"], row["method"], str(len(row["seeds"])),
-         *(_optional(row["diagnostics"][key]) for key in ("step_ratio_median", "step_ratio_max", "delta_norm",
-                                                          "update_cosine", "zero_std_groups", "weight_spread"))]
+         *(_optional(row["diagnostics"].get(key, math.nan)) for key in (
+             "step_ratio_median", "step_ratio_max", "delta_norm", "update_cosine", "zero_std_groups", "weight_spread",
+             "entropy", "last_entropy", "step_cosine", "momentum_cosine", "step_norm_a", "step_norm_b"))]
         for row in summary["methods"]
     ]
     item_header = ["Setting", "Baseline", "Seed", "FGRPO final", "Baseline final", "FGRPO − baseline [95% CI]",

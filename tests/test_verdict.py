@@ -168,11 +168,14 @@ def test_each_seeds_final_adapters_are_compared_item_by_item(tmp_path, capsys):
 def test_the_report_averages_each_cells_round_diagnostics(tmp_path, capsys):
     """Server step / ‖Δ‖ (median and largest over rounds), ‖Δ‖, cos(update, Δ), groups with equal rewards and the
     weight spread, per cell from metrics.jsonl (the last line of a round counts), then averaged over seeds."""
-    def round_line(index, ratio, delta, cosines, zero_std, weights):
+    def round_line(index, ratio, delta, cosines, zero_std, weights, step=(None,) * 4, entropy=(None, None)):
         return json.dumps({
             "event": "round", "round_idx": index, "server_step_ratio": ratio, "delta_norm": delta,
             "update_cosines": dict(zip("ab", cosines)), "weights": dict(zip("ab", weights)),
-            "client_metrics": {name: {"frac_reward_zero_std": value} for name, value in zip("ab", zero_std)},
+            "client_metrics": {name: {"frac_reward_zero_std": value, "entropy": h}
+                               for name, value, h in zip("ab", zero_std, entropy)},
+            **dict(zip(("server_step_cosine", "server_step_momentum_cosine", "server_step_norm_a",
+                        "server_step_norm_b"), step)),
         })
 
     base = (0.20, 0.10)
@@ -180,8 +183,8 @@ def test_the_report_averages_each_cells_round_diagnostics(tmp_path, capsys):
         0: [round_line(0, 9.0, 9.0, (0.0, 0.0), (0.0, 0.0), (0.5, 0.5)),  # replaced by the resumed run's round 0
             json.dumps({"event": "resumed"}),
             round_line(0, 2.0, 0.5, (0.5, 1.0), (0.5, 1.0), (0.2, 0.8)),
-            round_line(1, 6.0, 0.3, (-0.5, 0.0), (0.0, 0.5), (0.5, 0.5)),
-            round_line(2, 3.0, 0.4, (0.0, 0.0), (0.0, 0.0), (0.4, 0.6)),
+            round_line(1, 6.0, 0.3, (-0.5, 0.0), (0.0, 0.5), (0.5, 0.5), (0.5, None, 0.1, 0.2), (1.0, 0.5)),
+            round_line(2, 3.0, 0.4, (0.0, 0.0), (0.0, 0.0), (0.4, 0.6), (1.0, 0.5, 0.3, 0.4), (0.25, 0.25)),
             round_line(3, None, None, (None, None), (None, None), ())],  # a round without Δ: nothing to count
         1: [round_line(0, 1.0, 0.2, (1.0, 1.0), (1.0, 1.0), (0.5, 0.5))],
     }
@@ -195,10 +198,16 @@ def test_the_report_averages_each_cells_round_diagnostics(tmp_path, capsys):
                          "--report_only"]) == 0
     capsys.readouterr()
     seed0 = verdict.cell_diagnostics(Cell("fgrpo", 0, 3, "0.05").directory(tmp_path))
+    step_keys = ("entropy", "last_entropy", "step_cosine", "momentum_cosine", "step_norm_a", "step_norm_b")
+    steps = {key: seed0.pop(key) for key in step_keys}
     assert seed0 == pytest.approx({"step_ratio_median": 3.0, "step_ratio_max": 6.0, "delta_norm": 0.4,
                                    "update_cosine": 1 / 6, "zero_std_groups": 2 / 6, "weight_spread": 0.8 / 3})
+    # the step's diagnostics and the clients' entropy over the rounds that have them; the last round has none
+    assert steps == pytest.approx({"entropy": 0.5, "last_entropy": math.nan, "step_cosine": 0.75,
+                                   "momentum_cosine": 0.5, "step_norm_a": 0.2, "step_norm_b": 0.3}, nan_ok=True)
     rows = {row["method"]: row for row in json.loads((tmp_path / "verdict.json").read_text())["methods"]}
-    assert rows["fgrpo"]["diagnostics"] == pytest.approx({key: (value + {"step_ratio_median": 1.0,
+    averaged = {key: value for key, value in rows["fgrpo"]["diagnostics"].items() if key not in step_keys}
+    assert averaged == pytest.approx({key: (value + {"step_ratio_median": 1.0,
         "step_ratio_max": 1.0, "delta_norm": 0.2, "update_cosine": 1.0, "zero_std_groups": 1.0,
         "weight_spread": 0.0}[key]) / 2 for key, value in seed0.items()})
     assert all(math.isnan(value) for value in rows["fedavg"]["diagnostics"].values())  # no metrics.jsonl
