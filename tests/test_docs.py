@@ -4,6 +4,7 @@ from the code, an install that works off this project's machines, every command 
 reference a reader cannot open."""
 
 import importlib.util
+import json
 import re
 import shlex
 import shutil
@@ -104,7 +105,13 @@ def test_the_readme_is_a_front_door():
 
 def test_the_readme_states_the_verdict_and_links_every_page():
     text = " ".join(README.split())
-    assert "learned less than FedAvg" in text and "+6.11" in text and "+12.87" in text
+    # the README reads as the committed report does: its FGRPO and FedAvg gains and their paired difference
+    report = json.loads((ROOT / "benchmarks" / "results" / "grid" / "verdict.json").read_text(encoding="utf-8"))
+    gains = {row["method"]: row["total_gain"]["mean"] for row in report["methods"]}
+    paired = next(row["total"] for row in report["paired"] if row["baseline"] == "fedavg")
+    assert "learned less than FedAvg" in text
+    assert f"FGRPO {gains['fgrpo']:+.2f}" in text and f"FedAvg {gains['fedavg']:+.2f}" in text
+    assert f"{paired['mean']:+.2f} [{paired['low']:+.2f}, {paired['high']:+.2f}]".replace("-", "−") in text
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
     assert linked == {path.name for path in PAGES} | {"config-reference.md"}
 
