@@ -170,8 +170,9 @@ class ArgumentParser(TrlParser):
             if key in choices and not value and index + 1 < len(flags):
                 value = flags[index + 1]
             if key in choices and value and value not in map(str, choices[key]):
-                hint = choice_hint(key, value, choices[key])
-                self.error(f"`{flag} {value}` is not one of {list(choices[key])}.{hint}")
+                hint = choice_hint(key, value, choices[key])  # argparse's own words, with the hint it lacks
+                self.error(f"argument {flag}: invalid choice: {value!r} (choose from "
+                           f"{', '.join(map(repr, choices[key]))}).{hint}")
         try:
             return super().parse_args_and_config(args, **kwargs)
         except (ValueError, TypeError) as fault:  # a config's own check (`__post_init__`), already one sentence
