@@ -103,7 +103,7 @@ def test_drop_in_pushes_the_global_adapter_and_its_card(
     for name in PUSHED_FILES:
         assert (output_dir / name).is_file(), name
     card = (output_dir / "README.md").read_text()
-    assert "### Federated training" in card and "| Clients | 2, Dirichlet μ=inf over `difficulty` |" in card
+    assert "### Federated training" in card and "| Clients | 2, a uniform split |" in card
 
 
 def test_cli_push_without_a_reachable_hub_fails_after_saving(tmp_path, tiny_model_dir, monkeypatch):
