@@ -195,3 +195,41 @@ def test_tier_calibration_on_a_run_configs_test_split(tmp_path, tiny_model_dir, 
     result.write_text(json.dumps({"evaluations": {"-1": {"row_rewards": scores[:5]}}}))
     with pytest.raises(ValueError, match="scored 5 items"):
         calibrate.main(argv)
+
+
+def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
+    """`benchmarks/server_step.py`: the validation slice takes the first items of every task × tier group in the
+    training split's order, splits accuracy into arithmetic and the other tasks by items, and the report holds a
+    row per round with the clients' entropy and the server step's diagnostics."""
+
+    from datasets import Dataset
+
+    from trl_federated.compare import Cell
+
+    server_step = load("server_step")
+    train = Dataset.from_dict({
+        "category": ["gcd", "products", "gcd", "gcd", "products", "chain_sum"],
+        "difficulty": ["hard", "hard", "hard", "simple", "hard", "hard"],
+        "row": list(range(6)),
+    })
+    assert server_step.validation_slice(train, 2)["row"] == [0, 1, 2, 3, 4, 5]
+    assert server_step.validation_slice(train, 1)["row"] == [0, 1, 3, 5]  # the first of each group
+    evaluation = {"accuracy": {"chain_sum": 0.5, "products": 0.0, "gcd": 1.0, "Total": 0.6},
+                  "count": {"chain_sum": 2, "products": 2, "gcd": 1, "Total": 5}}
+    assert server_step.split_accuracy(evaluation) == {"arith": 25.0, "other": 100.0, "total": pytest.approx(60.0)}
+
+    cell = Cell("fgrpo-adam-norm", 0, 3, "0.05")
+    directory = cell.directory(tmp_path)
+    directory.mkdir(parents=True)
+    record = {"event": "round", "round_idx": 0, "rewards": {"a": 0.5, "b": 0.25}, "server_step_ratio": 1.0,
+              "server_step_cosine": 0.8, "server_step_momentum_cosine": None, "server_step_norm_a": 0.1,
+              "server_step_norm_b": 0.2, "client_metrics": {"a": {"entropy": 1.0, "frac_reward_zero_std": 0.5},
+                                                            "b": {"entropy": 0.5, "frac_reward_zero_std": 0.25}}}
+    (directory / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (directory / server_step.VALIDATION_FILE).write_text(json.dumps({"0": evaluation}))
+    (tmp_path / server_step.BASE_VALIDATION_FILE).write_text(json.dumps({"-1": evaluation}))
+    report = server_step.write_report(tmp_path, [cell], "python benchmarks/server_step.py")
+    assert "Base model: arithmetic 25.0, other 100.0, total 60.0 (5 items)." in report
+    assert ("| fgrpo-adam-norm | 0 | 0 | 25.0 | 100.0 | 60.0 | 0.38 | 0.75 | 0.38 | 1.00 | 0.80 | – | 0.100 | 0.200 |"
+            in report)
+    assert (tmp_path / server_step.REPORT_FILE).read_text() == report
