@@ -74,10 +74,9 @@ def plain_number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, Real):
         return None
     try:
-        number = float(value)
+        return float(value)  # always a plain float, even from a float subclass's own __float__
     except (TypeError, ValueError, OverflowError):
         return None
-    return number if type(number) is float else None
 
 
 # What a client's metrics may hold (`bound_metrics`). They are logged, averaged into the round log and kept in every

@@ -95,9 +95,11 @@ def changed_trl_defaults(config_class: type) -> dict[str, tuple[Any, Any]]:
 def notice_changed_trl_defaults(args: GRPOConfig) -> None:
     """Say once per process and config class which TRL defaults this config changes and the run keeps (those left at
     the federated default), so that swapping `GRPOConfig` for it changes nothing unannounced."""
+    if type(args) in _NOTICED:  # said once; every client round copies the config
+        return
     kept = {name: values for name, values in changed_trl_defaults(type(args)).items()
             if getattr(args, name) == values[1]}
-    if not kept or type(args) in _NOTICED:
+    if not kept:
         return
     _NOTICED.add(type(args))
     changes = ", ".join(f"`{name}` {ours!r} (TRL: {theirs!r})" for name, (theirs, ours) in kept.items())

@@ -131,13 +131,16 @@ class _StepGeometry:
     formed tensor by tensor in one reused buffer: a fresh one per tensor would cost a page fault per page, several
     times the arithmetic. The server step of each tensor is kept (`steps`) for the next round's cos(s, s^{[t-1]})."""
 
-    def __init__(self, num_clients: int, global_state: AdapterState, previous_steps: AdapterState | None):
-        self.delta_sq = self.step_sq = self.step_delta_dot = self.step_previous_dot = self.previous_sq = 0.0
+    def __init__(self, num_clients: int, global_state: AdapterState, previous: ServerStep | None,
+                 previous_steps: AdapterState | None):
+        self.delta_sq = self.step_sq = self.step_delta_dot = self.step_previous_dot = 0.0
         self.factor_sq = {"lora_A": 0.0, "lora_B": 0.0}
         self.update_sq = [0.0] * num_clients
         self.dots = [0.0] * num_clients
         self.buffer = torch.empty(max((value.numel() for value in global_state.values()), default=0))
-        self.previous_steps = previous_steps
+        # The last round's step, tensor by tensor, and its norm, which that round measured already
+        self.previous_steps = previous_steps if previous is not None else None
+        self.previous_norm = previous.step_norm if previous is not None else 0.0
         self.steps: AdapterState = {}
 
     def add(self, block: AdapterState, client_states: list[AdapterState], delta: AdapterState, new: AdapterState):
@@ -151,10 +154,8 @@ class _StepGeometry:
             factor = next((name for name in self.factor_sq if f".{name}." in f".{key}."), None)
             if factor is not None:
                 self.factor_sq[factor] += step_sq
-            if self.previous_steps is not None and key in self.previous_steps:
-                previous = self.previous_steps[key]
-                self.step_previous_dot += torch.dot(step.view(-1), previous.view(-1)).item()
-                self.previous_sq += tensor_norm(previous) ** 2
+            if self.previous_steps is not None:
+                self.step_previous_dot += torch.dot(step.view(-1), self.previous_steps[key].view(-1)).item()
         for index, state in enumerate(client_states):
             for key, value in block.items():
                 update = self.buffer[: value.numel()]
@@ -167,7 +168,7 @@ class _StepGeometry:
         norms = [math.sqrt(value) for value in self.update_sq]
         cosines = [_cosine(dot, norm, delta_norm) for dot, norm in zip(self.dots, norms)]
         previous = (None if self.previous_steps is None
-                    else _cosine(self.step_previous_dot, step_norm, math.sqrt(self.previous_sq)))
+                    else _cosine(self.step_previous_dot, step_norm, self.previous_norm))
         return ServerStep(
             delta_norm, step_norm, dict(zip(client_ids, norms)), dict(zip(client_ids, cosines)),
             step_delta_cosine=_cosine(self.step_delta_dot, step_norm, delta_norm), step_previous_cosine=previous,
@@ -254,7 +255,7 @@ class Aggregator(ABC):
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
         self.server_optimizer.start_step()
-        geometry = _StepGeometry(len(updates), global_state, self.last_server_steps)
+        geometry = _StepGeometry(len(updates), global_state, self.last_step, self.last_server_steps)
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}

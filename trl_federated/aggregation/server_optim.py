@@ -109,6 +109,14 @@ class ServerAdam(ServerOptimizer):
 
     def step_block(self, params, delta):
         keys = list(params)
+        m, denominator, scale = self.update_moments(keys, delta)
+        new = torch._foreach_addcdiv([params[k].float() for k in keys], m, denominator,
+                                     value=self.learning_rate * scale)
+        return {key: value.to(params[key].dtype) for key, value in zip(keys, new)}
+
+    def update_moments(self, keys: list[str], delta: dict[str, torch.Tensor]) -> tuple[list, list, float]:
+        """Eq. momentum for the tensors `keys`: m and v updated in place; returns m, the denominator √v + ε (√v̂ + ε
+        with bias correction) and the factor on m per unit learning rate (1 / (1 − β1^t) with bias correction)."""
         for key in keys:
             if key not in self.m:  # m^{[-1]} = v^{[-1]} = 0
                 self.m[key] = torch.zeros_like(delta[key])
@@ -118,14 +126,13 @@ class ServerAdam(ServerOptimizer):
         torch._foreach_mul_(v, self.beta2)
         torch._foreach_addcmul_(v, d, d, value=1 - self.beta2)  # v ← β2 v + (1 − β2) Δ²
 
-        step_size = self.learning_rate
+        scale = 1.0
         denominator = torch._foreach_sqrt(v)
         if self.bias_correction:
-            step_size /= 1 - self.beta1**self.num_steps
+            scale /= 1 - self.beta1**self.num_steps
             torch._foreach_div_(denominator, math.sqrt(1 - self.beta2**self.num_steps))
         torch._foreach_add_(denominator, self.epsilon)
-        new = torch._foreach_addcdiv([params[k].float() for k in keys], m, denominator, value=step_size)
-        return {key: value.to(params[key].dtype) for key, value in zip(keys, new)}
+        return m, denominator, scale
 
     def block_state(self, keys):
         return {"m": {key: self.m[key] for key in keys}, "v": {key: self.v[key] for key in keys}}
@@ -225,15 +232,9 @@ class ServerNormMatchedAdam(ServerAdam):
 
     def step_block(self, params, delta):
         keys = list(params)
-        # Adam's step at learning rate 1 from zero parameters is its direction d.
-        learning_rate, self.learning_rate = self.learning_rate, 1.0
-        try:
-            directions = super().step_block({key: torch.zeros_like(delta[key]) for key in keys}, delta)
-        finally:
-            self.learning_rate = learning_rate
+        m, denominator, _ = self.update_moments(keys, delta)  # m̂'s factor cancels in d / ‖d‖
         new = {}
-        for key in keys:
-            direction = directions[key]
+        for key, direction in zip(keys, torch._foreach_div(m, denominator)):
             direction_norm = float(torch.linalg.vector_norm(direction))
             scale = self.learning_rate * float(torch.linalg.vector_norm(delta[key])) / direction_norm \
                 if direction_norm > 0 else 0.0
