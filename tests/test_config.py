@@ -24,10 +24,10 @@ def test_defaults_are_the_papers(tmp_path):
     assert args.aggregation == "rpg" and args.server_optimizer == "adam"
     # the server rates are derived: 0.5 x local_steps x learning_rate for Adam, 1 for SGD; an explicit one is kept
     assert args.server_learning_rate == pytest.approx(0.5 * args.local_steps * args.learning_rate)
-    assert args.server_learning_rate_derived
+    assert args.derived_server_fields == {"server_optimizer", "server_learning_rate", "server_epsilon"}
     assert make(tmp_path, server_optimizer="sgd").server_learning_rate == 1.0
     explicit = make(tmp_path, server_learning_rate=1e-3)
-    assert explicit.server_learning_rate == 1e-3 and not explicit.server_learning_rate_derived
+    assert explicit.server_learning_rate == 1e-3 and "server_learning_rate" not in explicit.derived_server_fields
 
 
 def test_every_federated_field_has_help():

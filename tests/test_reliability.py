@@ -34,6 +34,7 @@ from trl_federated.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS
 from trl_federated.cli import main
 from trl_federated.rewards import accuracy_reward, combined_reward_range, format_reward
 from trl_federated.run_identity import CheckpointMismatchError
@@ -333,7 +334,32 @@ def test_resume_refuses_other_training_settings_by_name(tmp_path, tiny_model_dir
 def test_resume_from_sgd_to_adam_is_a_mismatch_not_a_key_error(tmp_path, tiny_model_dir):
     make_runner(tiny_model_dir, tmp_path, num_rounds=1, server_optimizer="sgd").server.save_checkpoint(0)
     with pytest.raises(CheckpointMismatchError, match="server optimizer differs .*ServerSGD, now: ServerAdam"):
-        make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true").run()
+        make_runner(tiny_model_dir, tmp_path, num_rounds=1, resume_from_checkpoint="true",
+                    server_optimizer="adam").run()
+
+
+def test_a_resumed_run_that_leaves_the_server_step_unset_keeps_its_checkpoints(tmp_path, tiny_model_dir, caplog,
+                                                                               monkeypatch):
+    """FGRPO's default step changed once: a checkpoint of a run that took the old default resumes on that step, with
+    its derived learning rate and ε, and says so; one that named its step keeps it as well when the resumed config
+    leaves the field unset."""
+    first = make_runner(tiny_model_dir, tmp_path / "default", num_rounds=2)
+    first.run()  # rounds 0 and 1 under today's default, the paper's Adam
+    adam = first.server.aggregator.server_optimizer
+    monkeypatch.setitem(AGGREGATION_SERVER_OPTIMIZERS, "rpg", "sgd")  # a later default
+    resumed = make_runner(tiny_model_dir, tmp_path / "default", num_rounds=3, resume_from_checkpoint="true")
+    assert resumed.args.server_optimizer == "sgd"
+    resumed.run()
+    step = resumed.server.aggregator.server_optimizer
+    assert type(step) is type(adam) and resumed.args.server_optimizer == "adam"
+    assert (step.learning_rate, step.epsilon, step.num_steps) == (adam.learning_rate, adam.epsilon, 3)
+    assert "Resuming with the checkpoint's server_optimizer 'adam'" in caplog.text
+    assert [line["round_idx"] for line in events(tmp_path / "default", "round")] == [0, 1, 2]
+
+    make_runner(tiny_model_dir, tmp_path / "named", num_rounds=1, server_optimizer="nesterov").run()
+    resumed = make_runner(tiny_model_dir, tmp_path / "named", num_rounds=2, resume_from_checkpoint="true")
+    resumed.run()
+    assert resumed.args.server_optimizer == "nesterov" and resumed.args.server_learning_rate == 0.7
 
 
 def test_resume_allow_changes_lets_named_training_settings_change(tmp_path, tiny_model_dir, caplog):

@@ -126,6 +126,13 @@ def test_each_server_optimizer_from_config_with_its_derived_rate(tmp_path, name,
         assert optimizer.momentum == args.server_beta1
 
 
+def test_every_server_optimizer_choice_has_its_class():
+    from trl_federated.aggregation import SERVER_OPTIMIZER_CLASSES
+    from trl_federated.choices import SERVER_OPTIMIZERS
+
+    assert tuple(SERVER_OPTIMIZER_CLASSES) == SERVER_OPTIMIZERS
+
+
 def test_step_diagnostics_cosines_and_lora_factor_norms():
     key_a, key_b = "layers.0.q_proj.lora_A.weight", "layers.0.q_proj.lora_B.weight"
     global_state = {key_a: torch.zeros(4), key_b: torch.zeros(4)}

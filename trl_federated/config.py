@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 # and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
 SERVER_ADAM_SCALE = 0.5
 PAPER_SERVER_EPSILON = 1e-8  # the paper's server Adam ε (Algorithm 1)
+# The server step's fields that None derives (`FedGRPOConfig.resolve_server_step`).
+SERVER_STEP_FIELDS = ("server_optimizer", "server_learning_rate", "server_epsilon")
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
 
@@ -835,21 +837,29 @@ class FedGRPOConfig(GRPOConfig):
             raise TypeError(message)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
-        if self.server_optimizer is None and self.aggregation in AGGREGATION_SERVER_OPTIMIZERS:  # the method's own
-            self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]
-        # Whether `server_learning_rate` was derived (`derived_server_learning_rate`): a resumed run then takes the
-        # value its checkpoint recorded (`FederatedServer.load_checkpoint`). Copies of the config keep it.
-        self.server_learning_rate_derived = self.server_learning_rate is None
-        if self.server_learning_rate is None and self.server_optimizer in SERVER_OPTIMIZERS:
-            self.server_learning_rate = self.derived_server_learning_rate()
-        if self.server_epsilon is None and self.server_optimizer in ("adam", "adam-norm"):
-            self.server_epsilon = PAPER_SERVER_EPSILON
+        # The server-step fields left unset, resolved here (`resolve_server_step`): a resumed run takes its
+        # checkpoint's values of them instead (`FederatedServer.keep_server_step`). Copies of the config keep it.
+        self.derived_server_fields = frozenset(name for name in SERVER_STEP_FIELDS if getattr(self, name) is None)
+        self.resolve_server_step()
         for message in self._federation_errors():
             raise ValueError(message)
         for message in self._robustness_errors():
             raise ValueError(message)
         if self.num_clients > 1:
             self.check_vllm()
+
+    def resolve_server_step(self, server_optimizer: str | None = None) -> None:
+        """Fill the server-step fields left unset (`derived_server_fields`) as their help says: `server_optimizer`
+        from `aggregation` (or `server_optimizer` given here: a resumed run's checkpoint), its learning rate
+        (`derived_server_learning_rate`) and its ε (the paper's 1e-8 for the Adam steps, FedAdam's derived τ)."""
+        if server_optimizer is not None:
+            self.server_optimizer = server_optimizer
+        elif "server_optimizer" in self.derived_server_fields and self.aggregation in AGGREGATION_SERVER_OPTIMIZERS:
+            self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]  # the method's own
+        if "server_learning_rate" in self.derived_server_fields and self.server_optimizer in SERVER_OPTIMIZERS:
+            self.server_learning_rate = self.derived_server_learning_rate()
+        if "server_epsilon" in self.derived_server_fields:
+            self.server_epsilon = PAPER_SERVER_EPSILON if self.server_optimizer in ("adam", "adam-norm") else None
 
     def derived_server_learning_rate(self) -> float:
         """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help):
@@ -996,7 +1006,7 @@ class FedGRPOConfig(GRPOConfig):
             if value is None and name == "server_epsilon":  # FedAdam's τ, derived from the first Δ
                 continue
             if not value > 0:
-                derived = name == "server_learning_rate" and self.server_learning_rate_derived
+                derived = name in self.derived_server_fields
                 yield f"`{name}` must be > 0, got {value}" + (
                     f" (derived from `learning_rate` {self.learning_rate}: set one of them)." if derived else "."
                 )

@@ -51,7 +51,7 @@ from .adapters import (
     state_norm,
 )
 from .admission import UpdateGate, bounded_text, check_client_id, read_reply
-from .aggregation import Aggregator, ClientUpdate
+from .aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, ClientUpdate, server_optimizer_from_config
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
@@ -62,7 +62,7 @@ from .checkpoint import (
     unlock_output_dir,
     write_checkpoint,
 )
-from .config import FedGRPOConfig
+from .config import SERVER_STEP_FIELDS, FedGRPOConfig
 from .distributed import from_main_process, wait_for_everyone
 from .evaluation import TOTAL, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
 from .hub import federated_model_card, push_to_hub
@@ -384,8 +384,9 @@ class FederatedServer:
                 record.round_idx, record.delta_norm, record.server_step_norm, args.server_optimizer,
             )
             return
+        origin = "derived" if "server_learning_rate" in args.derived_server_fields else "set"
         setting = (f"`server_optimizer` {args.server_optimizer!r} with `server_learning_rate` "
-                   f"{args.server_learning_rate:g} ({'derived' if args.server_learning_rate_derived else 'set'})")
+                   f"{args.server_learning_rate:g} ({origin})")
         logger.warning(
             "Round %d: the server step moved the global adapter %.1fx as far as the clients' mean change Δ "
             "(‖θ^{t+1} − θ^{t}‖ = %.3g, ‖Δ‖ = %.3g); %s. %s metrics.jsonl records every round's ratio "
@@ -476,7 +477,7 @@ class FederatedServer:
         wire format and training settings, up to `args.resume_allow_changes`; else `CheckpointMismatchError`);
         returns its round."""
         checkpoint = read_checkpoint(path)
-        self.keep_server_learning_rate(checkpoint.identity)
+        self.keep_server_step(checkpoint.identity)
         check_identity(checkpoint.identity, self.identity, path, allow_changes=allowed_changes(self.args))
         try:
             check_state(checkpoint.global_state, self.global_state, "the global adapter")
@@ -494,20 +495,35 @@ class FederatedServer:
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
 
-    def keep_server_learning_rate(self, saved_identity: dict[str, Any]) -> None:
-        """A derived server learning rate (`server_learning_rate` left unset) is resolved once per run: resumed, the
-        run takes the value its checkpoint recorded, even where the fields it derives from have changed since
-        (`resume_allow_changes`). An explicit value is checked against the checkpoint as any training setting."""
-        saved = saved_identity["training"]["server_learning_rate"]
-        current = self.args.server_learning_rate
-        same_optimizer = saved_identity["server_optimizer"] == self.identity["server_optimizer"]
-        if not (self.args.server_learning_rate_derived and same_optimizer) or saved == current:
+    def keep_server_step(self, saved_identity: dict[str, Any]) -> None:
+        """Server-step fields left unset (`FedGRPOConfig.derived_server_fields`) are resolved once per run: resumed,
+        the run takes its checkpoint's server optimizer and learning rate, even where the defaults or the fields they
+        derive from have changed since (FGRPO's default step did). An explicit value is checked against the
+        checkpoint as any setting (`run_identity.check_identity`)."""
+        args, derived = self.args, self.args.derived_server_fields
+        saved_class, current_class = saved_identity["server_optimizer"], self.identity["server_optimizer"]
+        names = {optimizer_class.__name__: name for name, optimizer_class in SERVER_OPTIMIZER_CLASSES.items()}
+        if "server_optimizer" in derived and saved_class != current_class and saved_class in names:
+            logger.warning(
+                "Resuming with the checkpoint's server_optimizer %r, resolved when the run began (left unset, this "
+                "configuration would take %r now); set `server_optimizer` to choose.",
+                names[saved_class], args.server_optimizer,
+            )
+            args.resolve_server_step(names[saved_class])
+            self.aggregator.server_optimizer = server_optimizer_from_config(args)
+            self.identity["server_optimizer"] = saved_class
+            self.identity["training"].update(
+                {name: getattr(args, name) for name in SERVER_STEP_FIELDS if name in self.identity["training"]}
+            )
+        saved, current = saved_identity["training"]["server_learning_rate"], args.server_learning_rate
+        same_optimizer = saved_class == self.identity["server_optimizer"]
+        if not ("server_learning_rate" in derived and same_optimizer) or saved == current:
             return
         logger.warning(
             "Resuming with the checkpoint's server_learning_rate %g, resolved when the run began (left unset, this "
             "configuration would derive %g now).", saved, current,
         )
-        self.args.server_learning_rate = self.aggregator.server_optimizer.learning_rate = saved
+        args.server_learning_rate = self.aggregator.server_optimizer.learning_rate = saved
         self.identity["training"]["server_learning_rate"] = saved
 
 

@@ -14,6 +14,7 @@ from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
 from .server_optim import (
+    SERVER_OPTIMIZER_CLASSES,
     ServerAdam,
     ServerFedAdam,
     ServerNesterov,
@@ -31,18 +32,7 @@ logger = logging.getLogger(__name__)
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     """The server step `args.server_optimizer` names (`choices.SERVER_OPTIMIZERS`), with its `server_*`."""
     check_choice("server_optimizer", args.server_optimizer, SERVER_OPTIMIZERS)
-    rate, beta1, beta2, epsilon = args.server_learning_rate, args.server_beta1, args.server_beta2, args.server_epsilon
-    if args.server_optimizer == "sgd":
-        return ServerSGD(learning_rate=rate)
-    if args.server_optimizer == "fedadam":
-        return ServerFedAdam(learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
-    if args.server_optimizer == "adam-norm":
-        return ServerNormMatchedAdam(learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
-    if args.server_optimizer == "nesterov":
-        return ServerNesterov(learning_rate=rate, momentum=beta1)
-    return ServerAdam(
-        learning_rate=rate, beta1=beta1, beta2=beta2, epsilon=epsilon, bias_correction=args.server_bias_correction
-    )
+    return SERVER_OPTIMIZER_CLASSES[args.server_optimizer].from_config(args)
 
 
 @dataclass(frozen=True)
@@ -95,6 +85,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
 
 __all__ = [
     "AGGREGATIONS",
+    "SERVER_OPTIMIZER_CLASSES",
     "Aggregation",
     "AggregationError",
     "Aggregator",

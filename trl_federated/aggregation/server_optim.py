@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .blocks import blocks
 
-# The values of `FedGRPOConfig.server_optimizer` (`aggregation.server_optimizer_from_config`).
+if TYPE_CHECKING:
+    from ..config import FedGRPOConfig
 
 
 class ServerOptimizer(ABC):
@@ -37,6 +38,11 @@ class ServerOptimizer(ABC):
         if not learning_rate > 0:
             raise ValueError(f"Server `learning_rate` must be > 0, got {learning_rate}.")
         self.learning_rate = learning_rate
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, args: FedGRPOConfig) -> ServerOptimizer:
+        """The step with the config's `server_learning_rate` and the `server_*` fields it reads."""
 
     def step(self, params: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Return the new parameters (same keys and dtypes as `params`); `params` is left untouched."""
@@ -71,6 +77,10 @@ class ServerSGD(ServerOptimizer):
     def __init__(self, learning_rate: float = 1.0):
         super().__init__(learning_rate)
 
+    @classmethod
+    def from_config(cls, args):
+        return cls(learning_rate=args.server_learning_rate)
+
     def step_block(self, params, delta):
         keys = list(params)
         new = torch._foreach_add(
@@ -103,6 +113,11 @@ class ServerAdam(ServerOptimizer):
         self.m: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, args):
+        return cls(learning_rate=args.server_learning_rate, beta1=args.server_beta1, beta2=args.server_beta2,
+                   epsilon=args.server_epsilon, bias_correction=args.server_bias_correction)
 
     def start_step(self):
         self.num_steps += 1
@@ -176,6 +191,11 @@ class ServerFedAdam(ServerOptimizer):
         self.tau: dict[str, float] = {}  # τ_T, fixed once set
         self.num_steps = 0
 
+    @classmethod
+    def from_config(cls, args):
+        return cls(learning_rate=args.server_learning_rate, beta1=args.server_beta1, beta2=args.server_beta2,
+                   epsilon=args.server_epsilon)
+
     def start_step(self):
         self.num_steps += 1
 
@@ -230,6 +250,11 @@ class ServerNormMatchedAdam(ServerAdam):
     def __init__(self, learning_rate: float = 1.0, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8):
         super().__init__(learning_rate, beta1, beta2, epsilon, bias_correction=True)
 
+    @classmethod
+    def from_config(cls, args):
+        return cls(learning_rate=args.server_learning_rate, beta1=args.server_beta1, beta2=args.server_beta2,
+                   epsilon=args.server_epsilon)
+
     def step_block(self, params, delta):
         keys = list(params)
         m, denominator, _ = self.update_moments(keys, delta)  # m̂'s factor cancels in d / ‖d‖
@@ -259,6 +284,10 @@ class ServerNesterov(ServerOptimizer):
         self.momentum = momentum
         self.m: dict[str, torch.Tensor] = {}
 
+    @classmethod
+    def from_config(cls, args):
+        return cls(learning_rate=args.server_learning_rate, momentum=args.server_beta1)
+
     def step_block(self, params, delta):
         keys = list(params)
         for key in keys:
@@ -281,3 +310,11 @@ class ServerNesterov(ServerOptimizer):
         if "m" not in state:
             raise ValueError("Server Nesterov state lacks 'm': it was not saved by a server Nesterov momentum.")
         self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
+
+
+# `FedGRPOConfig.server_optimizer` → its class (`choices.SERVER_OPTIMIZERS` names the same keys); a checkpoint records
+# the class, by which a resumed run finds its step again (`FederatedServer.keep_server_step`).
+SERVER_OPTIMIZER_CLASSES: dict[str, type[ServerOptimizer]] = {
+    "adam": ServerAdam, "sgd": ServerSGD, "fedadam": ServerFedAdam, "adam-norm": ServerNormMatchedAdam,
+    "nesterov": ServerNesterov,
+}
