@@ -356,7 +356,8 @@ def test_reasoning_gym_scorer_is_used_and_kept_binary():
 def test_rows_without_reasoning_gym_entry_fall_back_to_matching():
     entry = _chain_sum_entry()
     rg_entry = [None, json.dumps(entry)]
-    assert answer_accuracy_reward(["<answer>0.5</answer>"] * 2, answer=["\\frac{1}{2}", "1"], rg_entry=rg_entry) == [1.0, 0.0]
+    rewards = answer_accuracy_reward(["<answer>0.5</answer>"] * 2, answer=["\\frac{1}{2}", "1"], rg_entry=rg_entry)
+    assert rewards == [1.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -461,7 +461,8 @@ def import_object(path: str, field_name: str, kind: str = "name"):
     if not hasattr(module, name):
         public = [attribute for attribute in dir(module) if not attribute.startswith("_")]
         raise ValueError(
-            f"`{field_name}` {path!r}: module {module_name!r} has no attribute {name!r}.{closest_key_hint(name, public)}"
+            f"`{field_name}` {path!r}: module {module_name!r} has no attribute {name!r}."
+            f"{closest_key_hint(name, public)}"
         )
     return getattr(module, name)
 
