@@ -30,7 +30,7 @@ LAYERS = {
     },
     "drivers and entry points": {
         "client", "runner", "trainer", "compare", "cli", "", "flower", "flower.records", "flower.identity",
-        "flower.run_config", "flower.strategy", "flower.apps",
+        "flower.run_config", "flower.strategy", "flower.apps", "flower.flwr_run",
     },
 }  # fmt: skip
 # The modules `config` may import: the configuration reads its choices and checks, and imports no implementation.

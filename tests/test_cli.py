@@ -215,10 +215,13 @@ def test_cli_takes_trl_grpo_reward_names_dotted_paths_and_a_reward_model(tiny_mo
     from trl.rewards import accuracy_reward as trl_accuracy_reward
     from trl.rewards import think_format_reward
 
-    from trl_federated.rewards import accuracy_reward
+    from trl_federated.rewards import answer_accuracy_reward
 
     assert reward_functions(["accuracy_reward", "think_format_reward"]) == [trl_accuracy_reward, think_format_reward]
-    assert reward_functions(["trl_federated.rewards.accuracy_reward"]) == [accuracy_reward]
+    assert reward_functions(["trl_federated.rewards.answer_accuracy_reward"]) == [answer_accuracy_reward]
+    # The name this reward had before it stopped sharing TRL's: the refusal names the new one.
+    with pytest.raises(ValueError, match=r"no attribute 'accuracy_reward'\. Did you mean `answer_accuracy_reward`\?"):
+        reward_functions(["trl_federated.rewards.accuracy_reward"])
     assert callable(reward_functions(["get_soft_overlong_punishment"])[0])
     with pytest.raises(ValueError, match="reward_funcs.*cannot import module 'no_such_pkg.rewards'"):
         reward_functions(["no_such_pkg.rewards.mine"])
@@ -231,15 +234,16 @@ def test_cli_takes_trl_grpo_reward_names_dotted_paths_and_a_reward_model(tiny_mo
                                       "--reward_funcs", "format"])
     assert training_rewards(data_args)[0] == str(tiny_model_dir) and len(training_rewards(data_args)) == 2
     _, _, data_args = parse_run_args(CPU_FLAGS)
-    assert training_rewards(data_args) == [accuracy_reward]
+    assert training_rewards(data_args) == [answer_accuracy_reward]
 
 
 def test_cli_refuses_a_trl_reward_whose_column_the_data_lacks_naming_the_equivalent():
-    from trl_federated.rewards import accuracy_reward
+    from trl_federated.rewards import answer_accuracy_reward
 
     rows = Dataset.from_dict({"prompt": ["1+1?"], "answer": ["2"]})
-    check_reward_columns([accuracy_reward, "org/reward-model"], rows)
-    with pytest.raises(ValueError, match=r"accuracy_reward \(trl\.rewards.*\['solution'\].*`accuracy` is this"):
+    check_reward_columns([answer_accuracy_reward, "org/reward-model"], rows)
+    with pytest.raises(ValueError, match=r" accuracy_reward \(trl\.rewards.*\['solution'\].*`accuracy` is this.*"
+                       r"`answer_accuracy_reward`"):
         check_reward_columns(reward_functions(["accuracy_reward"]), rows)
 
 

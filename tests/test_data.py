@@ -15,7 +15,7 @@ from trl_federated.data import (
     label_histogram,
     partition_clients,
 )
-from trl_federated.rewards import accuracy_reward
+from trl_federated.rewards import answer_accuracy_reward
 
 SMALL_TASKS = {
     "chain_sum": {
@@ -87,7 +87,7 @@ def test_worked_example_reasons_then_answers(small_benchmark):
 def test_gold_answers_score_one_with_the_reasoning_gym_scorer(small_benchmark):
     test = small_benchmark["test"]
     completions = [f"<answer>{answer}</answer>" for answer in test["answer"]]
-    assert accuracy_reward(completions, answer=test["answer"], rg_entry=test["rg_entry"]) == [1.0] * len(test)
+    assert answer_accuracy_reward(completions, answer=test["answer"], rg_entry=test["rg_entry"]) == [1.0] * len(test)
 
 
 def test_default_benchmark_composition():

@@ -327,6 +327,11 @@ def check_command(words: list[str]) -> list[str]:
             return [f"no test file {arg}" for arg in args[2:] if arg.startswith("tests/") and not (ROOT / arg).exists()]
         if args[:2] == ["-m", "trl_federated.cli"]:
             return check_command(["trl-federated", *args[2:]])
+        if args[:2] == ["-m", "trl_federated.flower.flwr_run"]:
+            return check_flwr(["run", *args[2:]])
+        if args[0] == "-m":
+            module = ROOT / (args[1].replace(".", "/") + ".py")
+            return [] if args[1].startswith("trl_federated.") and module.is_file() else [f"no module {args[1]}"]
         script = ROOT / args[0]
         if not script.is_file():
             return [f"no script {args[0]}"]

@@ -51,7 +51,7 @@ def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
     results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=6)
     assert list(results) == ["accuracy", "count", "rewards", "row_rewards", "seconds"] and results["seconds"] > 0
     assert results["row_rewards"] == [0.0] * len(eval_dataset)
-    assert results["rewards"] == {"accuracy_reward": 0.0}
+    assert results["rewards"] == {"answer_accuracy_reward": 0.0}
     assert list(results["accuracy"]) == ["simple", "medium", "hard", "other", "Total"]
     assert results["count"] == {"simple": 3, "medium": 2, "hard": 1, "other": 1, "Total": 7}
     assert sum(count for label, count in results["count"].items() if label != "Total") == results["count"]["Total"]

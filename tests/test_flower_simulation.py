@@ -1,7 +1,8 @@
 """`flwr run examples/flower` on Flower's Simulation Engine, as `docs/flower.md`'s quick-try runs it (a managed local
 SuperLink, no runtime dependency installation), on the tiny model: the number of clients follows the simulated
-SuperNodes, run-config keys override the YAML on the server and on every client, and a `num-clients` that differs
-from the federation is refused before anything trains, in the `flwr run` output. With one CPU per client, two
+SuperNodes, run-config keys override the app's values on the server and on every client, and a `num-clients` that
+differs from the federation is refused before anything trains, in the `flwr run` output and its exit status (through
+`trl_federated.flower.flwr_run`). With one CPU per client, two
 workers train a round's clients at the same time, each loading the model once, and the federation ends where the
 sequential in-process runner ends (tests/flower_app, whose reward gives the tiny model a gradient)."""
 
@@ -87,22 +88,22 @@ def flwr_env(tmp_path_factory):
 
 def flwr_run(env, cwd, num_supernodes, run_config, resources="", app_dir=APP_DIR):
     """`flwr run <app_dir> --stream` with Flower's default local connection, `resources` added to its federation
-    config; its output."""
+    config, through `trl_federated.flower.flwr_run` (whose exit status is the run's); the finished process."""
     started = time.perf_counter()
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "flwr"), "run", str(app_dir), "--stream",
+        [sys.executable, "-m", "trl_federated.flower.flwr_run", str(app_dir), "--stream",
          "--federation-config", f"num-supernodes={num_supernodes} {resources}", "--run-config", run_config],
         env=env, cwd=cwd, capture_output=True, text=True, timeout=400,
     )
     print(f"flwr run with {num_supernodes} simulated SuperNodes ({resources or 'default resources'}): "
           f"{time.perf_counter() - started:.1f} s")
-    return result.stdout + result.stderr
+    return result
 
 
 def tiny_run_config(model_dir, output_dir, **extra):
     values = {
-        "model-name-or-path": f"'{model_dir}'", "output-dir": f"'{output_dir}'", "num-rounds": 1, "local-steps": 1,
-        "reward-window": 1, "max-completion-length": 8, "per-device-train-batch-size": 4,
+        "model-name-or-path": f"'{model_dir}'", "output-dir": f"'{output_dir}'", "num-server-rounds": 1,
+        "local-steps": 1, "reward-window": 1, "max-completion-length": 8, "per-device-train-batch-size": 4,
         "benchmark-size": BENCHMARK_SIZE, "dirichlet-alpha": "'inf'", "learning-rate": 0.001, **extra,
     }
     return " ".join(f"{key}={value}" for key, value in values.items())
@@ -130,10 +131,11 @@ def test_a_client_app_reaches_the_ray_actors():
 @pytest.mark.parametrize("num_supernodes", [2, 4])
 def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes):
     output_dir = tmp_path / "outputs"
-    output = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS)
-    assert (output_dir / "adapter_model.safetensors").exists(), output[-5000:]
+    result = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    assert (output_dir / "adapter_model.safetensors").exists()
 
-    # num-rounds=1 overrides the YAML's 3; every client trained with learning-rate=0.001, not the YAML's 2e-4.
+    # num-server-rounds=1 overrides the app's 3; every client trained with learning-rate=0.001, not the app's 2e-4.
     assert [line["round_idx"] for line in events(output_dir, "round")] == [0]
     clients = events(output_dir, "client")
     assert [line["client_id"] for line in clients] == [f"client_{index}" for index in range(num_supernodes)]
@@ -160,8 +162,8 @@ def test_parallel_clients_load_the_model_once_per_worker_and_end_where_the_runne
         dataset.save_to_disk(tmp_path / "data" / f"client_{index}")
     run_config = (f"model-dir='{tiny_model_dir}' output-dir='{output_dir}' aggregation='rpg' num-rounds=2 "
                   f"data-root='{tmp_path / 'data'}' loads-file='{loads_file}'")
-    output = flwr_run(flwr_env, tmp_path, 2, run_config, TWO_WORKERS, app_dir=LOOPBACK_APP_DIR)
-    assert (output_dir / "adapter_model.safetensors").exists(), output[-5000:]
+    result = flwr_run(flwr_env, tmp_path, 2, run_config, TWO_WORKERS, app_dir=LOOPBACK_APP_DIR)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
 
     clients = events(output_dir, "client")
     assert [line["client_id"] for line in clients] == ["client_0", "client_1"] * 2
@@ -180,7 +182,9 @@ def test_parallel_clients_load_the_model_once_per_worker_and_end_where_the_runne
 @pytest.mark.slow
 def test_simulation_refuses_num_clients_other_than_its_supernodes(flwr_env, tmp_path, tiny_model_dir):
     output_dir = tmp_path / "outputs"
-    output = flwr_run(flwr_env, tmp_path, 2, tiny_run_config(tiny_model_dir, output_dir, **{"num-clients": 3}))
+    result = flwr_run(flwr_env, tmp_path, 2, tiny_run_config(tiny_model_dir, output_dir, **{"num-clients": 3}))
+    output = result.stdout + result.stderr
     assert "FederationSizeError: The federation has 2 SuperNodes" in output, output[-5000:]
+    assert result.returncode == 1 and "is finished:failed" in result.stderr  # where `flwr run` itself exits 0
     assert "run-config key `num-clients` asks for 3 clients" in output
     assert not (output_dir / "metrics.jsonl").exists()

@@ -19,7 +19,7 @@ from trl_federated.data import (
     partition_clients,
 )
 from trl_federated.data.paper import VISUAL_SYSTEM_PROMPT, reasoning_trace
-from trl_federated.rewards import accuracy_reward, extract_answer
+from trl_federated.rewards import answer_accuracy_reward, extract_answer
 
 RECIPE_MAX_PIXELS = 501_760  # the paper recipes' cap (examples/configs/paper/)
 
@@ -99,9 +99,9 @@ def test_geoqa_rows_take_the_first_image_of_the_list_and_the_answer_column(geoqa
 def test_gold_answers_earn_the_full_reward(open_r1, geoqa):
     for split in (open_r1["test"], geoqa["train"]):
         completions = [[{"role": "assistant", "content": f"I reason. <answer>{a}</answer>"}] for a in split["answer"]]
-        assert accuracy_reward(completions, answer=split["answer"]) == [1.0] * len(split)
+        assert answer_accuracy_reward(completions, answer=split["answer"]) == [1.0] * len(split)
         wrong = [[{"role": "assistant", "content": "<answer>-1</answer>"}]] * len(split)
-        assert accuracy_reward(wrong, answer=split["answer"]) == [0.0] * len(split)
+        assert answer_accuracy_reward(wrong, answer=split["answer"]) == [0.0] * len(split)
 
 
 def test_label_column_feeds_the_dirichlet_partitioner(geoqa, fast_args):

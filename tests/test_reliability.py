@@ -36,7 +36,7 @@ from trl_federated.checkpoint import (
 )
 from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS
 from trl_federated.cli import main
-from trl_federated.rewards import accuracy_reward, combined_reward_range, format_reward
+from trl_federated.rewards import answer_accuracy_reward, combined_reward_range, format_reward
 from trl_federated.run_identity import CheckpointMismatchError
 from trl_federated.runner import NotEnoughClientsError
 from trl_federated.testing import save_tiny_model
@@ -656,12 +656,12 @@ def admit(update, reward_range):
 
 
 def test_combined_reward_range_follows_trl_reward_weights():
-    assert combined_reward_range([accuracy_reward, format_reward]) == (0.0, 2.0)
-    assert combined_reward_range(accuracy_reward) == (0.0, 1.0)
-    assert combined_reward_range([accuracy_reward, format_reward], [1.0, -0.5]) == (-0.5, 1.0)
-    assert combined_reward_range([accuracy_reward, length_reward]) is None  # length_reward declares no range
+    assert combined_reward_range([answer_accuracy_reward, format_reward]) == (0.0, 2.0)
+    assert combined_reward_range(answer_accuracy_reward) == (0.0, 1.0)
+    assert combined_reward_range([answer_accuracy_reward, format_reward], [1.0, -0.5]) == (-0.5, 1.0)
+    assert combined_reward_range([answer_accuracy_reward, length_reward]) is None  # length_reward declares no range
     with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
-        combined_reward_range([accuracy_reward], [1.0, 1.0])
+        combined_reward_range([answer_accuracy_reward], [1.0, 1.0])
 
 
 def bounded_length_reward(completions, **kwargs):

@@ -8,7 +8,7 @@ import reasoning_gym
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from trl_federated.rewards import accuracy_reward, answers_match, extract_answer, format_reward
+from trl_federated.rewards import answer_accuracy_reward, answers_match, extract_answer, format_reward
 
 
 @pytest.mark.parametrize(
@@ -36,19 +36,30 @@ def test_extract_answer_rejects_non_strings():
     assert extract_answer(None) is None  # type: ignore[arg-type]
 
 
-def test_accuracy_reward_plain_strings():
+def test_the_answer_reward_logs_under_a_key_apart_from_trls_accuracy_reward():
+    """GRPOTrainer logs each reward function as `rewards/<get_callable_name>/mean`: this package's reward on the
+    `answer` column and TRL's `accuracy_reward` on `solution` must not share a key, nor a name."""
+    from trl import rewards as trl_rewards
+    from trl.trainer.utils import get_callable_name
+
+    assert get_callable_name(answer_accuracy_reward) == "answer_accuracy_reward"
+    assert get_callable_name(answer_accuracy_reward) != get_callable_name(trl_rewards.accuracy_reward)
+    assert not hasattr(trl_rewards, "answer_accuracy_reward")
+
+
+def test_answer_accuracy_reward_plain_strings():
     completions = ["3 + 4 = 7. <answer>7</answer>", "<answer>8</answer>", "7", "<answer>7"]
-    assert accuracy_reward(completions, answer=["7"] * 4) == [1.0, 0.0, 0.0, 0.0]
+    assert answer_accuracy_reward(completions, answer=["7"] * 4) == [1.0, 0.0, 0.0, 0.0]
 
 
-def test_accuracy_reward_conversational_completions():
+def test_answer_accuracy_reward_conversational_completions():
     completions = [
         [{"role": "assistant", "content": "<answer>12</answer>"}],
         [{"role": "assistant", "content": "<answer>13</answer>"}],
         [{"role": "assistant", "content": [{"type": "text", "text": "<answer>12</answer>"}]}],
         [],
     ]
-    assert accuracy_reward(completions, answer=["12"] * 4) == [1.0, 0.0, 1.0, 0.0]
+    assert answer_accuracy_reward(completions, answer=["12"] * 4) == [1.0, 0.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -57,7 +68,7 @@ def test_accuracy_reward_conversational_completions():
 )
 def test_numeric_equivalence(prediction, gold):
     assert answers_match(prediction, gold)
-    assert accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [1.0]
+    assert answer_accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [1.0]
 
 
 @pytest.mark.parametrize(
@@ -65,17 +76,17 @@ def test_numeric_equivalence(prediction, gold):
     [("0.5", "\\frac{1}{2}"), ("\\frac12", "\\frac{1}{2}"), ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"), ("1+x", "x+1")],
 )
 def test_latex_equivalence_via_math_verify(prediction, gold):
-    assert accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [1.0]
+    assert answer_accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [1.0]
 
 
 @pytest.mark.parametrize(("prediction", "gold"), [("8", "7"), ("\\frac{1}{3}", "\\frac{1}{2}"), ("", "7"), ("x", "7")])
 def test_wrong_answers_score_zero(prediction, gold):
-    assert accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [0.0]
+    assert answer_accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [0.0]
 
 
 def test_malformed_outputs_never_raise():
     completions = ["", "<answer>", "<answer>\\frac{</answer>", "<answer>}}}{{{</answer>", "\x00<answer>\x00</answer>"]
-    rewards = accuracy_reward(completions, answer=["1", "1", "1", "1", None])
+    rewards = answer_accuracy_reward(completions, answer=["1", "1", "1", "1", None])
     assert rewards == [0.0] * len(completions)
 
 
@@ -213,13 +224,13 @@ REAL_FORMAT_MISMATCHES = [
 @pytest.mark.parametrize(("prediction", "gold"), REAL_FORMAT_MATCHES)
 def test_real_format_answers_match(prediction, gold):
     assert answers_match(prediction, gold)
-    assert accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [1.0]
+    assert answer_accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [1.0]
 
 
 @pytest.mark.parametrize(("prediction", "gold"), REAL_FORMAT_MISMATCHES)
 def test_real_format_answers_do_not_match(prediction, gold):
     assert not answers_match(prediction, gold)
-    assert accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [0.0]
+    assert answer_accuracy_reward([f"<answer>{prediction}</answer>"], answer=[gold]) == [0.0]
 
 
 _LETTERS = "ABCDE"
@@ -339,13 +350,14 @@ def test_reasoning_gym_scorer_is_used_and_kept_binary():
         f"<answer>{gold} is the result</answer>",  # reasoning-gym gives partial credit: not correct
         f"<answer>{int(gold) + 1}</answer>",
     ]
-    assert accuracy_reward(completions, answer=[gold] * 4, rg_entry=rg_entry) == [1.0, 1.0, 0.0, 0.0]
+    assert answer_accuracy_reward(completions, answer=[gold] * 4, rg_entry=rg_entry) == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_rows_without_reasoning_gym_entry_fall_back_to_matching():
     entry = _chain_sum_entry()
     rg_entry = [None, json.dumps(entry)]
-    assert accuracy_reward(["<answer>0.5</answer>"] * 2, answer=["\\frac{1}{2}", "1"], rg_entry=rg_entry) == [1.0, 0.0]
+    rewards = answer_accuracy_reward(["<answer>0.5</answer>"] * 2, answer=["\\frac{1}{2}", "1"], rg_entry=rg_entry)
+    assert rewards == [1.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -364,7 +376,7 @@ def test_format_reward(completion, expected):
     assert format_reward([completion]) == [expected]
 
 
-@pytest.mark.parametrize("reward_func", [accuracy_reward, format_reward])
+@pytest.mark.parametrize("reward_func", [answer_accuracy_reward, format_reward])
 def test_rewards_declare_their_range(reward_func):
     low, high = reward_func.reward_range
     completions = ["<answer>1</answer>", "junk", "<answer>2</answer>"]
@@ -374,4 +386,4 @@ def test_rewards_declare_their_range(reward_func):
 
 def test_malformed_dataset_entry_raises():
     with pytest.raises(ValueError):  # a dataset bug must not silently score every answer 0
-        accuracy_reward(["<answer>1</answer>"], answer=["1"], rg_entry=["{not json"])
+        answer_accuracy_reward(["<answer>1</answer>"], answer=["1"], rg_entry=["{not json"])

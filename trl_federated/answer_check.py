@@ -308,7 +308,7 @@ def _far_apart(gold: sympy.Basic, prediction: sympy.Basic) -> bool:
 
 
 def answers_match(prediction: str, gold: str) -> bool:
-    """Whether `prediction` states the same answer as `gold` (the rule behind `accuracy_reward` without reasoning-gym).
+    """Whether `prediction` states the same answer as `gold` (`answer_accuracy_reward`'s rule without reasoning-gym).
 
     Both answers are normalised the same way:
 

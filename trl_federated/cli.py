@@ -377,9 +377,9 @@ def reward_functions(names: list[str], field_name: str = "reward_funcs") -> list
     TRL's (`TRL_REWARD_FUNCTIONS`), and any function by dotted import path (`my_lib.rewards.custom_reward`,
     importable from the working directory); an entry with a `/` or naming a folder is a reward model's Hub id or local
     folder, kept as such for `FederatedRunner` to load once (`client.load_reward_models`)."""
-    from .rewards import accuracy_reward, format_reward
+    from .rewards import answer_accuracy_reward, format_reward
 
-    available = {"accuracy": accuracy_reward, "format": format_reward}
+    available = {"accuracy": answer_accuracy_reward, "format": format_reward}
     functions = []
     for name in names:
         if name in available:
@@ -436,7 +436,7 @@ def check_reward_columns(reward_funcs: list, dataset, field_name: str = "reward_
             name = getattr(function, "__name__", repr(function))
             advice = (
                 " TRL's rewards score a `solution` column; `accuracy` is this package's binary reward on the "
-                "`answer` column (the embedded and paper benchmarks)."
+                "`answer` column (`answer_accuracy_reward`; the embedded and paper benchmarks)."
                 if getattr(function, "__module__", "").startswith("trl.")
                 else ""
             )
@@ -459,7 +459,11 @@ def import_object(path: str, field_name: str, kind: str = "name"):
     except ImportError as error:
         raise ValueError(f"`{field_name}` {path!r}: cannot import module {module_name!r} ({error}).") from error
     if not hasattr(module, name):
-        raise ValueError(f"`{field_name}` {path!r}: module {module_name!r} has no attribute {name!r}.")
+        public = [attribute for attribute in dir(module) if not attribute.startswith("_")]
+        raise ValueError(
+            f"`{field_name}` {path!r}: module {module_name!r} has no attribute {name!r}."
+            f"{closest_key_hint(name, public)}"
+        )
     return getattr(module, name)
 
 

@@ -2,7 +2,7 @@
 
 Evaluation is greedy, so numbers are reproducible and comparable across rounds and runs; it is batched with
 left padding (generation appends on the right, so every prompt must end at the same position). `evaluate_accuracy`
-scores with `accuracy_reward` unless given `reward_funcs`; the federation's server (`FederatedRunner`,
+scores with `answer_accuracy_reward` unless given `reward_funcs`; the federation's server (`FederatedRunner`,
 `FederatedStrategy`) passes the training reward functions, weighted as in training, unless given
 `eval_reward_funcs`, so what is reported is what is optimised; `trl-federated run` passes `eval_reward_funcs`
 (default: accuracy). Vision-language models are evaluated through their processor, with each row's `image` (or `images`)
@@ -32,7 +32,7 @@ from .adapters import AdapterState, set_adapter_state
 from .data.paper import GEOMETRY_PRIMITIVES
 from .data.reasoning_gym import DIFFICULTIES
 from .memory import release_free_memory
-from .rewards import accuracy_reward
+from .rewards import answer_accuracy_reward
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -123,7 +123,7 @@ def evaluate_accuracy(
     label_column: str | None = "difficulty",
     batch_size: int = 16,
     max_new_tokens: int = 64,
-    reward_funcs: RewardFunc | Sequence[RewardFunc] = accuracy_reward,
+    reward_funcs: RewardFunc | Sequence[RewardFunc] = answer_accuracy_reward,
     reward_weights: Sequence[float] | None = None,
     stop_strings: Sequence[str] = ANSWER_STOP,
     mixed_precision: str = "no",
@@ -155,10 +155,10 @@ def evaluate_accuracy(
             scores 0 with the default reward.
         reward_funcs: a TRL-style reward function or a list of them. A row's reward is their sum weighted by
             `reward_weights` (default 1 each), as TRL's `reward`; a `None` reward (TRL's "not applicable") counts
-            as 0 there. With the one binary `accuracy_reward` the mean reward is the accuracy.
+            as 0 there. With the one binary `answer_accuracy_reward` the mean reward is the accuracy.
         reward_weights: one weight per reward function, as `GRPOConfig.reward_weights`.
         stop_strings: texts that end a completion (kept in it); empty to always generate `max_new_tokens`. With
-            the default, the first complete answer is the one scored, also where `accuracy_reward` on a longer
+            the default, the first complete answer is the one scored, also where `answer_accuracy_reward` on a longer
             completion would score a later one.
         mixed_precision: the training's `TrainingArguments.mixed_precision` ("no", "bf16" or "fp16"): generation
             runs under `torch.autocast` to its dtype on the model's device, as `accelerate` runs a `Trainer`'s

@@ -101,7 +101,7 @@ def _is_correct(completion: Completion, gold: Any, rg_entry: str | dict[str, Any
         return False
 
 
-def accuracy_reward(
+def answer_accuracy_reward(
     completions: Sequence[Completion], answer: Sequence[Any], rg_entry: Sequence[Any] | None = None, **kwargs: Any
 ) -> list[float]:
     """The paper's binary correctness reward: 1.0 when the tagged answer matches the reference, else 0.0.
@@ -114,7 +114,7 @@ def accuracy_reward(
         **kwargs: the other dataset columns and TRL's extra arguments, ignored.
 
     Returns:
-        One reward in `accuracy_reward.reward_range` per completion. A completion with no complete
+        One reward in `answer_accuracy_reward.reward_range` per completion. A completion with no complete
         `<answer></answer>` pair scores 0.0.
     """
     entries = rg_entry if rg_entry is not None else [None] * len(completions)
@@ -136,7 +136,7 @@ def format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[floa
     return rewards
 
 
-accuracy_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
+answer_accuracy_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
 format_reward.reward_range = (0.0, 1.0)  # type: ignore[attr-defined]
 
 

@@ -71,7 +71,7 @@ class FederatedRunner(ServerStateView):
         callbacks: `RoundCallback`s (they also receive the clients' trainer events) or plain `TrainerCallback`s.
         eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
             `reward_funcs` with `args.reward_weights`, as TRL's `reward`). Give a binary correctness reward
-            such as `accuracy_reward` to report accuracy when training also rewards format or length.
+            such as `answer_accuracy_reward` to report accuracy when training also rewards format or length.
         trainer_kwargs: Further `GRPOTrainer` arguments for every client's trainer (`reward_processing_classes`,
             `tools`, `rollout_func`, ...).
         trainer_class: The `GRPOTrainer` subclass every client trains with (TRL's experimental `GMPOTrainer`, or your

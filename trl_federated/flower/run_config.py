@@ -5,13 +5,15 @@ Mapping rule: every flag `--some_field` of `trl-federated run` is the run-config
 kebab-case keys, as in FlowerTune): `num-rounds`, `local-steps`, `learning-rate`, `lora-r`, `aggregation`, ...,
 derived from the dataclass fields, plus `num-server-rounds`, the name Flower's templates give `num_rounds`. Not
 keys: `federation_round` (set by the federation) and `resume_from_checkpoint` (an app's `resume` key). A list field
-takes its items comma-separated (`reward-funcs="accuracy,format"`). The value "" leaves a field to the YAML base
-(the run-config key `config`, optional) or to its default, which is how an app's pyproject.toml lists every key
-without fixing any. Values are parsed and checked exactly as `trl-federated run` parses its flags (`parse_run_args`),
-so a value of the wrong type or out of range is refused with the key named; so is a key that is none of these,
-with the closest key suggested.
+takes its items comma-separated (`reward-funcs="accuracy,format"`). The value "" leaves a field unset: to the YAML
+base (the run-config key `config`, optional) or to its default, also where the default derives from other fields
+(`server_learning_rate`, `num_clients` under the Simulation Engine). Values are parsed and checked exactly as
+`trl-federated run` parses its flags (`parse_run_args`), so a value of the wrong type or out of range is refused with
+the key named; so is a key that is none of these, with the closest key suggested.
 
-`python -m trl_federated.flower.run_config` prints the `[tool.flwr.app.config]` lines of every key.
+Flower accepts a `--run-config` key only where the app's pyproject.toml declares it: an app declares the keys it sets,
+with their values, and those its users should set at launch. `python -m trl_federated.flower.run_config` prints the
+`[tool.flwr.app.config]` line of every key, to copy from.
 """
 
 from __future__ import annotations
@@ -177,13 +179,14 @@ def parse_arguments(argv: list[str], flags: Mapping[str, str]) -> tuple[FedGRPOC
 
 
 def pyproject_lines() -> list[str]:
-    """`[tool.flwr.app.config]` lines that list every key, each left to the YAML base ("")."""
+    """A `[tool.flwr.app.config]` line for every key, unset (""), for an app to declare with its own values."""
     return [f'{key} = ""' for key in run_config_keys()]
 
 
 if __name__ == "__main__":
     argparse.ArgumentParser(
         prog="python -m trl_federated.flower.run_config",
-        description="Print the [tool.flwr.app.config] lines of every run-config key, each left to the YAML base.",
+        description="Print a [tool.flwr.app.config] line for every run-config key, unset (\"\"): an app's "
+        "pyproject.toml declares, with their values, the keys it sets and those `flwr run --run-config` may set.",
     ).parse_args()
     print("\n".join(pyproject_lines()))

@@ -3,7 +3,7 @@
 `serverapp = "fgrpo_app.own_server_app:app"` in pyproject.toml; the ClientApp (`client_app.py`) is unchanged.
 
 The strategy needs the model (it holds, evaluates and saves the global adapter) and the federation's
-`FedGRPOConfig`, here read from the app's config.yaml as the ClientApps read it, so that both sides agree on the
+`FedGRPOConfig`, here read from the app's run config as the ClientApps read it, so that both sides agree on the
 LoRA adapter, the seed and the wire format; everything else is Flower's: the grid, the initial arrays, the train
 config sent to the clients, centralized evaluation with `evaluate_fn`, and the returned `Result`.
 """

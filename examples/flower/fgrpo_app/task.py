@@ -15,9 +15,9 @@ APP_KEYS = ("resume", "clients-file")
 
 
 def read_config(context: Context) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
-    """The run config's `config` YAML (relative to the app folder, or absolute) overridden by the run config's
-    field keys (`--run-config "num-rounds=5 lr-scheduler-type='cosine'"`), parsed as `trl-federated run` parses its
-    flags. Under the Simulation Engine `num_clients` follows the number of simulated SuperNodes (`num-partitions`)."""
+    """The run config's field keys (pyproject.toml's values, overridden by `--run-config "num-server-rounds=5"`),
+    parsed as `trl-federated run` parses its flags. Under the Simulation Engine `num_clients` follows the number of
+    simulated SuperNodes (`num-partitions`)."""
     return federation_arguments(
         context.run_config, APP_DIR, app_keys=APP_KEYS, federation_size=context.node_config.get(NUM_PARTITIONS)
     )
