@@ -26,16 +26,21 @@ INSTALL_REQUIRES = [
 
 # MkDocs and mkdocstrings build docs/ (mkdocs.yml): `pip install -e ".[docs]"`, then `mkdocs serve`
 DOCS = ["mkdocs>=1.6.1,<2", "mkdocstrings[python]>=1.0,<2"]
+# Google's accountant, which differential privacy (`dp_noise_multiplier`) composes its rounds with; Flower's `dp`
+# extra pins the same range
+DP = ["dp-accounting>=0.6,<0.7"]
 
 EXTRAS = {
     # ruff is the linter tests/test_lint.py runs; nbmake runs examples/notebooks; hypothesis drives the answer checker's
     # property tests; tensorboard reads back what a federated run reports through `report_to`; scipy is the statistics
     # (t and binomial distributions) of benchmarks/verdict.py and benchmarks/gate.py, and of their tests; the docs
-    # extra, because tests/test_docs.py builds the site strictly (pure Python, about 15 s)
+    # extra, because tests/test_docs.py builds the site strictly (pure Python, about 15 s); the dp extra, whose
+    # accountant tests/test_privacy.py checks
     "test": [
         "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.15", "hypothesis>=6.100", "nbmake>=1.5", "ipykernel>=6",
-        "tensorboard>=2.16", "scipy>=1.11", *DOCS,
+        "tensorboard>=2.16", "scipy>=1.11", *DOCS, *DP,
     ],
+    "dp": DP,
     "deepspeed": ["deepspeed>=0.18.6,<0.20"],
     "docs": DOCS,
     # TRL's own vLLM extra (vllm>=0.22,<=0.31, requests, aiohttp), for `use_vllm` with `vllm_mode: server`: the GPU

@@ -22,7 +22,7 @@ LAYERS = {
     "local training": {"master_weights", "shared_prefix", "gated_mlp", "fast_generation", "speedups", "local_trainer"},
     "aggregation": {
         "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.robust", "aggregation.fedavg",
-        "aggregation.rpg", "aggregation.scaffold",
+        "aggregation.rpg", "aggregation.scaffold", "aggregation.privacy",
     },
     "server core": {
         "round_record", "callbacks", "evaluation", "reporting", "admission", "checkpoint", "run_identity", "hub",

@@ -115,6 +115,8 @@ HAND_KEPT_RESULT_FIELDS = (
     "rpg_lambda_anneal", "rpg_eps", "rpg_h_max",
     "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
     "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
+    # differential privacy (its budget, δ and noise seed do not change what a round computes)
+    "dp_noise_multiplier", "dp_clip_norm", "dp_reward_noise_multiplier",
     # local training
     "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",

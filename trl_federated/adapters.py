@@ -163,6 +163,15 @@ def state_norm(state: AdapterState) -> float:
     return math.sqrt(sum(tensor_norm(value.float()) ** 2 for value in state.values()))
 
 
+def scaled_update(state: AdapterState, reference: AdapterState, scale: float) -> AdapterState:
+    """The adapter θ + scale · (state − θ), θ = `reference`, in `reference`'s dtypes (computed in float64): a client's
+    update scaled, as bounding or clipping its norm scales it."""
+    return {
+        key: (value.double() + scale * (state[key].double() - value.double())).to(value.dtype)
+        for key, value in reference.items()
+    }
+
+
 def norm_scale(norm: float, bound: float, norm_action: str, measured: str, bound_name: str, client_id: str) -> float:
     """The factor that brings a client's `measured` quantity (its norm `norm`) within `bound`: 1 when it is within;
     over it, `ValueError` naming both with `norm_action="reject"`, else (`"clip"`) `bound / norm`, logged."""

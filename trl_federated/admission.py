@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from typing import Any, TypeVar
 
-from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, state_distance
+from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, scaled_update, state_distance
 from .aggregation import Aggregator, ClientUpdate
 from .aggregation.base import RoundMetric, refuse_extras
 from .callbacks import is_reserved_metric
@@ -299,12 +299,7 @@ class UpdateGate:
         except ValueError as error:
             reject(str(error))
         if scale != 1.0:
-            update.state = {
-                key: (
-                    reference.double() + scale * (update.state[key].double() - reference.double())
-                ).to(reference.dtype)
-                for key, reference in self.global_state.items()
-            }
+            update.state = scaled_update(update.state, self.global_state, scale)
 
 
 def read_reply(client_id: str, decode: Callable[[], T]) -> T:

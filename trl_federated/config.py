@@ -393,6 +393,35 @@ class FedGRPOConfig(GRPOConfig):
             where the server does not know the count itself (the runner always does; a Flower deployment does for
             clients registered with `num-samples`). `None`: no cap.
 
+        > Differential privacy: client-level, of the global adapters the server releases (docs/privacy.md)
+
+        dp_noise_multiplier (`float` or `None`, *optional*):
+            Noise multiplier σ of client-level differential privacy, which it turns on: the server clips each
+            client's update θ_i − θ to `dp_clip_norm`, adds Gaussian noise of std σ × 2 C max_i ω_i to the weighted sum
+            Δ (its sensitivity when one client is replaced, the weights fixed by public or already released values)
+            and steps on the noised Δ; under RPG, each R̄ is released through its own Gaussian mechanism first
+            (`dp_reward_noise_multiplier`). An RDP accountant (`dp-accounting`, as Flower's) composes every round
+            with the sampling the run does (`fraction_train`) and reports ε at `dp_target_delta`. SCAFFOLD (its
+            controls are per-client state the noise does not cover) and `robust_aggregation` are refused. `None`: no
+            DP, and the server draws no random number.
+        dp_clip_norm (`float`, *optional*, defaults to `1.0`):
+            Clip norm C of each client's update under DP, in the unit of `update_norm_bound` (`local_steps` ×
+            `learning_rate` × √d), near which honest Adam-family updates stay: a lower C clips more updates and
+            needs less noise for the same σ.
+        dp_reward_noise_multiplier (`float` or `None`, *optional*):
+            Noise multiplier σ_R of R̄'s release under DP with `aggregation="rpg"`: each client's R̄, clamped to the
+            reward functions' declared range B, gets Gaussian noise of std σ_R × B before RPG weighs it; the
+            accountant composes both releases of a round as one. `None`: `dp_noise_multiplier`.
+        dp_target_delta (`float`, *optional*, defaults to `1e-5`):
+            δ at which ε is reported, well below 1 / `num_clients` as client-level DP needs.
+        dp_max_epsilon (`float` or `None`, *optional*):
+            Privacy budget: the run ends, with its checkpoint, final adapter and model card, after the last round
+            whose ε at `dp_target_delta` stays within it (fewer than `num_rounds` if need be). `None`: no budget.
+        dp_noise_seed (`int` or `None`, *optional*):
+            Seed of the DP noise, whose generators are the server's own (no other random stream moves). Whoever knows
+            it can remove the noise: leave it `None` (a seed drawn from the operating system, kept in the
+            checkpoints so that a resumed run draws the same noise) except for tests and reproducible experiments.
+
         > Resuming
 
         resume_allow_changes (`str`, *optional*):
@@ -805,6 +834,55 @@ class FedGRPOConfig(GRPOConfig):
         },
     )
 
+    # Differential privacy (`aggregation.privacy`)
+    dp_noise_multiplier: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "Noise multiplier σ of client-level differential privacy, which it turns on: updates clipped to "
+                "`dp_clip_norm`, Gaussian noise of std σ x 2 C max_i ω_i on their weighted sum before the server "
+                "step, R̄ released through its own Gaussian mechanism under RPG, and ε reported every round. Not "
+                "with SCAFFOLD or `robust_aggregation`. None: no DP."
+            )
+        },
+    )
+    dp_clip_norm: float = field(
+        default=1.0,
+        metadata={
+            "help": ResultHelp(
+                "Clip norm C of each client's update under DP, in the unit of `update_norm_bound` (local_steps x "
+                "learning_rate x sqrt(d)), near which honest Adam-family updates stay."
+            )
+        },
+    )
+    dp_reward_noise_multiplier: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "Noise multiplier σ_R of R̄'s release under DP with RPG: Gaussian noise of std σ_R x the reward "
+                "range on each clamped R̄ before RPG weighs it. None: dp_noise_multiplier."
+            )
+        },
+    )
+    dp_target_delta: float = field(
+        default=1e-5,
+        metadata={"help": "δ at which ε is reported under DP; keep it well below 1 / num_clients."},
+    )
+    dp_max_epsilon: float | None = field(
+        default=None,
+        metadata={
+            "help": "Privacy budget under DP: the run ends, checkpointed and saved, after the last round whose ε "
+            "stays within it. None: no budget."
+        },
+    )
+    dp_noise_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the DP noise's own generators. Whoever knows it can remove the noise: None draws one "
+            "from the operating system and keeps it in the checkpoints; set it only for tests and experiments."
+        },
+    )
+
     # Resuming
     resume_allow_changes: str | None = field(
         default=None,
@@ -844,6 +922,8 @@ class FedGRPOConfig(GRPOConfig):
         for message in self._federation_errors():
             raise ValueError(message)
         for message in self._robustness_errors():
+            raise ValueError(message)
+        for message in self._privacy_errors():
             raise ValueError(message)
         if self.num_clients > 1:
             self.check_vllm()
@@ -1040,6 +1120,29 @@ class FedGRPOConfig(GRPOConfig):
             or self.max_client_samples < 1
         ):
             yield f"`max_client_samples` must be a positive integer or None, got {self.max_client_samples!r}."
+
+    def _privacy_errors(self):
+        """Yield one message per invalid field of the "Differential privacy" block, and per setting DP cannot cover."""
+        for name in ("dp_noise_multiplier", "dp_reward_noise_multiplier", "dp_max_epsilon"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                yield f"`{name}` must be > 0 or None, got {value}."
+        if not self.dp_clip_norm > 0:
+            yield f"`dp_clip_norm` must be > 0, got {self.dp_clip_norm}."
+        if not 0 < self.dp_target_delta < 1:
+            yield f"`dp_target_delta` must lie in (0, 1), got {self.dp_target_delta}."
+        if self.dp_noise_multiplier is None:
+            return
+        if self.aggregation == "scaffold":
+            yield (
+                "`aggregation='scaffold'` cannot run under differential privacy (`dp_noise_multiplier`): SCAFFOLD's "
+                "controls c and c_i are per-client state the DP noise does not cover. Use 'fedavg', 'fedprox' or 'rpg'."
+            )
+        if self.robust_aggregation != "none":
+            yield (
+                f"`robust_aggregation={self.robust_aggregation!r}` cannot run under differential privacy "
+                "(`dp_noise_multiplier`): the noise is calibrated to the weighted sum's sensitivity. Set it to 'none'."
+            )
 
 
 @dataclass

@@ -66,6 +66,7 @@ def federation_section(
     num_clients: int,
     peft_config: Any,
     evaluations: dict[int, dict[str, Any]],
+    privacy: str | None = None,
 ) -> str:
     """The card's Markdown section on the federation that trained the adapter, under TRL's "Training procedure"."""
     lora = "see adapter_config.json"
@@ -82,6 +83,7 @@ def federation_section(
         ("Rounds", f"{args.num_rounds}, {args.local_steps} local steps per client and round"),
         ("Reward window W", str(args.reward_window)),
         ("LoRA", lora),
+        *([("Differential privacy", privacy)] if privacy else []),
     ]  # fmt: skip
     lines = [
         "### Federated training",
@@ -104,8 +106,10 @@ def federated_model_card(
     num_clients: int,
     evaluations: dict[int, dict[str, Any]],
     dataset_name: str | None = None,
+    privacy: str | None = None,
 ) -> ModelCard:
-    """TRL's model card for the run's global adapter, tagged and cited as FGRPO, with the federation's section."""
+    """TRL's model card for the run's global adapter, tagged and cited as FGRPO, with the federation's section
+    (`privacy`: the differential-privacy guarantee the run reached, `ClientLevelPrivacy.describe`; None: none)."""
     base_model = base_model_hub_id(get_config_model_id(model.config))
     repo_id = hub_model_id(args)
     card = generate_model_card(
@@ -125,7 +129,7 @@ def federated_model_card(
         card.text = card.text.replace("[None](https://huggingface.co/None)", "a local model", 1)
     card.data.library_name = "peft"  # the repository holds an adapter: the Hub then offers to load it with PEFT
     peft_config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
-    section = federation_section(args, num_clients, peft_config, evaluations)
+    section = federation_section(args, num_clients, peft_config, evaluations, privacy)
     card.text = card.text.replace("### Framework versions", f"{section}\n\n### Framework versions", 1)
     return card
 

@@ -212,7 +212,8 @@ class FederatedRunner(ServerStateView):
     # Rounds ------------------------------------------------------------------------------------------------
 
     def run(self) -> list[RoundRecord]:
-        """Run all `num_rounds` rounds; save the final global adapter in `output_dir` (PEFT layout).
+        """Run all `num_rounds` rounds (fewer when the privacy budget `dp_max_epsilon` ends the run first); save the
+        final global adapter in `output_dir` (PEFT layout).
 
         With `args.resume_from_checkpoint` (a checkpoint folder, or "true" for the latest in `output_dir`) the
         run restores that checkpoint and goes on from the round after it. Otherwise `output_dir` must not hold
@@ -248,10 +249,10 @@ class FederatedRunner(ServerStateView):
             first_round = server.start_run()
             client_ids = list(self.client_datasets)
             self.progress = RunProgress(
-                args.num_rounds, server.clients_per_round, args.local_steps, first_round,
+                server.num_rounds, server.clients_per_round, args.local_steps, first_round,
                 disable=not self.is_main_process,
             )
-            for round_idx in range(first_round, args.num_rounds):
+            for round_idx in range(first_round, server.num_rounds):  # fewer than configured under a privacy budget
                 for client_index in server.begin_round(round_idx):
                     client_id = client_ids[client_index]
                     self.progress.start_client(round_idx, client_id)

@@ -20,11 +20,13 @@ and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the cli
 adapter on their own held-out data), `record_client_evaluation` (their results and row-weighted mean, logged) and
 `client_evaluation_recorded(t)` (whether metrics.jsonl holds them: a resumed run redoes the checkpointed round's
 evaluate round otherwise); plus `start_run` (output folder, which this process then writes alone, resume or the
-evaluation before training), `finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close`
-(the output folder's lock, however the run ended). The per-client state of an aggregation is the aggregator's own
-(see `aggregation.Aggregator`): this module names no method. Traffic is counted per client and round in both
-directions, everything that crosses the wire: the adapter entries the wire format sends, and the extras (SCAFFOLD's
-c and c_i down, Δc_i up).
+evaluation before training, and `num_rounds`, fewer than configured when the privacy budget `dp_max_epsilon` ends
+the run), `finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close` (the output folder's
+lock, however the run ended). Under differential privacy (`dp_noise_multiplier`) the aggregator clips, noises and
+accounts (`aggregation.privacy`, set up here for the federation's clients and sampling). The per-client state of an
+aggregation is the aggregator's own (see `aggregation.Aggregator`): this module names no method. Traffic is counted
+per client and round in both directions, everything that crosses the wire: the adapter entries the wire format sends,
+and the extras (SCAFFOLD's c and c_i down, Δc_i up).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ from .adapters import (
     state_nbytes,
     state_norm,
 )
-from .admission import UpdateGate, bounded_text, check_client_id, read_reply
+from .admission import UpdateGate, bounded_text, check_client_id, read_reply, update_norm_unit
 from .aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, ClientUpdate, server_optimizer_from_config
+from .aggregation.privacy import privacy_from_config
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
@@ -186,6 +189,13 @@ class FederatedServer:
         for message in participation_errors(args, self.num_clients):
             raise ValueError(message)
         self.clients_per_round = clients_per_round(self.num_clients, args.fraction_train, args.min_train_clients)
+        # Client-level DP (None without `dp_noise_multiplier`): the aggregator clips, noises and accounts.
+        aggregator.privacy = privacy_from_config(
+            args, aggregator, self.num_clients, self.clients_per_round,
+            args.dp_clip_norm * update_norm_unit(args.local_steps, args.learning_rate, self.global_state),
+            self.reward_range,
+        )
+        self.num_rounds = args.num_rounds  # the rounds this run does: `start_run` sets it
         self.is_main_process, self.num_processes = is_main_process, num_processes
         self.history: list[RoundRecord] = []
         self.evaluations: dict[int, dict[str, Any]] = {}
@@ -208,16 +218,27 @@ class FederatedServer:
     def start_run(self) -> int:
         """Prepare `output_dir` and return the first round to run: 0 after evaluating the initial adapter (unless
         `args.eval_initial` is off), or the
-        round after the checkpoint `args.resume_from_checkpoint` names, restored."""
+        round after the checkpoint `args.resume_from_checkpoint` names, restored. The run goes on to round
+        `num_rounds` - 1: the config's last, or under `dp_max_epsilon` the last whose ε stays within the budget."""
         self.started = time.perf_counter()
         resume_from = prepare_output_dir(self.args, self.is_main_process)
         wait_for_everyone()  # the main process may just have cleared output_dir
-        if resume_from is None:
-            if self.args.eval_initial:
-                self.evaluate(round_idx=-1)
-            return 0
-        first_round = self.load_checkpoint(resume_from) + 1
-        logger.info("Resumed from %s: continuing with round %d of %d.", resume_from, first_round, self.args.num_rounds)
+        first_round = 0
+        if resume_from is not None:
+            first_round = self.load_checkpoint(resume_from) + 1
+            logger.info("Resumed from %s: continuing with round %d of %d.", resume_from, first_round,
+                        self.args.num_rounds)
+        elif self.args.eval_initial:
+            self.evaluate(round_idx=-1)
+        privacy = self.aggregator.privacy
+        if privacy is not None:
+            self.num_rounds = first_round + privacy.affordable_rounds(self.args.num_rounds - first_round)
+            if self.num_rounds < self.args.num_rounds:
+                logger.warning(
+                    "The privacy budget dp_max_epsilon=%g allows %d more rounds: the run ends after round %d of the "
+                    "%d configured, with its checkpoint, final adapter and model card.", privacy.max_epsilon,
+                    self.num_rounds - first_round, self.num_rounds - 1, self.args.num_rounds,
+                )
         return first_round
 
     def close(self) -> None:
@@ -234,7 +255,9 @@ class FederatedServer:
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
             # Over PEFT's placeholder README.md, pushed or not: the folder describes its adapter (see `hub`).
-            card = federated_model_card(self.model, self.args, self.num_clients, self.evaluations, self.dataset_name)
+            privacy = self.aggregator.privacy
+            card = federated_model_card(self.model, self.args, self.num_clients, self.evaluations, self.dataset_name,
+                                        privacy=None if privacy is None else privacy.describe())
             card.save(output_dir / "README.md")
             if self.writes_result:
                 self.write_result(output_dir / "result.json", time.perf_counter() - self.started)
@@ -357,7 +380,7 @@ class FederatedServer:
                 (self.global_state, self.aggregator.state_dict(), record)
             )
             self.aggregator.load_state_dict(aggregator_state)
-        if round_idx == args.num_rounds - 1 or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
+        if round_idx == self.num_rounds - 1 or (args.eval_every and (round_idx + 1) % args.eval_every == 0):
             record.evaluation = self.evaluate(round_idx)  # on every process, from the same global adapter
         record.wall_time = time.perf_counter() - current.started
         self.history.append(record)

@@ -200,14 +200,21 @@ class Aggregator(ABC):
     the round record, the round log, the reports and result.json show whatever it returns.
 
     `combiner` (see `robust`) replaces the weighted mean in Δ by a coordinate-wise trimmed mean or median.
+    `privacy` (`privacy.ClientLevelPrivacy`, which the server sets under `dp_noise_multiplier`) clips each update,
+    releases R̄ through its own mechanism to a strategy that `weighs_by_reward`, and noises Δ before the server step.
     `aggregate` checks its own inputs (`check_updates`: distinct client ids, the global adapter's keys and shapes,
     finite floating-point values; each strategy checks the fields it weighs by) before it changes any state, and
     its result (`AggregationError`), whoever calls it.
     """
 
+    # Whether `client_weights` reads the clients' R̄, which differential privacy then releases through its own
+    # mechanism (`privacy.ClientLevelPrivacy.released_rewards`).
+    weighs_by_reward = False
+
     def __init__(self, server_optimizer: ServerOptimizer | None = None, combiner=None):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
+        self.privacy = None  # a `privacy.ClientLevelPrivacy` under differential privacy
         self.last_weights: dict[str, float] = {}
         self.last_step: ServerStep | None = None  # the geometry of the last aggregation
         self.last_server_steps: AdapterState | None = None  # its θ^{[t+1]} − θ^{[t]}, for the next cos(s, s^{[t-1]})
@@ -243,7 +250,9 @@ class Aggregator(ABC):
         only updates `admission.UpdateGate` checked. Everything else is checked either way.
         """
         self.check_updates(global_state, updates, check_finite)
-        weights = self.client_weights(updates, round_idx)
+        privacy = self.privacy
+        weights = self.client_weights(updates if privacy is None else privacy.released_rewards(updates, round_idx),
+                                      round_idx)
         if len(weights) != len(updates) or not all(math.isfinite(w) and w >= 0 for w in weights) or not math.isclose(
             sum(weights), 1.0, rel_tol=1e-6
         ):
@@ -254,12 +263,17 @@ class Aggregator(ABC):
         # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
+        if privacy is not None:
+            client_states = privacy.clipped(global_state, client_states)
+            noise_std = privacy.noise_std(weights)
         self.server_optimizer.start_step()
         geometry = _StepGeometry(len(updates), global_state, self.last_step, self.last_server_steps)
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}
             delta = combine(block, client_states, weights)
+            if privacy is not None:  # Δ̃ = Δ + N(0, (σ S)²): the server step is post-processing of it
+                privacy.add_noise(delta, noise_std, round_idx)
             new_block = self.server_optimizer.step_block(block, delta)
             # Checked while the block is in cache: the new adapter and the optimizer state it moved.
             non_finite = non_finite_entries(new_block, "global adapter") + non_finite_entries(
@@ -274,6 +288,8 @@ class Aggregator(ABC):
             new_state.update(new_block)
         self.last_step = geometry.result([update.client_id for update in updates])
         self.last_server_steps = geometry.steps
+        if privacy is not None:
+            privacy.compose_round(noise_std)
         return new_state
 
     def check_updates(
@@ -287,8 +303,9 @@ class Aggregator(ABC):
         """What this strategy reports about its last aggregation besides ω and the step's geometry, each with how to
         print it (`RoundMetric`): the round record, the round log, summary.md and result.json show them, and a
         client metric never takes one of their log names. The same metrics, in the same order, whether or not a
-        round has been aggregated yet (then without values). None by default; RPG reports its gains h and τ."""
-        return []
+        round has been aggregated yet (then without values). None by default, but under differential privacy its
+        ε, noise and released R̄ (`privacy.ClientLevelPrivacy.round_metrics`); RPG reports its gains h and τ first."""
+        return [] if self.privacy is None else self.privacy.round_metrics()
 
     # Per-client state ----------------------------------------------------------------------------------------
 
@@ -337,10 +354,15 @@ class Aggregator(ABC):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"server_optimizer": self.server_optimizer.state_dict()}
+        state = {"server_optimizer": self.server_optimizer.state_dict()}
+        if self.privacy is not None:  # the noise seed and the accountant's ledger
+            state["privacy"] = self.privacy.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server_optimizer.load_state_dict(state["server_optimizer"])
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state["privacy"])
 
 
 def refuse_extras(update: ClientUpdate) -> None:

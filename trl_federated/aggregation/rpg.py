@@ -41,6 +41,8 @@ class RPGAggregator(Aggregator):
       |h| ≤ 1 / (1 − ι) = 10; at σ_max, |h| ≤ |gap| / σ_max ≤ 2 / 0.2. None leaves h unbounded.
     """
 
+    weighs_by_reward = True
+
     def __init__(
         self,
         lambda_base: float = 0.8,
@@ -117,10 +119,12 @@ class RPGAggregator(Aggregator):
         return weights
 
     def round_metrics(self) -> list[RoundMetric]:
-        """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round."""
+        """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round,
+        then the metrics every aggregator reports (under DP: ε, the noise and R̃)."""
         return [
             RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain"),
             RoundMetric("temperature", "τ", self.last_temperature, format=".3f"),
+            *super().round_metrics(),
         ]
 
     def state_dict(self) -> dict[str, Any]:

@@ -160,6 +160,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             reply_timeout = DEFAULT_REPLY_TIMEOUT if args.client_timeout is None else args.client_timeout + REPLY_SLACK
         self.reply_timeout = reply_timeout
         self.first_round = 0  # federation round of Flower's server_round 1 (after a resume: the next round)
+        self.started = False  # whether `start` runs: Flower's `Strategy.start` of a wrapper around this one does not
         self._sent: list[_Sent] = []  # this round's train messages, until their replies are in
         self._evaluating: list[_Sent] = []  # this round's evaluate messages, until their replies are in
 
@@ -208,10 +209,11 @@ class FederatedStrategy(ServerStateView, Strategy):
         if initial_arrays is not None:
             self._set_initial_adapter(initial_arrays)
         timeout = self.reply_timeout if timeout is None else timeout
+        self.started = True
         try:
             self.first_round = self.server.start_run()
             redone = self._redo_evaluate_round(grid, evaluate_config, timeout)
-            remaining = self.args.num_rounds - self.first_round
+            remaining = self.server.num_rounds - self.first_round  # fewer than configured under a privacy budget
             result = Result(arrays=state_to_array_record(self.global_state))
             if remaining > 0:
                 result = super().start(
@@ -259,6 +261,19 @@ class FederatedStrategy(ServerStateView, Strategy):
         server.gate.open_round(server.global_state)
 
     def summary(self) -> None:
+        """Log the run's shape; `Strategy.start` calls it first. A strategy that wraps this one (Flower's
+        `DifferentialPrivacyServerSideFixedClipping`, `...ClientSideFixedClipping` and the adaptive-clipping
+        wrappers) starts itself instead and reaches this from its own summary: refused, with what to use instead."""
+        if not self.started:
+            raise TypeError(
+                "FederatedStrategy was started by a strategy that wraps it (such as Flower's "
+                "DifferentialPrivacyServerSideFixedClipping, DifferentialPrivacyClientSideFixedClipping or the "
+                "adaptive-clipping wrappers). Flower's DP wrappers would add their noise after this strategy's server "
+                "optimizer (Adam's step has no bounded sensitivity to one client), assume equal FedAvg weights (RPG's "
+                "are neither), and leave each client's R̄ in clear. Use this library's client-level DP instead: set "
+                "`dp_noise_multiplier` (and `dp_clip_norm`, `dp_max_epsilon`) in the FedGRPOConfig, see "
+                "docs/privacy.md, and call FederatedStrategy.start or run directly."
+            )
         logger.info(
             "FederatedStrategy: %s, %d clients (%d sampled, at least %d aggregated a round), rounds %d-%d of %d, "
             "wire %s/%s, output_dir %s",

@@ -1,0 +1,242 @@
+"""Client-level differential privacy (`aggregation.privacy`): the noise against its formula, the accountant against
+`dp_accounting` computed directly, the bound on one client's influence, R̄'s release, the budget, resume, and the
+refusals (Flower's DP wrappers, SCAFFOLD, bad settings)."""
+
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
+from dp_accounting.rdp import RdpAccountant
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from trl_federated import ClientUpdate, FedAvgAggregator, FederatedRunner, FedGRPOConfig, RPGAggregator, ServerSGD
+from trl_federated.aggregation import ScaffoldAggregator
+from trl_federated.aggregation.privacy import ClientLevelPrivacy, privacy_from_config
+from trl_federated.callbacks import read_metrics
+
+# A global adapter of 2 × 2^18 coordinates in two tensors (more than one block of the aggregation).
+SHAPE = (512, 512)
+
+
+def global_state():
+    return {"a.lora_A.weight": torch.zeros(SHAPE), "a.lora_B.weight": torch.ones(SHAPE)}
+
+
+def moved(state, seed, norm):
+    """`state` plus a random update of L2 norm `norm`."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = {key: torch.randn(value.shape, generator=generator) for key, value in state.items()}
+    scale = norm / math.sqrt(sum(float(step.square().sum()) for step in steps.values()))
+    return {key: value + scale * steps[key] for key, value in state.items()}
+
+
+def privacy(noise_multiplier=0.7, clip_norm=0.5, num_clients=3, sample_size=3, reward_range=None, **kwargs):
+    return ClientLevelPrivacy(noise_multiplier, clip_norm, num_clients, sample_size, reward_range=reward_range,
+                              noise_seed=kwargs.pop("noise_seed", 0), **kwargs)
+
+
+def with_privacy(aggregator, mechanism):
+    aggregator.privacy = mechanism
+    return aggregator
+
+
+def noise_of(aggregator, updates, round_idx=0):
+    """The noise the aggregation added: with server SGD at learning rate 1 and every client sending θ back (u = 0),
+    θ^{[t+1]} − θ is Δ̃ − 0, the noise alone, as one vector."""
+    reference = global_state()
+    new = aggregator.aggregate(reference, updates, round_idx)
+    return torch.cat([(new[key] - reference[key]).view(-1) for key in reference])
+
+
+def test_fedavg_noise_has_the_std_of_the_formula():
+    # ω = D_i / ΣD = (0.25, 0.25, 0.5): σ_Δ = σ · 2 C max ω = 0.7 · 2 · 0.5 · 0.5
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy())
+    updates = [ClientUpdate(f"c{i}", global_state(), size, 0.0) for i, size in enumerate((1, 1, 2))]
+    noise = noise_of(aggregator, updates)
+    expected = 0.7 * 2 * 0.5 * 0.5
+    assert aggregator.privacy.last_noise_std == pytest.approx(expected)
+    assert float(noise.std()) == pytest.approx(expected, rel=0.01)  # 2^19 draws: ±0.1% of one std
+    assert abs(float(noise.mean())) < 5 * expected / math.sqrt(noise.numel())
+
+
+def test_rpg_noise_follows_the_weights_of_the_released_rewards_within_the_h_max_bound():
+    # σ = 0.7, C = 0.5; R̄ in [0, 1] released with σ_R = 0.1. Round 0 sets the baselines (h = 0); in round 1 the
+    # weights come from R̃, and the noise on Δ from the largest of them.
+    rpg = RPGAggregator(h_max=2.0, server_optimizer=ServerSGD(1.0))
+    aggregator = with_privacy(rpg, privacy(reward_range=(0.0, 1.0), reward_noise_multiplier=0.1))
+    for round_idx, rewards in enumerate(((0.5, 0.5, 0.5), (0.9, 0.5, 0.1))):
+        updates = [ClientUpdate(f"c{i}", global_state(), 1, reward) for i, reward in enumerate(rewards)]
+        noise = noise_of(aggregator, updates, round_idx)
+    weights = list(rpg.last_weights.values())
+    assert max(weights) > 0.4  # unequal: the noise is not uniform FedAvg's
+    expected = 0.7 * 2 * 0.5 * max(weights)
+    assert float(noise.std()) == pytest.approx(expected, rel=0.01)
+    # docs/privacy.md: |h| ≤ h_max gives ω_i ≤ 1 / (1 + (n − 1) exp(−2 h_max / τ)) whatever R̃
+    bound = 1 / (1 + 2 * math.exp(-2 * 2.0 / rpg.temperature(1)))
+    assert max(weights) <= bound
+    # the gains are those of R̃, not of the R̄ the clients reported (recorded as reported)
+    released = aggregator.privacy.last_rewards
+    assert released != {"c0": 0.9, "c1": 0.5, "c2": 0.1}
+    assert {metric.name for metric in rpg.round_metrics()} >= {"dp_epsilon", "dp_noise_std", "dp_rewards"}
+
+
+@pytest.mark.parametrize("make", [lambda: FedAvgAggregator(ServerSGD(1.0)),
+                                  lambda: RPGAggregator(server_optimizer=ServerSGD(1.0))])
+def test_an_update_of_any_size_moves_the_sum_by_at_most_its_weight_times_the_clip_norm(make):
+    # The same noise in both worlds (seed, round): the difference of the results is that of the sums before noise.
+    clip_norm, results = 0.5, {}
+    for world, attacker_norm in (("absent", 0.0), ("attacking", 1e6)):
+        aggregator = with_privacy(make(), privacy(clip_norm=clip_norm, reward_range=(0.0, 1.0),
+                                                  reward_noise_multiplier=1.0))
+        honest = [ClientUpdate(f"c{i}", moved(global_state(), i, 0.2), 1, 0.5) for i in range(2)]
+        attacker = ClientUpdate("attacker", moved(global_state(), 9, attacker_norm), 1, 0.5)
+        results[world] = (aggregator.aggregate(global_state(), [*honest, attacker], 0),
+                          aggregator.last_weights["attacker"])
+    (absent, weight), (attacking, same_weight) = results["absent"], results["attacking"]
+    assert weight == same_weight
+    moved_by = math.sqrt(sum(float((attacking[key] - absent[key]).double().square().sum()) for key in absent))
+    assert weight * clip_norm * 0.99 < moved_by <= weight * clip_norm * (1 + 1e-5)
+
+
+def test_the_released_reward_is_the_clamped_reward_plus_noise_on_the_declared_range():
+    # R̄ in [-1, 3] (B = 4) with σ_R = 0.25: R̃ − clamp(R̄) ~ N(0, 1); a reported 10 counts as 3.
+    mechanism = privacy(num_clients=4000, sample_size=4000, reward_range=(-1.0, 3.0), reward_noise_multiplier=0.25)
+    updates = [ClientUpdate(f"c{i}", {}, 1, 10.0) for i in range(4000)]
+    released = torch.tensor([update.reward for update in mechanism.released_rewards(updates, 0)], dtype=torch.float64)
+    assert [update.reward for update in updates] == [10.0] * 4000  # the reports are kept as they came
+    assert float(released.mean()) == pytest.approx(3.0, abs=5 / math.sqrt(4000))
+    assert float(released.std()) == pytest.approx(1.0, rel=0.05)
+    again = mechanism.released_rewards(updates, 0)
+    assert [update.reward for update in again] == released.tolist()  # a function of (seed, round)
+
+
+@pytest.mark.parametrize("reward_noise", [None, 2.0])
+def test_the_accountant_matches_dp_accounting_computed_directly(reward_noise):
+    # 5 of 20 clients sampled without replacement, 7 rounds; with R̄ released too, the round is one Gaussian of
+    # noise multiplier (σ⁻² + σ_R⁻²)^(-1/2).
+    mechanism = privacy(noise_multiplier=1.1, num_clients=20, sample_size=5,
+                        reward_range=None if reward_noise is None else (0.0, 1.0), reward_noise_multiplier=reward_noise)
+    for _ in range(7):
+        mechanism.compose_round(noise_std=1.0)
+    effective = 1.1 if reward_noise is None else (1.1**-2 + reward_noise**-2) ** -0.5
+    direct = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    direct.compose(dp_event.SampledWithoutReplacementDpEvent(20, 5, dp_event.GaussianDpEvent(effective)), 7)
+    assert mechanism.last_epsilon == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    assert mechanism.ledger == [(mechanism.round_event(), 7)]
+
+
+def test_the_budget_allows_the_rounds_whose_epsilon_stays_within_it():
+    mechanism = privacy(noise_multiplier=1.0, num_clients=10, sample_size=5)
+    epsilons = [mechanism.epsilon_after(rounds) for rounds in range(1, 9)]
+    mechanism.max_epsilon = (epsilons[3] + epsilons[4]) / 2
+    assert mechanism.affordable_rounds(8) == 4
+    assert mechanism.affordable_rounds(3) == 3
+    mechanism.compose_round(noise_std=1.0)
+    assert mechanism.affordable_rounds(8) == 3
+
+
+def test_the_accountant_and_the_noise_seed_survive_a_checkpoint():
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(noise_seed=None))
+    updates = [ClientUpdate(f"c{i}", global_state(), 1, 0.0) for i in range(3)]
+    for round_idx in range(2):
+        noise_of(aggregator, updates, round_idx)
+    state = json.loads(json.dumps(aggregator.state_dict()))  # the checkpoint keeps it as JSON
+    resumed = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(noise_seed=None))  # another drawn seed
+    resumed.load_state_dict(state)
+    assert resumed.privacy.last_epsilon == aggregator.privacy.last_epsilon
+    assert torch.equal(noise_of(resumed, updates, 2), noise_of(aggregator, updates, 2))
+    assert resumed.privacy.last_epsilon == aggregator.privacy.last_epsilon > 0
+
+
+def test_the_noise_leaves_every_other_random_stream_alone():
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy())
+    noise_of(aggregator, [ClientUpdate("c0", global_state(), 1, 0.0)])
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"dp_noise_multiplier": -1.0}, "`dp_noise_multiplier` must be > 0"),
+        ({"dp_noise_multiplier": 1.0, "dp_clip_norm": 0.0}, "`dp_clip_norm` must be > 0"),
+        ({"dp_noise_multiplier": 1.0, "dp_target_delta": 1.0}, "`dp_target_delta` must lie in"),
+        ({"dp_noise_multiplier": 1.0, "dp_reward_noise_multiplier": 0.0}, "`dp_reward_noise_multiplier` must be"),
+        ({"dp_noise_multiplier": 1.0, "aggregation": "scaffold"}, "`aggregation='scaffold'` cannot run under"),
+        ({"dp_noise_multiplier": 1.0, "robust_aggregation": "median"}, "`robust_aggregation='median'` cannot"),
+    ],
+)
+def test_bad_privacy_settings_are_refused_by_name(tmp_path, settings, named):
+    with pytest.raises(ValueError, match=named):
+        FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **settings)
+
+
+def test_an_aggregation_the_mechanism_does_not_cover_is_refused(tmp_path):
+    args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                         dp_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="ScaffoldAggregator exchanges per-client state"):
+        privacy_from_config(args, ScaffoldAggregator(), 4, 4, 1.0, (0.0, 1.0))
+    with pytest.raises(ValueError, match="declare none: give every reward function a `reward_range`"):
+        privacy_from_config(args, RPGAggregator(), 4, 4, 1.0, None)
+    assert privacy_from_config(args, FedAvgAggregator(), 4, 2, 1.0, None).reward_range is None
+
+
+def test_flowers_dp_wrappers_around_the_strategy_are_refused(tiny_model_dir, fast_args):
+    from flwr.app import ArrayRecord
+    from flwr.serverapp.strategy import (
+        DifferentialPrivacyClientSideFixedClipping,
+        DifferentialPrivacyServerSideFixedClipping,
+    )
+
+    from trl_federated.flower import FederatedStrategy
+
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), fast_args(num_clients=2),
+                                 report_header=None)
+    for wrapper in (DifferentialPrivacyServerSideFixedClipping, DifferentialPrivacyClientSideFixedClipping):
+        wrapped = wrapper(strategy, noise_multiplier=1.0, clipping_norm=1.0, num_sampled_clients=2)
+        with pytest.raises(TypeError, match="set `dp_noise_multiplier`"):
+            wrapped.start(grid=None, initial_arrays=ArrayRecord(), num_rounds=1)
+
+
+def bounded_length_reward(completions, **kwargs):
+    return [min(len(completion) / 64, 1.0) for completion in completions]
+
+
+bounded_length_reward.reward_range = (0.0, 1.0)
+
+
+def test_a_budget_ends_the_run_checkpointed_and_a_resume_continues_its_accountant(tmp_path, tiny_model_dir,
+                                                                                   tiny_tokenizer, fast_args):
+    # RPG under DP, 3 clients of which 2 train a round. The run without a budget (A) against one that a budget ends
+    # after round 0 (B), then resumed without it: same adapter, same ε, its noise seed taken from the checkpoint.
+    datasets = [Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(4)]})
+                for c in range(3)]
+    settings = dict(num_rounds=2, local_steps=1, reward_window=1, fraction_train=0.67, dp_noise_multiplier=1.0,
+                    dp_noise_seed=7, eval_initial=False)
+
+    def run(output_dir, **overrides):
+        args = fast_args(**{**settings, "output_dir": str(tmp_path / output_dir), **overrides})
+        runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), bounded_length_reward, args,
+                                 datasets, processing_class=tiny_tokenizer, report_header="")
+        return runner.run()
+
+    whole = run("a")
+    epsilons = [record.dp_epsilon for record in whole]
+    assert 0 < epsilons[0] < epsilons[1]
+    stopped = run("b", dp_max_epsilon=(epsilons[0] + epsilons[1]) / 2)
+    assert [record.round_idx for record in stopped] == [0]
+    assert (tmp_path / "b" / "checkpoint-0").is_dir() and (tmp_path / "b" / "adapter_model.safetensors").is_file()
+    assert "Differential privacy | client-level, ε = " in (tmp_path / "b" / "README.md").read_text()
+    resumed = run("b", dp_noise_seed=None, resume_from_checkpoint="true")
+    assert [record.dp_epsilon for record in resumed] == epsilons
+    final_a, final_b = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("a", "b"))
+    assert all(torch.equal(final_a[key], final_b[key]) for key in final_a)
+    rounds = [line for line in read_metrics(tmp_path / "b" / "metrics.jsonl") if line.get("event") == "round"]
+    assert [line["dp_epsilon"] for line in rounds] == epsilons
+    assert "| ε |" in (tmp_path / "b" / "summary.md").read_text()

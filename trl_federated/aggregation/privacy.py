@@ -1,0 +1,283 @@
+"""Client-level differential privacy of the aggregation (DP-FedAvg, McMahan et al., ICLR 2018), for every weighting
+the server applies, RPG's included, with an RDP accountant from Google's `dp-accounting` (as Flower's).
+
+In round t the server samples m of the N clients without replacement (`sampling.sample_clients`); over the n whose
+updates it aggregates:
+
+    ū_i = u_i · min(1, C / ‖u_i‖),   u_i = θ_i − θ                                    (clipping, on the server)
+    R̃_i = clamp(R̄_i, R_min, R_max) + N(0, (σ_R B)²),   B = R_max − R_min             (RPG only: R̄'s own release)
+    ω   = the method's weights, from R̃ (RPG) or the sample counts (FedAvg, FedProx)
+    Δ̃   = Σ_i ω_i ū_i + N(0, (σ S)² I),   S = 2 C max_i ω_i                          (the weighted sum's release)
+
+and the server optimizer steps on Δ̃: Adam's normalisation is post-processing of a private release.
+
+Sensitivity, under the replace-one relation the accountant uses for sampling without replacement (N public): the
+weights are fixed by what is already released (R̃, through its own mechanism) or public (sample counts, who replied),
+so replacing client j changes one term of the sum, ω_j (ū_j − ū_j'), by at most 2 ω_j C ≤ 2 C max_i ω_i = S; and one
+coordinate of the R̄ vector by at most B. Both releases of a round share its sample: the accountant composes them as
+one sampled Gaussian of noise multiplier (σ⁻² + σ_R⁻²)^(-1/2) (`dp_accounting`'s `ComposedDpEvent`), whose ε at δ is
+reported after every round. docs/privacy.md derives the bound on max_i ω_i that RPG's h_max and τ give.
+
+The noise comes from its own generators, seeded from a secret noise seed and the round, never from torch's global
+one: a run without DP draws nothing here, and a resumed run draws the noise the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..adapters import AdapterState, scaled_update, state_distance
+from .base import RoundMetric
+
+if TYPE_CHECKING:
+    from ..config import FedGRPOConfig
+    from .base import Aggregator, ClientUpdate
+
+
+def load_dp_accounting():
+    """The `dp_accounting` modules the accountant needs; `ImportError` naming the extra that installs them."""
+    try:
+        from dp_accounting import dp_event, privacy_accountant, rdp
+    except ImportError as error:
+        raise ImportError(
+            "Differential privacy (`dp_noise_multiplier`) accounts with Google's `dp-accounting`: "
+            "pip install 'trl-federated[dp]'."
+        ) from error
+    return dp_event, privacy_accountant, rdp
+
+
+class ClientLevelPrivacy:
+    """The Gaussian mechanisms of one federation (see the module docstring) and their accountant.
+
+    Args:
+        noise_multiplier: σ, the std of Δ's noise in units of its sensitivity S.
+        clip_norm: C, the largest ‖θ_i − θ‖ that enters Δ.
+        num_clients: N, the population the rounds sample from.
+        sample_size: m, the clients each round samples.
+        reward_range: (R_min, R_max) for an aggregation that weighs by R̄ (RPG), whose R̄ is then released through its
+            own mechanism; None for one that does not.
+        reward_noise_multiplier: σ_R, the std of R̄'s noise in units of B (with `reward_range`).
+        target_delta: δ at which ε is reported.
+        max_epsilon: The budget: `affordable_rounds` stops before a round that would spend more (None: none).
+        noise_seed: Seed of the noise; None draws one from the operating system, kept in `state_dict`.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        clip_norm: float,
+        num_clients: int,
+        sample_size: int,
+        reward_range: tuple[float, float] | None = None,
+        reward_noise_multiplier: float | None = None,
+        target_delta: float = 1e-5,
+        max_epsilon: float | None = None,
+        noise_seed: int | None = None,
+    ):
+        if not noise_multiplier > 0 or not clip_norm > 0:
+            raise ValueError(f"DP needs a noise multiplier and a clip norm > 0, got {noise_multiplier}, {clip_norm}.")
+        if reward_range is not None and not (reward_noise_multiplier or 0) > 0:
+            raise ValueError(f"R̄'s release needs a noise multiplier > 0, got {reward_noise_multiplier}.")
+        if not 1 <= sample_size <= num_clients:
+            raise ValueError(f"DP samples {sample_size} of {num_clients} clients: not a sample.")
+        self.dp_event, privacy_accountant, self.rdp = load_dp_accounting()
+        self.replace_one = privacy_accountant.NeighboringRelation.REPLACE_ONE
+        self.noise_multiplier, self.clip_norm = noise_multiplier, clip_norm
+        self.num_clients, self.sample_size = num_clients, sample_size
+        self.reward_range = reward_range
+        self.reward_noise_multiplier = reward_noise_multiplier if reward_range is not None else None
+        self.target_delta, self.max_epsilon = target_delta, max_epsilon
+        self.noise_seed = secrets.randbits(63) if noise_seed is None else noise_seed
+        # The rounds composed so far, as runs of identical events (a resumed run may change σ): [(event spec, count)].
+        # ε is always computed from it, so that a resumed run reports the uninterrupted run's ε to the last bit.
+        self.ledger: list[tuple[dict[str, Any], int]] = []
+        self.last_epsilon: float | None = None
+        self.last_noise_std: float | None = None
+        self.last_rewards: dict[str, float] = {}
+
+    # The mechanisms ------------------------------------------------------------------------------------------
+
+    def generator(self, round_idx: int, stream: str) -> torch.Generator:
+        """The generator of one stream of round `round_idx`'s noise ("rewards"; "delta/<key>", one per adapter tensor,
+        so that a tensor's noise does not depend on the order of the others, which a checkpoint does not keep): a
+        function of the noise seed and the round alone (the separators keep seed 1, round 23 apart from seed 12,
+        round 3)."""
+        seed = random.Random(f"dp-noise/{stream}/{self.noise_seed}/{round_idx}").getrandbits(63)
+        return torch.Generator().manual_seed(seed)
+
+    def released_rewards(self, updates: list[ClientUpdate], round_idx: int) -> list[ClientUpdate]:
+        """`updates` as the weighting sees them: with a reward range (RPG), copies whose R̄ is R̃, the clamped R̄ plus
+        N(0, (σ_R B)²); the updates themselves (their R̄ recorded as reported) are left as they are."""
+        if self.reward_range is None:
+            return updates
+        low, high = self.reward_range
+        scale = self.reward_noise_multiplier * (high - low)
+        noise = torch.randn(len(updates), generator=self.generator(round_idx, "rewards"), dtype=torch.float64)
+        released = [
+            dataclasses.replace(update, reward=min(max(float(update.reward), low), high) + scale * float(value))
+            for update, value in zip(updates, noise)
+        ]
+        self.last_rewards = {update.client_id: update.reward for update in released}
+        return released
+
+    def clipped(self, global_state: AdapterState, client_states: list[AdapterState]) -> list[AdapterState]:
+        """Each client's adapter with its update θ_i − θ scaled onto ‖·‖ ≤ C where it is longer."""
+        norms = [state_distance(state, global_state) for state in client_states]
+        return [
+            state if norm <= self.clip_norm else scaled_update(state, global_state, self.clip_norm / norm)
+            for state, norm in zip(client_states, norms)
+        ]
+
+    def noise_std(self, weights: list[float]) -> float:
+        """σ S: S = 2 C max_i ω_i, the most one client's replacement moves Σ_i ω_i ū_i."""
+        return self.noise_multiplier * 2 * self.clip_norm * max(weights)
+
+    def add_noise(self, delta: AdapterState, std: float, round_idx: int) -> None:
+        """Add N(0, std²) to every coordinate of `delta` (a block of Δ in round `round_idx`), in place."""
+        for key, value in delta.items():
+            noise = torch.randn(value.shape, generator=self.generator(round_idx, f"delta/{key}"), dtype=value.dtype)
+            value.add_(noise, alpha=std)
+
+    # Accounting ----------------------------------------------------------------------------------------------
+
+    def round_event(self) -> dict[str, Any]:
+        """The release of one round, as the ledger records it."""
+        return {
+            "noise_multiplier": self.noise_multiplier, "reward_noise_multiplier": self.reward_noise_multiplier,
+            "sample_size": self.sample_size, "num_clients": self.num_clients,
+        }
+
+    def dp_event_of(self, spec: dict[str, Any]):
+        """`spec` (`round_event`) as a `dp_accounting` event: the Gaussian of Δ, composed with R̄'s when there is one,
+        on a sample of m of N drawn without replacement."""
+        gaussians = [self.dp_event.GaussianDpEvent(spec["noise_multiplier"])]
+        if spec["reward_noise_multiplier"] is not None:
+            gaussians.append(self.dp_event.GaussianDpEvent(spec["reward_noise_multiplier"]))
+        return self.dp_event.SampledWithoutReplacementDpEvent(
+            spec["num_clients"], spec["sample_size"], self.dp_event.ComposedDpEvent(gaussians)
+        )
+
+    def compose_round(self, noise_std: float) -> None:
+        """Account one released round, whose Δ took noise of std `noise_std`; `last_epsilon` is then ε at δ over every
+        round so far."""
+        self.last_noise_std = noise_std
+        event = self.round_event()
+        if self.ledger and self.ledger[-1][0] == event:
+            self.ledger[-1] = (event, self.ledger[-1][1] + 1)
+        else:
+            self.ledger.append((event, 1))
+        self.last_epsilon = self.epsilon_after(0)
+
+    def epsilon_after(self, more_rounds: int) -> float:
+        """ε at δ were `more_rounds` rounds composed after those of the ledger (the ledger is left as it is)."""
+        projected = self.rdp.RdpAccountant(neighboring_relation=self.replace_one)
+        for event, count in self.ledger:
+            projected.compose(self.dp_event_of(event), count)
+        if more_rounds:
+            projected.compose(self.dp_event_of(self.round_event()), more_rounds)
+        return float(projected.get_epsilon(self.target_delta))
+
+    def affordable_rounds(self, limit: int) -> int:
+        """How many of the next `limit` rounds the budget `max_epsilon` allows (ε grows with every round)."""
+        if self.max_epsilon is None or limit <= 0:
+            return max(limit, 0)
+        low, high = 0, limit  # the answer lies in [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.epsilon_after(middle) <= self.max_epsilon:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def round_metrics(self) -> list[RoundMetric]:
+        """ε at δ after the round (`dp_epsilon`), the std of Δ's noise (`dp_noise_std`) and, when R̄ is released,
+        each client's R̃ (`dp_reward`)."""
+        metrics = [
+            RoundMetric("dp_epsilon", "ε", self.last_epsilon, format=".3f"),
+            RoundMetric("dp_noise_std", "σ_Δ", self.last_noise_std, format=".3g"),
+        ]
+        if self.reward_range is not None:
+            metrics.append(RoundMetric("dp_rewards", "R̃", dict(self.last_rewards), per_client=True, format=".3f",
+                                       log_name="dp_reward"))
+        return metrics
+
+    def describe(self) -> str:
+        """One line on the guarantee so far, for the model card."""
+        epsilon = "no round released yet" if self.last_epsilon is None else f"ε = {self.last_epsilon:.3f}"
+        rewards = "" if self.reward_range is None else f", R̄ released with σ_R = {self.reward_noise_multiplier:g}"
+        return (f"client-level, {epsilon} at δ = {self.target_delta:g} (replace-one, RDP accountant of "
+                f"dp-accounting; {self.sample_size} of {self.num_clients} clients sampled a round, clip norm "
+                f"{self.clip_norm:.4g}, noise multiplier {self.noise_multiplier:g}{rewards})")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "noise_seed": self.noise_seed,
+            "ledger": [{"event": dict(event), "rounds": count} for event, count in self.ledger],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the noise seed and the ledger, whose ε is then that of the run that saved it."""
+        self.ledger = [(dict(entry["event"]), int(entry["rounds"])) for entry in state["ledger"]]
+        self.noise_seed = int(state["noise_seed"])
+        self.last_epsilon = self.epsilon_after(0) if self.ledger else None
+
+
+def privacy_errors(aggregator: Aggregator) -> list[str]:
+    """Why `aggregator` cannot run under DP: per-client state the mechanism neither clips nor noises (SCAFFOLD's
+    controls), or a robust combiner, whose sensitivity is not ω_max C."""
+    from .base import Aggregator
+
+    errors = []
+    if type(aggregator).client_extras is not Aggregator.client_extras:
+        errors.append(
+            f"{type(aggregator).__name__} exchanges per-client state with the clients (SCAFFOLD's controls c and c_i) "
+            "that the DP mechanism neither clips nor noises: use aggregation 'fedavg', 'fedprox' or 'rpg' with "
+            "`dp_noise_multiplier`"
+        )
+    if aggregator.combiner is not None:
+        errors.append(
+            f"`robust_aggregation` ({type(aggregator.combiner).__name__}) replaces the weighted sum whose sensitivity "
+            "the DP noise is calibrated to: set it to 'none' with `dp_noise_multiplier`"
+        )
+    return errors
+
+
+def privacy_from_config(
+    args: FedGRPOConfig,
+    aggregator: Aggregator,
+    num_clients: int,
+    sample_size: int,
+    clip_norm: float,
+    reward_range: tuple[float, float] | None,
+) -> ClientLevelPrivacy | None:
+    """The mechanism `args` asks for (None without `dp_noise_multiplier`) around `aggregator`, for N = `num_clients`,
+    m = `sample_size`, the absolute clip norm C and the reward functions' declared range; `ValueError` naming the
+    setting for an aggregation it does not cover, or an RPG run whose rewards declare no range."""
+    if args.dp_noise_multiplier is None:
+        return None
+    if errors := privacy_errors(aggregator):
+        raise ValueError("; ".join(errors) + ".")
+    if aggregator.weighs_by_reward and reward_range is None:
+        raise ValueError(
+            f"{type(aggregator).__name__} weighs clients by R̄, which DP releases through a Gaussian mechanism on the "
+            "reward functions' declared range; they declare none: give every reward function a `reward_range`."
+        )
+    reward_noise = args.dp_reward_noise_multiplier
+    return ClientLevelPrivacy(
+        noise_multiplier=args.dp_noise_multiplier,
+        clip_norm=clip_norm,
+        num_clients=num_clients,
+        sample_size=sample_size,
+        reward_range=reward_range if aggregator.weighs_by_reward else None,
+        reward_noise_multiplier=args.dp_noise_multiplier if reward_noise is None else reward_noise,
+        target_delta=args.dp_target_delta,
+        max_epsilon=args.dp_max_epsilon,
+        noise_seed=args.dp_noise_seed,
+    )
+
