@@ -31,13 +31,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-# This checkout's package and harness first, also where another checkout is installed (a worktree running a grid)
-sys.path[:0] = [str(BENCHMARKS.parent), str(BENCHMARKS)]
+import verdict  # puts this checkout's package first, also where another checkout is installed
 
-import verdict  # noqa: E402
-
-from trl_federated.callbacks import read_metrics  # noqa: E402
+from trl_federated.callbacks import read_metrics
 from trl_federated.compare import Cell, cell_command  # noqa: E402
 
 DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo-sgd", "fgrpo"]

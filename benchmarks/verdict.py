@@ -49,9 +49,13 @@ from typing import Any
 import yaml
 from scipy import optimize, stats
 
-from trl_federated.callbacks import read_metrics
-from trl_federated.compare import Cell, cell_command, load_result, markdown
-from trl_federated.methods import METHODS
+# This checkout's package first, also where another checkout is installed (a worktree running a grid): the harness
+# then reads the same methods table as the cells it runs (`cell_command` runs them from this checkout).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trl_federated.callbacks import read_metrics  # noqa: E402
+from trl_federated.compare import Cell, cell_command, load_result, markdown  # noqa: E402
+from trl_federated.methods import METHODS  # noqa: E402
 
 DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
