@@ -31,17 +31,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import verdict  # puts this checkout's package first, also where another checkout is installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the grid's harness beside it, also when loaded by path
+import verdict  # noqa: E402  (it puts this checkout's package first, also where another checkout is installed)
 
-from trl_federated.callbacks import read_metrics
+from trl_federated.callbacks import read_metrics  # noqa: E402
 from trl_federated.compare import Cell, cell_command  # noqa: E402
 
-DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo-sgd", "fgrpo"]
+DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-sgd", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo"]
 VALIDATION_FILE = "validation.json"
 BASE_VALIDATION_FILE = "validation-base.json"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/server-step"
 REPORT_FILE = "report.md"
 ARITHMETIC = ("chain_sum", "products")
+# A client whose update is under this fraction of the round's largest is idle: every GRPO group it drew scored alike,
+# so it sent back the adapter it received, and its RPG weight only shortens Δ.
+IDLE_FRACTION = 0.01
 
 
 def validation_slice(train, per_group: int):
@@ -105,7 +109,9 @@ def split_accuracy(evaluation: dict) -> dict[str, float]:
 
 
 def round_rows(directory: Path) -> dict[int, dict[str, float]]:
-    """Per round of a cell: the clients' mean entropy and equal-reward share, and the server step's diagnostics."""
+    """Per round of a cell: the clients' mean entropy and equal-reward share, the weight RPG gave to idle clients
+    (an update under `IDLE_FRACTION` of the round's largest: all their groups scored alike) with ‖Δ‖ over the clients'
+    mean ‖θ_i − θ‖, and the server step's diagnostics."""
     rows = {}
     for record in read_metrics(directory / "metrics.jsonl"):
         if record.get("event") != "round":
@@ -116,7 +122,12 @@ def round_rows(directory: Path) -> dict[int, dict[str, float]]:
             values = [metrics[name] for metrics in clients if metrics.get(name) is not None]
             return statistics.fmean(values) if values else math.nan
 
+        weights, norms = record.get("weights") or {}, record.get("update_norms") or {}
+        largest = max(norms.values(), default=0.0)
+        idle = [client for client, norm in norms.items() if norm <= IDLE_FRACTION * largest]
         rows[record["round_idx"]] = {
+            "idle_weight": sum(weights.get(client, 0.0) for client in idle) if norms else math.nan,
+            "delta_share": record["delta_norm"] / statistics.fmean(norms.values()) if norms else math.nan,
             "entropy": mean("entropy"), "equal": mean("frac_reward_zero_std"),
             "ratio": record.get("server_step_ratio"), "cos": record.get("server_step_cosine"),
             "cos_prev": record.get("server_step_momentum_cosine"), "norm_a": record.get("server_step_norm_a"),
@@ -138,17 +149,18 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
         f"`{command}`; cells in `{root}`. Validation: the slice of the training items `validation_slice` takes "
         "(never the test split). Per round t: validation accuracy (%) of the global adapter after round t on the "
         "arithmetic tasks, the others and in total; mean client R̄; the clients' mean token entropy and share of GRPO "
-        "groups whose rewards were all equal; server step s: ‖s‖/‖Δ‖, cos(s, Δ), cos(s, s_prev), ‖s‖ over LoRA A "
-        "and B.",
+        "groups whose rewards were all equal; the weight of idle clients (update under 1% of the round's "
+        "largest) and ‖Δ‖ over the clients' mean update norm; server step s: ‖s‖/‖Δ‖, cos(s, Δ), cos(s, s_prev), "
+        "‖s‖ over LoRA A and B.",
         "",
     ]
     if base is not None:
         split = split_accuracy(base)
         lines += [f"Base model: arithmetic {split['arith']:.1f}, other {split['other']:.1f}, total "
                   f"{split['total']:.1f} ({base['count']['Total']} items).", ""]
-    header = ("| design | seed | t | arith | other | total | R̄ | entropy | equal | ‖s‖/‖Δ‖ | cos(s,Δ) | cos(s,s₋₁) | "
-              "‖s_A‖ | ‖s_B‖ |")
-    lines += [header, "|" + "---|" * 14]
+    header = ("| design | seed | t | arith | other | total | R̄ | entropy | equal | idle ω | ‖Δ‖/‖u‖ | ‖s‖/‖Δ‖ | "
+              "cos(s,Δ) | cos(s,s₋₁) | ‖s_A‖ | ‖s_B‖ |")
+    lines += [header, "|" + "---|" * 16]
     for cell in cells:
         directory = cell.directory(root)
         if not (directory / "metrics.jsonl").exists():
@@ -160,7 +172,8 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
             lines.append(
                 f"| {cell.method} | {cell.seed} | {round_idx} | {_cell(split.get('arith'), 1)} | "
                 f"{_cell(split.get('other'), 1)} | {_cell(split.get('total'), 1)} | {_cell(row['reward'])} | "
-                f"{_cell(row['entropy'])} | {_cell(row['equal'])} | {_cell(row['ratio'])} | {_cell(row['cos'])} | "
+                f"{_cell(row['entropy'])} | {_cell(row['equal'])} | {_cell(row['idle_weight'])} | "
+                f"{_cell(row['delta_share'])} | {_cell(row['ratio'])} | {_cell(row['cos'])} | "
                 f"{_cell(row['cos_prev'])} | {_cell(row['norm_a'], 3)} | {_cell(row['norm_b'], 3)} |"
             )
     text = "\n".join(lines) + "\n"

@@ -222,6 +222,7 @@ def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
     directory = cell.directory(tmp_path)
     directory.mkdir(parents=True)
     record = {"event": "round", "round_idx": 0, "rewards": {"a": 0.5, "b": 0.25}, "server_step_ratio": 1.0,
+              "weights": {"a": 0.8, "b": 0.2}, "update_norms": {"a": 1e-9, "b": 0.5}, "delta_norm": 0.1,
               "server_step_cosine": 0.8, "server_step_momentum_cosine": None, "server_step_norm_a": 0.1,
               "server_step_norm_b": 0.2, "client_metrics": {"a": {"entropy": 1.0, "frac_reward_zero_std": 0.5},
                                                             "b": {"entropy": 0.5, "frac_reward_zero_std": 0.25}}}
@@ -230,6 +231,6 @@ def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
     (tmp_path / server_step.BASE_VALIDATION_FILE).write_text(json.dumps({"-1": evaluation}))
     report = server_step.write_report(tmp_path, [cell], "python benchmarks/server_step.py")
     assert "Base model: arithmetic 25.0, other 100.0, total 60.0 (5 items)." in report
-    assert ("| fgrpo-adam-norm | 0 | 0 | 25.0 | 100.0 | 60.0 | 0.38 | 0.75 | 0.38 | 1.00 | 0.80 | – | 0.100 | 0.200 |"
-            in report)
+    assert ("| fgrpo-adam-norm | 0 | 0 | 25.0 | 100.0 | 60.0 | 0.38 | 0.75 | 0.38 | 0.80 | 0.40 | 1.00 | 0.80 | – | "
+            "0.100 | 0.200 |" in report)  # idle ω: a's update is 2e-9 of b's; ‖Δ‖ / mean ‖u‖ = 0.1 / 0.25
     assert (tmp_path / server_step.REPORT_FILE).read_text() == report
