@@ -234,3 +234,29 @@ def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
     assert ("| fgrpo-adam-norm | 0 | 0 | 25.0 | 100.0 | 60.0 | 0.38 | 0.75 | 0.38 | 0.80 | 0.40 | 1.00 | 0.80 | – | "
             "0.100 | 0.200 |" in report)  # idle ω: a's update is 2e-9 of b's; ‖Δ‖ / mean ‖u‖ = 0.1 / 0.25
     assert (tmp_path / server_step.REPORT_FILE).read_text() == report
+
+
+def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_cell(tmp_path):
+    """`benchmarks/dp_cost.py`: σ spends exactly the target ε over the run's rounds under the accountant the run
+    uses (R̄'s release under RPG costs more noise for the same ε), and the report reads a finished cell's accuracy,
+    the ε its last round reported and its rewards."""
+    from trl_federated.aggregation.privacy import ClientLevelPrivacy
+    from trl_federated.compare import Cell
+
+    dp_cost = load("dp_cost")
+    sigma = dp_cost.noise_multiplier_for(4.0, rounds=2, num_clients=4, sample_size=2, releases_rewards=False)
+    mechanism = ClientLevelPrivacy(noise_multiplier=sigma, clip_norm=1.0, num_clients=4, sample_size=2, noise_seed=0)
+    assert mechanism.epsilon_after(2) == pytest.approx(4.0, abs=1e-2)
+    assert dp_cost.noise_multiplier_for(4.0, rounds=2, num_clients=4, sample_size=2, releases_rewards=True) > sigma
+
+    cell = Cell("fedavg", 0, 4, "1.0")
+    directory = cell.directory(tmp_path / "fedavg-eps4")
+    directory.mkdir(parents=True)
+    (directory / "result.json").write_text(json.dumps({"evaluations": {"-1": {"accuracy": {"Total": 0.1}},
+                                                                       "1": {"accuracy": {"Total": 0.25}}}}))
+    rounds = [{"event": "round", "round_idx": t, "rewards": {"a": r, "b": 0.0}, "dp_epsilon": e, "dp_noise_std": 0.5}
+              for t, (r, e) in enumerate([(0.5, 2.5), (1.0, 3.99)])]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
+    report = dp_cost.write_report(tmp_path, {("fedavg", "4"): (cell, sigma), ("fgrpo", "4"): (cell, sigma)}, "cmd")
+    assert f"| fedavg | 4 | {sigma:.3g} | 25.0 | 3.99 | 0.5 | 0.25 0.50 |" in report
+    assert "| fgrpo |" not in report  # not run: no folder

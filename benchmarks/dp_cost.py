@@ -1,0 +1,144 @@
+"""What client-level differential privacy costs (`docs/privacy.md`): FedAvg and FGRPO at ε = ∞, 8 and 1.
+
+Each (method, ε) is a cell (`compare.Cell`: seed 0, `--num_clients` clients, Dirichlet `--dirichlet_alpha`) of the
+quickstart's model and data (`examples/configs/quickstart.yaml`) with `--fraction_train` of the clients sampled a
+round for `--num_rounds` rounds, in `benchmarks/results/dp/<method>-eps<ε>/`. For a finite ε the noise multiplier σ
+is the one the run's own accountant (`aggregation.privacy.ClientLevelPrivacy`: replace-one, m of N sampled without
+replacement, R̄'s release composed with Δ's under RPG, σ_R = σ) spends exactly ε at δ = 1e-5 over those rounds
+(`noise_multiplier_for`); ε = ∞ runs without DP. Cells resume and, with `--commit`, are committed as they finish
+(`verdict.run_cells`, `verdict.commit`); `report.md` tabulates each cell's final test accuracy, the ε its last round
+reported, σ, the std of Δ's noise and the clients' mean R̄ per round.
+
+    python benchmarks/dp_cost.py [--methods fedavg fgrpo] [--epsilons inf 8 1] [--commit] [--report_only]
+
+Run it with one thread per cell (`OMP_NUM_THREADS=1`, as the grid's cells): the cells are then reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the grid's harness beside it, also when loaded by path
+import verdict  # noqa: E402  (it puts this checkout's package first, also where another checkout is installed)
+from scipy import optimize  # noqa: E402
+
+from trl_federated.aggregation.privacy import ClientLevelPrivacy  # noqa: E402
+from trl_federated.callbacks import read_metrics  # noqa: E402
+from trl_federated.compare import Cell, cell_command, final_accuracy, load_result  # noqa: E402
+from trl_federated.methods import METHODS  # noqa: E402
+from trl_federated.sampling import clients_per_round  # noqa: E402
+
+DEFAULT_CONFIG = "examples/configs/quickstart.yaml"
+DEFAULT_OUTPUT_DIR = "benchmarks/results/dp"
+TARGET_DELTA = 1e-5  # `FedGRPOConfig.dp_target_delta`'s default
+REPORT_FILE = "report.md"
+
+
+def noise_multiplier_for(epsilon: float, rounds: int, num_clients: int, sample_size: int, releases_rewards: bool,
+                         delta: float = TARGET_DELTA) -> float:
+    """σ whose `rounds` rounds spend exactly `epsilon` at `delta` under the run's accounting (with `releases_rewards`,
+    R̄ released at σ_R = σ in every round as well, as RPG does)."""
+
+    def spent(sigma: float) -> float:
+        mechanism = ClientLevelPrivacy(
+            noise_multiplier=sigma, clip_norm=1.0, num_clients=num_clients, sample_size=sample_size,
+            reward_range=(0.0, 1.0) if releases_rewards else None, reward_noise_multiplier=sigma,
+            target_delta=delta, noise_seed=0,
+        )
+        return mechanism.epsilon_after(rounds) - epsilon
+
+    return float(optimize.brentq(spent, 0.05, 1000.0, xtol=1e-4))
+
+
+def level_name(epsilon: float) -> str:
+    return "inf" if math.isinf(epsilon) else f"{epsilon:g}"
+
+
+def cell_row(directory: Path) -> dict[str, object]:
+    """A finished cell's figures: final test accuracy (%), the last round's ε and noise std, R̄ per round."""
+    rounds = [record for record in read_metrics(directory / "metrics.jsonl") if record.get("event") == "round"]
+    last = rounds[-1] if rounds else {}
+    return {
+        "accuracy": 100 * final_accuracy(load_result(directory))["Total"],
+        "epsilon": last.get("dp_epsilon"),
+        "noise_std": last.get("dp_noise_std"),
+        "rewards": [statistics.fmean(record["rewards"].values()) for record in rounds],
+    }
+
+
+def write_report(root: Path, cells: dict[tuple[str, str], tuple[Cell, float | None]], command: str) -> str:
+    lines = [
+        "# What client-level DP costs",
+        "",
+        f"`{command}`; cells in `{root}/<method>-eps<ε>/`. Per cell: final test accuracy, the ε at δ = "
+        f"{TARGET_DELTA:g} its last round reported, σ, the std of Δ's noise in that round and the clients' mean R̄ per "
+        "round.",
+        "",
+        "| method | target ε | σ | accuracy % | ε reached | noise std | R̄ per round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (method, level), (cell, sigma) in cells.items():
+        directory = cell.directory(root / f"{method}-eps{level}")
+        if not (directory / "result.json").exists():
+            continue
+        row = cell_row(directory)
+        epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
+        noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
+        lines.append(
+            f"| {method} | {'∞' if level == 'inf' else level} | {'–' if sigma is None else f'{sigma:.3g}'} | "
+            f"{row['accuracy']:.1f} | {epsilon} | {noise} | {' '.join(f'{r:.2f}' for r in row['rewards'])} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (root / REPORT_FILE).write_text(text, encoding="utf-8")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
+    parser.add_argument("--methods", nargs="+", default=["fedavg", "fgrpo"], choices=list(METHODS))
+    parser.add_argument("--epsilons", nargs="+", type=float, default=[math.inf, 8.0, 1.0])
+    parser.add_argument("--num_clients", type=int, default=16)
+    # 0.05 leaves some of 16 clients without rows of the quickstart's 330 (3 labels); 1.0 gives each at least 8
+    parser.add_argument("--dirichlet_alpha", default="1.0")
+    parser.add_argument("--fraction_train", type=float, default=0.5)
+    parser.add_argument("--num_rounds", type=int, default=8)
+    parser.add_argument("--commit", action="store_true", help="Commit each finished cell's files and the report.")
+    parser.add_argument("--report_only", action="store_true")
+    args = parser.parse_args(argv)
+    root = Path(args.output_dir)
+    sample_size = clients_per_round(args.num_clients, args.fraction_train, 1)
+    cells = {}
+    for epsilon in args.epsilons:
+        for method in args.methods:
+            sigma = None if math.isinf(epsilon) else noise_multiplier_for(
+                epsilon, args.num_rounds, args.num_clients, sample_size, METHODS[method].aggregation == "rpg")
+            cells[method, level_name(epsilon)] = (Cell(method, 0, args.num_clients, args.dirichlet_alpha), sigma)
+    command = "python benchmarks/dp_cost.py " + " ".join(arg for arg in argv if arg != "--report_only")
+    if not args.report_only:
+        for (method, level), (cell, sigma) in cells.items():
+            folder = root / f"{method}-eps{level}"  # one budget (σ among the flags) per folder
+            extra = ["--fraction_train", str(args.fraction_train), "--num_rounds", str(args.num_rounds)]
+            if sigma is not None:
+                extra += ["--dp_noise_multiplier", f"{sigma:.6g}"]
+            verdict.check_budget(folder, args.config, extra)
+            if verdict.run_cells([cell], folder, lambda cell, folder=folder, extra=extra: cell_command(
+                    cell, args.config, folder, extra)):
+                return 1
+            write_report(root, cells, command.strip())
+            if args.commit:
+                files = [*verdict.committed_files(cell.directory(folder)), folder / verdict.BUDGET_FILE,
+                         root / REPORT_FILE]
+                verdict.commit(files, f"dp cost: {method} at ε = {level} finished")
+    print(write_report(root, cells, command.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
