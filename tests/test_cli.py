@@ -148,10 +148,16 @@ def test_cli_takes_a_reward_model_by_path(tiny_model_dir):
     assert reward_functions(["accuracy", str(tiny_model_dir)])[1] == str(tiny_model_dir)
 
 
-def test_cli_rejects_unknown_reward(tmp_path, tiny_model_dir):
-    with pytest.raises(ValueError, match="reward_funcs"):
-        main(["run", "--output_dir", str(tmp_path), "--model_name_or_path", str(tiny_model_dir), "--bf16", "false",
-              "--reward_funcs", "accuracy", "vibes"])
+def test_cli_rejects_unknown_reward_before_touching_the_output_dir(tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text("{}\n")  # a previous run's, which overwrite would clear
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--output_dir", str(tmp_path / "out"), "--overwrite_output_dir", "true", "--model_name_or_path",
+              str(tiny_model_dir), "--bf16", "false", "--reward_funcs", "accuracy", "vibes"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("trl-federated run: error: Unknown `reward_funcs` 'vibes';") and error.count("\n") == 1
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_cli_without_command_prints_usage(capsys):
@@ -304,7 +310,8 @@ def test_cli_refuses_model_fields_it_cannot_honour(tiny_model_dir, fast_args):
 def test_cli_faults_are_one_line_errors_naming_the_field_and_the_fix(tmp_path, capsys):
     """A bad value in the YAML gets the one line a bad flag gets; a method name given as `--aggregation` gets the
     settings that make it; a missing --config, a reward window longer than the local steps, a misspelled built-in
-    dataset and a model folder that does not exist are one line each, before any data or model loads."""
+    dataset, a reward function that does not exist and a model folder that does not exist are one line each, before
+    any data or model loads."""
     config = tmp_path / "run.yaml"
     config.write_text("aggregation: fedavgg\n", encoding="utf-8")
     cases = [
@@ -318,6 +325,14 @@ def test_cli_faults_are_one_line_errors_naming_the_field_and_the_fix(tmp_path, c
          f"cannot read --config {tmp_path / 'absent.yaml'}: No such file or directory."),
         (["--local_steps", "1", "--reward_window", "2"], "`reward_window` (W=2) must not exceed `local_steps` (E=1)."),
         (["--dataset_name", "openr1"], "unknown `dataset_name` 'openr1'. Did you mean `open_r1`?"),
+        (["--reward_funcs", "trl_federated.rewards.accuracy_reward"],
+         "`reward_funcs` 'trl_federated.rewards.accuracy_reward': module 'trl_federated.rewards' has no attribute "
+         "'accuracy_reward'. Did you mean `answer_accuracy_reward`?"),
+        (["--eval_reward_funcs", "accuracy_rewrd"],
+         "Unknown `eval_reward_funcs` 'accuracy_rewrd'; choose among ['accuracy', 'format', 'accuracy_reward', "
+         "'reasoning_accuracy_reward', 'think_format_reward', 'get_soft_overlong_punishment'], a function's dotted "
+         "import path (`my_lib.rewards.custom_reward`), or a reward model's Hub id (`org/name`) or local folder. Did "
+         "you mean `accuracy_reward`?"),
     ]
     for flags, message in cases:
         with pytest.raises(SystemExit) as exit_info:

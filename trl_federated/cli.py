@@ -392,7 +392,7 @@ def reward_functions(names: list[str], field_name: str = "reward_funcs") -> list
             functions.append(import_object(name, field_name))
         else:
             raise ValueError(
-                f"Unknown `{field_name}` {name!r}; choose among {REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS}, a "
+                f"Unknown `{field_name}` {name!r}; choose among {list(REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS)}, a "
                 "function's dotted import path (`my_lib.rewards.custom_reward`), or a reward model's Hub id "
                 f"(`org/name`) or local folder.{closest_key_hint(name, REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS)}"
             )
@@ -609,15 +609,21 @@ def run(argv: list[str]) -> int:
     args, model_args, data_args = parse_run_args(argv)
     check_model_path(model_args.model_name_or_path)
     peft_config = lora_config(model_args)
-    federated_trainer = trainer_class(data_args)  # an unimportable or wrong class fails before any loading
+    try:  # what the command line names, refused in one line before output_dir or any loading is touched
+        federated_trainer = trainer_class(data_args)
+        rewards = training_rewards(data_args)
+        eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
+    except ValueError as fault:
+        usage_error(str(fault))
     # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
     prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
-    rewards = training_rewards(data_args)
-    eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     train, test = load_benchmark(data_args)
-    check_reward_columns(rewards, train)
-    check_reward_columns(eval_rewards, test, "eval_reward_funcs")
+    try:  # a reward reading a column the data lacks would fail only at the first training step
+        check_reward_columns(rewards, train)
+        check_reward_columns(eval_rewards, test, "eval_reward_funcs")
+    except ValueError as fault:
+        usage_error(str(fault))
     clients = partition_clients(train, args)
     model, processing_class = load_model(model_args, args)
     header = (
