@@ -158,6 +158,14 @@ def test_cli_rejects_unknown_reward_before_touching_the_output_dir(tmp_path, tin
     error = capsys.readouterr().err
     assert error.startswith("trl-federated run: error: Unknown `reward_funcs` 'vibes';") and error.count("\n") == 1
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == "{}\n"
+    with pytest.raises(SystemExit) as exit_info:  # TRL's accuracy_reward reads `solution`, which the data lacks
+        main(["run", "--output_dir", str(tmp_path / "out"), "--overwrite_output_dir", "true", "--model_name_or_path",
+              str(tiny_model_dir), "--bf16", "false", "--benchmark_size", "40", "--reward_funcs", "accuracy_reward"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("trl-federated run: error: `reward_funcs`: accuracy_reward (trl.rewards")
+    assert "['solution']" in error and error.count("\n") == 1
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_cli_without_command_prints_usage(capsys):

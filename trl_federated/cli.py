@@ -615,8 +615,6 @@ def run(argv: list[str]) -> int:
         eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     except ValueError as fault:
         usage_error(str(fault))
-    # A taken output_dir or a missing checkpoint fails here, before minutes of data and model loading.
-    prepare_output_dir(args, PartialState().is_main_process)
     start = time.perf_counter()
     train, test = load_benchmark(data_args)
     try:  # a reward reading a column the data lacks would fail only at the first training step
@@ -624,6 +622,9 @@ def run(argv: list[str]) -> int:
         check_reward_columns(eval_rewards, test, "eval_reward_funcs")
     except ValueError as fault:
         usage_error(str(fault))
+    # A taken output_dir or a missing checkpoint fails here, before the model loads; after every check of the
+    # command line, so that a refused run leaves a folder `overwrite_output_dir` would clear as it was.
+    prepare_output_dir(args, PartialState().is_main_process)
     clients = partition_clients(train, args)
     model, processing_class = load_model(model_args, args)
     header = (
