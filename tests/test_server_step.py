@@ -113,15 +113,20 @@ def test_state_round_trip_continues_identically(optimizer_class):
     ("adam", ServerAdam, 0.5 * 5 * 2e-4), ("sgd", ServerSGD, 1.0), ("fedadam", ServerFedAdam, 1.0),
     ("adam-norm", ServerNormMatchedAdam, 1.0), ("nesterov", ServerNesterov, 0.7),
 ])
-def test_each_server_optimizer_from_config_with_its_derived_rate(tmp_path, name, optimizer_class, rate):
+def test_each_server_optimizer_from_config_with_its_derived_rate(tmp_path, caplog, name, optimizer_class, rate):
     args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_clients=2, local_steps=5, learning_rate=2e-4,
                          server_optimizer=name, report_to="none")
-    optimizer = aggregator_from_config(args).server_optimizer
+    with caplog.at_level("INFO", logger="trl_federated.aggregation"):
+        optimizer = aggregator_from_config(args).server_optimizer
     assert type(optimizer) is optimizer_class and optimizer.learning_rate == pytest.approx(rate)
+    # every derived value is said when the run starts
+    assert f"server optimizer {name!r} (set): learning rate {args.server_learning_rate:g} (derived)" in caplog.text
     if name in ("adam", "adam-norm"):
         assert args.server_epsilon == 1e-8 and optimizer.epsilon == 1e-8  # the paper's ε
+        assert "ε 1e-08 (derived)." in caplog.text
     if name == "fedadam":
         assert args.server_epsilon is None and optimizer.epsilon is None  # τ from the first Δ
+        assert "ε per tensor from its first Δ." in caplog.text
     if name == "nesterov":
         assert optimizer.momentum == args.server_beta1
 

@@ -73,10 +73,19 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     `num_clients` (default `args.num_clients`) is the size of the federation, for a strategy that needs it."""
     server_optimizer = server_optimizer_from_config(args)
     combiner = combiner_from_config(args)  # robust_aggregation: None for the weighted mean
-    # `server_optimizer` may have been resolved from `aggregation` (FedGRPOConfig.__post_init__): say which it is.
+    # The server step's fields may have been derived (`FedGRPOConfig.resolve_server_step`): say what they are.
+    derived = args.derived_server_fields
+
+    def origin(name: str) -> str:
+        return "derived" if name in derived else "set"
+
+    epsilon = "" if args.server_optimizer not in ("adam", "adam-norm", "fedadam") else (
+        f", ε {args.server_epsilon:g} ({origin('server_epsilon')})" if args.server_epsilon is not None
+        else ", ε per tensor from its first Δ")
     logger.info(
-        "Aggregation %r with server optimizer %r (learning rate %g).",
-        args.aggregation, args.server_optimizer, args.server_learning_rate,
+        "Aggregation %r with server optimizer %r (%s): learning rate %g (%s)%s.",
+        args.aggregation, args.server_optimizer, origin("server_optimizer"), args.server_learning_rate,
+        origin("server_learning_rate"), epsilon,
     )
     check_choice("aggregation", args.aggregation, AGGREGATIONS)
     aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
