@@ -308,8 +308,9 @@ class FedGRPOConfig(GRPOConfig):
             started at τ², m bias-corrected, so its step has the clients' size; `"adam-norm"`: Adam's direction
             scaled per tensor to ‖Δ‖ of that tensor; `"nesterov"`: DiLoCo's Nesterov outer momentum. `None`: the
             step of `aggregation`'s method as its paper defines it, `"adam"` for `"rpg"` (FGRPO) and `"sgd"` with
-            learning rate 1, plain (weighted) model averaging, for the others. `benchmarks/server_step.py` compares
-            them at the grid's budget.
+            learning rate 1, plain (weighted) model averaging, for the others; left unset, a resumed run keeps the
+            step (with its derived learning rate and ε) its checkpoint recorded, whatever the default is now.
+            `benchmarks/server_step.py` compares them at the grid's budget.
         server_learning_rate (`float`, *optional*):
             Server learning rate α (Eq. model_update); an explicit value is used as given. `None` derives it once,
             when the config is made: for `"adam"`, α = 0.5 × `local_steps` × `learning_rate` (`SERVER_ADAM_SCALE` ×
@@ -704,7 +705,8 @@ class FedGRPOConfig(GRPOConfig):
             "bias correction, every coordinate moves about α whatever Δ), 'sgd' (θ + αΔ), 'fedadam' (Adam with ε on "
             "the update's own scale, v started at ε², bias-corrected), 'adam-norm' (Adam's direction at ‖Δ‖ per "
             "tensor) or 'nesterov' (DiLoCo's outer momentum). None: the step of `aggregation`'s method, 'adam' for "
-            "'rpg' and 'sgd' with learning rate 1 (model averaging) for the others.",
+            "'rpg' and 'sgd' with learning rate 1 (model averaging) for the others; a resumed run keeps its "
+            "checkpoint's.",
             "choices": list(SERVER_OPTIMIZERS),
         },
     )
