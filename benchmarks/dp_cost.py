@@ -17,6 +17,7 @@ Run it with one thread per cell (`OMP_NUM_THREADS=1`, as the grid's cells): the 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -36,6 +37,7 @@ DEFAULT_CONFIG = "examples/configs/quickstart.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/dp"
 TARGET_DELTA = 1e-5  # `FedGRPOConfig.dp_target_delta`'s default
 REPORT_FILE = "report.md"
+SIGMA_FLAG = "--dp_noise_multiplier"  # the flag that carries σ, recorded in each cell folder's budget.json
 
 
 def noise_multiplier_for(epsilon: float, rounds: int, num_clients: int, sample_size: int, releases_rewards: bool,
@@ -70,7 +72,13 @@ def cell_row(directory: Path) -> dict[str, object]:
     }
 
 
-def write_report(root: Path, cells: dict[tuple[str, str], tuple[Cell, float | None]], command: str) -> str:
+def recorded_noise_multiplier(folder: Path) -> float | None:
+    """The σ a cell folder's cells ran with, from the flags its `budget.json` records (None: no DP)."""
+    flags = json.loads((folder / verdict.BUDGET_FILE).read_text(encoding="utf-8"))["flags"]
+    return float(flags[flags.index(SIGMA_FLAG) + 1]) if SIGMA_FLAG in flags else None
+
+
+def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -> str:
     lines = [
         "# What client-level DP costs",
         "",
@@ -81,11 +89,12 @@ def write_report(root: Path, cells: dict[tuple[str, str], tuple[Cell, float | No
         "| method | target ε | σ | accuracy % | ε reached | noise std | R̄ per round |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (method, level), (cell, sigma) in cells.items():
-        directory = cell.directory(root / f"{method}-eps{level}")
+    for (method, level), cell in cells.items():
+        folder = root / f"{method}-eps{level}"
+        directory = cell.directory(folder)
         if not (directory / "result.json").exists():
             continue
-        row = cell_row(directory)
+        row, sigma = cell_row(directory), recorded_noise_multiplier(folder)
         epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
         noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
         lines.append(
@@ -113,20 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report_only", action="store_true")
     args = parser.parse_args(argv)
     root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
     sample_size = clients_per_round(args.num_clients, args.fraction_train, 1)
-    cells = {}
-    for epsilon in args.epsilons:
-        for method in args.methods:
-            sigma = None if math.isinf(epsilon) else noise_multiplier_for(
-                epsilon, args.num_rounds, args.num_clients, sample_size, METHODS[method].aggregation == "rpg")
-            cells[method, level_name(epsilon)] = (Cell(method, 0, args.num_clients, args.dirichlet_alpha), sigma)
+    cells = {(method, level_name(epsilon)): Cell(method, 0, args.num_clients, args.dirichlet_alpha)
+             for epsilon in args.epsilons for method in args.methods}
     command = "python benchmarks/dp_cost.py " + " ".join(arg for arg in argv if arg != "--report_only")
-    if not args.report_only:
-        for (method, level), (cell, sigma) in cells.items():
-            folder = root / f"{method}-eps{level}"  # one budget (σ among the flags) per folder
+    for epsilon in [] if args.report_only else args.epsilons:
+        for method in args.methods:
+            level = level_name(epsilon)
+            cell, folder = cells[method, level], root / f"{method}-eps{level}"  # one budget (σ a flag) per folder
+            if (cell.directory(folder) / "result.json").exists():
+                continue  # finished: its σ is the one its budget.json records
             extra = ["--fraction_train", str(args.fraction_train), "--num_rounds", str(args.num_rounds)]
-            if sigma is not None:
-                extra += ["--dp_noise_multiplier", f"{sigma:.6g}"]
+            if not math.isinf(epsilon):  # calibrated only for a cell that still runs: minutes of accounting
+                sigma = noise_multiplier_for(epsilon, args.num_rounds, args.num_clients, sample_size,
+                                             METHODS[method].aggregation == "rpg")
+                extra += [SIGMA_FLAG, f"{sigma:.6g}"]
             verdict.check_budget(folder, args.config, extra)
             if verdict.run_cells([cell], folder, lambda cell, folder=folder, extra=extra: cell_command(
                     cell, args.config, folder, extra)):

@@ -239,7 +239,7 @@ def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
 def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_cell(tmp_path):
     """`benchmarks/dp_cost.py`: σ spends exactly the target ε over the run's rounds under the accountant the run
     uses (R̄'s release under RPG costs more noise for the same ε), and the report reads a finished cell's accuracy,
-    the ε its last round reported and its rewards."""
+    the ε its last round reported, its rewards and the σ its folder's budget.json recorded."""
     from trl_federated.aggregation.privacy import ClientLevelPrivacy
     from trl_federated.compare import Cell
 
@@ -252,11 +252,13 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
     cell = Cell("fedavg", 0, 4, "1.0")
     directory = cell.directory(tmp_path / "fedavg-eps4")
     directory.mkdir(parents=True)
+    budget = {"config": {}, "flags": ["--num_rounds", "2", "--dp_noise_multiplier", f"{sigma:.6g}"]}
+    (tmp_path / "fedavg-eps4" / "budget.json").write_text(json.dumps(budget))  # σ as the cell ran with it
     (directory / "result.json").write_text(json.dumps({"evaluations": {"-1": {"accuracy": {"Total": 0.1}},
                                                                        "1": {"accuracy": {"Total": 0.25}}}}))
     rounds = [{"event": "round", "round_idx": t, "rewards": {"a": r, "b": 0.0}, "dp_epsilon": e, "dp_noise_std": 0.5}
               for t, (r, e) in enumerate([(0.5, 2.5), (1.0, 3.99)])]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
-    report = dp_cost.write_report(tmp_path, {("fedavg", "4"): (cell, sigma), ("fgrpo", "4"): (cell, sigma)}, "cmd")
+    report = dp_cost.write_report(tmp_path, {("fedavg", "4"): cell, ("fgrpo", "4"): cell}, "cmd")
     assert f"| fedavg | 4 | {sigma:.3g} | 25.0 | 3.99 | 0.5 | 0.25 0.50 |" in report
     assert "| fgrpo |" not in report  # not run: no folder

@@ -943,6 +943,11 @@ class FedGRPOConfig(GRPOConfig):
         if "server_epsilon" in self.derived_server_fields:
             self.server_epsilon = PAPER_SERVER_EPSILON if self.server_optimizer in ("adam", "adam-norm") else None
 
+    def server_field_origin(self, name: str) -> str:
+        """How the logs say where a server-step field's value came from: "derived" when it was left unset
+        (`resolve_server_step`), else "set"."""
+        return "derived" if name in self.derived_server_fields else "set"
+
     def derived_server_learning_rate(self) -> float:
         """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help):
         `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for the paper's server Adam, `SERVER_LEARNING_RATES`

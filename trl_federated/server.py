@@ -407,9 +407,8 @@ class FederatedServer:
                 record.round_idx, record.delta_norm, record.server_step_norm, args.server_optimizer,
             )
             return
-        origin = "derived" if "server_learning_rate" in args.derived_server_fields else "set"
         setting = (f"`server_optimizer` {args.server_optimizer!r} with `server_learning_rate` "
-                   f"{args.server_learning_rate:g} ({origin})")
+                   f"{args.server_learning_rate:g} ({args.server_field_origin('server_learning_rate')})")
         logger.warning(
             "Round %d: the server step moved the global adapter %.1fx as far as the clients' mean change Δ "
             "(‖θ^{t+1} − θ^{t}‖ = %.3g, ‖Δ‖ = %.3g); %s. %s metrics.jsonl records every round's ratio "
@@ -521,7 +520,7 @@ class FederatedServer:
     def keep_server_step(self, saved_identity: dict[str, Any]) -> None:
         """Server-step fields left unset (`FedGRPOConfig.derived_server_fields`) are resolved once per run: resumed,
         the run takes its checkpoint's server optimizer and learning rate, even where the defaults or the fields they
-        derive from have changed since (FGRPO's default step did). An explicit value is checked against the
+        derive from have changed since (as FGRPO's default step is about to). An explicit value is checked against the
         checkpoint as any setting (`run_identity.check_identity`)."""
         args, derived = self.args, self.args.derived_server_fields
         saved_class, current_class = saved_identity["server_optimizer"], self.identity["server_optimizer"]

@@ -74,11 +74,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     server_optimizer = server_optimizer_from_config(args)
     combiner = combiner_from_config(args)  # robust_aggregation: None for the weighted mean
     # The server step's fields may have been derived (`FedGRPOConfig.resolve_server_step`): say what they are.
-    derived = args.derived_server_fields
-
-    def origin(name: str) -> str:
-        return "derived" if name in derived else "set"
-
+    origin = args.server_field_origin
     epsilon = "" if args.server_optimizer not in ("adam", "adam-norm", "fedadam") else (
         f", ε {args.server_epsilon:g} ({origin('server_epsilon')})" if args.server_epsilon is not None
         else ", ε per tensor from its first Δ")
