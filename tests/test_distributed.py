@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,6 +145,30 @@ def test_zero_2_is_accepted(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     check_parameters_unsharded()
+
+
+@pytest.mark.parametrize("launched, bf16, refused", [("bf16", False, True), ("no", True, True), ("fp16", False, True),
+                                                     ("bf16", True, False), ("no", False, False)])  # fmt: skip
+def test_a_deepspeed_launch_whose_precision_differs_from_the_run_is_refused_by_name(monkeypatch, launched, bf16,
+                                                                                     refused):  # fmt: skip
+    """Found rehearsing the GPU check on CPU: the ZeRO-2 launch config's `mixed_precision: bf16` with a run in float32
+    dropped every client of round 0 inside TRL's first step. Refused before any work, naming the flag that fixes it;
+    with a DeepSpeed config file of the user's (whose "auto" values follow the run) nothing is checked."""
+    from trl_federated.distributed import check_deepspeed_precision
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    args = SimpleNamespace(bf16=bf16, bf16_full_eval=False, fp16=False, fp16_full_eval=False)  # what it reads
+    if refused:
+        with pytest.raises(ValueError, match=f"--mixed_precision {'bf16' if bf16 else 'no'}"):
+            check_deepspeed_precision(args)
+    else:
+        check_deepspeed_precision(args)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds.json")
+    check_deepspeed_precision(args)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    check_deepspeed_precision(args)
 
 
 @pytest.mark.parametrize("eval_initial", ["true", "false"])  # fails before round 0, or inside the last round

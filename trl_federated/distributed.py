@@ -64,3 +64,26 @@ def check_parameters_unsharded(args=None) -> None:
             "FSDP shards the model's parameters, so the LoRA adapter cannot be read or loaded between rounds. Use "
             "DDP (examples/accelerate/multi_gpu.yaml) or DeepSpeed ZeRO-2 (deepspeed_zero2.yaml)."
         )
+
+
+def check_deepspeed_precision(args) -> None:
+    """Refuse an `accelerate launch` with DeepSpeed whose mixed precision differs from the run's own. Without a
+    DeepSpeed config file of its own, accelerate writes `bf16.enabled` and `fp16.enabled` from `--mixed_precision`
+    (the launch config's `mixed_precision`), and transformers refuses a DeepSpeed config whose precision differs from
+    the Trainer's `bf16`/`fp16`, in every client's first local step: round 0 would drop every client."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return
+    if os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none").lower() != "none":
+        return  # a config file of the user's: its "auto" values follow the run, others are the user's choice
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    launched_bf16, launched_fp16 = launched in ("bf16", "fp8"), launched == "fp16"
+    run_bf16, run_fp16 = bool(args.bf16 or args.bf16_full_eval), bool(args.fp16 or args.fp16_full_eval)
+    if (launched_bf16, launched_fp16) != (run_bf16, run_fp16):
+        run = "bf16" if run_bf16 else "fp16" if run_fp16 else "no"
+        raise ValueError(
+            f"`accelerate launch` gives DeepSpeed mixed precision {launched!r}, but this run trains with `bf16` "
+            f"{run_bf16} and `fp16` {run_fp16}, a mismatch DeepSpeed's Trainer integration refuses. Launch with "
+            f"`--mixed_precision {run}` (or set `mixed_precision: {run}` in the accelerate config), or set the run's "
+            "`bf16`/`fp16` to match."
+        )
+

@@ -19,7 +19,7 @@ from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from .callbacks import IntegrationLog, TrainerLogCallback
 from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
-from .distributed import check_parameters_unsharded, from_main_process
+from .distributed import check_deepspeed_precision, check_parameters_unsharded, from_main_process
 from .local_trainer import local_trainer
 from .master_weights import check_float32_adapter
 from .reporting import RunProgress
@@ -106,6 +106,7 @@ class FederatedRunner(ServerStateView):
             raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
         args.check_vllm()  # before the model loads
         check_parameters_unsharded(args)
+        check_deepspeed_precision(args)
         self.trainer_class = local_trainer(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
