@@ -1,9 +1,10 @@
 """Which server step lets FGRPO learn? Every design at the grid's budget, read round by round on a validation slice.
 
-Each design is FGRPO's RPG weighting with one server optimizer (`methods.METHODS`: `fgrpo` (the paper's literal
-Adam), `fgrpo-fedadam`, `fgrpo-adam-norm`, `fgrpo-nesterov`, `fgrpo-sgd`), beside `fedavg`; each (design, seed) is
-a cell as the verdict grid runs them (`benchmarks/verdict.py`: the grid's budget, `examples/configs/grid.yaml`), in
-a folder of its own (`benchmarks/results/server-step`; `fgrpo` and `fedavg` there rerun the grid's committed cells,
+Each design is FGRPO's RPG weighting with one server optimizer (`methods.METHODS`: `fgrpo-paper` (the paper's
+literal Adam), `fgrpo-fedadam`, `fgrpo-adam-norm`, `fgrpo-nesterov`, `fgrpo-sgd` (FGRPO's default, chosen here)),
+beside `fedavg`; each (design, seed) is a cell as the verdict grid runs them (`benchmarks/verdict.py`: the grid's
+budget, `examples/configs/grid.yaml`), in a folder of its own (`benchmarks/results/server-step`; `fgrpo-paper` and
+`fedavg` there rerun the grid's committed cells,
 which also checks that a cell is reproducible), so the chosen design's cells count as grid cells. After a
 cell finishes, every round's global adapter (`round-<t>/`) is evaluated greedily on a validation slice carved from
 the training items (`validation_slice`: `--per_group` items of each task × tier group, the first in the training
@@ -37,7 +38,7 @@ import verdict  # noqa: E402  (it puts this checkout's package first, also where
 from trl_federated.callbacks import read_metrics  # noqa: E402
 from trl_federated.compare import Cell, cell_command  # noqa: E402
 
-DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-sgd", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo"]
+DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-sgd", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo-paper"]
 VALIDATION_FILE = "validation.json"
 BASE_VALIDATION_FILE = "validation-base.json"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/server-step"
@@ -144,7 +145,7 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
     base_path = root / BASE_VALIDATION_FILE
     base = json.loads(base_path.read_text(encoding="utf-8")).get("-1") if base_path.exists() else None
     lines = [
-        "# Server step designs at the grid's budget (issue 33)",
+        "# Server step designs at the grid's budget",
         "",
         f"`{command}`; cells in `{root}`. Validation: the slice of the training items `validation_slice` takes "
         "(never the test split). Per round t: validation accuracy (%) of the global adapter after round t on the "

@@ -59,7 +59,9 @@ from trl_federated.methods import METHODS  # noqa: E402
 
 DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
-DEFAULT_METHODS = ["fgrpo", "fgrpo-wo-rpg", "fedavg", "fedprox", "scaffold"]  # FGRPO and its baselines
+# FGRPO and its baselines (with FGRPO's averaging step, its "w/o RPG" ablation is FedAvg), then the paper's literal
+# step and its ablation, whose committed cells stay as rows of their own
+DEFAULT_METHODS = ["fgrpo", "fedavg", "fedprox", "scaffold", "fgrpo-paper", "fgrpo-paper-wo-rpg"]
 REFERENCE = "fgrpo"
 # Reported name -> accuracy key of an evaluation. The endpoints, named before the cells ran: total accuracy (primary),
 # the hard tier, and the arithmetic tasks against the others (secondary: where the paper-literal server step

@@ -328,7 +328,7 @@ def test_cli_faults_are_one_line_errors_naming_the_field_and_the_fix(tmp_path, c
          "`fedavg`?"),
         (["--aggregation", "fgrpo"],
          "argument --aggregation: invalid choice: 'fgrpo' (choose from 'rpg', 'fedavg', 'fedprox', 'scaffold'). "
-         "`fgrpo` names the method FGRPO; `run` takes it as `--aggregation rpg --server_optimizer adam`."),
+         "`fgrpo` names the method FGRPO; `run` takes it as `--aggregation rpg --server_optimizer sgd`."),
         (["--config", str(tmp_path / "absent.yaml")],
          f"cannot read --config {tmp_path / 'absent.yaml'}: No such file or directory."),
         (["--local_steps", "1", "--reward_window", "2"], "`reward_window` (W=2) must not exceed `local_steps` (E=1)."),

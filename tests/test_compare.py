@@ -21,7 +21,7 @@ def test_grid_runs_writes_tables_and_resumes(tmp_path, tiny_model_dir, capsys, m
         "report_to": "none", "reward_funcs": ["accuracy", "format"],
     }))
     grid = tmp_path / "grid"
-    common = ["--config", str(config), "--output_dir", str(grid), "--methods", "fgrpo", "fgrpo-wo-rpg"]
+    common = ["--config", str(config), "--output_dir", str(grid), "--methods", "fgrpo", "fedavg"]
 
     assert main([*common, "--seeds", "0"]) == 0
     first = grid / "base" / "fgrpo" / "seed0" / "result.json"
@@ -33,20 +33,20 @@ def test_grid_runs_writes_tables_and_resumes(tmp_path, tiny_model_dir, capsys, m
     assert out.count("done, skipped") == 2 and out.count(": running") == 2
     assert first.stat().st_mtime_ns == stamp  # the finished cell was not re-run
 
-    for method in ("fgrpo", "fgrpo-wo-rpg"):
+    for method in ("fgrpo", "fedavg"):
         for seed in (0, 1):
             result = json.loads((grid / "base" / method / f"seed{seed}" / "result.json").read_text())
             assert len(result["rounds"]) == 2 and set(result["evaluations"]) == {"-1", "1"}
     # the same partitions for both methods: the same clients hold the same number of rows, seed by seed
     a = json.loads((grid / "base" / "fgrpo" / "seed1" / "result.json").read_text())
-    b = json.loads((grid / "base" / "fgrpo-wo-rpg" / "seed1" / "result.json").read_text())
+    b = json.loads((grid / "base" / "fedavg" / "seed1" / "result.json").read_text())
     assert a["rounds"][0]["bytes_sent"] == b["rounds"][0]["bytes_sent"]
-    # without RPG the weights are data volume, with RPG the first round is uniform
+    # FGRPO w/o RPG is FedAvg (Table 3 pairs them): data-volume weights; RPG weighs the first round uniformly
     assert set(a["rounds"][0]["weights"].values()) == {0.5}
 
     rows = list(csv.reader((grid / "table1.csv").open()))
     assert rows[0][:2] == ["Setting", "Method"] and rows[0][-2:] == ["Total", "Seeds"]
-    assert {row[1] for row in rows[1:]} == {"fgrpo", "fgrpo-wo-rpg"} and all(row[-1] == "2" for row in rows[1:])
+    assert {row[1] for row in rows[1:]} == {"fgrpo", "fedavg"} and all(row[-1] == "2" for row in rows[1:])
     assert "±" in rows[1][-2]
     table3 = list(csv.reader((grid / "table3.csv").open()))
     assert table3[1][:2] == ["base", "FGRPO"] and "-" not in table3[1][2:]
@@ -76,11 +76,11 @@ def test_one_server_learning_rate_for_adam_and_sgd_methods_is_refused(tmp_path, 
     config = tmp_path / "base.yaml"
     config.write_text("aggregation: rpg\nserver_learning_rate: 1.0e-3\n")
     with pytest.raises(SystemExit):
-        main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo", "fedavg"])
+        main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo-paper", "fedavg"])
     assert "server_learning_rate" in capsys.readouterr().err and not (tmp_path / "grid").exists()
     config.write_text("aggregation: rpg\n")
     with pytest.raises(SystemExit):  # the same rate given as a flag
-        main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo", "fedavg",
+        main(["--config", str(config), "--output_dir", str(tmp_path / "grid"), "--methods", "fgrpo-paper", "fedavg",
               "--server_learning_rate=0.5"])
     assert "server_learning_rate" in capsys.readouterr().err
 

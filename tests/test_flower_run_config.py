@@ -60,7 +60,7 @@ def test_the_example_app_runs_the_quickstart_but_for_its_deliberate_differences(
     }
     assert differing - DEVICE_FIELDS == DELIBERATE_DIFFERENCES
     args, model_args, data_args = app
-    assert (args.num_rounds, args.local_steps, args.learning_rate, args.server_optimizer) == (3, 2, 2e-4, "adam")
+    assert (args.num_rounds, args.local_steps, args.learning_rate, args.server_optimizer) == (3, 2, 2e-4, "sgd")
     assert args.server_learning_rate == quickstart[0].server_learning_rate  # derived, not set
     assert (model_args.lora_r, model_args.lora_dropout, data_args.benchmark_size) == (16, 0.0, 400)
     assert args.output_dir == "outputs/flower-fgrpo" and not args.overwrite_output_dir

@@ -37,7 +37,7 @@ def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_mode
     assert "@misc{chen2026fgrpo," in text
     assert "{{FGRPO: Federated GRPO with Adaptive Aggregation on Non-IID Data}}" in text
     assert "Pengyu Chen and Shaowei Li" in text
-    assert "| Method | FGRPO: aggregation `rpg`, server optimizer `adam` (lr 0.025)" in text  # 0.5 x 5 x 1e-2
+    assert "| Method | FGRPO: aggregation `rpg`, server optimizer `sgd` (lr 1.0)" in text
     assert "| Clients | 3, Dirichlet μ=0.05 over `difficulty` |" in text
     assert "| Rounds | 4, 5 local steps per client and round |" in text
     assert "| Reward window W | 3 |" in text

@@ -25,41 +25,44 @@ def test_every_method_is_a_valid_configuration():
 def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     # the overrides every `trl-federated compare` cell passed before the table existed
     assert {name: method.overrides() for name, method in METHODS.items()} == {
-        "fgrpo": {"aggregation": "rpg", "server_optimizer": "adam"},
+        "fgrpo": {"aggregation": "rpg", "server_optimizer": "sgd"},
+        "fgrpo-paper": {"aggregation": "rpg", "server_optimizer": "adam"},
+        "fgrpo-paper-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
         "fgrpo-fedadam": {"aggregation": "rpg", "server_optimizer": "fedadam"},
         "fgrpo-adam-norm": {"aggregation": "rpg", "server_optimizer": "adam-norm"},
         "fgrpo-nesterov": {"aggregation": "rpg", "server_optimizer": "nesterov"},
         "fgrpo-sgd": {"aggregation": "rpg", "server_optimizer": "sgd"},
-        "fgrpo-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
         "fedavg": {"aggregation": "fedavg", "server_optimizer": "sgd"},
         "fedprox": {"aggregation": "fedprox", "server_optimizer": "sgd"},
         "scaffold": {"aggregation": "scaffold", "server_optimizer": "sgd"},
-        "fdapo": {"algorithm": "dapo", "aggregation": "rpg", "server_optimizer": "adam"},
-        "fdapo-wo-rpg": {"algorithm": "dapo", "aggregation": "fedavg", "server_optimizer": "adam"},
-        "fgspo": {"algorithm": "gspo", "aggregation": "rpg", "server_optimizer": "adam"},
-        "fgspo-wo-rpg": {"algorithm": "gspo", "aggregation": "fedavg", "server_optimizer": "adam"},
+        "fdapo": {"algorithm": "dapo", "aggregation": "rpg", "server_optimizer": "sgd"},
+        "fdapo-wo-rpg": {"algorithm": "dapo", "aggregation": "fedavg", "server_optimizer": "sgd"},
+        "fgspo": {"algorithm": "gspo", "aggregation": "rpg", "server_optimizer": "sgd"},
+        "fgspo-wo-rpg": {"algorithm": "gspo", "aggregation": "fedavg", "server_optimizer": "sgd"},
     }
     assert list(METHODS["fdapo"].overrides()) == ["algorithm", "aggregation", "server_optimizer"]
+    # with the averaging step, FGRPO w/o RPG (FedAvg's weights, the same step) is FedAvg
     assert ABLATIONS == {
-        "FGRPO": ("fgrpo", "fgrpo-wo-rpg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg"),
-        "FGRPO (server SGD)": ("fgrpo-sgd", "fedavg"),  # RPG's weights against FedAvg's, both averaging
+        "FGRPO": ("fgrpo", "fedavg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg"),
+        "FGRPO (paper's Adam step)": ("fgrpo-paper", "fgrpo-paper-wo-rpg"),
+        "FGRPO (server SGD)": ("fgrpo-sgd", "fedavg"),
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("config_class", "aggregation", "server_optimizer", "name"),
     [
-        (FedGRPOConfig, "rpg", "adam", "FGRPO"),
-        (FedGRPOConfig, "fedavg", "adam", "FGRPO w/o RPG"),
+        (FedGRPOConfig, "rpg", "sgd", "FGRPO"),  # not "FGRPO (server SGD)", the same configuration's later name
+        (FedGRPOConfig, "rpg", "adam", "FGRPO (paper's Adam step)"),
+        (FedGRPOConfig, "fedavg", "adam", "FGRPO (paper's Adam step) w/o RPG"),
         (FedGRPOConfig, "fedavg", "sgd", "FedAvg"),
         (FedGRPOConfig, "fedprox", "sgd", "FedProx"),
         (FedGRPOConfig, "scaffold", "sgd", "SCAFFOLD"),
-        (FedDAPOConfig, "rpg", "adam", "FDAPO"),
-        (FedDAPOConfig, "fedavg", "adam", "FDAPO w/o RPG"),
-        (FedDAPOConfig, "fedavg", "sgd", "FedAvg"),  # a model-averaging baseline keeps its name
-        (FedGSPOConfig, "rpg", "adam", "FGSPO"),
+        (FedDAPOConfig, "rpg", "sgd", "FDAPO"),
+        (FedDAPOConfig, "fedavg", "sgd", "FDAPO w/o RPG"),  # FedAvg's weights and step over DAPO clients
+        (FedDAPOConfig, "fedprox", "sgd", "FedProx"),  # a baseline keeps its name whatever the local algorithm
+        (FedGSPOConfig, "rpg", "sgd", "FGSPO"),
         (FedGSPOConfig, "scaffold", "sgd", "SCAFFOLD"),
-        (FedGRPOConfig, "rpg", "sgd", "FGRPO (server SGD)"),
         (FedGRPOConfig, "scaffold", "adam", "`scaffold` + server `adam`"),  # no named method
         (FedGSPOConfig, "fedprox", "adam", "`fedprox` + server `adam`"),
     ],

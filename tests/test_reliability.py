@@ -343,10 +343,11 @@ def test_a_resumed_run_that_leaves_the_server_step_unset_keeps_its_checkpoints(t
     """FGRPO's default step changed once: a checkpoint of a run that took the old default resumes on that step, with
     its derived learning rate and ε, and says so; one that named its step keeps it as well when the resumed config
     leaves the field unset."""
+    monkeypatch.setitem(AGGREGATION_SERVER_OPTIMIZERS, "rpg", "adam")  # the default before the experiment chose
     first = make_runner(tiny_model_dir, tmp_path / "default", num_rounds=2)
-    first.run()  # rounds 0 and 1 under today's default, the paper's Adam
+    first.run()  # rounds 0 and 1 under the old default, the paper's Adam
     adam = first.server.aggregator.server_optimizer
-    monkeypatch.setitem(AGGREGATION_SERVER_OPTIMIZERS, "rpg", "sgd")  # a later default
+    monkeypatch.setitem(AGGREGATION_SERVER_OPTIMIZERS, "rpg", "sgd")  # today's
     resumed = make_runner(tiny_model_dir, tmp_path / "default", num_rounds=3, resume_from_checkpoint="true")
     assert resumed.args.server_optimizer == "sgd"
     resumed.run()

@@ -286,7 +286,7 @@ FAKE_CELL = ROOT / "tests" / "scripts" / "fake_cell.py"
 
 
 def test_extra_seeds_go_to_the_named_methods_after_the_common_seeds():
-    methods = ["fgrpo", "fgrpo-wo-rpg", "fedavg", "fedprox", "scaffold"]
+    methods = ["fgrpo", "fgrpo-paper", "fedavg", "fedprox", "scaffold"]
     extra = verdict.parse_extra_seeds(["fgrpo,fedavg:3,4,5"], methods)
     assert extra == {"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}
     cells = verdict.grid_cells(methods, [0, 1, 2], extra, [3], ["0.05"])

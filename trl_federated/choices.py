@@ -11,11 +11,15 @@ SERVER_OPTIMIZERS = ("adam", "sgd", "fedadam", "adam-norm", "nesterov")
 # scaled to Δ (FedAvg's length in their first round), DiLoCo's 0.7 for Nesterov.
 SERVER_LEARNING_RATES = {"sgd": 1.0, "fedadam": 1.0, "adam-norm": 1.0, "nesterov": 0.7}
 
-# `FedGRPOConfig.aggregation` → the server optimizer it takes when `server_optimizer` is left unset. Each method as
-# its paper defines it: FGRPO's server step is Adam (Algorithm 1, line 23); FedAvg, FedProx and SCAFFOLD average the
-# client models, i.e. SGD with learning rate 1 (SCAFFOLD's global step size η_g = 1). The aggregations a config may
-# name are this table's keys: `aggregation.register_aggregation` adds a row with its strategy.
-AGGREGATION_SERVER_OPTIMIZERS: dict[str, str] = {"rpg": "adam", "fedavg": "sgd", "fedprox": "sgd", "scaffold": "sgd"}
+# `FedGRPOConfig.aggregation` → the server optimizer it takes when `server_optimizer` is left unset. FedAvg, FedProx
+# and SCAFFOLD as their papers define them: the weighted mean of the client models, i.e. SGD with learning rate 1
+# (SCAFFOLD's global step size η_g = 1). FGRPO: the RPG-weighted mean, the server step chosen by experiment
+# (benchmarks/server_step.py, docs/methods.md): the paper's Adam (Algorithm 1, line 23) with its ε = 1e-8 moves
+# nearly every coordinate by ±lr each round whatever the clients' change, and at the grid's budget it learned less
+# than FedAvg, while the RPG-weighted mean learned as much as FedAvg on the validation slice. `server_optimizer: adam`
+# (the `fgrpo-paper` method) is the paper's step. The aggregations a config may name are this table's keys:
+# `aggregation.register_aggregation` adds a row with its strategy.
+AGGREGATION_SERVER_OPTIMIZERS: dict[str, str] = {"rpg": "sgd", "fedavg": "sgd", "fedprox": "sgd", "scaffold": "sgd"}
 
 # `FedGRPOConfig.update_norm_action`: what happens to an update over `update_norm_bound` (`admission.UpdateGate`).
 NORM_ACTIONS = ("reject", "clip")

@@ -246,7 +246,7 @@ class FedGRPOConfig(GRPOConfig):
             `"fedprox"` (data volume, plus a proximal term in every client's loss, see `fedprox_mu`) or `"scaffold"`
             (data volume, plus control variates, see `scaffold_correction`). The methods the paper compares are these
             with a server optimizer and a local algorithm (`trl_federated.methods`), e.g. `"fedavg"` with
-            `server_optimizer="adam"` is its "w/o RPG" ablation.
+            `server_optimizer="adam"` is the "w/o RPG" ablation of the paper's step.
         rpg_lambda_base (`float`, *optional*, defaults to `0.8`):
             EMA coefficient λ_base in (0, 1] of each client's reward baseline φ.
         rpg_iota (`float`, *optional*, defaults to `0.9`):
@@ -306,10 +306,12 @@ class FedGRPOConfig(GRPOConfig):
             no bias correction), which moves every coordinate by about α whatever Δ's size; `"sgd"`: θ + α Δ (α = 1:
             model averaging); `"fedadam"`: Adam with ε on each tensor's own update scale (τ from its first Δ), v
             started at τ², m bias-corrected, so its step has the clients' size; `"adam-norm"`: Adam's direction
-            scaled per tensor to ‖Δ‖ of that tensor; `"nesterov"`: DiLoCo's Nesterov outer momentum. `None`: the
-            step of `aggregation`'s method as its paper defines it, `"adam"` for `"rpg"` (FGRPO) and `"sgd"` with
-            learning rate 1, plain (weighted) model averaging, for the others; left unset, a resumed run keeps the
-            step (with its derived learning rate and ε) its checkpoint recorded, whatever the default is now.
+            scaled per tensor to ‖Δ‖ of that tensor; `"nesterov"`: DiLoCo's Nesterov outer momentum. `None`: `"sgd"`
+            with learning rate 1, the (weighted) mean of the client models: FedAvg, FedProx and SCAFFOLD as their
+            papers define them, and FGRPO's RPG-weighted mean, chosen by experiment over the paper's `"adam"`, which
+            learned less than FedAvg at the grid's budget while the weighted mean learned as much (docs/methods.md,
+            "The server step"); `"adam"` is the paper's step (the `fgrpo-paper` method). Left unset, a resumed run
+            keeps the step (with its derived learning rate and ε) its checkpoint recorded, whatever the default is now.
             `benchmarks/server_step.py` compares them at the grid's budget.
         server_learning_rate (`float`, *optional*):
             Server learning rate α (Eq. model_update); an explicit value is used as given. `None` derives it once,
@@ -704,9 +706,10 @@ class FedGRPOConfig(GRPOConfig):
             "help": "Server step on the pseudo-gradient Δ: 'adam' (the paper's literal Eq. model_update: ε 1e-8, no "
             "bias correction, every coordinate moves about α whatever Δ), 'sgd' (θ + αΔ), 'fedadam' (Adam with ε on "
             "the update's own scale, v started at ε², bias-corrected), 'adam-norm' (Adam's direction at ‖Δ‖ per "
-            "tensor) or 'nesterov' (DiLoCo's outer momentum). None: the step of `aggregation`'s method, 'adam' for "
-            "'rpg' and 'sgd' with learning rate 1 (model averaging) for the others; a resumed run keeps its "
-            "checkpoint's.",
+            "tensor) or 'nesterov' (DiLoCo's outer momentum). None: 'sgd' with learning rate 1, the weighted mean "
+            "of the client models, for every method: FGRPO's default by experiment (the paper's 'adam' learned less "
+            "than FedAvg at the grid's budget, the RPG-weighted mean as much; docs/methods.md); a resumed run keeps "
+            "its checkpoint's.",
             "choices": list(SERVER_OPTIMIZERS),
         },
     )

@@ -55,7 +55,9 @@ def method_name(args: FedGRPOConfig) -> str:
     """The method's name in the paper (`methods.METHODS`): FGRPO, FedAvg, ...; FDAPO and FGSPO with the DAPO and
     GSPO recipes."""
     algorithm = next((name for name, config_class in CONFIG_CLASSES.items() if type(args) is config_class), "grpo")
-    names = {(m.aggregation, m.server_optimizer, m.algorithm): m.display_name for m in METHODS.values()}
+    names: dict[tuple[str, str, str], str] = {}
+    for m in METHODS.values():  # the first name of a configuration: `fgrpo-sgd` is FGRPO itself
+        names.setdefault((m.aggregation, m.server_optimizer, m.algorithm), m.display_name)
     server = (args.aggregation, args.server_optimizer)
     # FedAvg, FedProx and SCAFFOLD keep their names whatever the local algorithm.
     return names.get((*server, algorithm)) or names.get((*server, "grpo")) or f"`{server[0]}` + server `{server[1]}`"

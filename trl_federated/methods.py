@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .choices import AGGREGATION_SERVER_OPTIMIZERS
+
 
 @dataclass(frozen=True)
 class Method:
@@ -27,24 +29,30 @@ class Method:
         return {**algorithm, "aggregation": self.aggregation, "server_optimizer": self.server_optimizer}
 
 
+# FGRPO's server step when `server_optimizer` is unset (`choices.AGGREGATION_SERVER_OPTIMIZERS`): the RPG-weighted
+# mean. With it, "FGRPO w/o RPG" (the same step with FedAvg's weights) is FedAvg itself.
+FGRPO_STEP = AGGREGATION_SERVER_OPTIMIZERS["rpg"]
+
 METHODS: dict[str, Method] = {
     method.name: method
     for method in (
-        Method("fgrpo", "FGRPO", "rpg", "adam"),
+        Method("fgrpo", "FGRPO", "rpg", FGRPO_STEP),
+        # The paper's literal step, Adam with ε = 1e-8 and no bias correction, and its ablation.
+        Method("fgrpo-paper", "FGRPO (paper's Adam step)", "rpg", "adam"),
+        Method("fgrpo-paper-wo-rpg", "FGRPO (paper's Adam step) w/o RPG", "fedavg", "adam"),
         # FGRPO's RPG weights with another server step (`server_optim`), the designs `benchmarks/server_step.py`
-        # compares with the paper's literal Adam.
+        # compares; `fgrpo-sgd` names FGRPO's own step there.
         Method("fgrpo-fedadam", "FGRPO (FedAdam step)", "rpg", "fedadam"),
         Method("fgrpo-adam-norm", "FGRPO (norm-matched Adam step)", "rpg", "adam-norm"),
         Method("fgrpo-nesterov", "FGRPO (Nesterov step)", "rpg", "nesterov"),
         Method("fgrpo-sgd", "FGRPO (server SGD)", "rpg", "sgd"),
-        Method("fgrpo-wo-rpg", "FGRPO w/o RPG", "fedavg", "adam"),
         Method("fedavg", "FedAvg", "fedavg", "sgd"),
         Method("fedprox", "FedProx", "fedprox", "sgd"),
         Method("scaffold", "SCAFFOLD", "scaffold", "sgd"),
-        Method("fdapo", "FDAPO", "rpg", "adam", algorithm="dapo"),
-        Method("fdapo-wo-rpg", "FDAPO w/o RPG", "fedavg", "adam", algorithm="dapo"),
-        Method("fgspo", "FGSPO", "rpg", "adam", algorithm="gspo"),
-        Method("fgspo-wo-rpg", "FGSPO w/o RPG", "fedavg", "adam", algorithm="gspo"),
+        Method("fdapo", "FDAPO", "rpg", FGRPO_STEP, algorithm="dapo"),
+        Method("fdapo-wo-rpg", "FDAPO w/o RPG", "fedavg", FGRPO_STEP, algorithm="dapo"),
+        Method("fgspo", "FGSPO", "rpg", FGRPO_STEP, algorithm="gspo"),
+        Method("fgspo-wo-rpg", "FGSPO w/o RPG", "fedavg", FGRPO_STEP, algorithm="gspo"),
     )
 }
 
