@@ -262,7 +262,7 @@ def test_a_non_finite_aggregate_stops_the_run_and_keeps_the_last_good_checkpoint
     from trl_federated.checkpoint import list_checkpoints, read_checkpoint
 
     runner = hostile_runner(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, huge_values, num_rounds=2,
-                            update_norm_bound=None)  # no bound: the poison reaches server Adam
+                            update_norm_bound=None, server_optimizer="adam")  # the poison reaches server Adam
     runner.attack_rounds = (1,)
     with pytest.raises(AggregationError, match=r"Round 1: .*non-finite values in server optimizer\['v'\]"):
         runner.run()

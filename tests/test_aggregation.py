@@ -184,7 +184,8 @@ def test_aggregator_from_config(tmp_path):
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, FedAvgAggregator) and isinstance(aggregator.server_optimizer, ServerSGD)
     assert aggregator.server_optimizer.learning_rate == 1.0
-    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0, learning_rate=1e-4)
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_tau_min=1.0, rpg_h_max=3.0, learning_rate=1e-4,
+                         server_optimizer="adam")
     aggregator = aggregator_from_config(args)
     assert isinstance(aggregator, RPGAggregator) and isinstance(aggregator.server_optimizer, ServerAdam)
     # the derived server rate: 0.5 x local_steps (10) x learning_rate
