@@ -46,7 +46,7 @@ FLOWER_APP = ROOT / "examples" / "flower"
 PARTS = ("quickstart", "plain", "deepspeed", "concurrent", "grid")
 GRID = ROOT / "examples" / "configs" / "grid.yaml"
 REWARD = "benchmarks.gpu_check.letter_share_reward"  # importable from the checkout's root, where every run starts
-GRID_AT_ONCE = 5  # a whole seed of the verdict grid: FGRPO, w/o RPG, FedAvg, FedProx, SCAFFOLD
+GRID_AT_ONCE = 5  # about a whole seed of the verdict grid (benchmarks/verdict.py DEFAULT_METHODS)
 METHODS = {"fgrpo": "rpg", "fedprox": "fedprox", "scaffold": "scaffold"}
 # Flower's `--federation-config` for the concurrent part, by label: the Simulation Engine's SuperNodes and the share
 # of the GPU each simulated client takes (two at once at 0.5). Adjust here as Flower's keys change.
@@ -156,8 +156,11 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
+# Each part yields its rows one run at a time, so that `main` writes the table after every run.
+
+
 def quickstart_part(flags, output_dir, device):
-    return [{"part": "quickstart", "run": "3 clients", **run_here(flags, output_dir / "quickstart", device)}]
+    yield {"part": "quickstart", "run": "3 clients", **run_here(flags, output_dir / "quickstart", device)}
 
 
 def method_flags(flags: list[str], aggregation: str) -> list[str]:
@@ -172,15 +175,12 @@ def largest_lora_b(output_dir: Path) -> float:
 
 
 def plain_part(flags, output_dir, device):
-    rows = []
     for name, aggregation in METHODS.items():
         row = {"part": "plain", "run": name, **run_here(method_flags(flags, aggregation), output_dir / name, device)}
-        rows.append({**row, "max_abs_lora_b": largest_lora_b(output_dir / name)})
-    return rows
+        yield {**row, "max_abs_lora_b": largest_lora_b(output_dir / name)}
 
 
 def deepspeed_part(flags, output_dir, device):
-    rows = []
     for name, aggregation in METHODS.items():
         # accelerate's mixed precision as the run's: DeepSpeed refuses a config whose bf16 differs from the Trainer's
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2), "--num_processes",
@@ -191,8 +191,7 @@ def deepspeed_part(flags, output_dir, device):
                                                                  environment())}  # fmt: skip
         if "note" not in row and (output_dir / name / "adapter_model.safetensors").exists():
             row["max_abs_diff"] = max_abs_diff(output_dir / name, zero2)
-        rows.append(row)
-    return rows
+        yield row
 
 
 def concurrent_part(flags, output_dir, device):
@@ -200,13 +199,13 @@ def concurrent_part(flags, output_dir, device):
     try:
         import flwr  # noqa: F401
     except ImportError:
-        return [{"part": "concurrent", "run": "2 clients", "note": "skipped: flwr not installed"}]
+        yield {"part": "concurrent", "run": "2 clients", "note": "skipped: flwr not installed"}
+        return
     options = dict(zip(flags[::2], flags[1::2], strict=True))
     run_config = {key.removeprefix("--").replace("_", "-"): value for key, value in options.items()}
     flwr_home = output_dir / "flwr-home"
     env = {**environment(), "FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}  # fmt: skip
-    rows = []
     try:
         for label, federation in FEDERATIONS.items():
             run_dir = output_dir / f"flower-{label}"
@@ -215,10 +214,9 @@ def concurrent_part(flags, output_dir, device):
             command = [str(Path(sys.executable).parent / "flwr"), "run", str(FLOWER_APP), "--stream",
                        "--federation-config", federation,
                        "--run-config", " ".join(f"{key}='{value}'" for key, value in settings.items())]  # fmt: skip
-            rows.append({"part": "concurrent", "run": f"2 clients, {label}", **run_launched(command, run_dir, env)})
+            yield {"part": "concurrent", "run": f"2 clients, {label}", **run_launched(command, run_dir, env)}
     finally:
         stop_local_superlinks(flwr_home)
-    return rows
 
 
 def stop_local_superlinks(flwr_home: Path) -> None:
@@ -242,12 +240,11 @@ def grid_part(flags, output_dir, device):
             "true", *model_and_reward]  # fmt: skip
     alone = run_launched([*grid, "--output_dir", str(output_dir / "grid-alone")], output_dir / "grid-alone",
                          environment())  # fmt: skip
-    rows = [{"part": "grid", "run": "1 round, alone", **alone}]
+    yield {"part": "grid", "run": "1 round, alone", **alone}
     folders = [output_dir / f"grid-{seed}" for seed in range(GRID_AT_ONCE)]
     runs = [([*grid, "--seed", str(seed), "--output_dir", str(folder)], folder) for seed, folder in enumerate(folders)]
     for seed, row in enumerate(run_at_once(runs, environment())):
-        rows.append({"part": "grid", "run": f"1 round, {GRID_AT_ONCE} at once (seed {seed})", **row})
-    return rows
+        yield {"part": "grid", "run": f"1 round, {GRID_AT_ONCE} at once (seed {seed})", **row}
 
 
 PART_RUNNERS = {"quickstart": quickstart_part, "plain": plain_part, "deepspeed": deepspeed_part,
@@ -293,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if options.device == "cuda" else "CPU"
     model = ", tiny model" if options.tiny else ", random weights" if options.random_init is not None else ""
     rows = []
-    for part in parts:  # the files rewritten after each part: a run stopped by a time limit keeps the parts it ran
-        rows += PART_RUNNERS[part](flags, options.output_dir, options.device)
+    # the files rewritten after each run: a check stopped by a time limit keeps every run it finished
+    for row in (row for part in parts for row in PART_RUNNERS[part](flags, options.output_dir, options.device)):
+        rows.append(row)
         result = {"device": device, "torch": torch.__version__, "tiny": options.tiny,
                   "random_init": options.random_init is not None, "rows": rows}  # fmt: skip
         (options.output_dir / "gpu_check.json").write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -310,8 +310,9 @@ class FedGRPOConfig(GRPOConfig):
             with learning rate 1, the (weighted) mean of the client models: FedAvg, FedProx and SCAFFOLD as their
             papers define them, and FGRPO's RPG-weighted mean, chosen by experiment over the paper's `"adam"`, which
             learned less than FedAvg at the grid's budget while the weighted mean learned as much (docs/methods.md,
-            "The server step"); `"adam"` is the paper's step (the `fgrpo-paper` method). Left unset, a resumed run
-            keeps the step (with its derived learning rate and ε) its checkpoint recorded, whatever the default is now.
+            "FGRPO's server step, chosen by experiment"); `"adam"` is the paper's step (the `fgrpo-paper` method).
+            Left unset, a resumed run keeps the step (with its derived learning rate and ε) its checkpoint recorded,
+            whatever the default is now.
             `benchmarks/server_step.py` compares them at the grid's budget.
         server_learning_rate (`float`, *optional*):
             Server learning rate α (Eq. model_update); an explicit value is used as given. `None` derives it once,

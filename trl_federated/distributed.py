@@ -45,15 +45,17 @@ def shut_down() -> None:
         state.destroy_process_group()
 
 
+def launched_with_deepspeed() -> bool:
+    """Whether `accelerate launch` started this process with DeepSpeed (its environment says so)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def check_parameters_unsharded(args=None) -> None:
     """Refuse launch modes that shard the parameters themselves (DeepSpeed ZeRO-3, FSDP), whether `accelerate launch`
     (its environment) or the training arguments (`deepspeed`, `fsdp`) ask for them: the runner reads and writes whole
     adapters between rounds, which there would need gathering it does not do yet. DDP and ZeRO-1/2 keep every
     parameter whole on every process and are supported."""
-    launched_zero_3 = (
-        os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    )
+    launched_zero_3 = launched_with_deepspeed() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
     if launched_zero_3 or getattr(getattr(args, "deepspeed_plugin", None), "zero_stage", None) == 3:
         raise ValueError(
             "DeepSpeed ZeRO-3 shards the model's parameters, so the LoRA adapter cannot be read or loaded between "
@@ -71,7 +73,7 @@ def check_deepspeed_precision(args) -> None:
     DeepSpeed config file of its own, accelerate writes `bf16.enabled` and `fp16.enabled` from `--mixed_precision`
     (the launch config's `mixed_precision`), and transformers refuses a DeepSpeed config whose precision differs from
     the Trainer's `bf16`/`fp16`, in every client's first local step: round 0 would drop every client."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    if not launched_with_deepspeed():
         return
     if os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none").lower() != "none":
         return  # a config file of the user's: its "auto" values follow the run, others are the user's choice
@@ -86,4 +88,3 @@ def check_deepspeed_precision(args) -> None:
             f"`--mixed_precision {run}` (or set `mixed_precision: {run}` in the accelerate config), or set the run's "
             "`bf16`/`fp16` to match."
         )
-

@@ -520,7 +520,7 @@ class FederatedServer:
     def keep_server_step(self, saved_identity: dict[str, Any]) -> None:
         """Server-step fields left unset (`FedGRPOConfig.derived_server_fields`) are resolved once per run: resumed,
         the run takes its checkpoint's server optimizer and learning rate, even where the defaults or the fields they
-        derive from have changed since (as FGRPO's default step is about to). An explicit value is checked against the
+        derive from have changed since (FGRPO's default step did). An explicit value is checked against the
         checkpoint as any setting (`run_identity.check_identity`)."""
         args, derived = self.args, self.args.derived_server_fields
         saved_class, current_class = saved_identity["server_optimizer"], self.identity["server_optimizer"]
