@@ -110,7 +110,7 @@ def test_a_second_writer_of_an_output_folder_is_refused_by_name(tmp_path, tiny_m
 def test_a_server_moment_of_the_wrong_shape_is_a_damaged_checkpoint_and_the_run_falls_back(
     tmp_path, tiny_model_dir, fast_args, caplog
 ):
-    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), server_optimizer="adam")
     server.start_run()
     for round_idx in range(2):
         honest_round(server, round_idx)
