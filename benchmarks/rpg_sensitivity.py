@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from trl_federated.compare import Cell, load_result, markdown
+from trl_federated.methods import METHODS
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("benchmark_verdict", HERE / "verdict.py")
@@ -43,6 +44,7 @@ _spec.loader.exec_module(verdict)
 
 # Appendix D, Tables 10 (λ_base) and 11 (τ_min); Algorithm 1's defaults are λ_base = 0.8, τ_min = 1.5.
 DEFAULT = "(default)"  # the grid's own FGRPO cells, the reference of every paired difference
+RPG_METHODS = [name for name, method in METHODS.items() if method.aggregation == "rpg" and method.algorithm == "grpo"]
 PAPER_SETTINGS = ["rpg_tau_min=1.0", "rpg_tau_min=2.0", "rpg_lambda_base=0.6", "rpg_lambda_base=0.9"]
 
 
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", default="benchmarks/results/rpg-sensitivity")
     parser.add_argument("--settings", nargs="+", type=parse_setting, default=[parse_setting(s) for s in PAPER_SETTINGS])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--method", default="fgrpo-paper", choices=RPG_METHODS,
+                        help="The FGRPO configuration swept; the committed report is of the paper's server Adam, which "
+                             "the first grid ran as its FGRPO.")
     parser.add_argument("--num_clients", type=int, default=3)
     parser.add_argument("--dirichlet_alpha", default="0.05")
     parser.add_argument("--report_only", action="store_true", help="Run nothing: report the cells finished so far.")
@@ -113,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [seed for seed in args.seeds if not (cell(seed).directory(grid) / "result.json").exists()]
     if missing and not args.report_only:
         parser.error(f"The verdict grid in {grid} has no finished default FGRPO cell for seed(s) {missing}: run "
-                     f"`python benchmarks/verdict.py --config {args.config} --output_dir {grid}` first (its cells are "
-                     "the reference every setting is paired with).")
+                     f"`python benchmarks/verdict.py --config {args.config} --output_dir {grid} --methods {args.method}` "
+                     "first (its cells are the reference every setting is paired with).")
     if not args.report_only:
         for field, value in args.settings:
             for seed in args.seeds:
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fgrpo_cell(args: argparse.Namespace, seed: int) -> Cell:
-    return Cell("fgrpo", seed, args.num_clients, args.dirichlet_alpha)
+    return Cell(args.method, seed, args.num_clients, args.dirichlet_alpha)
 
 
 def report(args: argparse.Namespace, grid: Path, root: Path) -> str:

@@ -36,7 +36,7 @@ ROUNDS = [
 
 
 def _write(folder, seed, result):
-    directory = Cell("fgrpo", seed, 3, "0.05").directory(folder)
+    directory = Cell("fgrpo-paper", seed, 3, "0.05").directory(folder)  # the sweep's default --method
     directory.mkdir(parents=True)
     (directory / "result.json").write_text(json.dumps(result))
 
