@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -226,13 +227,16 @@ def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
               "server_step_cosine": 0.8, "server_step_momentum_cosine": None, "server_step_norm_a": 0.1,
               "server_step_norm_b": 0.2, "client_metrics": {"a": {"entropy": 1.0, "frac_reward_zero_std": 0.5},
                                                             "b": {"entropy": 0.5, "frac_reward_zero_std": 0.25}}}
-    (directory / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    idle_round = {**record, "round_idx": 1, "update_norms": {"a": 0.0, "b": 0.0}, "delta_norm": 0.0}  # all alike
+    (directory / "metrics.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(idle_round) + "\n")
     (directory / server_step.VALIDATION_FILE).write_text(json.dumps({"0": evaluation}))
     (tmp_path / server_step.BASE_VALIDATION_FILE).write_text(json.dumps({"-1": evaluation}))
     report = server_step.write_report(tmp_path, [cell], "python benchmarks/server_step.py")
     assert "Base model: arithmetic 25.0, other 100.0, total 60.0 (5 items)." in report
     assert ("| fgrpo-adam-norm | 0 | 0 | 25.0 | 100.0 | 60.0 | 0.38 | 0.75 | 0.38 | 0.80 | 0.40 | 1.00 | 0.80 | – | "
             "0.100 | 0.200 |" in report)  # idle ω: a's update is 2e-9 of b's; ‖Δ‖ / mean ‖u‖ = 0.1 / 0.25
+    assert server_step.round_rows(directory)[1]["idle_weight"] == 1.0  # every client idle: ‖Δ‖ / mean ‖u‖ undefined
+    assert math.isnan(server_step.round_rows(directory)[1]["delta_share"])
     assert (tmp_path / server_step.REPORT_FILE).read_text() == report
 
 
