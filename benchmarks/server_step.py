@@ -125,9 +125,10 @@ def round_rows(directory: Path) -> dict[int, dict[str, float]]:
         weights, norms = record.get("weights") or {}, record.get("update_norms") or {}
         largest = max(norms.values(), default=0.0)
         idle = [client for client, norm in norms.items() if norm <= IDLE_FRACTION * largest]
+        mean_norm = statistics.fmean(norms.values()) if norms else 0.0  # 0 when every client's groups scored alike
         rows[record["round_idx"]] = {
             "idle_weight": sum(weights.get(client, 0.0) for client in idle) if norms else math.nan,
-            "delta_share": record["delta_norm"] / statistics.fmean(norms.values()) if norms else math.nan,
+            "delta_share": record["delta_norm"] / mean_norm if mean_norm > 0 else math.nan,
             "entropy": mean("entropy"), "equal": mean("frac_reward_zero_std"),
             "ratio": record.get("server_step_ratio"), "cos": record.get("server_step_cosine"),
             "cos_prev": record.get("server_step_momentum_cosine"), "norm_a": record.get("server_step_norm_a"),
