@@ -139,7 +139,9 @@ def round_rows(directory: Path) -> dict[int, dict[str, float]]:
 
 
 def _cell(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}" if abs(value) < 1000 else f"{value:.2e}"  # a step over a Δ of ~0: 1.76e+06
 
 
 def write_report(root: Path, cells: list[Cell], command: str) -> str:
