@@ -112,11 +112,10 @@ def test_the_readme_states_the_verdict_and_links_every_page():
     assert f"paper's step {gains['fgrpo-paper']:+.2f}" in text and f"FedAvg {gains['fedavg']:+.2f}" in text
     assert f"FGRPO {gains['fgrpo']:+.2f}" in text
     assert re.search(r"\d+ of \d+ cells", report["status"]).group(0) in text
-    # FGRPO's first seed against FedAvg's, item by item, as the report's table gives it
-    report_text = (ROOT / "benchmarks" / "results" / "grid" / "verdict.md").read_text(encoding="utf-8")
-    row = re.search(r"^\| N=3,mu=0.05 \| fedavg \| 0 \| [\d.]+ \| [\d.]+ \| ([^|]+) \|", report_text, re.MULTILINE)
-    mean, interval = row.group(1).strip().split(" ", 1)
-    assert f"item by item {mean} points {interval}".replace("-", "−") in text
+    # FGRPO − FedAvg seed by seed, with its interval, as the report gives it
+    paired = next(row["total"] for row in report["paired"] if row["baseline"] == "fedavg")
+    figure = f"FGRPO − FedAvg {paired['mean']:+.2f} points [{paired['low']:+.2f}, {paired['high']:+.2f}] seed by seed"
+    assert figure.replace("-", "−") in text  # the report writes ASCII minus signs, the README U+2212
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
     assert linked == {path.name for path in PAGES} | {"config-reference.md"}
 
