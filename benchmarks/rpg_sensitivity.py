@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [seed for seed in args.seeds if not (cell(seed).directory(grid) / "result.json").exists()]
     if missing and not args.report_only:
         parser.error(f"The verdict grid in {grid} has no finished default FGRPO cell for seed(s) {missing}: run "
-                     f"`python benchmarks/verdict.py --config {args.config} --output_dir {grid} --methods {args.method}` "
-                     "first (its cells are the reference every setting is paired with).")
+                     f"`python benchmarks/verdict.py --config {args.config} --output_dir {grid} --methods "
+                     f"{args.method}` first (its cells are the reference every setting is paired with).")
     if not args.report_only:
         for field, value in args.settings:
             for seed in args.seeds:
