@@ -156,9 +156,6 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-# Each part yields its rows one run at a time, so that `main` writes the table after every run.
-
-
 def quickstart_part(flags, output_dir, device):
     yield {"part": "quickstart", "run": "3 clients", **run_here(flags, output_dir / "quickstart", device)}
 
@@ -247,6 +244,7 @@ def grid_part(flags, output_dir, device):
         yield {"part": "grid", "run": f"1 round, {GRID_AT_ONCE} at once (seed {seed})", **row}
 
 
+# Each part yields its rows one run at a time, so that `main` writes the table after every run.
 PART_RUNNERS = {"quickstart": quickstart_part, "plain": plain_part, "deepspeed": deepspeed_part,
                 "concurrent": concurrent_part, "grid": grid_part}  # fmt: skip
 
