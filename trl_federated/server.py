@@ -387,20 +387,26 @@ class FederatedServer:
         self._fire("on_round_end", record=record)
         if self.is_main_process:
             self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
-            logger.info("%s", format_round_log(record, args.num_rounds, self.num_clients))
-            self.check_server_step(record)
+            delta_is_rounding = self.delta_is_rounding(record)
+            logger.info("%s", format_round_log(record, args.num_rounds, self.num_clients, delta_is_rounding))
+            self.check_server_step(record, delta_is_rounding)
         self._round = None
         return record
 
-    def check_server_step(self, record: RoundRecord) -> None:
+    def delta_is_rounding(self, record: RoundRecord) -> bool:
+        """Whether the round's Δ is at float rounding of the adapter: every client sent back what it received, so
+        ‖server step‖ / ‖Δ‖ measures rounding, not the server optimizer."""
+        return record.delta_norm <= ZERO_DELTA_RELATIVE * state_norm(self.global_state)
+
+    def check_server_step(self, record: RoundRecord, delta_is_rounding: bool) -> None:
         """Warn, with advice for the server optimizer in use, when the round's server step moved the adapter far
         more than the clients' mean change Δ (`server_step_ratio` above `SERVER_STEP_RATIO_WARNING`). A round whose Δ
-        is at float rounding of the adapter (every client sent back what it received) is said as such, not as a
-        configuration at fault: whatever moved then was the server's momentum."""
+        is at float rounding of the adapter (`delta_is_rounding`) is said as such, not as a configuration at fault:
+        whatever moved then was the server's momentum."""
         ratio, args = record.server_step_ratio, self.args
         if ratio is None or ratio <= SERVER_STEP_RATIO_WARNING:
             return
-        if record.delta_norm <= ZERO_DELTA_RELATIVE * state_norm(self.global_state):
+        if delta_is_rounding:
             logger.info(
                 "Round %d: the clients' mean change Δ is at float rounding of the adapter (‖Δ‖ = %.3g): they sent "
                 "back what they received; the server step (%.3g) is the momentum of `server_optimizer` %r.",
@@ -582,16 +588,23 @@ def bound_client_evaluations(
     }
 
 
-def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int) -> str:
+def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int, delta_is_rounding: bool = False) -> str:
     """A finished round in a few log lines: the clients sampled when not all `num_clients`, each aggregated client's
     R̄, ω, traffic and the aggregator's per-client round metrics (RPG: h), its round metrics (RPG: τ), the drops and
-    the evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records."""
+    the evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records.
+    With `delta_is_rounding` (`FederatedServer.delta_is_rounding`) the server step is said as a norm, its ratio to a
+    Δ of float rounding meaning nothing."""
     per_client = [metric for metric in record.round_metrics if metric.per_client]
     shown = "".join(
         f", {metric.show(metric.value)}" for metric in record.round_metrics
         if not metric.per_client and metric.value is not None
     )
-    step = "" if record.server_step_ratio is None else f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
+    if record.server_step_ratio is None:
+        step = ""
+    elif delta_is_rounding:
+        step = f", Δ ≈ 0 (float rounding), server step ‖s‖ = {record.server_step_norm:.3g}"
+    else:
+        step = f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
     sampled = record.sampled
     sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
     lines = [
