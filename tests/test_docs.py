@@ -116,6 +116,12 @@ def test_the_readme_states_the_verdict_and_links_every_page():
     paired = next(row["total"] for row in report["paired"] if row["baseline"] == "fedavg")
     figure = f"FGRPO − FedAvg {paired['mean']:+.2f} points [{paired['low']:+.2f}, {paired['high']:+.2f}] seed by seed"
     assert figure.replace("-", "−") in text  # the report writes ASCII minus signs, the README U+2212
+    # the verdict page's status says the same
+    verdict_page = " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())
+    cells = re.search(r"(\d+) of (\d+) cells", report["status"])
+    assert f"{cells.group(1)} of the grid's {cells.group(2)} cells" in verdict_page
+    assert f"Reading at {cells.group(0)}" in verdict_page
+    assert figure.replace("-", "−") in verdict_page
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
     assert linked == {path.name for path in PAGES} | {"config-reference.md"}
 
