@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trl_federated.callbacks import read_metrics  # noqa: E402
 from trl_federated.compare import Cell, cell_command, load_result, markdown  # noqa: E402
-from trl_federated.methods import METHODS  # noqa: E402
+from trl_federated.methods import ABLATIONS, METHODS  # noqa: E402
 
 DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
@@ -667,6 +667,15 @@ def test_items(results: dict[Cell, dict]) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
+
+def ablation_note() -> str:
+    """The report's word on FGRPO's "w/o RPG" ablation (the paper's Table 3): the method with FGRPO's server step and
+    FedAvg's data-volume weights, which with the averaging step is FedAvg itself."""
+    reference = METHODS[REFERENCE]
+    _, ablation = ABLATIONS[reference.display_name]
+    return (f" {reference.display_name} w/o RPG (its server step with FedAvg's data-volume weights in place of RPG's) "
+            f"is the method `{ablation}`: {reference.display_name} − {ablation} is the paper's RPG ablation.")
+
 def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
                  diagnostics: dict[Cell, dict[str, float]], expected: int, root: Path, command: str) -> str:
     """verdict.md, verdict.csv, paired.csv, verdict.json and curves-<setting>.png from the finished cells."""
@@ -739,7 +748,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "Endpoints, named before the cells ran: total accuracy (primary); the hard tier, and the arithmetic tasks "
         "(chain_sum, products) against the other tasks (gcd, letter_counting) (secondary; the per-item scores give "
         f"the task groups). The grid aims at ±{TARGET_HALF_WIDTH:g} points for FGRPO − FedAvg: \"Seeds for "
-        f"±{TARGET_HALF_WIDTH:g}\" is how many paired seeds reach it at the spread seen so far.\n\n"
+        f"±{TARGET_HALF_WIDTH:g}\" is how many paired seeds reach it at the spread seen so far.{ablation_note()}\n\n"
         f"Machines: {len(seen)} recorded ({machine_text or 'none'}); {unrecorded} cell(s) ran before cells recorded "
         "their machine. bf16 kernels differ between CPUs and threaded kernels between thread counts, so a seed need "
         "not give the same numbers on another machine.\n\n"
