@@ -164,7 +164,8 @@ def test_each_seeds_final_adapters_are_compared_item_by_item(tmp_path, capsys):
     assert f"| N=3,mu=0.05 | fedavg | 0 | 30.00 | 40.00 | -10.00 [{low:+.2f}, {high:+.2f}] | 10 / 30 |" in report
     assert "| scaffold | 0 |" not in report.split("## Item by item")[1]
     # FGRPO's "w/o RPG" ablation, with its averaging step, is the fedavg row: the report says so (issue 34 point 2)
-    ablation = "FGRPO w/o RPG (its server step with FedAvg's data-volume weights in place of RPG's) is the method `fedavg`"
+    ablation = "FGRPO w/o RPG (its server step with FedAvg's data-volume weights in place of RPG's) is the method"
+    ablation += " `fedavg`"
     assert ablation in " ".join(report.split())
 
 
