@@ -6,8 +6,9 @@ round for `--num_rounds` rounds, in `benchmarks/results/dp/<method>-eps<ε>/`. F
 is the one the run's own accountant (`aggregation.privacy.ClientLevelPrivacy`: replace-one, m of N sampled without
 replacement, R̄'s release composed with Δ's under RPG, σ_R = σ) spends exactly ε at δ = 1e-5 over those rounds
 (`noise_multiplier_for`); ε = ∞ runs without DP. Cells resume and, with `--commit`, are committed as they finish
-(`verdict.run_cells`, `verdict.commit`); `report.md` tabulates each cell's final test accuracy, the ε its last round
-reported, σ, the std of Δ's noise and the clients' mean R̄ per round.
+(`verdict.run_cells`, `verdict.commit`); `report.md` tabulates each cell's base and final test accuracy, the ε its
+last round reported, σ, the std of Δ's noise, the clients' update norms against the noised Δ, and the clients' mean R̄
+per round, which `curves.png` plots.
 
     python benchmarks/dp_cost.py [--methods fedavg fgrpo] [--epsilons inf 8 1] [--commit] [--report_only]
 
@@ -37,6 +38,7 @@ DEFAULT_CONFIG = "examples/configs/quickstart.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/dp"
 TARGET_DELTA = 1e-5  # `FedGRPOConfig.dp_target_delta`'s default
 REPORT_FILE = "report.md"
+CURVES_FILE = "curves.png"
 SIGMA_FLAG = "--dp_noise_multiplier"  # the flag that carries σ, recorded in each cell folder's budget.json
 
 
@@ -61,14 +63,20 @@ def level_name(epsilon: float) -> str:
 
 
 def cell_row(directory: Path) -> dict[str, object]:
-    """A finished cell's figures: final test accuracy (%), the last round's ε and noise std, R̄ per round."""
+    """A finished cell's figures: base and final test accuracy (%), the last round's ε and noise std, R̄ per round,
+    and over the rounds the mean ‖ū_i‖ (each client's update as aggregated: clipped under DP) and the mean ‖Δ‖ the
+    server stepped on (under DP Δ̃, noise included): their ratio is how far the noise outgrew the clients' signal."""
     rounds = [record for record in read_metrics(directory / "metrics.jsonl") if record.get("event") == "round"]
     last = rounds[-1] if rounds else {}
+    result = load_result(directory)
     return {
-        "accuracy": 100 * final_accuracy(load_result(directory))["Total"],
+        "base": 100 * result["evaluations"]["-1"]["accuracy"]["Total"],
+        "accuracy": 100 * final_accuracy(result)["Total"],
         "epsilon": last.get("dp_epsilon"),
         "noise_std": last.get("dp_noise_std"),
         "rewards": [statistics.fmean(record["rewards"].values()) for record in rounds],
+        "update_norm": statistics.fmean(statistics.fmean(record["update_norms"].values()) for record in rounds),
+        "delta_norm": statistics.fmean(record["delta_norm"] for record in rounds),
     }
 
 
@@ -79,16 +87,19 @@ def recorded_noise_multiplier(folder: Path) -> float | None:
 
 
 def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -> str:
+    """`report.md` and `curves.png` (R̄ per round, one line per cell) of the finished cells."""
     lines = [
         "# What client-level DP costs",
         "",
-        f"`{command}`; cells in `{root}/<method>-eps<ε>/`. Per cell: final test accuracy, the ε at δ = "
-        f"{TARGET_DELTA:g} its last round reported, σ, the std of Δ's noise in that round and the clients' mean R̄ per "
-        "round.",
+        f"`{command}`; cells in `{root}/<method>-eps<ε>/`. Per cell: test accuracy of the base model and of the final "
+        f"adapter, the ε at δ = {TARGET_DELTA:g} its last round reported, σ, the std of Δ's noise in that round, the "
+        "mean over rounds of the clients' update norm ‖ū‖ (clipped under DP) and of the ‖Δ‖ the server stepped on "
+        "(noise included under DP), and the clients' mean R̄ per round (`curves.png`).",
         "",
-        "| method | target ε | σ | accuracy % | ε reached | noise std | R̄ per round |",
-        "|---|---|---|---|---|---|---|",
+        "| method | target ε | σ | base % | accuracy % | ε reached | noise std | mean ‖ū‖ | mean ‖Δ‖ | R̄ per round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    curves = {}
     for (method, level), cell in cells.items():
         folder = root / f"{method}-eps{level}"
         directory = cell.directory(folder)
@@ -97,13 +108,35 @@ def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -
         row, sigma = cell_row(directory), recorded_noise_multiplier(folder)
         epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
         noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
+        target = "∞" if level == "inf" else level
         lines.append(
-            f"| {method} | {'∞' if level == 'inf' else level} | {'–' if sigma is None else f'{sigma:.3g}'} | "
-            f"{row['accuracy']:.1f} | {epsilon} | {noise} | {' '.join(f'{r:.2f}' for r in row['rewards'])} |"
+            f"| {method} | {target} | {'–' if sigma is None else f'{sigma:.3g}'} | {row['base']:.1f} | "
+            f"{row['accuracy']:.1f} | {epsilon} | {noise} | {row['update_norm']:.3g} | {row['delta_norm']:.3g} | "
+            f"{' '.join(f'{r:.2f}' for r in row['rewards'])} |"
         )
+        curves[f"{method}, ε = {target}"] = row["rewards"]
     text = "\n".join(lines) + "\n"
     (root / REPORT_FILE).write_text(text, encoding="utf-8")
+    if curves:
+        plot(curves, root / CURVES_FILE)
     return text
+
+
+def plot(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    for label, rewards in curves.items():
+        axis.plot(range(len(rewards)), rewards, marker="o", label=label)
+    axis.set(xlabel="round", ylabel="clients' mean R̄ (training reward)", title="Client-level DP: reward per round")
+    axis.xaxis.get_major_locator().set_params(integer=True)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             write_report(root, cells, command.strip())
             if args.commit:
                 files = [*verdict.committed_files(cell.directory(folder)), folder / verdict.BUDGET_FILE,
-                         root / REPORT_FILE]
+                         root / REPORT_FILE, root / CURVES_FILE]
                 verdict.commit(files, f"dp cost: {method} at ε = {level} finished")
     print(write_report(root, cells, command.strip()))
     return 0

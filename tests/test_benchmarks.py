@@ -260,9 +260,12 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
     (tmp_path / "fedavg-eps4" / "budget.json").write_text(json.dumps(budget))  # σ as the cell ran with it
     (directory / "result.json").write_text(json.dumps({"evaluations": {"-1": {"accuracy": {"Total": 0.1}},
                                                                        "1": {"accuracy": {"Total": 0.25}}}}))
-    rounds = [{"event": "round", "round_idx": t, "rewards": {"a": r, "b": 0.0}, "dp_epsilon": e, "dp_noise_std": 0.5}
-              for t, (r, e) in enumerate([(0.5, 2.5), (1.0, 3.99)])]
+    rounds = [{"event": "round", "round_idx": t, "rewards": {"a": r, "b": 0.0}, "dp_epsilon": e, "dp_noise_std": 0.5,
+               "update_norms": {"a": 1.0, "b": u}, "delta_norm": d}
+              for t, (r, e, u, d) in enumerate([(0.5, 2.5, 0.5, 30.0), (1.0, 3.99, 1.5, 50.0)])]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
     report = dp_cost.write_report(tmp_path, {("fedavg", "4"): cell, ("fgrpo", "4"): cell}, "cmd")
-    assert f"| fedavg | 4 | {sigma:.3g} | 25.0 | 3.99 | 0.5 | 0.25 0.50 |" in report
+    # base and final accuracy; mean ‖ū‖ over clients then rounds (0.75, 1.25 -> 1), mean ‖Δ‖ over rounds (40)
+    assert f"| fedavg | 4 | {sigma:.3g} | 10.0 | 25.0 | 3.99 | 0.5 | 1 | 40 | 0.25 0.50 |" in report
     assert "| fgrpo |" not in report  # not run: no folder
+    assert (tmp_path / dp_cost.CURVES_FILE).stat().st_size > 0
