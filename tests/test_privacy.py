@@ -3,6 +3,7 @@
 refusals (Flower's DP wrappers, SCAFFOLD, bad settings)."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -62,6 +63,15 @@ def test_fedavg_noise_has_the_std_of_the_formula():
     assert aggregator.privacy.last_noise_std == pytest.approx(expected)
     assert float(noise.std()) == pytest.approx(expected, rel=0.01)  # 2^19 draws: ±0.1% of one std
     assert abs(float(noise.mean())) < 5 * expected / math.sqrt(noise.numel())
+
+
+def test_the_noise_to_signal_floor_is_the_noise_of_equal_weights_against_the_clip_norm():
+    # m = 3 equal weights, the least ω_max: the noise's norm is then 2σ√d/m times C, the longest Δ the clients can send
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy())
+    noise = noise_of(aggregator, [ClientUpdate(f"c{i}", global_state(), 1, 0.0) for i in range(3)])
+    floor = aggregator.privacy.noise_to_signal_floor(noise.numel())
+    assert floor == pytest.approx(2 * 0.7 * math.sqrt(2 * 512 * 512) / 3)
+    assert float(noise.norm()) / 0.5 == pytest.approx(floor, rel=0.01)
 
 
 def test_rpg_noise_follows_the_weights_of_the_released_rewards_within_the_h_max_bound():
@@ -212,7 +222,7 @@ bounded_length_reward.reward_range = (0.0, 1.0)
 
 
 def test_a_budget_ends_the_run_checkpointed_and_a_resume_continues_its_accountant(tmp_path, tiny_model_dir,
-                                                                                   tiny_tokenizer, fast_args):
+                                                                                   tiny_tokenizer, fast_args, caplog):
     # RPG under DP, 3 clients of which 2 train a round. The run without a budget (A) against one that a budget ends
     # after round 0 (B), then resumed without it: same adapter, same ε, its noise seed taken from the checkpoint.
     datasets = [Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(4)]})
@@ -226,7 +236,12 @@ def test_a_budget_ends_the_run_checkpointed_and_a_resume_continues_its_accountan
                                  datasets, processing_class=tiny_tokenizer, report_header="")
         return runner.run()
 
-    whole = run("a")
+    with caplog.at_level(logging.WARNING, logger="trl_federated.server"):
+        whole = run("a")
+    # 2 clients a round at σ = 1: the noise is at least √d times the longest Δ, and the start of the run says so
+    (floor,) = [r.getMessage() for r in caplog.records if "this run cannot learn" in r.getMessage()]
+    d = sum(value.numel() for value in load_file(tmp_path / "a" / "adapter_model.safetensors").values())
+    assert f"at least {math.sqrt(d):.3g} times" in floor and f"d = {d:,} adapter coordinates" in floor
     epsilons = [record.dp_epsilon for record in whole]
     assert 0 < epsilons[0] < epsilons[1]
     stopped = run("b", dp_max_epsilon=(epsilons[0] + epsilons[1]) / 2)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from .adapters import (
 )
 from .admission import UpdateGate, bounded_text, check_client_id, read_reply, update_norm_unit
 from .aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, ClientUpdate, server_optimizer_from_config
-from .aggregation.privacy import privacy_from_config
+from .aggregation.privacy import ClientLevelPrivacy, privacy_from_config
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     Checkpoint,
@@ -232,6 +233,7 @@ class FederatedServer:
             self.evaluate(round_idx=-1)
         privacy = self.aggregator.privacy
         if privacy is not None:
+            self.warn_of_noise_floor(privacy)
             self.num_rounds = first_round + privacy.affordable_rounds(self.args.num_rounds - first_round)
             if self.num_rounds < self.args.num_rounds:
                 logger.warning(
@@ -240,6 +242,21 @@ class FederatedServer:
                     self.num_rounds - first_round, self.num_rounds - 1, self.args.num_rounds,
                 )
         return first_round
+
+    def warn_of_noise_floor(self, privacy: ClientLevelPrivacy) -> None:
+        """Warn when DP's noise will outweigh whatever the clients send (`noise_to_signal_floor` above 1): then the
+        run cannot learn, whatever the data, and it takes more clients a round or a smaller adapter."""
+        num_coordinates = sum(tensor.numel() for tensor in self.global_state.values())
+        floor = privacy.noise_to_signal_floor(num_coordinates)
+        if floor > 1 and self.is_main_process:
+            logger.warning(
+                "Under differential privacy the noise on Δ will be at least %.3g times as long as any change the "
+                "clients can make (‖noise‖ ≈ σ·2C·ω_max·√d ≥ 2σ√d/m with σ = %g, m = %d clients a round and d = %s "
+                "adapter coordinates, against ‖Δ‖ ≤ C): this run cannot learn. The noise falls to the longest Δ's size "
+                "only from %s clients a round at this σ, or with a smaller adapter (docs/privacy.md, 'What it "
+                "costs').", floor, privacy.noise_multiplier, privacy.sample_size, f"{num_coordinates:,}",
+                f"{math.ceil(floor * privacy.sample_size):,}",
+            )
 
     def close(self) -> None:
         """Release the output folder that `start_run` locked (`checkpoint.lock_output_dir`); drivers call it however

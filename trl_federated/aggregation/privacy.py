@@ -25,6 +25,7 @@ one: a run without DP draws nothing here, and a resumed run draws the noise the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import secrets
 from typing import TYPE_CHECKING, Any
@@ -206,6 +207,12 @@ class ClientLevelPrivacy:
             metrics.append(RoundMetric("dp_rewards", "R̃", dict(self.last_rewards), per_client=True, format=".3f",
                                        log_name="dp_reward"))
         return metrics
+
+    def noise_to_signal_floor(self, num_coordinates: int) -> float:
+        """The least ‖noise‖ / ‖Δ‖ any round can have, for an adapter of d = `num_coordinates`: the noise's norm is
+        about σ S √d with S = 2 C ω_max ≥ 2 C / m (the largest of at most m weights summing to 1), while
+        ‖Δ‖ = ‖Σ_i ω_i ū_i‖ ≤ C. Above 1, the noise outweighs every Δ the clients can send, however they agree."""
+        return 2 * self.noise_multiplier * math.sqrt(num_coordinates) / self.sample_size
 
     def describe(self) -> str:
         """One line on the guarantee so far, for the model card."""
