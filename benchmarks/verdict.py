@@ -667,7 +667,6 @@ def test_items(results: dict[Cell, dict]) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-
 def ablation_note() -> str:
     """The report's word on FGRPO's "w/o RPG" ablation (the paper's Table 3): the method with FGRPO's server step and
     FedAvg's data-volume weights, which with the averaging step is FedAvg itself."""
@@ -675,6 +674,7 @@ def ablation_note() -> str:
     _, ablation = ABLATIONS[reference.display_name]
     return (f" {reference.display_name} w/o RPG (its server step with FedAvg's data-volume weights in place of RPG's) "
             f"is the method `{ablation}`: {reference.display_name} − {ablation} is the paper's RPG ablation.")
+
 
 def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
                  diagnostics: dict[Cell, dict[str, float]], expected: int, root: Path, command: str) -> str:

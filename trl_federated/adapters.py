@@ -158,6 +158,11 @@ def state_distance(state: AdapterState, reference: AdapterState) -> float:
     return math.sqrt(sum(tensor_norm(state[key].float() - value.float()) ** 2 for key, value in reference.items()))
 
 
+def state_size(state: AdapterState) -> int:
+    """d, the number of coordinates of `state`: the dimension that norm bounds and DP's noise scale with (√d)."""
+    return sum(tensor.numel() for tensor in state.values())
+
+
 def state_norm(state: AdapterState) -> float:
     """‖state‖₂ over all entries."""
     return math.sqrt(sum(tensor_norm(value.float()) ** 2 for value in state.values()))

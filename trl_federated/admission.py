@@ -31,7 +31,15 @@ from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from typing import Any, TypeVar
 
-from .adapters import AdapterState, InvalidUpdateError, check_state, norm_scale, scaled_update, state_distance
+from .adapters import (
+    AdapterState,
+    InvalidUpdateError,
+    check_state,
+    norm_scale,
+    scaled_update,
+    state_distance,
+    state_size,
+)
 from .aggregation import Aggregator, ClientUpdate
 from .aggregation.base import RoundMetric, refuse_extras
 from .callbacks import is_reserved_metric
@@ -151,8 +159,7 @@ def update_norm_unit(local_steps: int, learning_rate: float, global_state: Adapt
     most about U, whatever the model, the rank or the data; a learning-rate schedule only lowers it. SCAFFOLD's
     decoupled correction adds at most about 2U more (c and c_i are mean Adam directions).
     """
-    num_coordinates = sum(tensor.numel() for tensor in global_state.values())
-    return local_steps * learning_rate * math.sqrt(num_coordinates)
+    return local_steps * learning_rate * math.sqrt(state_size(global_state))
 
 
 class UpdateGate:

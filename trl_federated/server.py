@@ -52,6 +52,7 @@ from .adapters import (
     set_adapter_state,
     state_nbytes,
     state_norm,
+    state_size,
 )
 from .admission import UpdateGate, bounded_text, check_client_id, read_reply, update_norm_unit
 from .aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, ClientUpdate, server_optimizer_from_config
@@ -246,7 +247,7 @@ class FederatedServer:
     def warn_of_noise_floor(self, privacy: ClientLevelPrivacy) -> None:
         """Warn when DP's noise will outweigh whatever the clients send (`noise_to_signal_floor` above 1): then the
         run cannot learn, whatever the data, and it takes more clients a round or a smaller adapter."""
-        num_coordinates = sum(tensor.numel() for tensor in self.global_state.values())
+        num_coordinates = state_size(self.global_state)
         floor = privacy.noise_to_signal_floor(num_coordinates)
         if floor > 1 and self.is_main_process:
             logger.warning(
@@ -412,7 +413,12 @@ class FederatedServer:
 
     def delta_is_rounding(self, record: RoundRecord) -> bool:
         """Whether the round's Δ is at float rounding of the adapter: every client sent back what it received, so
-        ‖server step‖ / ‖Δ‖ measures rounding, not the server optimizer."""
+        ‖server step‖ / ‖Δ‖ measures rounding, not the server optimizer. Only a large ratio can be such a round (a
+        step of Δ's size or less is said as it is), so only then is ‖θ‖ computed: not a pass over the adapter every
+        round."""
+        ratio = record.server_step_ratio
+        if ratio is None or ratio <= SERVER_STEP_RATIO_WARNING:
+            return False
         return record.delta_norm <= ZERO_DELTA_RELATIVE * state_norm(self.global_state)
 
     def check_server_step(self, record: RoundRecord, delta_is_rounding: bool) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..adapters import AdapterState, check_state, non_finite_entries, norm_scale, state_norm
+from ..adapters import AdapterState, check_state, non_finite_entries, norm_scale, state_norm, state_size
 from ..choices import SCAFFOLD_CORRECTIONS, check_choice
 from ..master_weights import adapter_parameters, linear_term, read_master, write_master
 from .base import AggregationError, ClientHook, ClientUpdate
@@ -101,7 +101,7 @@ class ScaffoldAggregator(FedAvgAggregator):
         check_state(delta, global_state, CONTROL_DELTA)
         if norm_bound is None:
             return
-        bound = norm_bound * math.sqrt(sum(tensor.numel() for tensor in global_state.values()))
+        bound = norm_bound * math.sqrt(state_size(global_state))
         control = self.client_control(update.client_id, global_state)
         kept = {key: control[key] + value.float() for key, value in delta.items()}  # c_i⁺
         scale = norm_scale(state_norm(kept), bound, norm_action, "‖c_i + Δc_i‖", "the control bound",
