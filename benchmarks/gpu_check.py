@@ -1,6 +1,7 @@
 """The GPU check: the quickstart on one GPU, DeepSpeed ZeRO-2 against the plain path, two clients at once.
 
     python benchmarks/gpu_check.py [--device cuda] [--parts quickstart,plain,deepspeed,concurrent] [--output_dir DIR]
+                                   [--methods fgrpo,fedprox,scaffold]
     python benchmarks/gpu_check.py --device cpu --tiny --parts quickstart,plain     # a quick check of the script
 
 Any other flag goes to every run as a `trl-federated run` flag (e.g. `--model_name_or_path /tmp/smollm2`).
@@ -8,9 +9,11 @@ Any other flag goes to every run as a `trl-federated run` flag (e.g. `--model_na
 Parts (each `trl-federated run` on examples/configs/quickstart.yaml, 3 clients, bf16 on CUDA):
 - quickstart: the config as it is (3 rounds), in this process: seconds per local step and per round, evaluation
   seconds, peak GPU memory (`torch.cuda.max_memory_allocated`).
-- plain: one round each of FGRPO (aggregation rpg), FedProx and SCAFFOLD, in this process.
+- plain: one round each of FGRPO (aggregation rpg) and FedProx, two of SCAFFOLD (its correction acts from round 1),
+  in this process.
 - deepspeed: the same rounds under `accelerate launch --config_file examples/accelerate/deepspeed_zero2.yaml
-  --num_processes 1`; each row gives the max abs difference of its global adapter from the plain path's.
+  --num_processes 1`; each row gives the max abs difference of its global adapter from the plain path's and the
+  relative difference of their LoRA B matrices.
 - concurrent: `flwr run examples/flower` on the Simulation Engine with 2 SuperNodes, one client at a time
   (`num-gpus` 1 per client) and two at once (0.5); needs `trl-federated[flower]` (Ray).
 - grid: one round of the verdict grid's budget (examples/configs/grid.yaml) alone, then 5 at once as processes (a
@@ -34,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,7 +51,9 @@ PARTS = ("quickstart", "plain", "deepspeed", "concurrent", "grid")
 GRID = ROOT / "examples" / "configs" / "grid.yaml"
 REWARD = "benchmarks.gpu_check.letter_share_reward"  # importable from the checkout's root, where every run starts
 GRID_AT_ONCE = 5  # about a whole seed of the verdict grid (benchmarks/verdict.py DEFAULT_METHODS)
-METHODS = {"fgrpo": "rpg", "fedprox": "fedprox", "scaffold": "scaffold"}
+# name -> (aggregation, rounds): SCAFFOLD's controls are zero in round 0, so only its second round applies the
+# correction c - c_i that the DeepSpeed comparison must check
+METHODS = {"fgrpo": ("rpg", 1), "fedprox": ("fedprox", 1), "scaffold": ("scaffold", 2)}
 # Flower's `--federation-config` for the concurrent part, by label: the Simulation Engine's SuperNodes and the share
 # of the GPU each simulated client takes (two at once at 0.5). Adjust here as Flower's keys change.
 FEDERATIONS = {
@@ -55,7 +61,7 @@ FEDERATIONS = {
     "concurrent": "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4",
 }
 COLUMNS = ("part", "run", "wall_s", "step_s", "round_s", "eval_s", "peak_gpu_gib", "max_abs_lora_b", "max_abs_diff",
-           "note")  # fmt: skip
+           "lora_b_rel_diff", "note")  # fmt: skip
 
 
 def letter_share_reward(completions, **kwargs) -> list[float]:
@@ -151,6 +157,18 @@ def max_abs_diff(a: Path, b: Path) -> float:
     return max((first[key].float() - second[key].float()).abs().max().item() for key in first)
 
 
+def lora_b_relative_diff(a: Path, b: Path) -> float | None:
+    """‖B_b − B_a‖ / ‖B_a‖ over every LoRA B matrix: B starts at zero, so this is the difference of two runs against
+    everything run `a` changed (a max abs difference near Adam's step size can be a few sign flips of near-zero
+    gradients; this says how much of the update differs). None where run `a` left every B at zero."""
+    first, second = (load_file(path / "adapter_model.safetensors") for path in (a, b))
+    keys = [key for key in first if "lora_B" in key]
+    change = sum(first[key].double().square().sum() for key in keys).sqrt().item()
+    if change == 0:
+        return None
+    return sum((first[key].double() - second[key].double()).square().sum() for key in keys).sqrt().item() / change
+
+
 def environment() -> dict[str, str]:
     """This process's environment with the checkout importable in child processes."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -160,8 +178,9 @@ def quickstart_part(flags, output_dir, device):
     yield {"part": "quickstart", "run": "3 clients", **run_here(flags, output_dir / "quickstart", device)}
 
 
-def method_flags(flags: list[str], aggregation: str) -> list[str]:
-    return [*flags, "--aggregation", aggregation, "--num_rounds", "1", "--eval_initial", "false"]
+def method_flags(flags: list[str], name: str) -> list[str]:
+    aggregation, rounds = METHODS[name]
+    return [*flags, "--aggregation", aggregation, "--num_rounds", str(rounds), "--eval_initial", "false"]
 
 
 def largest_lora_b(output_dir: Path) -> float:
@@ -171,23 +190,24 @@ def largest_lora_b(output_dir: Path) -> float:
     return max(tensor.abs().max().item() for key, tensor in state.items() if "lora_B" in key)
 
 
-def plain_part(flags, output_dir, device):
-    for name, aggregation in METHODS.items():
-        row = {"part": "plain", "run": name, **run_here(method_flags(flags, aggregation), output_dir / name, device)}
+def plain_part(flags, output_dir, device, methods=tuple(METHODS)):
+    for name in methods:
+        row = {"part": "plain", "run": name, **run_here(method_flags(flags, name), output_dir / name, device)}
         yield {**row, "max_abs_lora_b": largest_lora_b(output_dir / name)}
 
 
-def deepspeed_part(flags, output_dir, device):
-    for name, aggregation in METHODS.items():
+def deepspeed_part(flags, output_dir, device, methods=tuple(METHODS)):
+    for name in methods:
         # accelerate's mixed precision as the run's: DeepSpeed refuses a config whose bf16 differs from the Trainer's
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2), "--num_processes",
                   "1", "--mixed_precision", "bf16" if device == "cuda" else "no", "-m", "trl_federated.cli", "run",
-                  *method_flags(flags, aggregation)]  # fmt: skip
+                  *method_flags(flags, name)]  # fmt: skip
         zero2 = output_dir / f"{name}-zero2"
         row = {"part": "deepspeed", "run": name, **run_launched([*launch, "--output_dir", str(zero2)], zero2,
                                                                  environment())}  # fmt: skip
         if "note" not in row and (output_dir / name / "adapter_model.safetensors").exists():
             row["max_abs_diff"] = max_abs_diff(output_dir / name, zero2)
+            row["lora_b_rel_diff"] = lora_b_relative_diff(output_dir / name, zero2)
         yield row
 
 
@@ -267,12 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random_init", type=Path, metavar="DIR",
                         help="a model of DIR's config (and tokenizer) with random weights")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, among {', '.join(PARTS)}")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, among {', '.join(METHODS)}: the plain and deepspeed parts' runs")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "outputs" / "gpu-check")
     options, run_options = parser.parse_known_args(argv)
     parts = options.parts.split(",")
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose among {PARTS}")
+    methods = options.methods.split(",")
+    if set(methods) - set(METHODS):
+        parser.error(f"unknown methods {sorted(set(methods) - set(METHODS))}; choose among {list(METHODS)}")
+    runners = {**PART_RUNNERS, "plain": partial(plain_part, methods=methods),
+               "deepspeed": partial(deepspeed_part, methods=methods)}  # fmt: skip
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     options.output_dir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ", tiny model" if options.tiny else ", random weights" if options.random_init is not None else ""
     rows = []
     # the files rewritten after each run: a check stopped by a time limit keeps every run it finished
-    for row in (row for part in parts for row in PART_RUNNERS[part](flags, options.output_dir, options.device)):
+    for row in (row for part in parts for row in runners[part](flags, options.output_dir, options.device)):
         rows.append(row)
         result = {"device": device, "torch": torch.__version__, "tiny": options.tiny,
                   "random_init": options.random_init is not None, "rows": rows}  # fmt: skip
