@@ -680,7 +680,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
                  diagnostics: dict[Cell, dict[str, float]], expected: int, root: Path, command: str) -> str:
     """verdict.md, verdict.csv, paired.csv, verdict.json and curves-<setting>.png from the finished cells."""
     summary = summarize(results, costs, diagnostics)
-    status = "complete" if len(results) == expected else f"PARTIAL: {len(results)} of {expected} cells finished"
+    status = f"{'complete' if len(results) == expected else 'PARTIAL'}: {len(results)} of {expected} cells finished"
     header = ["Setting", "Method", "Seeds", "Base total", "Final total", "Total gain [95% CI]", "Base hard",
               "Final hard", "Hard gain [95% CI]", "CPU min/cell", "Wall min/cell"]
     rows = [

@@ -278,7 +278,7 @@ def test_a_killed_grid_resumes_to_the_same_report(tmp_path, tiny_model_dir):
     later = json.loads((grid / "N2-mu1.0" / "fedavg" / "seed1" / "result.json").read_text())
     assert set(later["evaluations"]) == {"1"}  # evaluated once, in the first cell
     summary = json.loads((grid / "verdict.json").read_text())
-    assert summary["status"] == "complete" and len(summary["paired"]) == 1
+    assert summary["status"] == "complete: 4 of 4 cells finished" and len(summary["paired"]) == 1
 
     again = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
     assert again.stdout.count("done, skipped") == 4
@@ -494,7 +494,7 @@ def test_the_grid_runs_two_at_a_time_commits_each_cell_and_resumes(repository, m
             "--extra_seeds", "fgrpo,fedavg:2", "--parallel", "2", "--commit", "--max_eval_samples", "10"]
     assert verdict.main(argv) == 0
     out = capsys.readouterr().out
-    assert "# Verdict: FGRPO against the baselines (complete)" in out
+    assert "# Verdict: FGRPO against the baselines (complete: 6 of 6 cells finished)" in out
 
     log = {entry["cell"]: entry for entry in _log(repository.parent / "fake")}
     assert len(log) == 6 and max(entry["seen"] for entry in log.values()) == 2
