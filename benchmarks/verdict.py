@@ -713,7 +713,8 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
     ]
     seen, unrecorded = machines(root, results)
     machine_text = "; ".join(
-        f"{record['cpu']} ({', '.join(record['cpu_flags'])}), {record['threads']} thread(s), torch "
+        f"{record['cpu']} ({', '.join(record['cpu_flags'])}), {record['cores']} core(s) free to the harness, "
+        f"{record['threads']} thread(s), torch "
         f"{record['versions'].get('torch', '?')}, transformers {record['versions'].get('transformers', '?')}"
         for record in seen
     )

@@ -580,6 +580,6 @@ def test_secondary_endpoints_from_per_item_scores_and_the_seeds_a_target_takes(t
     assert verdict.t_quantile(0.975, needed - 2) * sd / math.sqrt(needed - 1) > 3.0
     report = (tmp_path / "verdict.md").read_text()
     assert "Endpoints, named before the cells ran: total accuracy (primary)" in report
-    assert "Machines: 1 recorded (AMD EPYC (avx512_bf16), 1 thread(s)" in report
+    assert "Machines: 1 recorded (AMD EPYC (avx512_bf16), 2 core(s) free to the harness, 1 thread(s)" in report
     assert "2 cell(s) ran before cells recorded their machine" in report
     assert verdict.seeds_for(0.0) is None and verdict.seeds_for(1.0) == 3  # t(0.975, 2) / √3 = 2.48 ≤ 3
