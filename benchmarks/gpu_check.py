@@ -151,22 +151,25 @@ def run_at_once(runs: list[tuple[list[str], Path]], env: dict | None = None) -> 
     return rows
 
 
-def max_abs_diff(a: Path, b: Path) -> float:
+def load_adapter(output_dir: Path) -> dict[str, torch.Tensor]:
+    """A run's final global adapter, as `trl-federated run` saves it."""
+    return load_file(output_dir / "adapter_model.safetensors")
+
+
+def max_abs_diff(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
     """The largest difference between two runs' final global adapters."""
-    first, second = (load_file(path / "adapter_model.safetensors") for path in (a, b))
     return max((first[key].float() - second[key].float()).abs().max().item() for key in first)
 
 
-def lora_b_relative_diff(a: Path, b: Path) -> float | None:
-    """‖B_b − B_a‖ / ‖B_a‖ over every LoRA B matrix: B starts at zero, so this is the difference of two runs against
-    everything run `a` changed (a max abs difference near Adam's step size can be a few sign flips of near-zero
-    gradients; this says how much of the update differs). None where run `a` left every B at zero."""
-    first, second = (load_file(path / "adapter_model.safetensors") for path in (a, b))
-    keys = [key for key in first if "lora_B" in key]
-    change = sum(first[key].double().square().sum() for key in keys).sqrt().item()
-    if change == 0:
-        return None
-    return sum((first[key].double() - second[key].double()).square().sum() for key in keys).sqrt().item() / change
+def lora_b_relative_diff(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float | None:
+    """‖B_second − B_first‖ / ‖B_first‖ over every LoRA B matrix: B starts at zero, so this is the difference of two
+    runs against everything the first changed (a max abs difference near Adam's step size can be a few sign flips of
+    near-zero gradients; this says how much of the update differs). None where the first left every B at zero."""
+    from trl_federated.adapters import state_distance, state_norm
+
+    first_b = {key: tensor for key, tensor in first.items() if "lora_B" in key}
+    change = state_norm(first_b)
+    return None if change == 0 else state_distance(second, first_b) / change
 
 
 def environment() -> dict[str, str]:
@@ -183,20 +186,19 @@ def method_flags(flags: list[str], name: str) -> list[str]:
     return [*flags, "--aggregation", aggregation, "--num_rounds", str(rounds), "--eval_initial", "false"]
 
 
-def largest_lora_b(output_dir: Path) -> float:
+def largest_lora_b(state: dict[str, torch.Tensor]) -> float:
     """The largest |entry| of a run's final LoRA B matrices: B starts at zero, so 0 means no client moved it (and a
     zero `max_abs_diff` against it would say nothing)."""
-    state = load_file(output_dir / "adapter_model.safetensors")
     return max(tensor.abs().max().item() for key, tensor in state.items() if "lora_B" in key)
 
 
-def plain_part(flags, output_dir, device, methods=tuple(METHODS)):
+def plain_part(flags, output_dir, device, methods):
     for name in methods:
         row = {"part": "plain", "run": name, **run_here(method_flags(flags, name), output_dir / name, device)}
-        yield {**row, "max_abs_lora_b": largest_lora_b(output_dir / name)}
+        yield {**row, "max_abs_lora_b": largest_lora_b(load_adapter(output_dir / name))}
 
 
-def deepspeed_part(flags, output_dir, device, methods=tuple(METHODS)):
+def deepspeed_part(flags, output_dir, device, methods):
     for name in methods:
         # accelerate's mixed precision as the run's: DeepSpeed refuses a config whose bf16 differs from the Trainer's
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2), "--num_processes",
@@ -206,8 +208,9 @@ def deepspeed_part(flags, output_dir, device, methods=tuple(METHODS)):
         row = {"part": "deepspeed", "run": name, **run_launched([*launch, "--output_dir", str(zero2)], zero2,
                                                                  environment())}  # fmt: skip
         if "note" not in row and (output_dir / name / "adapter_model.safetensors").exists():
-            row["max_abs_diff"] = max_abs_diff(output_dir / name, zero2)
-            row["lora_b_rel_diff"] = lora_b_relative_diff(output_dir / name, zero2)
+            plain, launched = load_adapter(output_dir / name), load_adapter(zero2)
+            row["max_abs_diff"] = max_abs_diff(plain, launched)
+            row["lora_b_rel_diff"] = lora_b_relative_diff(plain, launched)
         yield row
 
 
@@ -264,7 +267,8 @@ def grid_part(flags, output_dir, device):
         yield {"part": "grid", "run": f"1 round, {GRID_AT_ONCE} at once (seed {seed})", **row}
 
 
-# Each part yields its rows one run at a time, so that `main` writes the table after every run.
+# Each part yields its rows one run at a time, so that `main` writes the table after every run; plain and deepspeed
+# also take the methods to run, which `main` binds.
 PART_RUNNERS = {"quickstart": quickstart_part, "plain": plain_part, "deepspeed": deepspeed_part,
                 "concurrent": concurrent_part, "grid": grid_part}  # fmt: skip
 

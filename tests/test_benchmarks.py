@@ -143,10 +143,11 @@ def test_gpu_check_runs_the_plain_path_on_cpu_and_builds_its_table(tmp_path):
         assert 0 < row["step_s"] < row["round_s"] < row["wall_s"] and row["eval_s"] > 0
         assert "peak_gpu_gib" not in row and "note" not in row
     assert (tmp_path / "fgrpo" / "adapter_model.safetensors").exists()
-    assert gpu_check.max_abs_diff(tmp_path / "fgrpo", tmp_path / "fgrpo") == 0
-    assert gpu_check.lora_b_relative_diff(tmp_path / "fgrpo", tmp_path / "fgrpo") == 0
+    fgrpo, fedprox = gpu_check.load_adapter(tmp_path / "fgrpo"), gpu_check.load_adapter(tmp_path / "fedprox")
+    assert gpu_check.max_abs_diff(fgrpo, fgrpo) == 0
+    assert gpu_check.lora_b_relative_diff(fgrpo, fgrpo) == 0
     # FedProx's proximal term pulls its adapter short of FGRPO's: the two differ by a share of the update
-    assert 0 < gpu_check.lora_b_relative_diff(tmp_path / "fgrpo", tmp_path / "fedprox") < 1
+    assert 0 < gpu_check.lora_b_relative_diff(fgrpo, fedprox) < 1
     scaffold_rounds = [json.loads(line) for line in (tmp_path / "scaffold" / "metrics.jsonl").open()]
     assert {record["round_idx"] for record in scaffold_rounds if "round_idx" in record} == {0, 1}
     table = (tmp_path / "gpu_check.md").read_text(encoding="utf-8")
