@@ -837,11 +837,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, output_dir: str = DEFAULT
 
 
 def run_grid(cells: list[Cell], args: argparse.Namespace, extra: list[str], report: Callable[[], str],
-             label: str) -> int:
+             label: str, reports: Callable[[Path], list[Path]] = report_files) -> int:
     """Run `cells` (`run_cells`) in `args.output_dir` after `check_budget`, rewriting the report after every finished
-    cell and committing with `args.commit`; 1 when a cell failed. The base model is evaluated in one cell only, the
-    first, unless a finished cell of the folder has evaluated it already (`base_evaluation`): every cell starts
-    from the same base model and is tested on the same split."""
+    cell and committing it and the report's files (`reports`) with `args.commit`; 1 when a cell failed. The base
+    model is evaluated in one cell only, the first, unless a finished cell of the folder has evaluated it already
+    (`base_evaluation`): every cell starts from the same base model and is tested on the same split."""
     root = Path(args.output_dir)
     check_budget(root, args.config, extra)
     shared_base = base_evaluation(root) is not None
@@ -855,12 +855,12 @@ def run_grid(cells: list[Cell], args: argparse.Namespace, extra: list[str], repo
             report()
         if args.commit:
             name = f"{cell.method} {cell.setting} seed {cell.seed}"
-            commit([*committed_files(cell.directory(root)), *report_files(root)], f"{label}: {name} finished")
+            commit([*committed_files(cell.directory(root)), *reports(root)], f"{label}: {name} finished")
 
     failures = run_cells(cells, root, command, args.parallel, on_finish)
     if args.commit:
         report()
-        commit(report_files(root), f"{label}: report")
+        commit(reports(root), f"{label}: report")
     return 1 if failures else 0
 
 

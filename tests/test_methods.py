@@ -26,6 +26,7 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     # the overrides every `trl-federated compare` cell passed before the table existed
     assert {name: method.overrides() for name, method in METHODS.items()} == {
         "fgrpo": {"aggregation": "rpg", "server_optimizer": "sgd"},
+        "fgrpo-noise-aware": {"aggregation": "rpg", "server_optimizer": "sgd", "rpg_gain": "noise-aware"},
         "fgrpo-paper": {"aggregation": "rpg", "server_optimizer": "adam"},
         "fgrpo-paper-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
         "fgrpo-fedadam": {"aggregation": "rpg", "server_optimizer": "fedadam"},
@@ -43,7 +44,8 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     assert list(METHODS["fdapo"].overrides()) == ["algorithm", "aggregation", "server_optimizer"]
     # with the averaging step, FGRPO w/o RPG (FedAvg's weights, the same step) is FedAvg
     assert ABLATIONS == {
-        "FGRPO": ("fgrpo", "fedavg"), "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg"),
+        "FGRPO": ("fgrpo", "fedavg"), "FGRPO (noise-aware RPG)": ("fgrpo-noise-aware", "fedavg"),
+        "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg"),
         "FGRPO (paper's Adam step)": ("fgrpo-paper", "fgrpo-paper-wo-rpg"),
         "FGRPO (server SGD)": ("fgrpo-sgd", "fedavg"),
     }  # fmt: skip
@@ -72,3 +74,10 @@ def test_the_model_card_names_each_method_as_the_paper(tmp_path, config_class, a
         output_dir=str(tmp_path), bf16=False, aggregation=aggregation, server_optimizer=server_optimizer
     )
     assert method_name(args) == name
+
+
+def test_a_method_that_sets_another_field_names_only_the_configurations_with_its_value(tmp_path):
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_gain="noise-aware")
+    assert method_name(args) == "FGRPO (noise-aware RPG)"
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, aggregation="fedavg", rpg_gain="noise-aware")
+    assert method_name(args) == "FedAvg"  # rpg_gain is RPG's: FedAvg keeps its name

@@ -21,6 +21,10 @@ SERVER_LEARNING_RATES = {"sgd": 1.0, "fedadam": 1.0, "adam-norm": 1.0, "nesterov
 # `aggregation.register_aggregation` adds a row with its strategy.
 AGGREGATION_SERVER_OPTIMIZERS: dict[str, str] = {"rpg": "sgd", "fedavg": "sgd", "fedprox": "sgd", "scaffold": "sgd"}
 
+# `FedGRPOConfig.rpg_gain`: how RPG turns a client's R̄ into its gain h (`aggregation.rpg`): the paper's Eq. rpg, or
+# the same with the gap soft-thresholded at its standard error (`NoiseAwareGain`).
+RPG_GAINS = ("paper", "noise-aware")
+
 # `FedGRPOConfig.update_norm_action`: what happens to an update over `update_norm_bound` (`admission.UpdateGate`).
 NORM_ACTIONS = ("reject", "clip")
 

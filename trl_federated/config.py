@@ -31,6 +31,7 @@ from .choices import (
     MIN_TRIMMED_CLIENTS,
     NORM_ACTIONS,
     ROBUST_AGGREGATIONS,
+    RPG_GAINS,
     SCAFFOLD_CORRECTIONS,
     SERVER_LEARNING_RATES,
     SERVER_OPTIMIZERS,
@@ -185,6 +186,13 @@ class FedGRPOConfig(GRPOConfig):
             uniform split.
         min_partition_size (`int`, *optional*, defaults to `2`):
             Smallest number of training rows a client may receive.
+        labels_per_client (`int` or `None`, *optional*):
+            Give each client exactly this many values of `partition_column` (Flower's `PathologicalPartitioner`,
+            labels dealt in order) in place of the Dirichlet draw: with 1 and as many clients as labels, one task per
+            client. `None`: the Dirichlet partition.
+        equal_partition_sizes (`bool`, *optional*, defaults to `False`):
+            Cut every client's partition to the smallest one's size (its first rows in the shuffled order): equal data
+            volumes, so that FedAvg's weights are equal and only what the clients learn tells them apart.
 
         > Client sampling: Flower's `fraction_train`, `min_train_nodes`, `fraction_evaluate`, `min_evaluate_nodes`
 
@@ -266,6 +274,14 @@ class FedGRPOConfig(GRPOConfig):
             Rate λ_anneal of the exponential temperature annealing.
         rpg_eps (`float`, *optional*, defaults to `1e-8`):
             ε added to σ in the RPG denominator.
+        rpg_gain (`str`, *optional*, defaults to `"paper"`):
+            How RPG turns R̄ into a gain: `"paper"` is Eq. rpg; `"noise-aware"` (`aggregation.rpg.NoiseAwareGain`)
+            soft-thresholds the gap R̄ − φ at `rpg_noise_threshold` of its standard errors (from the standard error of
+            R̄ over the window's step rewards) and floors σ at that standard error, so that a gap within R̄'s sampling
+            noise earns no weight. Not under differential privacy, whose release covers R̄ alone.
+        rpg_noise_threshold (`float`, *optional*, defaults to `1.0`):
+            With `rpg_gain="noise-aware"`: the standard errors of the gap a client's R̄ must move before it earns a
+            gain; 0 keeps only the σ floor.
         rpg_h_max (`float` or `None`, *optional*, defaults to `10.0`):
             Bound on |h| (the paper's Assumption 5): h is clipped to [-h_max, h_max], which caps the weight a client
             can gain by inflating its self-reported reward at exp(2 h_max / τ) times another's. An honest |h| never
@@ -520,6 +536,25 @@ class FedGRPOConfig(GRPOConfig):
     min_partition_size: int = field(
         default=2, metadata={"help": "Smallest number of training rows a client may receive."}
     )
+    labels_per_client: int | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "Give each client exactly this many values of `partition_column` (Flower's PathologicalPartitioner, "
+                "labels dealt in order: client i holds label i with 1), in place of the Dirichlet draw: one task per "
+                "client, the setting where clients differ in what they learn. None: the Dirichlet partition."
+            )
+        },
+    )
+    equal_partition_sizes: bool = field(
+        default=False,
+        metadata={
+            "help": ResultHelp(
+                "Cut every client's partition to the smallest one's size, so that data volume (FedAvg's weight) is "
+                "equal and only what the clients learn tells them apart."
+            )
+        },
+    )
 
     # Client sampling, named after Flower's strategies
     fraction_train: float = field(
@@ -647,6 +682,26 @@ class FedGRPOConfig(GRPOConfig):
         default=0.1, metadata={"help": ResultHelp("Rate λ_anneal of the exponential temperature annealing.")}
     )
     rpg_eps: float = field(default=1e-8, metadata={"help": ResultHelp("ε added to σ in the RPG denominator.")})
+    rpg_gain: str = field(
+        default="paper",
+        metadata={
+            "help": ResultHelp(
+                "How RPG turns R̄ into a gain h: 'paper' (Eq. rpg) or 'noise-aware' (the gap R̄ − φ soft-thresholded "
+                "at `rpg_noise_threshold` standard errors of R̄, from the window's step rewards, and σ floored at that "
+                "standard error, so that a gap within R̄'s sampling noise earns no weight)."
+            ),
+            "choices": list(RPG_GAINS),
+        },
+    )
+    rpg_noise_threshold: float = field(
+        default=1.0,
+        metadata={
+            "help": ResultHelp(
+                "With `rpg_gain: noise-aware`: how many standard errors of the gap a client's R̄ must move before it "
+                "earns any gain; 0 keeps only the σ floor."
+            )
+        },
+    )
     rpg_h_max: float | None = field(
         default=10.0,
         metadata={
@@ -1088,6 +1143,16 @@ class FedGRPOConfig(GRPOConfig):
         ):
             if message := choice_error(name, getattr(self, name), choices):
                 yield message
+        if self.labels_per_client is not None:
+            if not isinstance(self.labels_per_client, int) or self.labels_per_client < 1:
+                yield f"`labels_per_client` must be a positive integer or None, got {self.labels_per_client!r}."
+            elif self.partition_column is None:
+                yield ("`labels_per_client` deals the values of `partition_column` to the clients: name that column "
+                       "(e.g. `partition_column: category`), or leave `labels_per_client` unset.")
+        if message := choice_error("rpg_gain", self.rpg_gain, RPG_GAINS):
+            yield message
+        if not self.rpg_noise_threshold >= 0:
+            yield f"`rpg_noise_threshold` must be >= 0, got {self.rpg_noise_threshold}."
         yield from rpg_errors(
             self.rpg_lambda_base, self.rpg_iota, self.rpg_sigma_min, self.rpg_sigma_max, self.rpg_tau_min,
             self.rpg_tau_max, self.rpg_lambda_anneal, self.rpg_eps, self.rpg_h_max,
@@ -1148,6 +1213,12 @@ class FedGRPOConfig(GRPOConfig):
             yield (
                 "`aggregation='scaffold'` cannot run under differential privacy (`dp_noise_multiplier`): SCAFFOLD's "
                 "controls c and c_i are per-client state the DP noise does not cover. Use 'fedavg', 'fedprox' or 'rpg'."
+            )
+        if self.aggregation == "rpg" and self.rpg_gain == "noise-aware":
+            yield (
+                "`rpg_gain='noise-aware'` cannot run under differential privacy (`dp_noise_multiplier`): it reads each "
+                "client's step rewards, which the DP mechanism does not release (it releases a noised R̄ alone). Use "
+                "`rpg_gain: paper`."
             )
         if self.robust_aggregation != "none":
             yield (

@@ -55,9 +55,16 @@ def method_name(args: FedGRPOConfig) -> str:
     """The method's name in the paper (`methods.METHODS`): FGRPO, FedAvg, ...; FDAPO and FGSPO with the DAPO and
     GSPO recipes."""
     algorithm = next((name for name, config_class in CONFIG_CLASSES.items() if type(args) is config_class), "grpo")
+    # A method that sets other fields (`Method.settings`) names the configurations with its values, the others those
+    # with the fields' defaults; a field no method of the configuration's aggregation sets does not change its name.
+    fields = {name for m in METHODS.values() for name, _ in m.settings}
+    defaults = {name: str(type(args).__dataclass_fields__[name].default) for name in fields}
     names: dict[tuple[str, str, str], str] = {}
-    for m in METHODS.values():  # the first name of a configuration: `fgrpo-sgd` is FGRPO itself
-        names.setdefault((m.aggregation, m.server_optimizer, m.algorithm), m.display_name)
+    for matching in (True, False):
+        for m in METHODS.values():  # the first name of a configuration: `fgrpo-sgd` is FGRPO itself
+            settings = {**defaults, **dict(m.settings)}
+            if not matching or all(str(getattr(args, name)) == value for name, value in settings.items()):
+                names.setdefault((m.aggregation, m.server_optimizer, m.algorithm), m.display_name)
     server = (args.aggregation, args.server_optimizer)
     # FedAvg, FedProx and SCAFFOLD keep their names whatever the local algorithm.
     return names.get((*server, algorithm)) or names.get((*server, "grpo")) or f"`{server[0]}` + server `{server[1]}`"

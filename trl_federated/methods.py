@@ -21,12 +21,14 @@ class Method:
     aggregation: str  # `FedGRPOConfig.aggregation`
     server_optimizer: str  # `FedGRPOConfig.server_optimizer`
     algorithm: str = "grpo"  # the local algorithm, `trl-federated run --algorithm` (a key of `config.CONFIG_CLASSES`)
+    settings: tuple[tuple[str, str], ...] = ()  # any other `FedGRPOConfig` field the method sets, as (name, value)
 
     def overrides(self) -> dict[str, str]:
         """The `trl-federated run` settings that make this method of a base config. GRPO, the command line's default
         algorithm, is not passed, so a GRPO method leaves the base config's `algorithm` as it is."""
         algorithm = {} if self.algorithm == "grpo" else {"algorithm": self.algorithm}
-        return {**algorithm, "aggregation": self.aggregation, "server_optimizer": self.server_optimizer}
+        return {**algorithm, "aggregation": self.aggregation, "server_optimizer": self.server_optimizer,
+                **dict(self.settings)}
 
 
 # FGRPO's server step when `server_optimizer` is unset (`choices.AGGREGATION_SERVER_OPTIMIZERS`): the RPG-weighted
@@ -37,6 +39,9 @@ METHODS: dict[str, Method] = {
     method.name: method
     for method in (
         Method("fgrpo", "FGRPO", "rpg", FGRPO_STEP),
+        # RPG's gain soft-thresholded at R̄'s standard error (`aggregation.rpg`, `rpg_gain`)
+        Method("fgrpo-noise-aware", "FGRPO (noise-aware RPG)", "rpg", FGRPO_STEP,
+               settings=(("rpg_gain", "noise-aware"),)),
         # The paper's literal step, Adam with ε = 1e-8 and no bias correction, and its ablation.
         Method("fgrpo-paper", "FGRPO (paper's Adam step)", "rpg", "adam"),
         Method("fgrpo-paper-wo-rpg", "FGRPO (paper's Adam step) w/o RPG", "fedavg", "adam"),

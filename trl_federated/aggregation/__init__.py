@@ -85,7 +85,9 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     )
     check_choice("aggregation", args.aggregation, AGGREGATIONS)
     aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
-    return aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
+    aggregator = aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
+    aggregator.reward_window = args.reward_window
+    return aggregator
 
 
 __all__ = [

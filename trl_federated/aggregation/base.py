@@ -215,7 +215,13 @@ class Aggregator(ABC):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.privacy = None  # a `privacy.ClientLevelPrivacy` under differential privacy
+        # W, the local steps R̄ averages (`FedGRPOConfig.reward_window`, set by `aggregator_from_config`); None: all
+        # the step rewards a client sends
+        self.reward_window: int | None = None
         self.last_weights: dict[str, float] = {}
+        self.last_reward_stderr: dict[str, float | None] = {}
+        self.last_zero_signal: dict[str, float | None] = {}
+        self.last_idle: dict[str, bool] = {}
         self.last_step: ServerStep | None = None  # the geometry of the last aggregation
         self.last_server_steps: AdapterState | None = None  # its θ^{[t+1]} − θ^{[t]}, for the next cos(s, s^{[t-1]})
 
@@ -258,6 +264,14 @@ class Aggregator(ABC):
         ):
             raise AggregationError(f"Round {round_idx}: client weights {weights} are not finite, non-negative and "
                                    "summing to 1; the round is refused.")
+        ids = [update.client_id for update in updates]
+        self.last_reward_stderr = {update.client_id: self.reward_stderr(update) for update in updates}
+        self.last_zero_signal = {update.client_id: zero_signal_share(update) for update in updates}
+        # Under DP the weights follow released values only: which client was idle is read from its raw update.
+        self.last_idle = dict.fromkeys(ids, False) if privacy is not None else {
+            update.client_id: is_idle(update, global_state) for update in updates
+        }
+        weights = cap_idle_weights(weights, data_shares(updates), [self.last_idle[key] for key in ids])
         self.last_weights = {update.client_id: weight for update, weight in zip(updates, weights)}
         # Δ is computed and applied one cache-sized block at a time (see `blocks`): the block of Δ is still in
         # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
@@ -303,9 +317,24 @@ class Aggregator(ABC):
         """What this strategy reports about its last aggregation besides ω and the step's geometry, each with how to
         print it (`RoundMetric`): the round record, the round log, summary.md and result.json show them, and a
         client metric never takes one of their log names. The same metrics, in the same order, whether or not a
-        round has been aggregated yet (then without values). None by default, but under differential privacy its
-        ε, noise and released R̄ (`privacy.ClientLevelPrivacy.round_metrics`); RPG reports its gains h and τ first."""
-        return [] if self.privacy is None else self.privacy.round_metrics()
+        round has been aggregated yet (then without values). Every strategy reports each client's standard error
+        of R̄ (`reward_stderr`), its share of zero-signal groups (`zero_signal_share`) and whether it was idle
+        (`idle`, 1: its weight held at its data share, `cap_idle_weights`); under differential privacy its ε, noise
+        and released R̄ (`privacy.ClientLevelPrivacy.round_metrics`); RPG reports its gains h and τ first."""
+        diagnostics = [
+            RoundMetric("reward_stderr", "se(R̄)", dict(self.last_reward_stderr), per_client=True, format=".4f"),
+            RoundMetric("zero_signal_share", "zero-signal", dict(self.last_zero_signal), per_client=True,
+                        format=".2f"),
+            RoundMetric("idle", "idle", {key: int(value) for key, value in self.last_idle.items()}, per_client=True,
+                        format="d"),
+        ]
+        return diagnostics if self.privacy is None else [*diagnostics, *self.privacy.round_metrics()]
+
+    def reward_stderr(self, update: ClientUpdate) -> float | None:
+        """The standard error of the client's R̄: the sample standard deviation of the window's step rewards (its
+        last `reward_window`, as `admission.check_window_reward` reads them) over the square root of their count;
+        None with fewer than two finite step rewards (or none sent)."""
+        return window_stderr(update.metrics.get("step_rewards", ()), self.reward_window)
 
     # Per-client state ----------------------------------------------------------------------------------------
 
@@ -363,6 +392,57 @@ class Aggregator(ABC):
         self.server_optimizer.load_state_dict(state["server_optimizer"])
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])
+
+
+def window_stderr(step_rewards, window: int | None) -> float | None:
+    """sd / √n of the last `window` (all with None) finite numbers of `step_rewards`; None with fewer than two."""
+    values = [float(value) for value in list(step_rewards)[-window if window else 0:] if math.isfinite(value)]
+    if len(values) < 2:
+        return None
+    mean = math.fsum(values) / len(values)
+    variance = math.fsum((value - mean) ** 2 for value in values) / (len(values) - 1)
+    return math.sqrt(variance / len(values))
+
+
+def zero_signal_share(update: ClientUpdate) -> float | None:
+    """The share of the client's GRPO groups whose completions all scored alike (TRL's `frac_reward_zero_std`, its
+    mean over the local steps), which carry no advantage and so no policy gradient; None when not sent or outside
+    [0, 1]."""
+    value = update.metrics.get("frac_reward_zero_std")
+    return float(value) if isinstance(value, Real) and 0 <= value <= 1 else None
+
+
+def is_idle(update: ClientUpdate, global_state: AdapterState) -> bool:
+    """Whether a client had no learning signal this round: its adapter came back exactly as sent (its update, at the
+    wire's rounding, is zero: the wire carries θ_i − θ, so an unchanged adapter decodes to θ bit for bit), or every
+    GRPO group of every local step scored alike (`zero_signal_share` 1)."""
+    if zero_signal_share(update) == 1.0:
+        return True
+    return all(torch.equal(update.state[key], value) for key, value in global_state.items())
+
+
+def data_shares(updates: list[ClientUpdate]) -> list[float]:
+    """p_i = D_i / Σ D_i over the reporting clients: FedAvg's weights; equal shares when a count is not a positive
+    integer (a strategy that does not weigh by data leaves `num_samples` unchecked)."""
+    sizes = [update.num_samples for update in updates]
+    if not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in sizes):
+        return [1 / len(updates)] * len(updates)
+    total = sum(sizes)
+    return [size / total for size in sizes]
+
+
+def cap_idle_weights(weights: list[float], shares: list[float], idle: list[bool]) -> list[float]:
+    """ω_i held at most at p_i for every idle client (no learning signal: its θ_i − θ is zero, or carries no reward
+    signal), the weight cut from it given to the clients that learned in proportion to their own weights. An idle
+    client's zero update only shrinks Δ by its weight: a strategy that weighs by reward (RPG) could hand it most of
+    the round on a lucky R̄, while FedAvg gives it its data share, which this leaves as it is. Unchanged when no client
+    is idle, when all are (Δ is zero either way), or when the others have no weight to scale."""
+    capped = [min(weight, share) if flag else weight for weight, share, flag in zip(weights, shares, idle)]
+    excess = math.fsum(weights) - math.fsum(capped)
+    active = math.fsum(weight for weight, flag in zip(capped, idle) if not flag)
+    if not excess > 0 or not active > 0:
+        return weights
+    return [weight if flag else weight * (1 + excess / active) for weight, flag in zip(capped, idle)]
 
 
 def refuse_extras(update: ClientUpdate) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..choices import RPG_GAINS, check_choice
 from ..config import rpg_errors
 from .base import Aggregator, ClientUpdate, RoundMetric, check_number
 from .server_optim import ServerAdam, ServerOptimizer
@@ -39,6 +40,24 @@ class RPGAggregator(Aggregator):
       self-reported reward gains at most a factor exp(2 h_max / τ) in weight. The default 10 is never reached by an
       honest client with the default ι, σ_max and rewards spanning at most 2: below σ_max, σ ≥ (1 − ι)|gap| gives
       |h| ≤ 1 / (1 − ι) = 10; at σ_max, |h| ≤ |gap| / σ_max ≤ 2 / 0.2. None leaves h unbounded.
+
+    `gain="noise-aware"` reads R̄'s own noise: R̄ is the mean of W step rewards, with standard error s_i
+    (`Aggregator.reward_stderr`), and φ an EMA of earlier R̄, whose variance is λ_base / (2 − λ_base) s_i² for
+    independent reports, so the gap g = R̄ − φ has standard error s_g = s_i √(2 / (2 − λ_base)). Then
+
+        σ_i^{[t]} = clip(ι σ_i^{[t-1]} + (1 − ι) |g|, max(σ_min, s_g), max(σ_max, s_g))
+        h_i^{[t]} = sign(g) max(|g| − κ s_g, 0) / (σ_i^{[t]} + ε)           (κ = `noise_threshold`)
+
+    a gap within κ standard errors earns nothing (soft thresholding, the positive-part shrinkage of a noisy mean
+    toward 0), and one beyond counts only its excess, in units no smaller than its own noise. The paper's gain reads
+    a lucky window as progress, and the next window's regression to the mean makes h predict the next change of R̄
+    the wrong way (docs/verdict.md); `gain_predictiveness` measures that in every run. A client that sends no step
+    rewards (or one) has s_i = 0: its gain is the paper's.
+
+    Every round also measures how well the gains predict: the Pearson correlation, over the clients, between a
+    client's h at its previous report and the change of its R̄ since (`gain_predictiveness`, None with fewer than 3
+    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`, from
+    running sums: constant state over any number of rounds).
     """
 
     weighs_by_reward = True
@@ -56,19 +75,28 @@ class RPGAggregator(Aggregator):
         h_max: float | None = 10.0,
         server_optimizer: ServerOptimizer | None = None,
         combiner=None,
+        gain: str = "paper",
+        noise_threshold: float = 1.0,
     ):
         super().__init__(server_optimizer if server_optimizer is not None else ServerAdam(), combiner)
         for message in rpg_errors(
             lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
         ):
             raise ValueError(message)
+        check_choice("rpg_gain", gain, RPG_GAINS)
+        if not noise_threshold >= 0:
+            raise ValueError(f"`rpg_noise_threshold` must be >= 0, got {noise_threshold}.")
         self.lambda_base, self.iota, self.eps, self.h_max = lambda_base, iota, eps, h_max
         self.sigma_min, self.sigma_max = sigma_min, sigma_max
         self.tau_min, self.tau_max, self.lambda_anneal = tau_min, tau_max, lambda_anneal
+        self.gain, self.noise_threshold = gain, noise_threshold
         self.baselines: dict[str, float] = {}  # φ_i, per client
         self.volatilities: dict[str, float] = {}  # σ_i, per client
+        self.last_reports: dict[str, tuple[float, float]] = {}  # (h_i, R̄_i) of each client's last report
+        self.prediction_sums = PredictionSums()  # every (h at a report, change of R̄ by the next) of the run
         self.last_gains: dict[str, float] = {}
         self.last_temperature: float | None = None
+        self.last_predictiveness: float | None = None
 
     @classmethod
     def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> RPGAggregator:
@@ -85,6 +113,8 @@ class RPGAggregator(Aggregator):
             h_max=args.rpg_h_max,
             server_optimizer=server_optimizer,
             combiner=combiner,
+            gain=args.rpg_gain,
+            noise_threshold=args.rpg_noise_threshold,
         )
 
     def temperature(self, round_idx: int) -> float:
@@ -94,20 +124,28 @@ class RPGAggregator(Aggregator):
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
         for update in updates:
             check_number(update.reward, f"RPG: client {update.client_id!r}'s reward")
-        gains = []
+        gains, round_sums = [], PredictionSums()
         for update in updates:
             reward = float(update.reward)
             previous_baseline = self.baselines.get(update.client_id, reward)
             previous_volatility = self.volatilities.get(update.client_id, self.sigma_min)
             gap = reward - previous_baseline
-            volatility = min(
-                max(self.iota * previous_volatility + (1 - self.iota) * abs(gap), self.sigma_min), self.sigma_max
-            )
-            gain = gap / (volatility + self.eps)
+            # the gap's standard error (noise-aware gain only): R̄'s and its EMA baseline's, taken independent
+            gap_stderr = 0.0
+            if self.gain == "noise-aware":
+                gap_stderr = (self.reward_stderr(update) or 0.0) * math.sqrt(2 / (2 - self.lambda_base))
+            floor, ceiling = max(self.sigma_min, gap_stderr), max(self.sigma_max, gap_stderr)
+            volatility = min(max(self.iota * previous_volatility + (1 - self.iota) * abs(gap), floor), ceiling)
+            signal = math.copysign(max(abs(gap) - self.noise_threshold * gap_stderr, 0.0), gap) if gap_stderr else gap
+            gain = signal / (volatility + self.eps)
             # R̄ far apart in a float's range (±1e308) makes the gap, and so h, infinite: held to a finite bound, the
             # softmax stays finite (its largest h takes the weight) whatever finite R̄ a client reports.
             bound = self.h_max if self.h_max is not None else UNBOUNDED_GAIN_LIMIT
             gain = min(max(gain, -bound), bound)
+            if update.client_id in self.last_reports:
+                previous_gain, previous_reward = self.last_reports[update.client_id]
+                round_sums.add(previous_gain, reward - previous_reward)
+            self.last_reports[update.client_id] = (gain, reward)
             self.baselines[update.client_id] = self.lambda_base * reward + (1 - self.lambda_base) * previous_baseline
             self.volatilities[update.client_id] = volatility
             gains.append(gain)
@@ -116,6 +154,8 @@ class RPGAggregator(Aggregator):
         weights = torch.softmax(torch.tensor(gains, dtype=torch.float64) / temperature, dim=0).tolist()
         self.last_gains = {update.client_id: gain for update, gain in zip(updates, gains)}
         self.last_temperature = temperature
+        self.last_predictiveness = round_sums.correlation()
+        self.prediction_sums.merge(round_sums)
         return weights
 
     def round_metrics(self) -> list[RoundMetric]:
@@ -124,6 +164,9 @@ class RPGAggregator(Aggregator):
         return [
             RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain"),
             RoundMetric("temperature", "τ", self.last_temperature, format=".3f"),
+            RoundMetric("gain_predictiveness", "corr(h, next ΔR̄)", self.last_predictiveness, format="+.3f"),
+            RoundMetric("gain_predictiveness_run", "over the run", self.prediction_sums.correlation(),
+                        format="+.3f"),
             *super().round_metrics(),
         ]
 
@@ -132,9 +175,47 @@ class RPGAggregator(Aggregator):
             **super().state_dict(),
             "baselines": dict(self.baselines),
             "volatilities": dict(self.volatilities),
+            "last_gains_rewards": {key: list(value) for key, value in self.last_reports.items()},
+            "prediction_sums": self.prediction_sums.as_list(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.baselines = {key: float(value) for key, value in state["baselines"].items()}
         self.volatilities = {key: float(value) for key, value in state["volatilities"].items()}
+        # A checkpoint written before the predictiveness was measured starts its sums afresh.
+        self.last_reports = {
+            key: (float(gain), float(reward)) for key, (gain, reward) in state.get("last_gains_rewards", {}).items()
+        }
+        self.prediction_sums = PredictionSums(*state.get("prediction_sums", ()))
+
+
+class PredictionSums:
+    """Running sums of pairs (x, y) = (h at a report, the change of R̄ by the client's next report): their Pearson
+    correlation without keeping the pairs."""
+
+    def __init__(self, count: float = 0, x: float = 0.0, y: float = 0.0, xx: float = 0.0, yy: float = 0.0,
+                 xy: float = 0.0):
+        self.count, self.x, self.y, self.xx, self.yy, self.xy = count, x, y, xx, yy, xy
+
+    def add(self, x: float, y: float) -> None:
+        self.count += 1
+        self.x, self.y = self.x + x, self.y + y
+        self.xx, self.yy, self.xy = self.xx + x * x, self.yy + y * y, self.xy + x * y
+
+    def merge(self, other: PredictionSums) -> None:
+        for name, value in zip(("count", "x", "y", "xx", "yy", "xy"), other.as_list()):
+            setattr(self, name, getattr(self, name) + value)
+
+    def as_list(self) -> list[float]:
+        return [self.count, self.x, self.y, self.xx, self.yy, self.xy]
+
+    def correlation(self) -> float | None:
+        """Pearson's r of the pairs; None with fewer than 3 pairs or without spread in either."""
+        if self.count < 3:
+            return None
+        sxx = self.xx - self.x * self.x / self.count
+        syy = self.yy - self.y * self.y / self.count
+        if not (sxx > 1e-12 and syy > 1e-12):
+            return None
+        return max(-1.0, min(1.0, (self.xy - self.x * self.y / self.count) / math.sqrt(sxx * syy)))

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from datasets import Dataset
-from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
+from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner, PathologicalPartitioner
 
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
@@ -121,27 +121,88 @@ def dirichlet_partition(
     return partitions
 
 
-def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
-    """`dirichlet_partition` with the federation settings of a `FedGRPOConfig`.
+def label_partition(
+    dataset: Dataset, num_clients: int, partition_column: str, labels_per_client: int, seed: int = 0
+) -> list[Dataset]:
+    """Give each of `num_clients` clients exactly `labels_per_client` values of `partition_column`, dealt in sorted
+    order (client i holds the i-th label with 1 label a client), each label's rows split evenly among the clients
+    that hold it: Flower Datasets' `PathologicalPartitioner` with `class_assignment_mode="first-deterministic"` (McMahan
+    et al., 2017's pathological non-IID split). With as many clients as labels and 1 label each, one task per client.
 
-    Uses `num_clients`, `partition_column`, `dirichlet_alpha`, `min_partition_size` and `seed`, so that the
-    trainer, the runner and the CLI all split the data the same way.
+    Raises:
+        ValueError: for a missing column, or more labels asked for than the column has (a client would hold none).
     """
-    return dirichlet_partition(
-        dataset,
-        num_clients=args.num_clients,
-        partition_column=args.partition_column,
-        alpha=args.dirichlet_alpha,
-        seed=args.seed,
-        min_partition_size=args.min_partition_size,
+    if partition_column not in dataset.column_names:
+        raise ValueError(
+            f"Cannot deal labels of column {partition_column!r}: the dataset has no such column (columns: "
+            f"{dataset.column_names}). Name a label column with `partition_column`."
+        )
+    labels = sorted(set(map(str, dataset[partition_column])))
+    if labels_per_client > len(labels):
+        raise ValueError(
+            f"`labels_per_client` is {labels_per_client}, but column {partition_column!r} has only {len(labels)} "
+            f"values ({labels[:8]}): give each client at most {len(labels)}."
+        )
+    partitioner = PathologicalPartitioner(
+        num_partitions=num_clients, partition_by=partition_column, num_classes_per_partition=labels_per_client,
+        class_assignment_mode="first-deterministic", shuffle=True, seed=seed,
     )
+    partitioner.dataset = dataset
+    partitions = [partitioner.load_partition(client_id) for client_id in range(num_clients)]
+    for client_id, partition in enumerate(partitions):
+        logger.info("Client %d: %d rows, %s histogram %s", client_id, len(partition), partition_column,
+                    label_histogram(partition, partition_column))
+    return partitions
+
+
+def equalize_sizes(partitions: list[Dataset]) -> list[Dataset]:
+    """Every partition cut to the smallest one's size (its first rows, already shuffled by the partitioner)."""
+    size = min(len(partition) for partition in partitions)
+    logger.info("Equal partition sizes: every client keeps %d rows (of %s).", size,
+                [len(partition) for partition in partitions])
+    return [partition.select(range(size)) for partition in partitions]
+
+
+def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
+    """The clients' partitions under the federation settings of a `FedGRPOConfig`: `label_partition` with
+    `labels_per_client`, else `dirichlet_partition` (`partition_column`, `dirichlet_alpha`); cut to equal sizes with
+    `equal_partition_sizes`; `min_partition_size` checked on the result. The trainer, the runner and the CLI all
+    split the data here, the same way.
+
+    Raises:
+        ValueError: for a partition that cannot be drawn, or a client left with fewer than `min_partition_size` rows.
+    """
+    if args.labels_per_client is not None:
+        partitions = label_partition(dataset, args.num_clients, args.partition_column, args.labels_per_client,
+                                     seed=args.seed)
+    else:
+        partitions = dirichlet_partition(
+            dataset,
+            num_clients=args.num_clients,
+            partition_column=args.partition_column,
+            alpha=args.dirichlet_alpha,
+            seed=args.seed,
+            min_partition_size=args.min_partition_size,
+        )
+    if args.equal_partition_sizes:
+        partitions = equalize_sizes(partitions)
+    sizes = [len(partition) for partition in partitions]
+    if min(sizes) < args.min_partition_size:
+        raise ValueError(
+            f"The partition gives a client {min(sizes)} rows (sizes {sizes}), fewer than `min_partition_size` "
+            f"({args.min_partition_size}): use fewer clients, more labels a client, or a smaller min_partition_size."
+        )
+    return partitions
 
 
 def split_description(args: FedGRPOConfig) -> str:
     """How `partition_clients` splits the data, for run headers and model cards."""
+    equal = ", equal sizes" if args.equal_partition_sizes else ""
+    if args.labels_per_client is not None:
+        return f"{args.labels_per_client} value(s) of `{args.partition_column}` a client{equal}"
     if args.partition_column is None or math.isinf(args.dirichlet_alpha):
-        return "a uniform split"
-    return f"Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`"
+        return f"a uniform split{equal}"
+    return f"Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`{equal}"
 
 
 def label_histogram(dataset: Dataset, column: str) -> dict[str, int]:
