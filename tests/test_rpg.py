@@ -1,0 +1,233 @@
+"""Issue 46: RPG's gain against its equations (the paper's and the noise-aware one), the predictiveness of the gain
+it reports every round, idle clients held at their data share (through the server core), the diagnostics every
+round records, and the premise setting's partition."""
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from datasets import Dataset
+from scipy import stats
+from test_untrusted import honest_round, make_server, moved
+
+from trl_federated import ClientUpdate, FedGRPOConfig
+from trl_federated.aggregation import FedAvgAggregator, RPGAggregator
+from trl_federated.aggregation.base import cap_idle_weights, window_stderr
+from trl_federated.aggregation.rpg import PredictionSums
+from trl_federated.data.partition import partition_clients
+
+STATE = {"w": torch.zeros(2)}
+
+
+def update(client_id, reward, step_rewards=(), num_samples=10, state=None, **metrics):
+    return ClientUpdate(client_id, state if state is not None else {"w": torch.ones(2)}, num_samples, reward,
+                        metrics={"step_rewards": list(step_rewards), **metrics})
+
+
+# The gain ------------------------------------------------------------------------------------------------------
+
+
+def paper_gain(reward, baseline, volatility, iota=0.9, sigma_min=0.05, sigma_max=0.2):
+    gap = reward - baseline
+    sigma = min(max(iota * volatility + (1 - iota) * abs(gap), sigma_min), sigma_max)
+    return gap / (sigma + 1e-8), sigma
+
+
+def test_the_paper_gain_follows_eq_rpg_and_ignores_the_step_rewards():
+    rpg = RPGAggregator()
+    rpg.client_weights([update("a", 0.2, [0.0, 0.4]), update("b", 0.5, [0.5, 0.5])], 0)
+    assert rpg.last_gains == {"a": 0.0, "b": 0.0}  # first reports: φ = R̄
+    rpg.client_weights([update("a", 0.6, [0.2, 1.0]), update("b", 0.45, [0.4, 0.5])], 1)
+    phi_a, phi_b = 0.2, 0.5
+    assert rpg.last_gains["a"] == pytest.approx(paper_gain(0.6, phi_a, 0.05)[0])
+    assert rpg.last_gains["b"] == pytest.approx(paper_gain(0.45, phi_b, 0.05)[0])
+
+
+def test_the_noise_aware_gain_soft_thresholds_the_gap_at_its_standard_error():
+    rpg = RPGAggregator(gain="noise-aware", noise_threshold=1.0, lambda_base=0.8)
+    rpg.client_weights([update("a", 0.2, [0.2, 0.2]), update("b", 0.5, [0.5, 0.5])], 0)
+    # a: R̄ 0.6 from steps 0.5, 0.7: s = sd/√2 = 0.1414/1.414 = 0.1; s_g = 0.1 √(2 / 1.2)
+    # b: R̄ 0.55 from steps 0.5, 0.6: s = 0.05; its gap 0.05 is within s_g = 0.0645: no gain
+    rpg.client_weights([update("a", 0.6, [0.5, 0.7]), update("b", 0.55, [0.5, 0.6])], 1)
+    s_a = 0.1 * math.sqrt(2 / 1.2)
+    sigma_a = min(max(0.9 * 0.05 + 0.1 * 0.4, max(0.05, s_a)), max(0.2, s_a))
+    assert sigma_a == pytest.approx(s_a)  # the floor at the gap's standard error binds
+    assert rpg.last_gains["a"] == pytest.approx((0.4 - s_a) / sigma_a)
+    assert rpg.last_gains["b"] == 0.0
+    # with the paper's gain, b's gap of one step's luck earns h = 1
+    paper = RPGAggregator()
+    paper.client_weights([update("a", 0.2), update("b", 0.5)], 0)
+    paper.client_weights([update("a", 0.6), update("b", 0.55)], 1)
+    assert paper.last_gains["b"] == pytest.approx(1.0)
+
+
+def test_without_step_rewards_the_noise_aware_gain_is_the_papers():
+    noise_aware, paper = RPGAggregator(gain="noise-aware"), RPGAggregator()
+    for round_idx, rewards in enumerate([(0.1, 0.3), (0.4, 0.2), (0.45, 0.6)]):
+        updates = [update(client_id, reward) for client_id, reward in zip("ab", rewards)]
+        assert noise_aware.client_weights(updates, round_idx) == paper.client_weights(updates, round_idx)
+
+
+def test_the_noise_aware_gain_is_refused_under_differential_privacy(tmp_path):
+    with pytest.raises(ValueError, match="rpg_gain='noise-aware'` cannot run under differential privacy"):
+        FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=3, rpg_gain="noise-aware",
+                      dp_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="`rpg_gain` must be 'paper' or 'noise-aware'"):
+        FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_gain="snr")
+    with pytest.raises(ValueError, match="rpg_noise_threshold"):
+        RPGAggregator(gain="noise-aware", noise_threshold=-1)
+
+
+def test_window_stderr_is_the_standard_error_of_the_windows_finite_step_rewards():
+    assert window_stderr([0.9, 0.1, 0.3, 0.5], 3) == pytest.approx(stats.sem([0.1, 0.3, 0.5]))
+    assert window_stderr([0.1, float("nan"), 0.5], None) == pytest.approx(stats.sem([0.1, 0.5]))
+    assert window_stderr([0.4], None) is None and window_stderr([], 2) is None
+
+
+# Predictiveness ------------------------------------------------------------------------------------------------
+
+
+def test_gain_predictiveness_is_the_correlation_of_h_with_the_next_change_of_r():
+    rpg = RPGAggregator()
+    history = [(0.1, 0.5, 0.3, 0.2), (0.4, 0.3, 0.35, 0.5), (0.2, 0.45, 0.5, 0.4), (0.6, 0.4, 0.3, 0.45)]
+    pairs, round_values = [], []
+    previous = None
+    for round_idx, rewards in enumerate(history):
+        rpg.client_weights([update(client_id, reward) for client_id, reward in zip("abcd", rewards)], round_idx)
+        this_round = []
+        if previous is not None:
+            gains, old = previous
+            this_round = [(gains[c], reward - old[c]) for c, reward in zip("abcd", rewards)]
+        pairs += this_round
+        # none in the first round; the first reports' gains are all 0 (φ = R̄): no spread, no correlation
+        spread = this_round and all(len(set(values)) > 1 for values in zip(*this_round))
+        expected = stats.pearsonr(*zip(*this_round)).statistic if spread else None
+        assert rpg.last_predictiveness == (None if expected is None else pytest.approx(expected))
+        round_values.append(rpg.last_predictiveness)
+        previous = (dict(rpg.last_gains), dict(zip("abcd", rewards)))
+    assert round_values[0] is round_values[1] is None and None not in round_values[2:]
+    assert rpg.prediction_sums.correlation() == pytest.approx(stats.pearsonr(*zip(*pairs)).statistic)
+    metrics = {metric.name: metric.value for metric in rpg.round_metrics()}
+    assert metrics["gain_predictiveness"] == round_values[-1]
+    assert metrics["gain_predictiveness_run"] == pytest.approx(stats.pearsonr(*zip(*pairs)).statistic)
+
+
+def test_gain_predictiveness_survives_a_checkpoint_and_keeps_constant_state():
+    first, second = RPGAggregator(), RPGAggregator()
+    rounds = [(0.1, 0.5, 0.3), (0.4, 0.3, 0.35), (0.2, 0.45, 0.5), (0.6, 0.4, 0.3), (0.3, 0.6, 0.2)]
+    for round_idx, rewards in enumerate(rounds[:3]):
+        first.client_weights([update(c, r) for c, r in zip("abc", rewards)], round_idx)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for round_idx, rewards in enumerate(rounds[3:], start=3):
+        updates = [update(c, r) for c, r in zip("abc", rewards)]
+        assert first.client_weights(updates, round_idx) == second.client_weights(updates, round_idx)
+    assert first.prediction_sums.correlation() == second.prediction_sums.correlation() is not None
+    assert len(first.state_dict()["prediction_sums"]) == 6  # sums, not pairs: the same size after any rounds
+
+
+def test_prediction_sums_need_three_pairs_with_spread():
+    sums = PredictionSums()
+    for x, y in [(1, 2), (2, 4)]:
+        sums.add(x, y)
+    assert sums.correlation() is None
+    sums.add(3, 6)
+    assert sums.correlation() == pytest.approx(1.0)
+    flat = PredictionSums()
+    for x in (1, 2, 3):
+        flat.add(x, 0.5)
+    assert flat.correlation() is None
+
+
+# Idle clients --------------------------------------------------------------------------------------------------
+
+
+def test_cap_idle_weights_holds_an_idle_client_at_its_data_share():
+    weights = cap_idle_weights([0.7, 0.2, 0.1], [1 / 3, 1 / 3, 1 / 3], [True, False, False])
+    assert weights[0] == pytest.approx(1 / 3)
+    assert weights[1] / weights[2] == pytest.approx(2.0) and sum(weights) == pytest.approx(1.0)
+    assert cap_idle_weights([0.2, 0.8], [0.5, 0.5], [True, False]) == [0.2, 0.8]  # under its share: kept
+    assert cap_idle_weights([0.7, 0.3], [0.5, 0.5], [True, True]) == [0.7, 0.3]  # all idle: Δ is 0 anyway
+
+
+def test_an_idle_client_whose_r_climbs_gets_no_more_than_its_data_share(tiny_model_dir, fast_args):
+    """Through the server core: client a sends back the adapter it was sent (no gradient: every group scored
+    alike) with an R̄ that climbs every round; RPG would give it most of the weight, and so shrink the step of the
+    two clients that learned."""
+    server = make_server(tiny_model_dir, fast_args, aggregation="rpg", num_rounds=4, local_steps=2, reward_window=2)
+    unguarded = RPGAggregator(server_optimizer=None)
+    for round_idx, idle_reward in enumerate([0.1, 0.4, 0.7, 1.0]):
+        replies = {
+            "a": {"state": dict(server.global_state), "reward": idle_reward,
+                  "metrics": {"step_rewards": [idle_reward, idle_reward], "frac_reward_zero_std": 1.0}},
+            "b": {"reward": 0.3, "metrics": {"step_rewards": [0.3, 0.3]}},
+            "c": {"reward": 0.3, "metrics": {"step_rewards": [0.3, 0.3]}, "state": moved(server, -1.0, 0.3)},
+        }
+        record = honest_round(server, round_idx, **replies)
+        raw = unguarded.client_weights([update(c, replies[c]["reward"]) for c in "abc"], round_idx)
+        assert record.weights["a"] <= 1 / 3 + 1e-9
+        assert record.weights["b"] / record.weights["c"] == pytest.approx(raw[1] / raw[2])
+        assert server.aggregator.last_idle == {"a": True, "b": False, "c": False}
+    assert max(raw) == raw[0] > 0.5  # unguarded, the idle client took the round
+
+
+def test_fedavg_weights_are_unchanged_by_the_idle_rule():
+    fedavg = FedAvgAggregator()
+    updates = [update("a", 0.5, num_samples=30, state={"w": torch.zeros(2)}), update("b", 0.1, num_samples=10)]
+    fedavg.aggregate(dict(STATE), updates, 0)
+    assert fedavg.last_idle == {"a": True, "b": False}
+    assert fedavg.last_weights == {"a": 0.75, "b": 0.25}
+
+
+# Diagnostics in the run's files --------------------------------------------------------------------------------
+
+
+def test_every_round_records_the_diagnostics_in_metrics_and_result(tiny_model_dir, fast_args, tmp_path):
+    server = make_server(tiny_model_dir, fast_args, aggregation="rpg", rpg_gain="noise-aware", num_rounds=4,
+                         local_steps=2, reward_window=2)
+    server.start_run()
+    for round_idx, rewards in enumerate([(0.1, 0.5, 0.3), (0.4, 0.3, 0.35), (0.2, 0.45, 0.5), (0.6, 0.4, 0.3)]):
+        replies = {c: {"reward": r, "metrics": {"step_rewards": [r - 0.1, r + 0.1], "frac_reward_zero_std": 0.25}}
+                   for c, r in zip("abc", rewards)}
+        honest_round(server, round_idx, **replies)
+    path = server.write_result(tmp_path / "result.json", 1.0)
+    last = json.loads(path.read_text())["rounds"][-1]
+    assert last["reward_stderr"] == pytest.approx(dict.fromkeys("abc", 0.1))
+    assert last["zero_signal_share"] == dict.fromkeys("abc", 0.25)
+    assert last["idle"] == dict.fromkeys("abc", 0)
+    assert last["gain_predictiveness"] is not None and last["gain_predictiveness_run"] is not None
+    logged = [json.loads(line) for line in open(server.args.output_dir + "/metrics.jsonl")]
+    rounds = [entry for entry in logged if entry.get("event") == "round"]
+    assert rounds[-1]["gain_predictiveness_run"] == pytest.approx(last["gain_predictiveness_run"])
+    assert rounds[-1]["reward_stderr"]["b"] == pytest.approx(0.1)
+    server.close()
+
+
+# The premise setting's partition ---------------------------------------------------------------------------------
+
+
+def test_one_label_per_client_with_equal_sizes(tmp_path):
+    rows = [{"prompt": f"{task}{i}", "category": task} for task, count in (("x", 40), ("y", 25), ("z", 31), ("w", 50))
+            for i in range(count)]
+    dataset = Dataset.from_list(rows)
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=4, partition_column="category",
+                         labels_per_client=1, equal_partition_sizes=True, min_partition_size=20)
+    partitions = partition_clients(dataset, args)
+    assert [set(p["category"]) for p in partitions] == [{"w"}, {"x"}, {"y"}, {"z"}]  # dealt in sorted order
+    assert [len(p) for p in partitions] == [25] * 4
+    prompts = [prompt for partition in partitions for prompt in partition["prompt"]]
+    assert len(set(prompts)) == len(prompts) == 100  # disjoint
+    unequal = partition_clients(dataset, FedGRPOConfig(
+        output_dir=str(tmp_path), bf16=False, num_clients=4, partition_column="category", labels_per_client=1))
+    assert sorted(Counter(len(p) for p in unequal)) == [25, 31, 40, 50]
+    with pytest.raises(ValueError, match="fewer than `min_partition_size` \\(30\\)"):
+        partition_clients(dataset, FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=4,
+                                                 partition_column="category", labels_per_client=1,
+                                                 equal_partition_sizes=True, min_partition_size=30))
+    with pytest.raises(ValueError, match="has only 4 values"):
+        partition_clients(dataset, FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=4,
+                                                 partition_column="category", labels_per_client=5))
+    with pytest.raises(ValueError, match="name that column"):
+        FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=4, partition_column=None,
+                      labels_per_client=1)
