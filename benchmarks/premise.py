@@ -1,5 +1,5 @@
 """Does RPG help where its premise holds? FedAvg against the paper's RPG and the noise-aware RPG, on clients that differ
-in what they learn, not in how much data they hold (issue 46).
+in what they learn, not in how much data they hold.
 
 The setting (`examples/configs/premise.yaml`): 4 clients, one reasoning-gym task each (`labels_per_client: 1` over
 `category`), equal data volumes (`equal_partition_sizes`: FedAvg's weights are all 1/4), 12 rounds of 4 local steps,
@@ -202,7 +202,7 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
     status = (f"complete: {len(results)} of {total_cells} cells finished" if len(results) == total_cells
               else f"PARTIAL: {len(results)} of {total_cells} cells finished")
     lines = [
-        "# Does RPG help where its premise holds? (issue 46)", "",
+        "# Does RPG help where its premise holds?", "",
         f"Status: {status}. Command: `{command}`; the report regenerates from the committed cells with "
         "`--report_only`.", "",
         "Setting: `examples/configs/premise.yaml`: 4 clients, one task each (chain_sum, gcd, letter_counting, "

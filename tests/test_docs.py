@@ -285,7 +285,7 @@ def check_script_flags(script: Path, argv: list[str]) -> list[str]:
     from trl_federated.config import CONFIG_CLASSES
 
     source = script.read_text(encoding="utf-8")
-    if '"verdict.py"' in source:
+    if '"verdict.py"' in source or "from verdict import" in source:
         source += (ROOT / "benchmarks" / "verdict.py").read_text(encoding="utf-8")
     run_like = re.search(r"TrlParser|parse_run_args|HfArgumentParser|parse_known_args", source)
     import dataclasses

@@ -10,8 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 from scipy import stats
-from test_untrusted import honest_round, make_server, moved
 
+from test_untrusted import honest_round, make_server, moved
 from trl_federated import ClientUpdate, FedGRPOConfig
 from trl_federated.aggregation import FedAvgAggregator, RPGAggregator
 from trl_federated.aggregation.base import cap_idle_weights, window_stderr

@@ -539,7 +539,7 @@ class FedGRPOConfig(GRPOConfig):
     labels_per_client: int | None = field(
         default=None,
         metadata={
-            "help": ResultHelp(
+            "help": (
                 "Give each client exactly this many values of `partition_column` (Flower's PathologicalPartitioner, "
                 "labels dealt in order: client i holds label i with 1), in place of the Dirichlet draw: one task per "
                 "client, the setting where clients differ in what they learn. None: the Dirichlet partition."
@@ -549,7 +549,7 @@ class FedGRPOConfig(GRPOConfig):
     equal_partition_sizes: bool = field(
         default=False,
         metadata={
-            "help": ResultHelp(
+            "help": (
                 "Cut every client's partition to the smallest one's size, so that data volume (FedAvg's weight) is "
                 "equal and only what the clients learn tells them apart."
             )
