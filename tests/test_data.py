@@ -15,6 +15,7 @@ from trl_federated.data import (
     label_histogram,
     partition_clients,
 )
+from trl_federated.data.partition import split_description
 from trl_federated.rewards import answer_accuracy_reward
 
 SMALL_TASKS = {
@@ -225,3 +226,21 @@ def test_a_dataset_without_a_label_column_splits_uniformly(tmp_path, caplog):
         args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, partition_column=spelled, report_to="none")
         assert args.partition_column is None
         assert _ids(partition_clients(plain, args)) == _ids(dirichlet_partition(plain, 1, None, 0.05, seed=args.seed))
+
+
+def test_a_plain_trl_dataset_federates_at_the_default_partition_column(tmp_path, caplog):
+    """A dataset with `prompt` and `solution` only (a plain TRL dataset) at the defaults: split uniformly, said once;
+    a column the user named that the dataset lacks is still refused, naming the way out."""
+    from trl_federated.config import FedGRPOConfig
+
+    plain = Dataset.from_dict({"row_id": list(range(30)), "prompt": ["q"] * 30, "solution": ["1"] * 30})
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=3)
+    assert args.partition_column == "difficulty"
+    with caplog.at_level(logging.WARNING, logger="trl_federated.data.partition"):
+        partitions = partition_clients(plain, args)
+    assert sorted(len(p) for p in partitions) == [10, 10, 10]
+    assert caplog.text.count("split uniformly") == 1
+    assert split_description(args, plain) == "a uniform split"
+    named = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=3, partition_column="topic")
+    with pytest.raises(ValueError, match="no such column"):
+        partition_clients(plain, named)

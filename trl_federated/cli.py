@@ -617,19 +617,20 @@ def run(argv: list[str]) -> int:
         usage_error(str(fault))
     start = time.perf_counter()
     train, test = load_benchmark(data_args)
-    try:  # a reward reading a column the data lacks would fail only at the first training step
+    try:  # a reward reading a column the data lacks would fail only at the first training step; a partition that
+        # cannot be drawn, before anything is written
         check_reward_columns(rewards, train)
         check_reward_columns(eval_rewards, test, "eval_reward_funcs")
+        clients = partition_clients(train, args)
     except ValueError as fault:
         usage_error(str(fault))
     # A taken output_dir or a missing checkpoint fails here, before the model loads; after every check of the
     # command line, so that a refused run leaves a folder `overwrite_output_dir` would clear as it was.
     prepare_output_dir(args, PartialState().is_main_process)
-    clients = partition_clients(train, args)
     model, processing_class = load_model(model_args, args)
     header = (
         f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
-        f"{args.num_clients} clients ({split_description(args)}), "
+        f"{args.num_clients} clients ({split_description(args, train)}), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
         f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, "
         f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "

@@ -172,14 +172,22 @@ def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
     Raises:
         ValueError: for a partition that cannot be drawn, or a client left with fewer than `min_partition_size` rows.
     """
+    column = args.partition_column
     if args.labels_per_client is not None:
-        partitions = label_partition(dataset, args.num_clients, args.partition_column, args.labels_per_client,
-                                     seed=args.seed)
+        partitions = label_partition(dataset, args.num_clients, column, args.labels_per_client, seed=args.seed)
     else:
+        if column == default_partition_column() and column not in dataset.column_names:
+            # A plain TRL dataset (prompt, solution) has no difficulty label: split it as it can be, and say so.
+            logger.warning(
+                "The dataset has no %r column (the default `partition_column`): its rows are split uniformly across "
+                "the %d clients. Name a label column with `partition_column` for a non-IID split.", column,
+                args.num_clients,
+            )
+            column = None
         partitions = dirichlet_partition(
             dataset,
             num_clients=args.num_clients,
-            partition_column=args.partition_column,
+            partition_column=column,
             alpha=args.dirichlet_alpha,
             seed=args.seed,
             min_partition_size=args.min_partition_size,
@@ -195,12 +203,22 @@ def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
     return partitions
 
 
-def split_description(args: FedGRPOConfig) -> str:
-    """How `partition_clients` splits the data, for run headers and model cards."""
+def default_partition_column() -> str | None:
+    """`FedGRPOConfig.partition_column`'s default: the label `partition_clients` does without in a dataset lacking
+    it."""
+    from ..config import FedGRPOConfig
+
+    return FedGRPOConfig.__dataclass_fields__["partition_column"].default
+
+
+def split_description(args: FedGRPOConfig, dataset: Dataset | None = None) -> str:
+    """How `partition_clients` splits the data (`dataset`: the rows it splits, when known), for run headers and model
+    cards."""
     equal = ", equal sizes" if args.equal_partition_sizes else ""
     if args.labels_per_client is not None:
         return f"{args.labels_per_client} value(s) of `{args.partition_column}` a client{equal}"
-    if args.partition_column is None or math.isinf(args.dirichlet_alpha):
+    missing = dataset is not None and args.partition_column not in dataset.column_names
+    if args.partition_column is None or math.isinf(args.dirichlet_alpha) or missing:
         return f"a uniform split{equal}"
     return f"Dirichlet μ={args.dirichlet_alpha} over `{args.partition_column}`{equal}"
 
