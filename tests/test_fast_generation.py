@@ -10,6 +10,9 @@ What is exact and what has a tolerance:
 """
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,7 +114,13 @@ def test_bfloat16_log_probabilities_within_tolerance(tiny_model_dir, tiny_tokeni
     assert difference.max() <= 0.05 and difference.mean() <= 0.01
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+ONEDNN_BF16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN has no bf16 path on this CPU (AVX2 only): no bf16 projection is packed (the next test runs there)",
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)])
 def test_packed_projections_compute_the_dense_products(tiny_model_dir, dtype):
     model = adapted(tiny_model_dir)
     merged = MergedGenerationModel(model, dtype)
@@ -268,3 +277,37 @@ def test_the_kv_cache_is_passed_under_the_installed_transformers_keyword(tiny_mo
         warnings.filterwarnings("error", message=".*past_key_values.*deprecated", category=FutureWarning)
         shared_prefill_generate(MergedGenerationModel(model, torch.float32).refresh(), ids, mask,
                                 generation_config(tiny_tokenizer), FastGenerationStats())
+
+
+AVX2_ONLY = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from peft import LoraConfig, get_peft_model
+from trl_federated.devices import has_native_bf16
+from trl_federated.fast_generation import MergedGenerationModel, PackedLinear, resolve_generation_dtype
+model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]), LoraConfig(r=4, target_modules="all-linear"))
+ids = torch.randint(0, model.config.vocab_size, (2, 7))
+logits = {}
+for dtype in (torch.float32, torch.bfloat16):
+    copy = MergedGenerationModel(model.eval(), dtype).refresh()
+    packed = any(isinstance(module, PackedLinear) for module in copy.modules())
+    assert packed == (dtype == torch.float32), (dtype, packed)
+    with torch.no_grad():
+        logits[dtype] = copy(input_ids=ids).logits.float()
+difference = (logits[torch.bfloat16].log_softmax(-1) - logits[torch.float32].log_softmax(-1)).abs()
+print(torch.ops.mkldnn._is_mkldnn_bf16_supported(), has_native_bf16(torch.device("cpu")),
+      resolve_generation_dtype("auto", torch.device("cpu")), float(difference.max()))
+"""
+
+
+def test_bfloat16_generation_falls_back_to_dense_projections_on_an_avx2_only_cpu(tiny_model_dir):
+    """On a CPU without AVX-512 oneDNN has no bf16 path (`mkldnn_reorder_linear_weight: bf16 path needs ...`): imitated
+    here by limiting oneDNN to AVX2, the bf16 copy keeps dense projections and computes, float32 stays packed, and
+    `generation_dtype: auto` picks float32 (no native bf16)."""
+    environment = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    result = subprocess.run([sys.executable, "-c", AVX2_ONLY, str(tiny_model_dir)], env=environment,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    supported, native, auto, difference = result.stdout.split()
+    assert (supported, native, auto) == ("False", "False", "torch.float32")
+    assert float(difference) <= 0.05

@@ -132,9 +132,13 @@ class PackedLinear(torch.nn.Module):
         return output.view(*hidden.shape[:-1], self.out_features)
 
 
-def can_pack_linears(device: torch.device) -> bool:
-    """Whether `PackedLinear` runs on `device`: a CPU build of PyTorch with oneDNN."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def can_pack_linears(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `PackedLinear` runs on `device` in `dtype`: a CPU build of PyTorch with oneDNN, and for bfloat16 a CPU
+    whose oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; `_is_mkldnn_bf16_supported`, which also
+    honours `ONEDNN_MAX_CPU_ISA`). Elsewhere, as on an AVX2-only CPU, the copy keeps its dense `torch.nn.Linear`s."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_linears(model: torch.nn.Module) -> dict[str, PackedLinear]:
@@ -174,7 +178,7 @@ class MergedGenerationModel:
         lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
         source_buffers = dict(base.named_buffers())
         self._buffers = [(buffer, source_buffers[name]) for name, buffer in self.model.named_buffers()]
-        packed = pack_linears(self.model) if can_pack_linears(base.device) else {}
+        packed = pack_linears(self.model) if can_pack_linears(base.device, dtype) else {}
         # (target: a parameter, or a PackedLinear for its weight; source parameter; LoRA layer whose delta is added
         # or None), by the copy's names
         self._parameters = []
