@@ -255,3 +255,109 @@ def test_a_budget_ends_the_run_checkpointed_and_a_resume_continues_its_accountan
     rounds = [line for line in read_metrics(tmp_path / "b" / "metrics.jsonl") if line.get("event") == "round"]
     assert [line["dp_epsilon"] for line in rounds] == epsilons
     assert "| ε |" in (tmp_path / "b" / "summary.md").read_text()
+
+
+# Issue: a mechanism without leaks -----------------------------------------------------------------------------
+
+
+def test_frozen_entries_take_no_noise_and_are_not_counted_in_the_noise_floor():
+    """`lora_aggregation: freeze_a`: no client changes LoRA A, so the release keeps it as seeded (before, 2 rounds
+    left ‖A_server − A_seeded‖ at 220 against ‖A‖ = 8.7)."""
+    frozen = frozenset({"a.lora_A.weight"})
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(frozen_keys=frozen))
+    reference = global_state()
+    updates = [ClientUpdate(f"c{i}", moved(reference, i, 0.1) | {"a.lora_A.weight": reference["a.lora_A.weight"]},
+                            1, 0.0) for i in range(3)]
+    state = reference
+    for round_idx in range(2):
+        state = aggregator.aggregate(state, updates, round_idx)
+    assert torch.equal(state["a.lora_A.weight"], reference["a.lora_A.weight"])
+    assert not torch.equal(state["a.lora_B.weight"], reference["a.lora_B.weight"])
+
+
+def test_a_round_redone_after_its_release_draws_fresh_noise_and_is_counted_again(tmp_path):
+    """Resuming from checkpoint 0 after round 1 was released redoes round 1: with the same noise, the difference of
+    the two releases would cancel it and expose the clients' updates. The release ledger outside the checkpoints
+    gives the redo a fresh ordinal, and counts both releases in ε."""
+    log = tmp_path / "dp-releases.jsonl"
+    updates = [ClientUpdate(f"c{i}", global_state(), 1, 0.0) for i in range(3)]
+    first = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(release_log=log))
+    noise_of(first, updates, 0)
+    checkpoint_0 = json.loads(json.dumps(first.state_dict()))
+    released_1 = noise_of(first, updates, 1)
+    checkpoint_1 = json.loads(json.dumps(first.state_dict()))
+    next_round = noise_of(first, updates, 2)
+
+    redo = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(release_log=log))
+    redo.load_state_dict(checkpoint_0)  # the ledger holds 3 releases: rounds 0, 1, 2
+    assert redo.privacy.releases == 3
+    redone_1 = noise_of(redo, updates, 1)
+    assert not torch.equal(redone_1, released_1)
+    assert (redone_1 - released_1).std() > 0.5 * released_1.std()  # independent draws, not a shifted copy
+    assert len(log.read_text().splitlines()) == 4
+    assert redo.privacy.last_epsilon == pytest.approx(privacy().epsilon_after(4))
+
+    # A resume from the latest checkpoint, with nothing released after it, draws what the uninterrupted run drew.
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))
+    resumed = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(release_log=log))
+    resumed.load_state_dict(checkpoint_1)
+    assert torch.equal(noise_of(resumed, updates, 2), next_round)
+
+
+def test_a_torn_last_line_of_the_release_ledger_is_not_counted(tmp_path):
+    log = tmp_path / "dp-releases.jsonl"
+    mechanism = privacy(release_log=log)
+    mechanism.compose_round(1.0)
+    with open(log, "a") as stream:
+        stream.write('{"event": {"noise')
+    resumed = privacy(release_log=log)
+    resumed.load_state_dict(mechanism.state_dict())
+    assert resumed.releases == 1 and resumed.last_epsilon == mechanism.last_epsilon
+
+
+def test_under_dp_the_clients_sample_is_drawn_from_a_server_secret(tiny_model_dir, fast_args):
+    """Clients know `seed` (42 by default): the amplification by sampling assumes they cannot tell when they are
+    sampled. Under DP the draw comes from the secret noise seed, the same after a checkpoint."""
+    from test_untrusted import make_server
+    from trl_federated.sampling import sample_clients
+
+    def server(**dp):
+        return make_server(tiny_model_dir, fast_args, num_clients=10, fraction_train=0.3, min_clients_per_round=1,
+                           **dp)
+
+    plain = server()
+    public = [sample_clients(10, 0.3, 1, plain.args.seed, t) for t in range(6)]
+    assert [plain.begin_round(t) for t in range(6)] == public
+    private = server(dp_noise_multiplier=1.0)
+    secret = private.aggregator.privacy.sampling_seed
+    assert [private.begin_round(t) for t in range(6)] == [sample_clients(10, 0.3, 1, secret, t) for t in range(6)]
+    assert [private.begin_round(t) for t in range(6)] != public
+    state = json.loads(json.dumps(private.aggregator.state_dict()))
+    resumed = server(dp_noise_multiplier=1.0)
+    resumed.aggregator.load_state_dict(state)
+    assert [resumed.begin_round(t) for t in range(6)] == [sample_clients(10, 0.3, 1, secret, t) for t in range(6)]
+
+
+def test_under_dp_report_to_receives_no_clients_raw_values():
+    from trl_federated.callbacks import round_logs
+    from trl_federated.round_record import RoundRecord
+
+    aggregator = with_privacy(RPGAggregator(server_optimizer=ServerSGD(1.0)), privacy(reward_range=(0.0, 1.0),
+                                                                     reward_noise_multiplier=1.0))
+    reference = global_state()
+    updates = [ClientUpdate(f"c{i}", moved(reference, i, 0.1), 1, 0.2 * i,
+                            metrics={"loss": 0.5, "kl": 0.01, "step_rewards": [0.1, 0.3]}) for i in range(3)]
+    aggregator.aggregate(reference, updates, 0)
+    step = aggregator.last_step
+    record = RoundRecord(
+        round_idx=0, rewards={u.client_id: u.reward for u in updates}, weights=dict(aggregator.last_weights),
+        client_metrics={u.client_id: u.metrics for u in updates}, update_norms=step.update_norms,
+        update_cosines=step.cosines, round_metrics=aggregator.round_metrics(),
+    )
+    logs = round_logs(record)
+    assert logs["dp_epsilon"] > 0 and {f"c{i}/dp_reward" for i in range(3)} <= set(logs)
+    assert {f"c{i}/weight" for i in range(3)} <= set(logs)
+    leaked = [name for name in logs if name.split("/")[-1] in
+              ("reward_window", "update_norm", "update_cosine", "loss", "kl", "reward_stderr", "zero_signal_share")
+              or name == "reward"]
+    assert leaked == []

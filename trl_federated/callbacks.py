@@ -86,6 +86,11 @@ def is_reserved_metric(name: str, round_metrics: Iterable[RoundMetric] = ()) -> 
     )
 
 
+# A client's entries of the round log that differential privacy releases or that are public: its weight (from R̃ or
+# the sample counts), its traffic, its released R̃ and the gain RPG computed from it.
+RELEASED_UNDER_DP = ("weight", "bytes_sent", "dp_reward", "rpg_gain")
+
+
 def round_logs(record: RoundRecord) -> dict[str, float]:
     """One round as a flat log entry named as TRL names its step logs.
 
@@ -100,11 +105,15 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     and their ratio `server_step_ratio`, `server_step_cosine` cos(s, Δ), `server_step_momentum_cosine`
     cos(s, s^{[t-1]}), and ‖s‖ over the LoRA A and B factors, `server_step_norm_a` and `_b`), and
     the evaluation if the round had one (`evaluation_logs`). Trainer's TensorBoard, W&B and Trackio integrations
-    show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ...
+    show them as `train/reward`, `train/client_0/weight`, `eval/accuracy/Total`, ... Under differential privacy
+    (the record carries `dp_epsilon`) a client's raw values are left out: its metrics and their means, R̄ and its mean,
+    its update's norm and cosine; only `RELEASED_UNDER_DP` and the round's totals remain.
     """
-    # A client's scalar metrics, under its own name and averaged over the clients; a mean that would read as
-    # another client's entry (`<client_id>/...`) or as the server's is left out: the server's entries come last.
-    client_scalars = {
+    # Under differential privacy only what the mechanism released, or what is public, leaves the server this way
+    # (report_to, Flower's MetricRecord): no client's raw R̄, metrics or update geometry (metrics.jsonl, a local file,
+    # keeps them).
+    private = any(metric.name == "dp_epsilon" for metric in record.round_metrics)
+    client_scalars = {} if private else {
         client_id: {
             metric_log_name(name): value
             for name, value in metrics.items()
@@ -125,7 +134,7 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
     logs.update({"round": record.round_idx, "num_clients": len(record.rewards)})
     if record.sampled is not None:
         logs["num_sampled"] = len(record.sampled)
-    if record.rewards:
+    if record.rewards and not private:
         logs["reward"] = sum(record.rewards.values()) / len(record.rewards)
     for metric in record.round_metrics:
         if not metric.per_client and metric.value is not None:
@@ -145,6 +154,8 @@ def round_logs(record: RoundRecord) -> dict[str, float]:
         "update_cosine": record.update_cosines,
     }
     for name, values in per_client.items():
+        if private and name not in RELEASED_UNDER_DP:
+            continue
         for client_id, value in values.items():
             if value is not None:  # a cosine with a zero vector
                 logs[f"{client_id}/{name}"] = value

@@ -67,8 +67,12 @@ CHECKPOINT_FILES = (ADAPTER_FILE, ADAPTER_CONFIG_FILE, TENSORS_FILE, STATE_FILE)
 # Staging folders of a write that a crash interrupted: `.checkpoint-<t>.tmp`, `.checkpoint-<t>.old`, `.round-<t>.tmp`.
 _STAGING_RE = re.compile(r"\.(checkpoint|round)-\d+\.(tmp|old)")
 _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+# The append-only ledger of every DP release (`aggregation.privacy.ClientLevelPrivacy.release_log`): outside the
+# checkpoints, so that a resume from an earlier checkpoint still counts, and never repeats the noise of, what was
+# released after it.
+DP_RELEASE_LOG = "dp-releases.jsonl"
 # What a run leaves in output_dir besides the files every run rewrites (final adapter, summary, plots).
-_RUN_FILES = ("metrics.jsonl", "result.json")
+_RUN_FILES = ("metrics.jsonl", "result.json", DP_RELEASE_LOG)
 _RUN_FOLDER_RE = re.compile(r"(checkpoint|round)-\d+")
 # The lock file of the run writing to an output folder (`lock_output_dir`); it holds the writer's PID and host.
 LOCK_FILE = ".trl-federated.lock"

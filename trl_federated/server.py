@@ -59,6 +59,7 @@ from .aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, ClientUpdate, ser
 from .aggregation.privacy import ClientLevelPrivacy, privacy_from_config
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
+    DP_RELEASE_LOG,
     Checkpoint,
     CorruptCheckpointError,
     list_checkpoints,
@@ -195,7 +196,8 @@ class FederatedServer:
         aggregator.privacy = privacy_from_config(
             args, aggregator, self.num_clients, self.clients_per_round,
             args.dp_clip_norm * update_norm_unit(args.local_steps, args.learning_rate, self.global_state),
-            self.reward_range,
+            self.reward_range, frozen_keys=self.wire.frozen_keys,
+            release_log=Path(args.output_dir) / DP_RELEASE_LOG if is_main_process else None,
         )
         self.num_rounds = args.num_rounds  # the rounds this run does: `start_run` sets it
         self.is_main_process, self.num_processes = is_main_process, num_processes
@@ -247,7 +249,7 @@ class FederatedServer:
     def warn_of_noise_floor(self, privacy: ClientLevelPrivacy) -> None:
         """Warn when DP's noise will outweigh whatever the clients send (`noise_to_signal_floor` above 1): then the
         run cannot learn, whatever the data, and it takes more clients a round or a smaller adapter."""
-        num_coordinates = state_size(self.global_state)
+        num_coordinates = state_size(self.wire.sent(self.global_state))  # the noised ones: not a frozen LoRA A
         floor = privacy.noise_to_signal_floor(num_coordinates)
         if floor > 1 and self.is_main_process:
             logger.warning(
@@ -311,7 +313,11 @@ class FederatedServer:
         self._fire("on_round_begin", round_idx=round_idx)
         self.gate.open_round(self.global_state)
         args = self.args
-        sampled = sample_clients(self.num_clients, args.fraction_train, args.min_train_clients, args.seed, round_idx)
+        # Under DP the draw comes from a server-only secret: clients know `seed`, and could otherwise tell when they
+        # are sampled, which the accountant's amplification by sampling assumes they cannot.
+        privacy = self.aggregator.privacy
+        seed = args.seed if privacy is None else privacy.sampling_seed
+        sampled = sample_clients(self.num_clients, args.fraction_train, args.min_train_clients, seed, round_idx)
         self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
         return sampled
 

@@ -18,16 +18,27 @@ coordinate of the R̄ vector by at most B. Both releases of a round share its sa
 one sampled Gaussian of noise multiplier (σ⁻² + σ_R⁻²)^(-1/2) (`dp_accounting`'s `ComposedDpEvent`), whose ε at δ is
 reported after every round. docs/privacy.md derives the bound on max_i ω_i that RPG's h_max and τ give.
 
-The noise comes from its own generators, seeded from a secret noise seed and the round, never from torch's global
-one: a run without DP draws nothing here, and a resumed run draws the noise the uninterrupted run would have.
+The noise comes from its own generators, seeded from a secret noise seed, the round and the release's ordinal, never
+from torch's global one: a run without DP draws nothing here. Every release is appended to a ledger outside the
+checkpoints (`release_log`, `dp-releases.jsonl` in the output folder) before its adapter can leave the server, and the
+ordinal is the count of releases that ledger holds: a run resumed from its last checkpoint draws the noise the
+uninterrupted run would have, while a round redone after its release (a resume from an earlier checkpoint, or after a
+crash between the release and its checkpoint) draws fresh noise and is counted again in ε, so that no two releases of
+one round share noise that their difference would cancel. Entries the clients never change (LoRA A under
+`lora_aggregation: freeze_a`) take no noise. The clients sampled each round are drawn from a secret derived from the
+noise seed (`sampling_seed`), not from the run's `seed` that clients may know: the sampling amplification the
+accountant counts on holds against them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import random
 import secrets
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +77,10 @@ class ClientLevelPrivacy:
         target_delta: δ at which ε is reported.
         max_epsilon: The budget: `affordable_rounds` stops before a round that would spend more (None: none).
         noise_seed: Seed of the noise; None draws one from the operating system, kept in `state_dict`.
+        frozen_keys: Adapter entries no client can change (LoRA A under `freeze_a`): they take no noise, and the
+            noise-to-signal floor counts the coordinates without them.
+        release_log: The append-only ledger of every release (a JSON line each), outside the checkpoints; None keeps
+            the releases in memory only (a caller that never resumes).
     """
 
     def __init__(
@@ -79,6 +94,8 @@ class ClientLevelPrivacy:
         target_delta: float = 1e-5,
         max_epsilon: float | None = None,
         noise_seed: int | None = None,
+        frozen_keys: frozenset[str] = frozenset(),
+        release_log: str | Path | None = None,
     ):
         if not noise_multiplier > 0 or not clip_norm > 0:
             raise ValueError(f"DP needs a noise multiplier and a clip norm > 0, got {noise_multiplier}, {clip_norm}.")
@@ -94,6 +111,9 @@ class ClientLevelPrivacy:
         self.reward_noise_multiplier = reward_noise_multiplier if reward_range is not None else None
         self.target_delta, self.max_epsilon = target_delta, max_epsilon
         self.noise_seed = secrets.randbits(63) if noise_seed is None else noise_seed
+        self.frozen_keys = frozenset(frozen_keys)
+        self.release_log = None if release_log is None else Path(release_log)
+        self.releases = 0  # releases made so far, redone rounds included: the next one's noise ordinal
         # The rounds composed so far, as runs of identical events (a resumed run may change σ): [(event spec, count)].
         # ε is always computed from it, so that a resumed run reports the uninterrupted run's ε to the last bit.
         self.ledger: list[tuple[dict[str, Any], int]] = []
@@ -106,10 +126,16 @@ class ClientLevelPrivacy:
     def generator(self, round_idx: int, stream: str) -> torch.Generator:
         """The generator of one stream of round `round_idx`'s noise ("rewards"; "delta/<key>", one per adapter tensor,
         so that a tensor's noise does not depend on the order of the others, which a checkpoint does not keep): a
-        function of the noise seed and the round alone (the separators keep seed 1, round 23 apart from seed 12,
-        round 3)."""
-        seed = random.Random(f"dp-noise/{stream}/{self.noise_seed}/{round_idx}").getrandbits(63)
+        function of the noise seed, the round and the release's ordinal (`releases`), so that a redone round draws
+        fresh noise (the separators keep seed 1, round 23 apart from seed 12, round 3)."""
+        seed = random.Random(f"dp-noise/{stream}/{self.noise_seed}/{round_idx}/{self.releases}").getrandbits(63)
         return torch.Generator().manual_seed(seed)
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the clients' sample each round: from the secret noise seed, so that no client can reproduce
+        the draw the accountant's amplification by sampling assumes it cannot."""
+        return random.Random(f"dp-sampling/{self.noise_seed}").getrandbits(63)
 
     def released_rewards(self, updates: list[ClientUpdate], round_idx: int) -> list[ClientUpdate]:
         """`updates` as the weighting sees them: with a reward range (RPG), copies whose R̄ is R̃, the clamped R̄ plus
@@ -141,6 +167,8 @@ class ClientLevelPrivacy:
     def add_noise(self, delta: AdapterState, std: float, round_idx: int) -> None:
         """Add N(0, std²) to every coordinate of `delta` (a block of Δ in round `round_idx`), in place."""
         for key, value in delta.items():
+            if key in self.frozen_keys:  # no client changes it: nothing to hide, and the release keeps it as seeded
+                continue
             noise = torch.randn(value.shape, generator=self.generator(round_idx, f"delta/{key}"), dtype=value.dtype)
             value.add_(noise, alpha=std)
 
@@ -168,11 +196,35 @@ class ClientLevelPrivacy:
         round so far."""
         self.last_noise_std = noise_std
         event = self.round_event()
+        self.append_release(event)
+        self.last_epsilon = self.epsilon_after(0)
+
+    def append_release(self, event: dict[str, Any]) -> None:
+        """Count one release in the ledger, and in `release_log` first (flushed to disk), so that a crash after it
+        still counts it when the run resumes."""
+        if self.release_log is not None:
+            with open(self.release_log, "a", encoding="utf-8") as stream:
+                stream.write(json.dumps({"release": self.releases, "event": event}, sort_keys=True) + "\n")
+                stream.flush()
+                os.fsync(stream.fileno())
+        self.releases += 1
         if self.ledger and self.ledger[-1][0] == event:
             self.ledger[-1] = (event, self.ledger[-1][1] + 1)
         else:
             self.ledger.append((event, 1))
-        self.last_epsilon = self.epsilon_after(0)
+
+    def read_release_log(self) -> list[dict[str, Any]]:
+        """The events `release_log` holds, in order; [] without one. A torn last line (a crash while appending) is a
+        release that never left: it is not counted."""
+        if self.release_log is None or not self.release_log.exists():
+            return []
+        events = []
+        for line in self.release_log.read_text(encoding="utf-8").splitlines():
+            try:
+                events.append(json.loads(line)["event"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break
+        return events
 
     def epsilon_after(self, more_rounds: int) -> float:
         """ε at δ were `more_rounds` rounds composed after those of the ledger (the ledger is left as it is)."""
@@ -229,9 +281,22 @@ class ClientLevelPrivacy:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the noise seed and the ledger, whose ε is then that of the run that saved it."""
-        self.ledger = [(dict(entry["event"]), int(entry["rounds"])) for entry in state["ledger"]]
+        """Restore the noise seed and the ledger. With a `release_log`, the ledger is every release it holds, those
+        made after the checkpoint included (a round redone on resume is then a further release, with fresh noise);
+        else the checkpoint's, whose ε is that of the run that saved it."""
+        checkpointed = [(dict(entry["event"]), int(entry["rounds"])) for entry in state["ledger"]]
         self.noise_seed = int(state["noise_seed"])
+        logged = self.read_release_log()
+        if len(logged) < sum(count for _, count in checkpointed):
+            # a ledger shorter than the checkpoint's (deleted, or another folder's): count the checkpoint's releases
+            logged = [event for event, count in checkpointed for _ in range(count)]
+        self.ledger, self.releases = [], 0
+        for event in logged:
+            self.releases += 1
+            if self.ledger and self.ledger[-1][0] == event:
+                self.ledger[-1] = (event, self.ledger[-1][1] + 1)
+            else:
+                self.ledger.append((event, 1))
         self.last_epsilon = self.epsilon_after(0) if self.ledger else None
 
 
@@ -262,6 +327,8 @@ def privacy_from_config(
     sample_size: int,
     clip_norm: float,
     reward_range: tuple[float, float] | None,
+    frozen_keys: frozenset[str] = frozenset(),
+    release_log: str | Path | None = None,
 ) -> ClientLevelPrivacy | None:
     """The mechanism `args` asks for (None without `dp_noise_multiplier`) around `aggregator`, for N = `num_clients`,
     m = `sample_size`, the absolute clip norm C and the reward functions' declared range; `ValueError` naming the
@@ -286,5 +353,7 @@ def privacy_from_config(
         target_delta=args.dp_target_delta,
         max_epsilon=args.dp_max_epsilon,
         noise_seed=args.dp_noise_seed,
+        frozen_keys=frozen_keys,
+        release_log=release_log,
     )
 
