@@ -15,10 +15,12 @@ ROOT = "trl_federated"
 # Bottom first. Imports go to the same layer or one below, never above.
 LAYERS = {
     "leaves and the tensor layer": {
-        "choices", "devices", "sampling", "adapters", "distributed", "memory", "answer_check", "methods", "models",
+        "choices", "devices", "sampling", "adapters", "distributed", "memory", "answer_check", "methods", "names",
         "testing", "vllm_server", "flower.stream", "aggregation.blocks",
     },
-    "configuration and data": {"config", "rewards", "data", "data.reasoning_gym", "data.paper", "data.partition"},
+    "configuration and data": {
+        "config", "rewards", "models", "data", "data.reasoning_gym", "data.paper", "data.partition", "data.loading",
+    },
     "local training": {"master_weights", "shared_prefix", "gated_mlp", "fast_generation", "speedups", "local_trainer"},
     "aggregation": {
         "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.robust", "aggregation.fedavg",
@@ -29,7 +31,7 @@ LAYERS = {
         "server",
     },
     "drivers and entry points": {
-        "client", "runner", "trainer", "compare", "cli", "", "flower", "flower.records", "flower.identity",
+        "client", "runner", "trainer", "compare", "arguments", "cli", "", "flower", "flower.records", "flower.identity",
         "flower.run_config", "flower.strategy", "flower.apps", "flower.flwr_run",
     },
 }  # fmt: skip
