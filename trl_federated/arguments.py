@@ -22,7 +22,7 @@ from trl import ModelConfig, TrlParser
 
 from .config import CONFIG_CLASSES, FedGRPOConfig, federated_config
 from .names import closest_key_hint, import_class
-from .rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
+from .scoring.rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
 
 
 def read_yaml_config(path: str, error: Callable[[str], Any]) -> dict[str, Any]:

@@ -27,9 +27,9 @@ from .arguments import (  # noqa: F401
     usage_error,
 )
 from .data.loading import hub_dataset_id, load_benchmark  # noqa: F401
-from .models import changed_fields, load_model, lora_config  # noqa: F401
 from .names import closest_key_hint, import_class, import_object  # noqa: F401
-from .rewards import (  # noqa: F401
+from .runtime.models import changed_fields, load_model, lora_config  # noqa: F401
+from .scoring.rewards import (  # noqa: F401
     REWARD_FUNCTIONS,
     TRL_REWARD_FUNCTIONS,
     check_reward_columns,
@@ -45,12 +45,12 @@ def run(argv: list[str]) -> int:
     """Federate GRPO on the configured model and benchmark; write adapters, metrics, summary and plots."""
     from accelerate import PartialState
 
-    from .checkpoint import prepare_output_dir
+    from .core.checkpoint import prepare_output_dir
     from .data import partition_clients
     from .data.partition import split_description
-    from .distributed import shut_down
-    from .hub import HubPushError
+    from .reports.hub import HubPushError
     from .runner import FederatedRunner
+    from .runtime.distributed import shut_down
 
     args, model_args, data_args = parse_run_args(argv)
     check_model_path(model_args.model_name_or_path)
@@ -104,7 +104,7 @@ def run(argv: list[str]) -> int:
 
 def compare(argv: list[str]) -> int:
     """Methods × seeds grid with resumable cells; see `trl_federated.compare`."""
-    from .compare import main as compare_main
+    from .reports.compare import main as compare_main
 
     return compare_main(argv)
 

@@ -37,7 +37,7 @@ from .choices import (
     TRANSFER_DTYPES,
     choice_error,
 )
-from .devices import has_native_bf16
+from .runtime.devices import has_native_bf16
 from .sampling import participation_errors
 
 logger = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
 from .data import partition_clients
-from .local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer, with_speedups
+from .local.local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer, with_speedups
+from .local.speedups import TrainerMixin
 from .names import import_class
 from .runner import FederatedRunner
-from .speedups import TrainerMixin
 
 
 class FederatedGRPOMixin(LocalGRPOMixin):

@@ -17,13 +17,14 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel
 
 from ..adapters import InvalidUpdateError, with_federated_adapter
-from ..admission import bounded_text, read_reply
 from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from ..callbacks import round_logs
 from ..config import FedGRPOConfig
-from ..evaluation import TOTAL
-from ..round_record import RoundRecord
-from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
+from ..core.admission import bounded_text, read_reply
+from ..core.callbacks import round_logs
+from ..core.evaluation import TOTAL
+from ..core.round_record import RoundRecord
+from ..core.server import FederatedServer, NotEnoughClientsError, ServerStateView
+from ..reports import server_reports
 from .identity import Claim, ClientRegistry, NodeBinder
 from .records import (
     ACCURACY,
@@ -152,9 +153,10 @@ class FederatedStrategy(ServerStateView, Strategy):
         # The server holds no client data: a checkpoint pins the model, LoRA, aggregation and training settings.
         self.server = FederatedServer(
             model, args, aggregator, reward_funcs,
-            num_samples=None if registry is None else registry.num_samples(), callbacks=callbacks,
+            num_samples=None if registry is None else registry.num_samples(),
+            callbacks=[*(callbacks or []), *server_reports(args.output_dir, report_header, dataset_name)],
             processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
-            dataset_name=dataset_name, report_header=report_header,
+            writes_result=report_header is not None,
         )
         if reply_timeout is None:
             reply_timeout = DEFAULT_REPLY_TIMEOUT if args.client_timeout is None else args.client_timeout + REPLY_SLACK

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from ..names import closest_key_hint, import_object
 from .answer_check import answers_match
-from .names import closest_key_hint, import_object
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.rewards")  # its name before the move
 
 _OPEN_RE = re.compile("<answer>", re.IGNORECASE)
 _CLOSE_RE = re.compile("</answer>", re.IGNORECASE)

@@ -39,9 +39,7 @@ from transformers import (
 )
 from trl import ModelConfig, get_peft_config, get_quantization_config
 
-from .config import FedGRPOConfig
-
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.models")  # its name before the move
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias of the embedded default model; `None` means the same."""
@@ -277,11 +275,11 @@ def lora_config(model_args: ModelConfig):
     return get_peft_config(model_args)
 
 
-def load_model(model_args: ModelConfig, args: FedGRPOConfig):
+def load_model(model_args: ModelConfig, args):
     """`(model, processing_class)` as the arguments ask, as TRL's `GRPOTrainer` would load a model named by id:
     ModelConfig's `dtype`, `attn_implementation`, `model_revision` and 4/8-bit loading (QLoRA, TRL's
-    `get_quantization_config`), the config's `trust_remote_code` and `model_init_kwargs`. A field that cannot apply
-    is refused by name, never ignored."""
+    `get_quantization_config`), and `trust_remote_code` and `model_init_kwargs` of `args` (a `FedGRPOConfig`). A
+    field that cannot apply is refused by name, never ignored."""
     bnb_fields = changed_fields(model_args, ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"))
     if bnb_fields and not model_args.load_in_4bit:
         raise ValueError(f"{bnb_fields} are read only with `load_in_4bit`, which is off.")
