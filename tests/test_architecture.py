@@ -20,7 +20,8 @@ LAYERS = {
         "runtime.master_weights",
     },
     "configuration, data and rewards": {
-        "config", "data", "data.reasoning_gym", "data.paper", "data.partition", "data.loading",
+        "config", "config.fields", "config.checks", "config.server_step", "config.results", "config.recipes",
+        "data", "data.reasoning_gym", "data.paper", "data.partition", "data.loading",
         "scoring", "scoring.answer_check", "scoring.rewards",
     },
     "aggregation": {
@@ -44,7 +45,10 @@ LAYERS = {
     "command line": {"cli", ""},
 }  # fmt: skip
 # The modules `config` may import: the configuration reads its choices and checks, and imports no implementation.
-CONFIG_IMPORTS = {"choices", "runtime.devices", "sampling"}
+CONFIG_IMPORTS = {
+    "choices", "runtime.devices", "sampling",
+    "config.fields", "config.checks", "config.server_step", "config.results", "config.recipes",
+}
 
 
 def package_modules() -> dict[str, Path]:
