@@ -194,7 +194,7 @@ class FederatedRunner(ServerStateView):
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        _, extras = self.server.broadcast(client_id)
+        _, extras = self.server.broadcast(client_id, client_index)
         return train_local_round(
             self.model,
             self.global_state,
@@ -248,8 +248,7 @@ class FederatedRunner(ServerStateView):
 
     def _run(self) -> list[RoundRecord]:
         args, server = self.args, self.server
-        try:
-            first_round = server.start_run()
+        with server.session() as first_round:  # closed however the run ends
             client_ids = list(self.client_datasets)
             self.progress = RunProgress(
                 server.num_rounds, server.clients_per_round, args.local_steps, first_round,
@@ -267,8 +266,6 @@ class FederatedRunner(ServerStateView):
             self.progress.close()
             self.progress = None
             server.finish_run()
-        finally:
-            server.close()
         return self.history
 
     def _collect(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate | None:

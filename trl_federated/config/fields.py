@@ -854,7 +854,7 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
         # The server-step fields left unset, resolved here (`resolve_server_step`): a resumed run takes its
-        # checkpoint's values of them instead (`FederatedServer.keep_server_step`). Copies of the config keep it.
+        # checkpoint's values of them instead (`run_identity.keep_server_step`). Copies of the config keep it.
         self.derived_server_fields = frozenset(name for name in SERVER_STEP_FIELDS if getattr(self, name) is None)
         self.resolve_server_step()
         for message in self._federation_errors():

@@ -36,10 +36,11 @@ order of the clients' indices, and `serve` (a context manager around a run) clos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,10 @@ class NotEnoughClientsError(RuntimeError):
     """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
 
 
+class TransportContractError(RuntimeError):
+    """A driver broke the transport contract: it accepted a round's updates out of the clients' index order."""
+
+
 @dataclass
 class _Round:
     """The round in progress: when it began, the indices of the clients it samples, what each client received (the
@@ -97,6 +102,8 @@ class _Round:
     extras_bytes: dict[str, int] = field(default_factory=dict)
     updates: list[ClientUpdate] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
+    # Each client broadcast to, by id: its index (as the driver names it, else its place among the broadcasts).
+    indices: dict[str, int] = field(default_factory=dict)
 
 
 class FederatedServer:
@@ -226,9 +233,19 @@ class FederatedServer:
                 )
         return first_round
 
+    @contextlib.contextmanager
+    def session(self) -> Iterator[int]:
+        """A run, as a driver holds it: `with server.session() as first_round:` runs `start_run` and closes the server
+        however the run ends (`close`: the output folder's lock is released on an error too). The transport contract's
+        second rule, kept here rather than in each driver's `finally`."""
+        try:
+            yield self.start_run()
+        finally:
+            self.close()
+
     def close(self) -> None:
-        """Release the output folder that `start_run` locked (`checkpoint.lock_output_dir`); drivers call it however
-        the run ends (the process's exit releases it too)."""
+        """Release the output folder that `start_run` locked (`checkpoint.lock_output_dir`); `session` calls it
+        however the run ends (the process's exit releases it too)."""
         if self.is_main_process:
             unlock_output_dir(self.args.output_dir)
 
@@ -280,13 +297,18 @@ class FederatedServer:
         self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
         return sampled
 
-    def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
+    def broadcast(
+        self, client_id: str, client_index: int | None = None
+    ) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
         frozen ones, `adapters.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
-        whose bytes count in the round's traffic."""
+        whose bytes count in the round's traffic. `client_index`: the client's index, by which `accept` orders the
+        round's updates (None: its place among this round's broadcasts, as a driver that sends in index order has)."""
         extras = self.aggregator.client_extras(client_id, self.global_state)
         if self._round is not None:
             self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
+            indices = self._round.indices
+            indices[client_id] = len(indices) if client_index is None else client_index
         return self.wire.sent(self.global_state), extras
 
     def admit(self, client_id: str, update: ClientUpdate) -> ClientUpdate:
@@ -305,10 +327,29 @@ class FederatedServer:
 
     def accept(self, update: ClientUpdate) -> None:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
-        with it every bit of the aggregate, is the same whichever transport delivered it."""
+        with it every bit of the aggregate, is the same whichever transport delivered it. The transport contract's
+        first rule: an update whose client comes before one already accepted is refused (`TransportContractError`);
+        a driver that receives replies in another order hands them to `accept_in_order`."""
+        indices = self._round.indices
+        index = indices.get(update.client_id)
+        behind = [accepted.client_id for accepted in self._round.updates
+                  if index is not None and indices.get(accepted.client_id, -1) > index]
+        if behind:
+            raise TransportContractError(
+                f"Round {self._round.round_idx}: the update of client {update.client_id!r} (index {index}) was "
+                f"accepted after that of {behind[0]!r} (index {indices[behind[0]]}): a round's updates join in the "
+                "order of the clients' indices (`FederatedServer.accept_in_order` sorts them)."
+            )
         self.aggregator.accept(update)
         self._round.updates.append(update)
         self._fire("on_client_end", round_idx=self._round.round_idx, update=update)
+
+    def accept_in_order(self, updates: Iterable[ClientUpdate]) -> None:
+        """`accept` each of `updates` (admitted, in whatever order their replies came) in the order of the clients'
+        indices, as the clients were given them at `broadcast`."""
+        indices = self._round.indices
+        for update in sorted(updates, key=lambda update: indices.get(update.client_id, len(indices))):
+            self.accept(update)
 
     def drop(self, client_id: str, kind: str, reason: str, error: BaseException | None = None) -> None:
         """`client_id` leaves the round: `kind` is 'error', 'timeout' or 'invalid_update'; one `client_dropped` line
