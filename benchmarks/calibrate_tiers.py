@@ -101,7 +101,10 @@ def measure_config(config: str, flags: list[str], from_result: str | None, batch
     (task, tier): evaluated as the run evaluates its round -1 (a fresh LoRA adapter, which leaves the base model's
     outputs as they are, and the run's evaluation settings), or read from a finished run's result.json."""
     from trl_federated.adapters import with_federated_adapter
-    from trl_federated.cli import load_benchmark, load_model, lora_config, parse_run_args, reward_functions
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.data.loading import load_benchmark
+    from trl_federated.models import load_model, lora_config
+    from trl_federated.rewards import reward_functions
 
     run_args, model_args, data_args = parse_run_args(["--config", config, *flags])
     _, test = load_benchmark(data_args)

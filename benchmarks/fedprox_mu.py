@@ -60,8 +60,11 @@ class ProximalProbe(RoundCallback):
 
 
 def main(argv: list[str]) -> None:
-    from trl_federated.cli import load_benchmark, load_model, lora_config, parse_run_args, training_rewards
+    from trl_federated.arguments import parse_run_args
     from trl_federated.data import partition_clients
+    from trl_federated.data.loading import load_benchmark
+    from trl_federated.models import load_model, lora_config
+    from trl_federated.rewards import training_rewards
     from trl_federated.runner import FederatedRunner
 
     output_dir = tempfile.mkdtemp(prefix="fedprox-mu-")

@@ -92,10 +92,12 @@ class Bench:
         from trl import ModelConfig, TrlParser, get_peft_config
 
         from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
-        from trl_federated.cli import BenchmarkArguments, config_class, load_benchmark, training_rewards
+        from trl_federated.arguments import BenchmarkArguments, config_class
         from trl_federated.client import local_training_args
         from trl_federated.data import partition_clients
+        from trl_federated.data.loading import load_benchmark
         from trl_federated.models import load_model_and_tokenizer
+        from trl_federated.rewards import training_rewards
 
         parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
         args, model_args, data_args = parser.parse_args_and_config(argv)

@@ -67,8 +67,11 @@ def evaluate_rounds(config: str, directory: Path | None, output: Path, per_group
     from peft.utils import load_peft_weights
 
     from trl_federated.adapters import set_adapter_state, with_federated_adapter
-    from trl_federated.cli import load_benchmark, load_model, lora_config, parse_run_args, reward_functions
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.data.loading import load_benchmark
     from trl_federated.evaluation import evaluate_accuracy, to_training_device
+    from trl_federated.models import load_model, lora_config
+    from trl_federated.rewards import reward_functions
 
     args, model_args, data_args = parse_run_args(["--config", config])
     train, _ = load_benchmark(data_args)

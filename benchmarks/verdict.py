@@ -245,7 +245,8 @@ def test_item_tasks(root: Path) -> list[str]:
         return []
     import tempfile
 
-    from trl_federated.cli import load_benchmark, parse_run_args
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.data.loading import load_benchmark
 
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "budget.yaml"

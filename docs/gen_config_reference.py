@@ -74,7 +74,7 @@ def _default(item: dataclasses.Field) -> str:
 
 
 def render() -> str:
-    from trl_federated.cli import BenchmarkArguments
+    from trl_federated.arguments import BenchmarkArguments
     from trl_federated.config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 
     problems = [problem for cls in (FedGRPOConfig, FedDAPOConfig, FedGSPOConfig) for problem in check_documented(cls)]

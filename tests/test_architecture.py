@@ -15,26 +15,40 @@ ROOT = "trl_federated"
 # Bottom first. Imports go to the same layer or one below, never above.
 LAYERS = {
     "leaves and the tensor layer": {
-        "choices", "devices", "sampling", "adapters", "distributed", "memory", "answer_check", "methods", "models",
-        "testing", "vllm_server", "flower.stream", "aggregation.blocks",
+        "choices", "names", "sampling", "adapters", "methods", "testing", "flower.stream", "aggregation.blocks",
+        "runtime", "runtime.devices", "runtime.distributed", "runtime.memory", "runtime.vllm_server", "runtime.models",
+        "runtime.master_weights",
     },
-    "configuration and data": {"config", "rewards", "data", "data.reasoning_gym", "data.paper", "data.partition"},
-    "local training": {"master_weights", "shared_prefix", "gated_mlp", "fast_generation", "speedups", "local_trainer"},
+    "configuration, data and rewards": {
+        "config", "config.fields", "config.checks", "config.server_step", "config.results", "config.recipes",
+        "data", "data.reasoning_gym", "data.paper", "data.partition", "data.loading",
+        "scoring", "scoring.answer_check", "scoring.rewards",
+    },
     "aggregation": {
         "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.robust", "aggregation.fedavg",
         "aggregation.rpg", "aggregation.scaffold", "aggregation.privacy",
     },
+    "local training": {
+        "local", "local.shared_prefix", "local.gated_mlp", "local.fast_generation", "local.speedups",
+        "local.local_trainer", "local.client",
+    },
     "server core": {
-        "round_record", "callbacks", "evaluation", "reporting", "admission", "checkpoint", "run_identity", "hub",
-        "server",
+        "core", "core.round_record", "core.callbacks", "core.evaluation", "core.admission", "core.checkpoint",
+        "core.run_identity", "core.server",
     },
-    "drivers and entry points": {
-        "client", "runner", "trainer", "compare", "cli", "", "flower", "flower.records", "flower.identity",
-        "flower.run_config", "flower.strategy", "flower.apps", "flower.flwr_run",
+    "reports": {"reports", "reports.summary", "reports.round_log", "reports.hub", "reports.compare"},
+    "arguments": {"arguments"},
+    "transports and drivers": {
+        "runner", "trainer", "flower", "flower.records", "flower.identity", "flower.run_config", "flower.strategy",
+        "flower.apps", "flower.flwr_run",
     },
+    "command line": {"cli", ""},
 }  # fmt: skip
 # The modules `config` may import: the configuration reads its choices and checks, and imports no implementation.
-CONFIG_IMPORTS = {"choices", "devices", "sampling"}
+CONFIG_IMPORTS = {
+    "choices", "runtime.devices", "sampling",
+    "config.fields", "config.checks", "config.server_step", "config.results", "config.recipes",
+}
 
 
 def package_modules() -> dict[str, Path]:
@@ -149,5 +163,45 @@ def test_the_tensor_layer_is_at_the_bottom(graph):
     # `adapters` (AdapterState and its arithmetic, the wire format) knows only the configuration's choices, and
     # nothing below the aggregation package imports it.
     assert graph["adapters"] <= {"choices"}, graph["adapters"]
-    below = [name for layer in list(LAYERS.values())[:3] for name in layer]
+    below = [name for layer in list(LAYERS.values())[:2] for name in layer]
     assert not [name for name in below if any(target.startswith("aggregation") for target in graph[name])]
+
+
+def test_the_server_core_imports_nothing_human_facing(graph):
+    # The reports (log lines, advice, summary.md, plots, the model card and the Hub) hang on the core's events; the
+    # drivers attach them. The core knows no driver, transport or command line either.
+    core = [name for name in graph if name == "core" or name.startswith("core.")]
+    above = ("reports", "arguments", "cli", "runner", "trainer", "flower")
+    found = {name: sorted(target for target in graph[name] if target.split(".")[0] in above) for name in core}
+    assert not any(found.values()), found
+
+
+def test_the_command_line_only_parses_and_dispatches(graph):
+    # Parsing is `arguments`, which the Flower app imports; nothing in the package imports `cli` but the package.
+    importers = sorted(name for name, targets in graph.items() if "cli" in targets)
+    assert importers == [], importers
+    assert not [name for name in graph if name.startswith("flower") and "cli" in graph[name]]
+
+
+def test_the_folders_are_the_layers_and_few_modules_sit_flat():
+    # At most 12 modules at the top of the package; every folder's modules share one layer (the leaves that a folder
+    # keeps beside its layer, `flower.stream` and `aggregation.blocks`, excepted).
+    flat = sorted(path.stem for path in PACKAGE.glob("*.py"))
+    assert len(flat) <= 12, flat
+    level = {name: index for index, layer in enumerate(LAYERS.values()) for name in layer}
+    folders = {}
+    for name in level:
+        if "." in name and name not in ("flower.stream", "aggregation.blocks"):
+            folders.setdefault(name.split(".")[0], set()).add(level[name])
+    assert all(len(levels) == 1 for levels in folders.values()), folders
+
+
+def test_every_moved_module_imports_by_its_old_name():
+    import importlib
+
+    import trl_federated
+
+    for old, new in trl_federated.MOVED_MODULES.items():
+        module = importlib.import_module(f"{ROOT}.{old}")
+        assert module is importlib.import_module(f"{ROOT}.{new}"), old
+        assert module.__spec__.name == f"{ROOT}.{new}"

@@ -327,7 +327,7 @@ def check_command(words: list[str]) -> list[str]:
         if args[:1] == ["run"]:
             return check_run(args[1:])
         if args[:1] == ["compare"]:
-            source = (ROOT / "trl_federated" / "compare.py").read_text(encoding="utf-8")
+            source = (ROOT / "trl_federated" / "reports" / "compare.py").read_text(encoding="utf-8")
             config = args[args.index("--config") + 1] if "--config" in args else "examples/configs/quickstart.yaml"
             return [f"compare has no --{flag}" for flag in flags(args) if f'"--{flag}"' not in source] + (
                 [] if (ROOT / config).is_file() else [f"no config {config}"])  # fmt: skip

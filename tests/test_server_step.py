@@ -162,11 +162,11 @@ def test_step_diagnostics_cosines_and_lora_factor_norms():
 
 
 def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path, caplog):
-    from trl_federated.server import FederatedServer, format_round_log
+    from trl_federated.reports.round_log import RoundLog, format_round_log
 
     args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_clients=2, report_to="none",
                          server_optimizer="adam")
-    server = FederatedServer.__new__(FederatedServer)  # only what check_server_step reads
+    server = RoundLog()  # what `on_round_saved` gives it
     server.args, server.global_state = args, {"w": torch.ones(100)}
     record = RoundRecord(round_idx=3, sampled=[0, 1], delta_norm=1e-3, server_step_norm=1.0, server_step_ratio=1000.0)
     with caplog.at_level(logging.INFO, logger="trl_federated.server"):

@@ -20,6 +20,7 @@ from trl_federated import ClientUpdate
 from trl_federated.adapters import InvalidUpdateError, with_federated_adapter
 from trl_federated.aggregation import aggregator_from_config
 from trl_federated.checkpoint import OutputDirLockedError, _file_digest, read_checkpoint
+from trl_federated.reports import server_reports
 from trl_federated.server import FederatedServer
 
 
@@ -33,7 +34,8 @@ length_reward.reward_range = (0.0, 1.0)
 def make_server(model_dir, fast_args, **overrides) -> FederatedServer:
     args = fast_args(**{"num_clients": 3, "num_rounds": 4, **overrides})
     model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(model_dir), args.seed)
-    return FederatedServer(model, args, aggregator_from_config(args), [length_reward], report_header="")
+    return FederatedServer(model, args, aggregator_from_config(args), [length_reward],
+                           callbacks=server_reports(args.output_dir, report_header=""), writes_result=True)
 
 
 def unit(server) -> float:
@@ -353,7 +355,7 @@ def test_a_reward_of_any_numeric_type_is_a_plain_float_before_it_is_checked_or_l
 def test_a_clients_text_cannot_forge_a_line_of_the_servers_log(tmp_path, tiny_model_dir, fast_args, caplog):
     import logging
 
-    from trl_federated.server import format_round_log
+    from trl_federated.reports.round_log import format_round_log
 
     server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path))
     server.start_run()

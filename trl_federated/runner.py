@@ -16,15 +16,16 @@ from trl import GRPOTrainer
 
 from .adapters import freeze_lora_a, with_federated_adapter
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from .callbacks import IntegrationLog, TrainerLogCallback
-from .client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .config import FedGRPOConfig
-from .distributed import check_deepspeed_precision, check_parameters_unsharded, from_main_process
-from .local_trainer import local_trainer
-from .master_weights import check_float32_adapter
-from .reporting import RunProgress
-from .round_record import RoundRecord
-from .server import FederatedServer, NotEnoughClientsError, ServerStateView
+from .core.callbacks import IntegrationLog, TrainerLogCallback
+from .core.round_record import RoundRecord
+from .core.server import FederatedServer, NotEnoughClientsError, ServerStateView
+from .local.client import describe_failure, load_reward_models, local_training_args, train_local_round
+from .local.local_trainer import local_trainer
+from .reports import server_reports
+from .reports.summary import RunProgress
+from .runtime.distributed import check_deepspeed_precision, check_parameters_unsharded, from_main_process
+from .runtime.master_weights import check_float32_adapter
 
 __all__ = ["FederatedRunner", "NotEnoughClientsError"]
 
@@ -112,12 +113,12 @@ class FederatedRunner(ServerStateView):
         self.client_datasets = self._named_clients(client_datasets)
 
         if isinstance(model, str):
-            from .models import load_model_and_tokenizer
+            from .runtime.models import load_model_and_tokenizer
 
             model, tokenizer = load_model_and_tokenizer(model)
             processing_class = processing_class or tokenizer
         if processing_class is None:
-            from .models import load_processing_class
+            from .runtime.models import load_processing_class
 
             processing_class = load_processing_class(model.config._name_or_path)
         self.model = model = with_federated_adapter(model, args.seed, peft_config)
@@ -147,9 +148,10 @@ class FederatedRunner(ServerStateView):
             )
         # The runner knows each client's D_i itself: the server counts them, not the clients.
         self.server = FederatedServer(
-            model, args, aggregator, self.reward_funcs, client_datasets=self.client_datasets, callbacks=callbacks,
+            model, args, aggregator, self.reward_funcs, client_datasets=self.client_datasets,
+            callbacks=[*callbacks, *server_reports(args.output_dir, report_header, dataset_name)],
             processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
-            dataset_name=dataset_name, report_header=report_header, is_main_process=self.is_main_process,
+            writes_result=report_header is not None, is_main_process=self.is_main_process,
             num_processes=self.num_processes,
         )
         # π_ref of the KL term: θ^{[0]}, fixed for every client and round (see `client.train_local_round`).
@@ -192,7 +194,7 @@ class FederatedRunner(ServerStateView):
         Raises `ClientTimeoutError` when the round, from building the trainer to its last step, took longer
         than `client_timeout` seconds; training already stops at the first step boundary past the limit.
         """
-        _, extras = self.server.broadcast(client_id)
+        _, extras = self.server.broadcast(client_id, client_index)
         return train_local_round(
             self.model,
             self.global_state,
@@ -246,8 +248,7 @@ class FederatedRunner(ServerStateView):
 
     def _run(self) -> list[RoundRecord]:
         args, server = self.args, self.server
-        try:
-            first_round = server.start_run()
+        with server.session() as first_round:  # closed however the run ends
             client_ids = list(self.client_datasets)
             self.progress = RunProgress(
                 server.num_rounds, server.clients_per_round, args.local_steps, first_round,
@@ -265,8 +266,6 @@ class FederatedRunner(ServerStateView):
             self.progress.close()
             self.progress = None
             server.finish_run()
-        finally:
-            server.close()
         return self.history
 
     def _collect(self, round_idx: int, client_index: int, client_id: str) -> ClientUpdate | None:

@@ -19,9 +19,10 @@ from trl import GRPOTrainer
 
 from .config import FedGRPOConfig
 from .data import partition_clients
-from .local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer, with_speedups
+from .local.local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer, with_speedups
+from .local.speedups import TrainerMixin
+from .names import import_class
 from .runner import FederatedRunner
-from .speedups import TrainerMixin
 
 
 class FederatedGRPOMixin(LocalGRPOMixin):
@@ -197,3 +198,9 @@ def _federating(args) -> bool:
 _GRPO_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # after `self`
 
 
+def trainer_class(data_args):
+    """The federated trainer class `data_args.trainer_class` names (`trainer.federated`); `FedGRPOTrainer` by
+    default."""
+    if data_args.trainer_class is None:
+        return federated(GRPOTrainer)
+    return federated(import_class(data_args.trainer_class, GRPOTrainer, "trainer_class"))

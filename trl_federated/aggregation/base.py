@@ -53,7 +53,7 @@ class RoundMetric:
     """A value an aggregator reports for a round (`Aggregator.round_metrics`), with how to print it. The round record
     keeps it (`RoundRecord.round_metrics`; `record.<name>` reads its value), metrics.jsonl and result.json under
     `name`, the round log (`callbacks.round_logs`) as `<log_name>`, per client `<client_id>/<log_name>`, and the
-    console line (`server.format_round_log`) and summary.md (`reporting.format_round_table`) as
+    console line (`round_log.format_round_log`) and summary.md (`summary.format_round_table`) as
     `<label> = <value>`, the value printed with `format`.
 
     Args:

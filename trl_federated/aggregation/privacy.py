@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -49,6 +50,8 @@ from .base import RoundMetric
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
     from .base import Aggregator, ClientUpdate
+
+logger = logging.getLogger(__name__)
 
 
 def load_dp_accounting():
@@ -265,6 +268,21 @@ class ClientLevelPrivacy:
         about σ S √d with S = 2 C ω_max ≥ 2 C / m (the largest of at most m weights summing to 1), while
         ‖Δ‖ = ‖Σ_i ω_i ū_i‖ ≤ C. Above 1, the noise outweighs every Δ the clients can send, however they agree."""
         return 2 * self.noise_multiplier * math.sqrt(num_coordinates) / self.sample_size
+
+    def warn_of_noise_floor(self, num_coordinates: int) -> None:
+        """Warn when DP's noise will outweigh whatever the clients send (`noise_to_signal_floor` above 1): then the
+        run cannot learn, whatever the data, and it takes more clients a round or a smaller adapter. `num_coordinates`:
+        the adapter's d; the server calls it as a run starts."""
+        floor = self.noise_to_signal_floor(num_coordinates)
+        if floor > 1:
+            logger.warning(
+                "Under differential privacy the noise on Δ will be at least %.3g times as long as any change the "
+                "clients can make (‖noise‖ ≈ σ·2C·ω_max·√d ≥ 2σ√d/m with σ = %g, m = %d clients a round and d = %s "
+                "adapter coordinates, against ‖Δ‖ ≤ C): this run cannot learn. The noise falls to the longest Δ's size "
+                "only from %s clients a round at this σ, or with a smaller adapter (docs/privacy.md, 'What it "
+                "costs').", floor, self.noise_multiplier, self.sample_size, f"{num_coordinates:,}",
+                f"{math.ceil(floor * self.sample_size):,}",
+            )
 
     def describe(self) -> str:
         """One line on the guarantee so far, for the model card."""

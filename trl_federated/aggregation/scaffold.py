@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from ..adapters import AdapterState, check_state, non_finite_entries, norm_scale, state_norm, state_size
 from ..choices import SCAFFOLD_CORRECTIONS, check_choice
-from ..master_weights import adapter_parameters, linear_term, read_master, write_master
+from ..runtime.master_weights import adapter_parameters, linear_term, read_master, write_master
 from .base import AggregationError, ClientHook, ClientUpdate
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer

@@ -313,7 +313,7 @@ class ServerNesterov(ServerOptimizer):
 
 
 # `FedGRPOConfig.server_optimizer` → its class (`choices.SERVER_OPTIMIZERS` names the same keys); a checkpoint records
-# the class, by which a resumed run finds its step again (`FederatedServer.keep_server_step`).
+# the class, by which a resumed run finds its step again (`run_identity.keep_server_step`).
 SERVER_OPTIMIZER_CLASSES: dict[str, type[ServerOptimizer]] = {
     "adam": ServerAdam, "sgd": ServerSGD, "fedadam": ServerFedAdam, "adam-norm": ServerNormMatchedAdam,
     "nesterov": ServerNesterov,

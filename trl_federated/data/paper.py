@@ -36,7 +36,7 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict, Image, List, concatenate_datasets, load_dataset, load_from_disk
 from PIL import Image as PILImage
 
-from ..rewards import extract_answer
+from ..scoring.rewards import extract_answer
 from .reasoning_gym import DIFFICULTIES
 
 logger = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOTrainer
 
 from ..adapters import AdapterState, WireFormat, freeze_lora_a, get_adapter_state, with_federated_adapter
-from ..client import describe_failure, local_training_args, train_local_round
 from ..config import FedGRPOConfig
-from ..evaluation import check_eval_reward_funcs, evaluate_adapter
-from ..local_trainer import local_trainer
+from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
+from ..local.client import describe_failure, local_training_args, train_local_round
+from ..local.local_trainer import local_trainer
 from .records import CLIENT, TrainInstruction, client_identity_record, evaluation_to_content, update_to_content
 from .run_config import NUM_PARTITIONS, FederationSizeError
 from .strategy import FederatedStrategy

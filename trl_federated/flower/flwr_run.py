@@ -25,7 +25,7 @@ from pathlib import Path
 
 from flwr.common.config import flatten_dict, parse_config_args
 
-from ..cli import closest_key_hint
+from ..names import closest_key_hint
 from .run_config import run_config_keys
 
 # What `flwr run` prints once the SuperLink has accepted the run.

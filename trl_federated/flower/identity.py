@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import serialization
 
-from ..admission import check_client_id
+from ..core.admission import check_client_id
 
 if TYPE_CHECKING:
     from flwr.serverapp import Grid

@@ -65,9 +65,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from ..adapters import AdapterState, InvalidUpdateError
-from ..admission import MAX_CLIENT_ID_LENGTH, bounded_text, check_client_id
 from ..aggregation import ClientUpdate
-from ..evaluation import TOTAL
+from ..core.admission import MAX_CLIENT_ID_LENGTH, bounded_text, check_client_id
+from ..core.evaluation import TOTAL
 
 ARRAYS = "arrays"
 CONFIG = "config"

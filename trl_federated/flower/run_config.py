@@ -30,8 +30,9 @@ from pathlib import Path
 import yaml
 from trl import ModelConfig
 
-from ..cli import BenchmarkArguments, closest_key_hint, parse_run_args
+from ..arguments import BenchmarkArguments, parse_run_args
 from ..config import FedGRPOConfig
+from ..names import closest_key_hint
 
 # The run-config key of the YAML base, relative to the app folder or absolute; "" for none.
 CONFIG_KEY = "config"

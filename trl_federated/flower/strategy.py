@@ -17,13 +17,14 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel
 
 from ..adapters import InvalidUpdateError, with_federated_adapter
-from ..admission import bounded_text, read_reply
 from ..aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from ..callbacks import round_logs
 from ..config import FedGRPOConfig
-from ..evaluation import TOTAL
-from ..round_record import RoundRecord
-from ..server import FederatedServer, NotEnoughClientsError, ServerStateView
+from ..core.admission import bounded_text, read_reply
+from ..core.callbacks import round_logs
+from ..core.evaluation import TOTAL
+from ..core.round_record import RoundRecord
+from ..core.server import FederatedServer, NotEnoughClientsError, ServerStateView
+from ..reports import server_reports
 from .identity import Claim, ClientRegistry, NodeBinder
 from .records import (
     ACCURACY,
@@ -152,9 +153,10 @@ class FederatedStrategy(ServerStateView, Strategy):
         # The server holds no client data: a checkpoint pins the model, LoRA, aggregation and training settings.
         self.server = FederatedServer(
             model, args, aggregator, reward_funcs,
-            num_samples=None if registry is None else registry.num_samples(), callbacks=callbacks,
+            num_samples=None if registry is None else registry.num_samples(),
+            callbacks=[*(callbacks or []), *server_reports(args.output_dir, report_header, dataset_name)],
             processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
-            dataset_name=dataset_name, report_header=report_header,
+            writes_result=report_header is not None,
         )
         if reply_timeout is None:
             reply_timeout = DEFAULT_REPLY_TIMEOUT if args.client_timeout is None else args.client_timeout + REPLY_SLACK
@@ -210,8 +212,8 @@ class FederatedStrategy(ServerStateView, Strategy):
             self._set_initial_adapter(initial_arrays)
         timeout = self.reply_timeout if timeout is None else timeout
         self.started = True
-        try:
-            self.first_round = self.server.start_run()
+        with self.server.session() as first_round:  # closed however the run ends
+            self.first_round = first_round
             redone = self._redo_evaluate_round(grid, evaluate_config, timeout)
             remaining = self.server.num_rounds - self.first_round  # fewer than configured under a privacy budget
             result = Result(arrays=state_to_array_record(self.global_state))
@@ -223,8 +225,6 @@ class FederatedStrategy(ServerStateView, Strategy):
             if redone is not None:
                 result.evaluate_metrics_clientapp[0] = redone  # server round 0: the checkpointed round
             self.server.finish_run()
-        finally:
-            self.server.close()
         return result
 
     def _redo_evaluate_round(self, grid: Grid, config: ConfigRecord | None, timeout: float) -> MetricRecord | None:
@@ -302,7 +302,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             client_id, client_index = self.binder.client_of(node_id)
             if client_index not in sampled:
                 continue  # sits the round out
-            sent, extras = self.server.broadcast(client_id)
+            sent, extras = self.server.broadcast(client_id, client_index)
             content = TrainInstruction(
                 sent, round_idx, self.args.num_clients, extras, self.args.lora_aggregation, self.args.transfer_dtype,
             ).to_content(dict(config or {}))
@@ -321,21 +321,21 @@ class FederatedStrategy(ServerStateView, Strategy):
         round_idx = self._round_idx(server_round)
         # The grid gave each message its id when it pushed it: a reply names the id it answers.
         awaiting = {sent.message.metadata.message_id: sent for sent in self._sent}
-        accepted: list[tuple[int, ClientUpdate]] = []
+        accepted: list[ClientUpdate] = []
         for reply in replies:
             self._receive(reply, round_idx, awaiting, accepted)
         now = time.time()
         for sent in awaiting.values():
             self.server.drop(sent.client_id, "timeout", self._no_reply(sent, now))
         self._sent = []
-        # The runner's order, so that summation order, and with it every bit of the result, is the same.
-        for _, update in sorted(accepted, key=lambda pair: pair[0]):
-            self.server.accept(update)
+        # The runner's order (the clients' indices), so that summation order, and with it every bit of the result, is
+        # the same.
+        self.server.accept_in_order(accepted)
         record = self.server.end_round()
         return state_to_array_record(self.global_state), MetricRecord(round_logs(record))
 
     def _receive(
-        self, reply: Message, round_idx: int, awaiting: dict[str, _Sent], accepted: list[tuple[int, ClientUpdate]]
+        self, reply: Message, round_idx: int, awaiting: dict[str, _Sent], accepted: list[ClientUpdate]
     ) -> None:
         """Deliver one reply to the server, for the client its train message was addressed to (`_attribute`)."""
         sent = self._attribute(reply, awaiting, round_idx)
@@ -354,7 +354,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             )
             self.server.drop(sent.client_id, "invalid_update", reason)
             return
-        accepted.append((sent.client_index, update))
+        accepted.append(update)
 
     @staticmethod
     def _check_claim(sent: _Sent, client_id, client_index) -> None:

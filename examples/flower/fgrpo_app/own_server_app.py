@@ -13,8 +13,8 @@ import logging
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from trl_federated.cli import load_model, lora_config
 from trl_federated.flower import FederatedStrategy, state_to_array_record
+from trl_federated.models import load_model, lora_config
 
 from .task import read_config, rewards
 

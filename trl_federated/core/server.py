@@ -14,28 +14,33 @@ server happens here, once:
                             (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i)
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
     end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
-                            the atomic checkpoint, and the round's summary in the log
+                            the atomic checkpoint, then `on_round_saved` (the round's lines in the log)
 
 and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the clients sampled to evaluate the global
 adapter on their own held-out data), `record_client_evaluation` (their results and row-weighted mean, logged) and
 `client_evaluation_recorded(t)` (whether metrics.jsonl holds them: a resumed run redoes the checkpointed round's
 evaluate round otherwise); plus `start_run` (output folder, which this process then writes alone, resume or the
-evaluation before training, and `num_rounds`, fewer than configured when the privacy budget `dp_max_epsilon` ends
-the run), `finish_run` (the final adapter, its model card, `result.json`, the Hub) and `close` (the output folder's
-lock, however the run ended). Under differential privacy (`dp_noise_multiplier`) the aggregator clips, noises and
-accounts (`aggregation.privacy`, set up here for the federation's clients and sampling). The per-client state of an
-aggregation is the aggregator's own (see `aggregation.Aggregator`): this module names no method. Traffic is counted
-per client and round in both directions, everything that crosses the wire: the adapter entries the wire format sends,
-and the extras (SCAFFOLD's c and c_i down, Δc_i up).
+evaluation before training, and `num_rounds`, fewer than configured when the privacy budget `dp_max_epsilon` ends the
+run), `finish_run` (the final adapter, `on_adapter_saved` for its model card, `result.json`, and `on_run_end` for the
+Hub) and `close` (the output folder's lock, however the run ended). Under differential privacy (`dp_noise_multiplier`)
+the aggregator clips, noises and accounts (`aggregation.privacy`, set up here for the federation's clients and
+sampling). The per-client state of an aggregation is the aggregator's own (see `aggregation.Aggregator`): this module
+names no method. Traffic is counted per client and round in both directions, everything that crosses the wire: the
+adapter entries the wire format sends, and the extras (SCAFFOLD's c and c_i down, Δc_i up).
+
+The core imports nothing a person reads: summary.md and the plots, the round's log lines and the server-step advice,
+the model card and the Hub push are `RoundCallback`s on its events (`reports.server_reports`), which the drivers
+attach. The transport contract is enforced here, not left to each driver: `accept` takes a round's updates in the
+order of the clients' indices, and `serve` (a context manager around a run) closes the server however the run ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +48,7 @@ from typing import Any
 from datasets import Dataset
 from peft import PeftModel
 
-from .adapters import (
+from ..adapters import (
     AdapterState,
     WireFormat,
     check_state,
@@ -51,12 +56,15 @@ from .adapters import (
     save_adapter,
     set_adapter_state,
     state_nbytes,
-    state_norm,
     state_size,
 )
+from ..aggregation import Aggregator, ClientUpdate
+from ..aggregation.privacy import privacy_from_config
+from ..config import FedGRPOConfig
+from ..runtime.distributed import from_main_process, wait_for_everyone
+from ..sampling import clients_per_round, participation_errors, sample_clients
+from ..scoring.rewards import combined_reward_range
 from .admission import UpdateGate, bounded_text, check_client_id, read_reply, update_norm_unit
-from .aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, ClientUpdate, server_optimizer_from_config
-from .aggregation.privacy import ClientLevelPrivacy, privacy_from_config
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
     DP_RELEASE_LOG,
@@ -68,36 +76,19 @@ from .checkpoint import (
     unlock_output_dir,
     write_checkpoint,
 )
-from .config import SERVER_STEP_FIELDS, FedGRPOConfig
-from .distributed import from_main_process, wait_for_everyone
-from .evaluation import TOTAL, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
-from .hub import federated_model_card, push_to_hub
-from .reporting import ReportCallback, round_label
-from .rewards import combined_reward_range
+from .evaluation import TOTAL, bound_client_evaluations, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
 from .round_record import RoundRecord
-from .run_identity import allowed_changes, check_identity, run_identity
-from .sampling import clients_per_round, participation_errors, sample_clients
+from .run_identity import allowed_changes, check_identity, keep_server_step, run_identity
 
-logger = logging.getLogger(__name__)
-
-# A round whose server step moves the adapter more than this many times the clients' mean change Δ is warned about.
-SERVER_STEP_RATIO_WARNING = 5.0
-# ‖Δ‖ at most this fraction of ‖θ‖ is float32 rounding of the adapter: the clients did not move it.
-ZERO_DELTA_RELATIVE = 1e-6
-# What the large-ratio warning advises, per `server_optimizer`: what makes that step outgrow Δ.
-SERVER_STEP_ADVICE = {
-    "adam": "The paper's server Adam moves every coordinate by about the server learning rate whatever Δ's size: "
-    "lower `server_learning_rate`, or take a step on Δ's own scale (`server_optimizer` 'adam-norm' or 'fedadam').",
-    "fedadam": "FedAdam's momentum outlasts a Δ that shrank: lower `server_beta1` or `server_learning_rate`.",
-    "adam-norm": "Its momentum points where Δ no longer does: lower `server_beta1`.",
-    "nesterov": "Nesterov momentum grows a persistent direction up to η (1 + μ / (1 − μ)) times Δ: lower "
-    "`server_beta1` (μ) or `server_learning_rate` (η).",
-    "sgd": "Server SGD moves the adapter by `server_learning_rate` times Δ: lower it (1 is model averaging).",
-}
+logger = logging.getLogger("trl_federated.server")  # its name before the move
 
 
 class NotEnoughClientsError(RuntimeError):
     """Fewer than `min_clients_per_round` clients had their update accepted in a round; the run stops."""
+
+
+class TransportContractError(RuntimeError):
+    """A driver broke the transport contract: it accepted a round's updates out of the clients' index order."""
 
 
 @dataclass
@@ -112,6 +103,8 @@ class _Round:
     extras_bytes: dict[str, int] = field(default_factory=dict)
     updates: list[ClientUpdate] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
+    # Each client broadcast to, by id: its index (as the driver names it, else its place among the broadcasts).
+    indices: dict[str, int] = field(default_factory=dict)
 
 
 class FederatedServer:
@@ -133,9 +126,8 @@ class FederatedServer:
             the model's path when not given.
         eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
             `reward_funcs` with `args.reward_weights`, as TRL's `reward`).
-        dataset_name: The Hub id of the clients' data, for the model card.
-        report_header: With a header (may be empty), the server also writes `summary.md` and the plots after every
-            round (`reporting.ReportCallback`) and `result.json` when the run ends; None: neither.
+        writes_result: Whether the server writes `result.json` when the run ends (summary.md, the plots and the
+            model card are reports among `callbacks`: `reports.server_reports`).
         is_main_process, num_processes: Under `accelerate launch`, the main process aggregates and writes; the
             others receive its results, so every process leaves a round identical. Every process takes part in
             each evaluation, generating its share of the batches (`evaluation.evaluate_accuracy`).
@@ -153,8 +145,7 @@ class FederatedServer:
         processing_class=None,
         eval_dataset: Dataset | None = None,
         eval_reward_funcs: Callable | Sequence[Callable] | None = None,
-        dataset_name: str | None = None,
-        report_header: str | None = None,
+        writes_result: bool = False,
         is_main_process: bool = True,
         num_processes: int = 1,
     ):
@@ -168,9 +159,7 @@ class FederatedServer:
         self.wire = WireFormat.from_config(args, self.global_state)
         self.metrics_log = MetricsLoggerCallback(args.output_dir)
         self.callbacks = [self.metrics_log, *(callbacks or [])]
-        if report_header is not None:
-            self.callbacks.append(ReportCallback(args.output_dir, header=report_header))
-        self.writes_result = report_header is not None
+        self.writes_result = writes_result
         # The interval R̄ must lie in, from the reward functions' declared ranges (None: not known).
         self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
         for message in args.federation_warnings(self.reward_range):
@@ -183,11 +172,10 @@ class FederatedServer:
             # A reward model among the training rewards fails now, not after the first round.
             self.eval_reward_funcs = check_eval_reward_funcs(eval_reward_funcs)
             if processing_class is None:
-                from .models import load_processing_class
+                from ..runtime.models import load_processing_class
 
                 processing_class = load_processing_class(model.config._name_or_path)
         self.processing_class = processing_class
-        self.dataset_name = dataset_name
         self.num_clients = len(client_datasets) or args.num_clients
         for message in participation_errors(args, self.num_clients):
             raise ValueError(message)
@@ -236,7 +224,9 @@ class FederatedServer:
             self.evaluate(round_idx=-1)
         privacy = self.aggregator.privacy
         if privacy is not None:
-            self.warn_of_noise_floor(privacy)
+            if self.is_main_process:
+                # the coordinates the noise lands on: a frozen LoRA A takes none
+                privacy.warn_of_noise_floor(state_size(self.wire.sent(self.global_state)))
             self.num_rounds = first_round + privacy.affordable_rounds(self.args.num_rounds - first_round)
             if self.num_rounds < self.args.num_rounds:
                 logger.warning(
@@ -246,45 +236,38 @@ class FederatedServer:
                 )
         return first_round
 
-    def warn_of_noise_floor(self, privacy: ClientLevelPrivacy) -> None:
-        """Warn when DP's noise will outweigh whatever the clients send (`noise_to_signal_floor` above 1): then the
-        run cannot learn, whatever the data, and it takes more clients a round or a smaller adapter."""
-        num_coordinates = state_size(self.wire.sent(self.global_state))  # the noised ones: not a frozen LoRA A
-        floor = privacy.noise_to_signal_floor(num_coordinates)
-        if floor > 1 and self.is_main_process:
-            logger.warning(
-                "Under differential privacy the noise on Δ will be at least %.3g times as long as any change the "
-                "clients can make (‖noise‖ ≈ σ·2C·ω_max·√d ≥ 2σ√d/m with σ = %g, m = %d clients a round and d = %s "
-                "adapter coordinates, against ‖Δ‖ ≤ C): this run cannot learn. The noise falls to the longest Δ's size "
-                "only from %s clients a round at this σ, or with a smaller adapter (docs/privacy.md, 'What it "
-                "costs').", floor, privacy.noise_multiplier, privacy.sample_size, f"{num_coordinates:,}",
-                f"{math.ceil(floor * privacy.sample_size):,}",
-            )
+    @contextlib.contextmanager
+    def session(self) -> Iterator[int]:
+        """A run, as a driver holds it: `with server.session() as first_round:` runs `start_run` and closes the server
+        however the run ends (`close`: the output folder's lock is released on an error too). The transport contract's
+        second rule, kept here rather than in each driver's `finally`."""
+        try:
+            yield self.start_run()
+        finally:
+            self.close()
 
     def close(self) -> None:
-        """Release the output folder that `start_run` locked (`checkpoint.lock_output_dir`); drivers call it however
-        the run ends (the process's exit releases it too)."""
+        """Release the output folder that `start_run` locked (`checkpoint.lock_output_dir`); `session` calls it
+        however the run ends (the process's exit releases it too)."""
         if self.is_main_process:
             unlock_output_dir(self.args.output_dir)
 
     def finish_run(self) -> None:
-        """Save the final global adapter in `output_dir` (PEFT layout, with its model card) and `result.json` (with a
-        report header), load it into the model, and push to the Hub when `args.push_to_hub`, last, so that a Hub
-        failure loses nothing."""
+        """Save the final global adapter in `output_dir` (PEFT layout; the callbacks' `on_adapter_saved` writes its
+        model card) and `result.json` (`writes_result`), load it into the model, and fire `on_run_end` (the push to the
+        Hub when `args.push_to_hub`), last, so that a Hub failure loses nothing."""
         output_dir = Path(self.args.output_dir)
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
-            # Over PEFT's placeholder README.md, pushed or not: the folder describes its adapter (see `hub`).
+            # What describes the adapter is written beside it (the model card, `reports.hub.ModelCardReport`).
             privacy = self.aggregator.privacy
-            card = federated_model_card(self.model, self.args, self.num_clients, self.evaluations, self.dataset_name,
-                                        privacy=None if privacy is None else privacy.describe())
-            card.save(output_dir / "README.md")
+            self._fire("on_adapter_saved", model=self.model, output_dir=output_dir, num_clients=self.num_clients,
+                       evaluations=self.evaluations, privacy=None if privacy is None else privacy.describe())
             if self.writes_result:
                 self.write_result(output_dir / "result.json", time.perf_counter() - self.started)
         set_adapter_state(self.model, self.global_state)
         wait_for_everyone()
-        if self.args.push_to_hub and self.is_main_process:
-            push_to_hub(self.args)
+        self._fire("on_run_end")  # the Hub push, last, so that a Hub failure loses nothing
 
     def write_result(self, path: str | Path, wall_time: float) -> Path:
         """`result.json`, written atomically: the evaluations and each round's R̄, ω, traffic and the aggregator's
@@ -321,13 +304,18 @@ class FederatedServer:
         self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
         return sampled
 
-    def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
+    def broadcast(
+        self, client_id: str, client_index: int | None = None
+    ) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
         frozen ones, `adapters.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
-        whose bytes count in the round's traffic."""
+        whose bytes count in the round's traffic. `client_index`: the client's index, by which `accept` orders the
+        round's updates (None: its place among this round's broadcasts, as a driver that sends in index order has)."""
         extras = self.aggregator.client_extras(client_id, self.global_state)
         if self._round is not None:
             self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
+            indices = self._round.indices
+            indices[client_id] = len(indices) if client_index is None else client_index
         return self.wire.sent(self.global_state), extras
 
     def admit(self, client_id: str, update: ClientUpdate) -> ClientUpdate:
@@ -346,10 +334,29 @@ class FederatedServer:
 
     def accept(self, update: ClientUpdate) -> None:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
-        with it every bit of the aggregate, is the same whichever transport delivered it."""
+        with it every bit of the aggregate, is the same whichever transport delivered it. The transport contract's
+        first rule: an update whose client comes before one already accepted is refused (`TransportContractError`);
+        a driver that receives replies in another order hands them to `accept_in_order`."""
+        indices = self._round.indices
+        index = indices.get(update.client_id)
+        behind = [accepted.client_id for accepted in self._round.updates
+                  if index is not None and indices.get(accepted.client_id, -1) > index]
+        if behind:
+            raise TransportContractError(
+                f"Round {self._round.round_idx}: the update of client {update.client_id!r} (index {index}) was "
+                f"accepted after that of {behind[0]!r} (index {indices[behind[0]]}): a round's updates join in the "
+                "order of the clients' indices (`FederatedServer.accept_in_order` sorts them)."
+            )
         self.aggregator.accept(update)
         self._round.updates.append(update)
         self._fire("on_client_end", round_idx=self._round.round_idx, update=update)
+
+    def accept_in_order(self, updates: Iterable[ClientUpdate]) -> None:
+        """`accept` each of `updates` (admitted, in whatever order their replies came) in the order of the clients'
+        indices, as the clients were given them at `broadcast`."""
+        indices = self._round.indices
+        for update in sorted(updates, key=lambda update: indices.get(update.client_id, len(indices))):
+            self.accept(update)
 
     def drop(self, client_id: str, kind: str, reason: str, error: BaseException | None = None) -> None:
         """`client_id` leaves the round: `kind` is 'error', 'timeout' or 'invalid_update'; one `client_dropped` line
@@ -411,46 +418,10 @@ class FederatedServer:
         self._fire("on_round_end", record=record)
         if self.is_main_process:
             self.save_checkpoint(round_idx)  # with round-<t>/ when save_every_round, in the same atomic step
-            delta_is_rounding = self.delta_is_rounding(record)
-            logger.info("%s", format_round_log(record, args.num_rounds, self.num_clients, delta_is_rounding))
-            self.check_server_step(record, delta_is_rounding)
+            # The round's lines in the log and the server-step advice (`reports.round_log.RoundLog`)
+            self._fire("on_round_saved", record=record, global_state=self.global_state, num_clients=self.num_clients)
         self._round = None
         return record
-
-    def delta_is_rounding(self, record: RoundRecord) -> bool:
-        """Whether the round's Δ is at float rounding of the adapter: every client sent back what it received, so
-        ‖server step‖ / ‖Δ‖ measures rounding, not the server optimizer. Only a large ratio can be such a round (a
-        step of Δ's size or less is said as it is), so only then is ‖θ‖ computed: not a pass over the adapter every
-        round."""
-        ratio = record.server_step_ratio
-        if ratio is None or ratio <= SERVER_STEP_RATIO_WARNING:
-            return False
-        return record.delta_norm <= ZERO_DELTA_RELATIVE * state_norm(self.global_state)
-
-    def check_server_step(self, record: RoundRecord, delta_is_rounding: bool) -> None:
-        """Warn, with advice for the server optimizer in use, when the round's server step moved the adapter far
-        more than the clients' mean change Δ (`server_step_ratio` above `SERVER_STEP_RATIO_WARNING`). A round whose Δ
-        is at float rounding of the adapter (`delta_is_rounding`) is said as such, not as a configuration at fault:
-        whatever moved then was the server's momentum."""
-        ratio, args = record.server_step_ratio, self.args
-        if ratio is None or ratio <= SERVER_STEP_RATIO_WARNING:
-            return
-        if delta_is_rounding:
-            logger.info(
-                "Round %d: the clients' mean change Δ is at float rounding of the adapter (‖Δ‖ = %.3g): they sent "
-                "back what they received; the server step (%.3g) is the momentum of `server_optimizer` %r.",
-                record.round_idx, record.delta_norm, record.server_step_norm, args.server_optimizer,
-            )
-            return
-        setting = (f"`server_optimizer` {args.server_optimizer!r} with `server_learning_rate` "
-                   f"{args.server_learning_rate:g} ({args.server_field_origin('server_learning_rate')})")
-        logger.warning(
-            "Round %d: the server step moved the global adapter %.1fx as far as the clients' mean change Δ "
-            "(‖θ^{t+1} − θ^{t}‖ = %.3g, ‖Δ‖ = %.3g); %s. %s metrics.jsonl records every round's ratio "
-            "(`server_step_ratio`).",
-            record.round_idx, ratio, record.server_step_norm, record.delta_norm, setting,
-            SERVER_STEP_ADVICE.get(args.server_optimizer, SERVER_STEP_ADVICE["sgd"]),
-        )
 
     # Evaluation and checkpoints ----------------------------------------------------------------------------
 
@@ -534,7 +505,7 @@ class FederatedServer:
         wire format and training settings, up to `args.resume_allow_changes`; else `CheckpointMismatchError`);
         returns its round."""
         checkpoint = read_checkpoint(path)
-        self.keep_server_step(checkpoint.identity)
+        keep_server_step(self.args, self.aggregator, self.identity, checkpoint.identity)
         check_identity(checkpoint.identity, self.identity, path, allow_changes=allowed_changes(self.args))
         try:
             check_state(checkpoint.global_state, self.global_state, "the global adapter")
@@ -551,113 +522,6 @@ class FederatedServer:
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
-
-    def keep_server_step(self, saved_identity: dict[str, Any]) -> None:
-        """Server-step fields left unset (`FedGRPOConfig.derived_server_fields`) are resolved once per run: resumed,
-        the run takes its checkpoint's server optimizer and learning rate, even where the defaults or the fields they
-        derive from have changed since (FGRPO's default step did). An explicit value is checked against the
-        checkpoint as any setting (`run_identity.check_identity`)."""
-        args, derived = self.args, self.args.derived_server_fields
-        saved_class, current_class = saved_identity["server_optimizer"], self.identity["server_optimizer"]
-        names = {optimizer_class.__name__: name for name, optimizer_class in SERVER_OPTIMIZER_CLASSES.items()}
-        if "server_optimizer" in derived and saved_class != current_class and saved_class in names:
-            logger.warning(
-                "Resuming with the checkpoint's server_optimizer %r, resolved when the run began (left unset, this "
-                "configuration would take %r now); set `server_optimizer` to choose.",
-                names[saved_class], args.server_optimizer,
-            )
-            args.resolve_server_step(names[saved_class])
-            self.aggregator.server_optimizer = server_optimizer_from_config(args)
-            self.identity["server_optimizer"] = saved_class
-            self.identity["training"].update(
-                {name: getattr(args, name) for name in SERVER_STEP_FIELDS if name in self.identity["training"]}
-            )
-        saved, current = saved_identity["training"]["server_learning_rate"], args.server_learning_rate
-        same_optimizer = saved_class == self.identity["server_optimizer"]
-        if not ("server_learning_rate" in derived and same_optimizer) or saved == current:
-            return
-        logger.warning(
-            "Resuming with the checkpoint's server_learning_rate %g, resolved when the run began (left unset, this "
-            "configuration would derive %g now).", saved, current,
-        )
-        args.server_learning_rate = self.aggregator.server_optimizer.learning_rate = saved
-        self.identity["training"]["server_learning_rate"] = saved
-
-
-# The most rows one client's evaluation may count with (a held-out split of that size takes hours to evaluate on the
-# hardware this runs on), and how many times the clients' median count it may weigh in the pooled accuracy.
-MAX_EVALUATION_ROWS = 1_000_000
-EVALUATION_WEIGHT_SPREAD = 4
-
-
-def bound_client_evaluations(
-    evaluations: dict[str, dict[str, Any]], reward_range: tuple[float, float] | None, failed: dict[str, str]
-) -> dict[str, dict[str, Any]]:
-    """The clients' evaluations as they enter the pooled accuracy, which no one reply can own: an accuracy outside
-    `reward_range` fails that client (named in `failed`); every row count is capped at `MAX_EVALUATION_ROWS` and at
-    `EVALUATION_WEIGHT_SPREAD` times the replying clients' median total count (with 3 or more replies), so a client
-    claiming 2^63 rows weighs at most a few honest clients. The clients' own figures stay in the record as sent."""
-    kept = {}
-    for client_id, evaluation in evaluations.items():
-        if reward_range is not None:
-            low, high = reward_range
-            outside = [label for label, value in evaluation["accuracy"].items() if not low <= value <= high]
-            if outside:
-                failed[client_id] = (f"invalid evaluation reply: its accuracy of {outside[0]!r} lies outside the "
-                                     f"evaluation's reward range [{low}, {high}]")
-                continue
-        kept[client_id] = evaluation
-    totals = sorted(evaluation["count"][TOTAL] for evaluation in kept.values())
-    cap = MAX_EVALUATION_ROWS
-    if len(totals) >= 3:
-        cap = min(cap, EVALUATION_WEIGHT_SPREAD * totals[len(totals) // 2])
-    return {
-        client_id: {**evaluation, "count": {label: min(count, cap) for label, count in evaluation["count"].items()}}
-        for client_id, evaluation in kept.items()
-    }
-
-
-def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int, delta_is_rounding: bool = False) -> str:
-    """A finished round in a few log lines: the clients sampled when not all `num_clients`, each aggregated client's
-    R̄, ω, traffic and the aggregator's per-client round metrics (RPG: h), its round metrics (RPG: τ), the drops and
-    the evaluation, so that a console (`flwr run --stream`, a SuperLink's log) shows what metrics.jsonl records.
-    With `delta_is_rounding` (`FederatedServer.delta_is_rounding`) the server step is said as a norm, its ratio to a
-    Δ of float rounding meaning nothing."""
-    per_client = [metric for metric in record.round_metrics if metric.per_client]
-    shown = "".join(
-        f", {metric.show(metric.value)}" for metric in record.round_metrics
-        if not metric.per_client and metric.value is not None
-    )
-    if record.server_step_ratio is None:
-        step = ""
-    elif delta_is_rounding:
-        step = f", Δ ≈ 0 (float rounding), server step ‖s‖ = {record.server_step_norm:.3g}"
-    else:
-        step = f", server step {record.server_step_ratio:.2f}x ‖Δ‖"
-    sampled = record.sampled
-    sampling = "" if len(sampled) == num_clients else f" ({len(sampled)} of {num_clients} sampled: {sampled})"
-    lines = [
-        f"Round {round_label(record.round_idx, num_rounds)}: {len(record.weights)} clients aggregated{sampling}, "
-        f"{len(record.dropped)} dropped{shown}{step}, {record.wall_time:.1f} s"
-    ]
-    for client_id, reward in record.rewards.items():
-        cosine = record.update_cosines.get(client_id)
-        values = [(metric, (metric.value or {}).get(client_id)) for metric in per_client]
-        lines.append(
-            f"  {client_id}: R̄ = {reward:.4f}"
-            + "".join(f", {metric.show(value)}" for metric, value in values if value is not None)
-            + f", ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}"
-            + ("" if cosine is None else f", cos(u, Δ) = {cosine:+.3f}")
-            + f", sent {record.bytes_sent[client_id]:,} B, "
-            f"received {record.bytes_received[client_id]:,} B"
-        )
-    for client_id, reason in record.dropped.items():
-        lines.append(f"  {client_id}: dropped ({reason})")
-    if record.evaluation is not None:
-        accuracy = ", ".join(f"{label} {100 * value:.2f}%" for label, value in record.evaluation["accuracy"].items())
-        lines.append(f"  evaluation: {accuracy}")
-    return "\n".join(lines)
-
 
 class ServerStateView:
     """What a driver that owns `self.server` (`FederatedRunner`, the Flower strategy) shows of the server: the global

@@ -21,8 +21,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from .distributed import from_main_process
-from .master_weights import linear_term, read_master
+from ..runtime.distributed import from_main_process
+from ..runtime.master_weights import linear_term, read_master
 from .speedups import FastGRPOMixin, TrainerMixin, base_name, wants_speedups
 
 

@@ -10,11 +10,11 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from .admission import bounded_text
-from .callbacks import RoundCallback
-from .round_record import RoundRecord
+from ..core.admission import bounded_text
+from ..core.callbacks import RoundCallback
+from ..core.round_record import RoundRecord
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.reporting")  # its name before the move
 
 # How summary.md numbers rounds: as the files of the run do.
 ROUND_NUMBERING = (
@@ -90,7 +90,7 @@ def format_communication(history: list[RoundRecord]) -> str:
 def format_evaluations(evaluations: dict[int, dict[str, Any]]) -> str:
     """The accuracy table of a run's evaluations (round index -1: before training), rows named as the paper's
     Table 1 names them, "Round t" for the global adapter `round-<t>/` (`ROUND_NUMBERING`)."""
-    from .evaluation import format_accuracy_table
+    from ..core.evaluation import format_accuracy_table
 
     named = {
         ("Before training" if idx < 0 else f"Round {idx}"): result for idx, result in sorted(evaluations.items())

@@ -22,10 +22,10 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad
 
+from ..runtime.memory import release_free_memory
 from . import fast_generation
 from .fast_generation import FastGenerationStats, MergedGenerationModel, shared_prefill_generate
 from .gated_mlp import recomputed_gated_mlp
-from .memory import release_free_memory
 from .shared_prefix import (
     REGROUPABLE_LOSS_TYPES,
     SharedPrefixStats,

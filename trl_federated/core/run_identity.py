@@ -11,19 +11,17 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import torch
 from datasets import Dataset
 from peft import PeftModel
 
-from .config import FedGRPOConfig, result_fields
+from ..aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, server_optimizer_from_config
+from ..config import SERVER_STEP_FIELDS, FedGRPOConfig, result_fields
 
-if TYPE_CHECKING:
-    from .aggregation import Aggregator
-
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.run_identity")  # its name before the move
 
 # Config entries that name or store the model rather than define it.
 _IGNORED_MODEL_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
@@ -185,3 +183,38 @@ def dataset_fingerprint(dataset: Dataset) -> str:
             writer.write_table(batch)
         digest.update(sink.getvalue())
     return digest.hexdigest()
+
+
+def keep_server_step(
+    args: FedGRPOConfig, aggregator: Aggregator, identity: dict[str, Any], saved_identity: dict[str, Any]
+) -> None:
+    """Server-step fields left unset (`FedGRPOConfig.derived_server_fields`) are resolved once per run: resumed,
+    the run takes its checkpoint's server optimizer and learning rate, even where the defaults or the fields they
+    derive from have changed since (FGRPO's default step did). An explicit value is checked against the
+    checkpoint as any setting (`check_identity`). `identity` (the run's, `run_identity`) and `aggregator`'s server
+    optimizer take the checkpoint's values; the server calls it before `check_identity` as it resumes."""
+    derived = args.derived_server_fields
+    saved_class, current_class = saved_identity["server_optimizer"], identity["server_optimizer"]
+    names = {optimizer_class.__name__: name for name, optimizer_class in SERVER_OPTIMIZER_CLASSES.items()}
+    if "server_optimizer" in derived and saved_class != current_class and saved_class in names:
+        logger.warning(
+            "Resuming with the checkpoint's server_optimizer %r, resolved when the run began (left unset, this "
+            "configuration would take %r now); set `server_optimizer` to choose.",
+            names[saved_class], args.server_optimizer,
+        )
+        args.resolve_server_step(names[saved_class])
+        aggregator.server_optimizer = server_optimizer_from_config(args)
+        identity["server_optimizer"] = saved_class
+        identity["training"].update(
+            {name: getattr(args, name) for name in SERVER_STEP_FIELDS if name in identity["training"]}
+        )
+    saved, current = saved_identity["training"]["server_learning_rate"], args.server_learning_rate
+    same_optimizer = saved_class == identity["server_optimizer"]
+    if not ("server_learning_rate" in derived and same_optimizer) or saved == current:
+        return
+    logger.warning(
+        "Resuming with the checkpoint's server_learning_rate %g, resolved when the run began (left unset, this "
+        "configuration would derive %g now).", saved, current,
+    )
+    args.server_learning_rate = aggregator.server_optimizer.learning_rate = saved
+    identity["training"]["server_learning_rate"] = saved

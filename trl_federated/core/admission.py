@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from typing import Any, TypeVar
 
-from .adapters import (
+from ..adapters import (
     AdapterState,
     InvalidUpdateError,
     check_state,
@@ -40,12 +40,12 @@ from .adapters import (
     state_distance,
     state_size,
 )
-from .aggregation import Aggregator, ClientUpdate
-from .aggregation.base import RoundMetric, refuse_extras
+from ..aggregation import Aggregator, ClientUpdate
+from ..aggregation.base import RoundMetric, refuse_extras
+from ..choices import NORM_ACTIONS, check_choice
 from .callbacks import is_reserved_metric
-from .choices import NORM_ACTIONS, check_choice
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.admission")  # its name before the move
 T = TypeVar("T")
 
 # A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)

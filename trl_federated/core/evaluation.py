@@ -27,19 +27,19 @@ from tqdm.auto import tqdm
 from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 
-from . import fast_generation as fast
-from .adapters import AdapterState, set_adapter_state
-from .data.paper import GEOMETRY_PRIMITIVES
-from .data.reasoning_gym import DIFFICULTIES
-from .memory import release_free_memory
-from .rewards import answer_accuracy_reward
+from ..adapters import AdapterState, set_adapter_state
+from ..data.paper import GEOMETRY_PRIMITIVES
+from ..data.reasoning_gym import DIFFICULTIES
+from ..local import fast_generation as fast
+from ..runtime.memory import release_free_memory
+from ..scoring.rewards import answer_accuracy_reward
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
-    from .config import FedGRPOConfig
+    from ..config import FedGRPOConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.evaluation")  # its name before the move
 
 TOTAL = "Total"
 """The key of the all-rows entry in evaluation results and the last column of accuracy tables."""
@@ -382,3 +382,38 @@ def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
     placed when loaded (a `device_map`, quantized weights) stays where it is, as `Trainer` leaves it."""
     if getattr(model, "hf_device_map", None) is None and getattr(model, "hf_quantizer", None) is None:
         model.to(args.device)
+
+
+# The most rows one client's evaluation may count with (a held-out split of that size takes hours to evaluate on the
+# hardware this runs on), and how many times the clients' median count it may weigh in the pooled accuracy.
+MAX_EVALUATION_ROWS = 1_000_000
+
+
+EVALUATION_WEIGHT_SPREAD = 4
+
+
+def bound_client_evaluations(
+    evaluations: dict[str, dict[str, Any]], reward_range: tuple[float, float] | None, failed: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """The clients' evaluations as they enter the pooled accuracy, which no one reply can own: an accuracy outside
+    `reward_range` fails that client (named in `failed`); every row count is capped at `MAX_EVALUATION_ROWS` and at
+    `EVALUATION_WEIGHT_SPREAD` times the replying clients' median total count (with 3 or more replies), so a client
+    claiming 2^63 rows weighs at most a few honest clients. The clients' own figures stay in the record as sent."""
+    kept = {}
+    for client_id, evaluation in evaluations.items():
+        if reward_range is not None:
+            low, high = reward_range
+            outside = [label for label, value in evaluation["accuracy"].items() if not low <= value <= high]
+            if outside:
+                failed[client_id] = (f"invalid evaluation reply: its accuracy of {outside[0]!r} lies outside the "
+                                     f"evaluation's reward range [{low}, {high}]")
+                continue
+        kept[client_id] = evaluation
+    totals = sorted(evaluation["count"][TOTAL] for evaluation in kept.values())
+    cap = MAX_EVALUATION_ROWS
+    if len(totals) >= 3:
+        cap = min(cap, EVALUATION_WEIGHT_SPREAD * totals[len(totals) // 2])
+    return {
+        client_id: {**evaluation, "count": {label: min(count, cap) for label, count in evaluation["count"].items()}}
+        for client_id, evaluation in kept.items()
+    }

@@ -1,117 +1,49 @@
-"""Configuration of federated GRPO runs.
+"""The fields of a federated GRPO run: `FedGRPOConfig`, in TRL's documented-dataclass style.
 
 `FedGRPOConfig` is a `trl.GRPOConfig`: every GRPO field keeps its meaning, and the federated fields below parse the
 same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Without federation (`num_clients=1`,
 the default) a `FedGRPOConfig` trains exactly like a `GRPOConfig` with the same field values. Its defaults are
 the paper's Algorithm 1 where TRL's differ (`loss_type`, `lr_scheduler_type`); where we keep TRL's (`optim`,
 `max_grad_norm`, `beta`), its Parameters say why. `FedDAPOConfig` and `FedGSPOConfig` carry the DAPO and GSPO
-recipes (`CONFIG_CLASSES`), `federated_config` adds the federation to any other `GRPOConfig` subclass, and
-`result_fields` names the fields a resumed run must keep.
+recipes (`recipes.CONFIG_CLASSES`), `recipes.federated_config` adds the federation to any other `GRPOConfig`
+subclass, and `results.result_fields` names the fields a resumed run must keep. Its checks are `checks.ConfigChecks`,
+its server-step derivation `server_step.ServerStep`: mixins of it, beside it in this folder.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from transformers.trainer_utils import IntervalStrategy
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-from .choices import (
+from ..choices import (
     AGGREGATION_SERVER_OPTIMIZERS,
     GENERATION_DTYPE_CHOICES,
     LORA_AGGREGATIONS,
-    MIN_TRIMMED_CLIENTS,
     NORM_ACTIONS,
     ROBUST_AGGREGATIONS,
     RPG_GAINS,
     SCAFFOLD_CORRECTIONS,
-    SERVER_LEARNING_RATES,
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
-    choice_error,
 )
-from .devices import has_native_bf16
-from .sampling import participation_errors
+from ..runtime.devices import has_native_bf16
+from .checks import ConfigChecks
+from .results import ResultHelp, notice_changed_trl_defaults
+from .server_step import SERVER_STEP_FIELDS, ServerStep
 
 logger = logging.getLogger(__name__)
 
-# Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
-# and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
-SERVER_ADAM_SCALE = 0.5
-PAPER_SERVER_EPSILON = 1e-8  # the paper's server Adam ε (Algorithm 1)
-# The server step's fields that None derives (`FedGRPOConfig.resolve_server_step`).
-SERVER_STEP_FIELDS = ("server_optimizer", "server_learning_rate", "server_epsilon")
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
 
 
-def _is_of_type(value, type_name: str) -> bool:
-    """Whether `value` fits the annotation `type_name` ("int", "float", "str", "bool"); booleans are not numbers."""
-    if type_name == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, {"int": int, "float": (int, float), "str": str}[type_name])
-
-
-class ResultHelp(str):
-    """The help of a field that changes what a run computes: a resumed run must keep its value unless
-    `resume_allow_changes` names it (`result_fields`). The mark is the help's type because `HfArgumentParser` hands
-    every metadata key on to argparse, which accepts no key of ours."""
-
-
-# The fields TRL declares (`GRPOConfig` and `TrainingArguments`) that change what a run computes: the local
-# optimizer and its schedule, the batch, sampling and the loss. `FedGRPOConfig` and its recipes redeclare some of
-# them with other defaults (`loss_type`, `beta`, ...); the rest of TRL's fields (logging, saving, devices) do not
-# change the result.
-TRL_RESULT_FIELDS = (
-    "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "optim", "weight_decay",
-    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "num_generations", "steps_per_generation", "num_iterations",
-    "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon", "epsilon_high", "loss_type",
-    "importance_sampling_level", "scale_rewards", "reward_weights", "mask_truncated_completions",
-)  # fmt: skip
-
-
-_NOTICED: set[type] = set()  # the config classes whose changed TRL defaults were said (once per process)
-
-
-def changed_trl_defaults(config_class: type) -> dict[str, tuple[Any, Any]]:
-    """The fields whose default `config_class` changes from the TRL config it extends: name -> (TRL's, this one's)."""
-    trl_class = next(c for c in config_class.__mro__ if c.__module__.startswith("trl.") and dataclasses.is_dataclass(c))
-
-    def defaults(cls: type) -> dict[str, Any]:
-        return {item.name: item.default for item in dataclasses.fields(cls) if item.default is not dataclasses.MISSING}
-
-    theirs, ours = defaults(trl_class), defaults(config_class)
-    return {name: (theirs[name], ours[name]) for name in theirs if name in ours and theirs[name] != ours[name]}
-
-
-def notice_changed_trl_defaults(args: GRPOConfig) -> None:
-    """Say once per process and config class which TRL defaults this config changes and the run keeps (those left at
-    the federated default), so that swapping `GRPOConfig` for it changes nothing unannounced."""
-    if type(args) in _NOTICED:  # said once; every client round copies the config
-        return
-    kept = {name: values for name, values in changed_trl_defaults(type(args)).items()
-            if getattr(args, name) == values[1]}
-    if not kept:
-        return
-    _NOTICED.add(type(args))
-    changes = ", ".join(f"`{name}` {ours!r} (TRL: {theirs!r})" for name, (theirs, ours) in kept.items())
-    logger.warning("%s changes TRL's defaults, as the paper's Algorithm 1 trains: %s. Set a field to keep TRL's.",
-                   type(args).__name__, changes)
-
-
 @dataclass
-class FedGRPOConfig(GRPOConfig):
+class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
     r"""
     Configuration class for [`FedGRPOTrainer`] and [`FederatedRunner`]: a [`~trl.GRPOConfig`] plus the federation.
 
@@ -275,7 +207,7 @@ class FedGRPOConfig(GRPOConfig):
         rpg_eps (`float`, *optional*, defaults to `1e-8`):
             ε added to σ in the RPG denominator.
         rpg_gain (`str`, *optional*, defaults to `"paper"`):
-            How RPG turns R̄ into a gain: `"paper"` is Eq. rpg; `"noise-aware"` (`aggregation.rpg.NoiseAwareGain`)
+            How RPG turns R̄ into a gain: `"paper"` is Eq. rpg; `"noise-aware"` (`aggregation.rpg.RPGAggregator`)
             soft-thresholds the gap R̄ − φ at `rpg_noise_threshold` of its standard errors (from the standard error of
             R̄ over the window's step rewards) and floors σ at that standard error, so that a gap within R̄'s sampling
             noise earns no weight. Not under differential privacy, whose release covers R̄ alone.
@@ -977,7 +909,7 @@ class FedGRPOConfig(GRPOConfig):
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
         # The server-step fields left unset, resolved here (`resolve_server_step`): a resumed run takes its
-        # checkpoint's values of them instead (`FederatedServer.keep_server_step`). Copies of the config keep it.
+        # checkpoint's values of them instead (`run_identity.keep_server_step`). Copies of the config keep it.
         self.derived_server_fields = frozenset(name for name in SERVER_STEP_FIELDS if getattr(self, name) is None)
         self.resolve_server_step()
         for message in self._federation_errors():
@@ -989,393 +921,4 @@ class FedGRPOConfig(GRPOConfig):
         if self.num_clients > 1:
             self.check_vllm()
 
-    def resolve_server_step(self, server_optimizer: str | None = None) -> None:
-        """Fill the server-step fields left unset (`derived_server_fields`) as their help says: `server_optimizer`
-        from `aggregation` (or `server_optimizer` given here: a resumed run's checkpoint), its learning rate
-        (`derived_server_learning_rate`) and its ε (the paper's 1e-8 for the Adam steps, FedAdam's derived τ)."""
-        if server_optimizer is not None:
-            self.server_optimizer = server_optimizer
-        elif "server_optimizer" in self.derived_server_fields and self.aggregation in AGGREGATION_SERVER_OPTIMIZERS:
-            self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]  # the method's own
-        if "server_learning_rate" in self.derived_server_fields and self.server_optimizer in SERVER_OPTIMIZERS:
-            self.server_learning_rate = self.derived_server_learning_rate()
-        if "server_epsilon" in self.derived_server_fields:
-            self.server_epsilon = PAPER_SERVER_EPSILON if self.server_optimizer in ("adam", "adam-norm") else None
 
-    def server_field_origin(self, name: str) -> str:
-        """How the logs say where a server-step field's value came from: "derived" when it was left unset
-        (`resolve_server_step`), else "set"."""
-        return "derived" if name in self.derived_server_fields else "set"
-
-    def derived_server_learning_rate(self) -> float:
-        """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help):
-        `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for the paper's server Adam, `SERVER_LEARNING_RATES`
-        for the others."""
-        if self.server_optimizer != "adam":
-            return SERVER_LEARNING_RATES[self.server_optimizer]
-        return float(f"{SERVER_ADAM_SCALE * self.local_steps * self.learning_rate:.6g}")  # 5e-05, not 4.9999e-05
-
-    def check_vllm(self, parallel_clients: bool = False) -> None:
-        """Refuse, by name, a vLLM setting that federated clients cannot generate with. Every entry point calls it
-        before it loads a model or starts an engine: this config when it declares a federation (`num_clients > 1`),
-        `FederatedRunner`, the federated `FedGRPOTrainer` and the Flower `ClientApp` (whose config may have been
-        changed since), and the Flower `ServerApp` under the Simulation Engine with `parallel_clients`: there the
-        ClientApps run in worker processes of their own, concurrently.
-
-        Supported: `use_vllm` with `vllm_mode="server"` (one vLLM server, `trl vllm-serve`), shared by the clients of
-        one process in turn, each client's trainer pushing its merged weights before it generates (see
-        `vllm_server`).
-        """
-        if not self.use_vllm:
-            return
-        if self.vllm_mode == "colocate":  # TRL's default mode
-            raise ValueError(
-                "`use_vllm` with `vllm_mode='colocate'` would start a vLLM engine, and load the base model into it, "
-                "for every client's trainer in every round. Use `vllm_mode='server'`: one `trl vllm-serve` engine "
-                "serves all clients and rounds, and TRL pushes each client's merged weights to it without reloading."
-            )
-        if parallel_clients:
-            raise ValueError(
-                "`use_vllm` with clients trained in parallel processes (Flower's Simulation Engine): a vLLM server "
-                "holds one set of weights, which each client's trainer overwrites with its own before it generates, "
-                "so concurrent clients would generate with each other's weights, and each process would open a "
-                "weight-sync group of its own to the server on `vllm_group_port`. Train the clients in one process "
-                "(`trl-federated run`, `FederatedRunner`, `FedGRPOTrainer`), or give each SuperNode of a Flower "
-                "deployment its own vLLM server."
-            )
-
-    def federation_warnings(self, reward_range: tuple[float, float] | None = None) -> list[str]:
-        """What about this configuration makes a federation learn something other than the user likely means, one
-        message per problem; the runner and the Flower server log them. `reward_range`: the interval the reward
-        functions declare (`rewards.combined_reward_range`), None when unknown."""
-        warnings = []
-        # A generation batch serves steps_per_generation micro-batches, num_iterations times over: the policy that
-        # generated it is that of the batch's first optimisation step. R̄ reflects local training only if some step
-        # of the round trains on a batch generated after the round's first update.
-        steps_per_batch = self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
-        if self.local_steps <= steps_per_batch:
-            # Only the remedies this configuration has: steps_per_generation cannot go below the accumulation steps
-            remedies = [f"raise `local_steps` above {steps_per_batch:g}"]
-            if self.steps_per_generation > self.gradient_accumulation_steps:
-                remedies.append(f"lower `steps_per_generation` towards `gradient_accumulation_steps` "
-                                f"({self.gradient_accumulation_steps})")
-            if self.num_iterations > 1:
-                remedies.append("lower `num_iterations`")
-            warnings.append(
-                f"Every local step of a round trains on completions generated by the global model: `local_steps` "
-                f"({self.local_steps}) <= `steps_per_generation` ({self.steps_per_generation}) x `num_iterations` "
-                f"({self.num_iterations}) / `gradient_accumulation_steps` ({self.gradient_accumulation_steps}), so "
-                f"R̄ measures θ^{{[t]}}, not the client's local progress: {' or '.join(remedies)}."
-            )
-        if self.aggregation == "rpg" and self.rpg_h_max is None and reward_range is None:
-            warnings.append(
-                "`rpg_h_max` is None and the reward functions declare no `reward_range`: nothing bounds the R̄ a "
-                "client reports, so one client can take all of RPG's weight by reporting a large one. Set "
-                "`rpg_h_max` (10 by default), or give every reward function a `reward_range` attribute."
-            )
-        if self.aggregation == "rpg" and reward_range is not None and reward_range[1] - reward_range[0] > 1:
-            low, high = reward_range
-            warnings.append(
-                f"The reward functions declare rewards in [{low}, {high}], wider than the [0, 1] that `rpg_sigma_min` "
-                f"({self.rpg_sigma_min}) and `rpg_sigma_max` ({self.rpg_sigma_max}) are tuned for: they are absolute "
-                f"reward units, so scale them by {high - low:g} to weigh clients as the paper does."
-            )
-        # TrainingArguments' schedule fields a TRL script sets; the federation's schedule is its own.
-        if self.max_steps > 0:
-            warnings.append(
-                f"`max_steps` ({self.max_steps}) is ignored by a federation: every client takes `local_steps` "
-                f"({self.local_steps}) steps in each of `num_rounds` ({self.num_rounds}) rounds."
-            )
-        if self.eval_strategy != IntervalStrategy.NO:
-            warnings.append(
-                f"`eval_strategy` ({self.eval_strategy.value}) is ignored by a federation: the server evaluates the "
-                f"global adapter before the first round (`eval_initial`), every `eval_every` ({self.eval_every}) "
-                "rounds and after the last."
-            )
-        return warnings
-
-    def _type_errors(self):
-        """Yield one message per federated field whose value is not of its declared type."""
-        for name, annotation in vars(FedGRPOConfig)["__annotations__"].items():
-            value, allowed = getattr(self, name), annotation.split(" | ")
-            if value is None and "None" in allowed:
-                continue
-            if not any(_is_of_type(value, type_name) for type_name in allowed if type_name != "None"):
-                yield f"`{name}` must be of type {annotation}, got {value!r} ({type(value).__name__})."
-
-    def _federation_errors(self):
-        """Yield one message per invalid federated field, each naming the field and its value."""
-        # Every float of the whole configuration, TRL's included: NaN and inf pass every range check below.
-        for name, value in vars(self).items():
-            if isinstance(value, float) and not math.isfinite(value) and not (name == "dirichlet_alpha" and value > 0):
-                yield f"`{name}` must be a finite number, got {value}."
-        for name in (
-            "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round",
-            "min_train_clients", "min_evaluate_clients",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                yield f"`{name}` must be a positive integer, got {value!r}."
-        if self.reward_window > self.local_steps:
-            yield f"`reward_window` (W={self.reward_window}) must not exceed `local_steps` (E={self.local_steps})."
-        if not 0 <= self.fraction_evaluate <= 1:
-            yield f"`fraction_evaluate` must lie in [0, 1], got {self.fraction_evaluate}."
-        if not 0 < self.fraction_train <= 1:
-            yield f"`fraction_train` must lie in (0, 1], got {self.fraction_train}."
-        elif self.num_clients > 1:
-            yield from participation_errors(self, self.num_clients)
-        if self.client_timeout is not None and not self.client_timeout > 0:
-            yield f"`client_timeout` must be > 0 seconds or None, got {self.client_timeout}."
-        if not self.node_wait_timeout >= 0:
-            yield f"`node_wait_timeout` must be >= 0 seconds, got {self.node_wait_timeout}."
-        if self.federation_round is not None and (
-            not isinstance(self.federation_round, int) or self.federation_round < 0
-        ):
-            yield f"`federation_round` must be a round index >= 0 or None, got {self.federation_round!r}."
-        if self.eval_every < 0:
-            yield f"`eval_every` must be >= 0, got {self.eval_every}."
-        if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):
-            yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
-        for name, choices in (
-            ("aggregation", AGGREGATION_SERVER_OPTIMIZERS), ("lora_aggregation", LORA_AGGREGATIONS),
-            ("transfer_dtype", TRANSFER_DTYPES), ("server_optimizer", SERVER_OPTIMIZERS),
-            ("scaffold_correction", SCAFFOLD_CORRECTIONS), ("generation_dtype", GENERATION_DTYPE_CHOICES),
-        ):
-            if message := choice_error(name, getattr(self, name), choices):
-                yield message
-        if self.labels_per_client is not None:
-            if not isinstance(self.labels_per_client, int) or self.labels_per_client < 1:
-                yield f"`labels_per_client` must be a positive integer or None, got {self.labels_per_client!r}."
-            elif self.partition_column is None:
-                yield ("`labels_per_client` deals the values of `partition_column` to the clients: name that column "
-                       "(e.g. `partition_column: category`), or leave `labels_per_client` unset.")
-        if message := choice_error("rpg_gain", self.rpg_gain, RPG_GAINS):
-            yield message
-        if not self.rpg_noise_threshold >= 0:
-            yield f"`rpg_noise_threshold` must be >= 0, got {self.rpg_noise_threshold}."
-        yield from rpg_errors(
-            self.rpg_lambda_base, self.rpg_iota, self.rpg_sigma_min, self.rpg_sigma_max, self.rpg_tau_min,
-            self.rpg_tau_max, self.rpg_lambda_anneal, self.rpg_eps, self.rpg_h_max,
-        )
-        for name in ("server_learning_rate", "server_epsilon"):
-            value = getattr(self, name)
-            if value is None and name == "server_epsilon":  # FedAdam's τ, derived from the first Δ
-                continue
-            if not value > 0:
-                derived = name in self.derived_server_fields
-                yield f"`{name}` must be > 0, got {value}" + (
-                    f" (derived from `learning_rate` {self.learning_rate}: set one of them)." if derived else "."
-                )
-        if self.fedprox_mu < 0:
-            yield f"`fedprox_mu` must be >= 0, got {self.fedprox_mu}."
-        for name in ("beta", "max_grad_norm"):  # TRL's fields, with this config's help: 0 turns each off
-            if getattr(self, name) < 0:
-                yield f"`{name}` must be >= 0, got {getattr(self, name)}."
-        for name in ("server_beta1", "server_beta2"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                yield f"`{name}` must lie in [0, 1), got {value}."
-
-    def _robustness_errors(self):
-        """Yield one message per invalid field of the "Robustness" block."""
-        if self.update_norm_bound is not None and not self.update_norm_bound > 0:
-            yield f"`update_norm_bound` must be > 0 or None, got {self.update_norm_bound}."
-        for name, choices in (("update_norm_action", NORM_ACTIONS), ("robust_aggregation", ROBUST_AGGREGATIONS)):
-            if message := choice_error(name, getattr(self, name), choices):
-                yield message
-        if not 0 < self.robust_trim_fraction < 0.5:
-            yield f"`robust_trim_fraction` must lie in (0, 0.5), got {self.robust_trim_fraction}."
-        if self.robust_aggregation == "trimmed_mean" and self.min_clients_per_round < MIN_TRIMMED_CLIENTS:
-            yield (
-                f"`robust_aggregation='trimmed_mean'` trims at least one client at each end of every coordinate, so "
-                f"every round needs at least {MIN_TRIMMED_CLIENTS} clients: set `min_clients_per_round` to "
-                f"{MIN_TRIMMED_CLIENTS} or more (it is {self.min_clients_per_round}), or use 'median' or 'none'."
-            )
-        if self.max_client_samples is not None and (
-            isinstance(self.max_client_samples, bool) or not isinstance(self.max_client_samples, int)
-            or self.max_client_samples < 1
-        ):
-            yield f"`max_client_samples` must be a positive integer or None, got {self.max_client_samples!r}."
-
-    def _privacy_errors(self):
-        """Yield one message per invalid field of the "Differential privacy" block, and per setting DP cannot cover."""
-        for name in ("dp_noise_multiplier", "dp_reward_noise_multiplier", "dp_max_epsilon"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                yield f"`{name}` must be > 0 or None, got {value}."
-        if not self.dp_clip_norm > 0:
-            yield f"`dp_clip_norm` must be > 0, got {self.dp_clip_norm}."
-        if not 0 < self.dp_target_delta < 1:
-            yield f"`dp_target_delta` must lie in (0, 1), got {self.dp_target_delta}."
-        if self.dp_noise_multiplier is None:
-            return
-        if self.aggregation == "scaffold":
-            yield (
-                "`aggregation='scaffold'` cannot run under differential privacy (`dp_noise_multiplier`): SCAFFOLD's "
-                "controls c and c_i are per-client state the DP noise does not cover. Use 'fedavg', 'fedprox' or 'rpg'."
-            )
-        if self.aggregation == "rpg" and self.rpg_gain == "noise-aware":
-            yield (
-                "`rpg_gain='noise-aware'` cannot run under differential privacy (`dp_noise_multiplier`): it reads each "
-                "client's step rewards, which the DP mechanism does not release (it releases a noised R̄ alone). Use "
-                "`rpg_gain: paper`."
-            )
-        if self.robust_aggregation != "none":
-            yield (
-                f"`robust_aggregation={self.robust_aggregation!r}` cannot run under differential privacy "
-                "(`dp_noise_multiplier`): the noise is calibrated to the weighted sum's sensitivity. Set it to 'none'."
-            )
-
-
-@dataclass
-class FedDAPOConfig(FedGRPOConfig):
-    r"""
-    Federated DAPO (Yu et al., 2025): [`FedGRPOConfig`] with the defaults of TRL's DAPO recipe.
-
-    Token-level loss normalisation (`loss_type="dapo"`), clip-higher (`epsilon_high=0.28`), truncated completions
-    masked out of the loss, and no KL term (`beta=0`). Add `trl.rewards.get_soft_overlong_punishment` to the
-    reward functions for DAPO's overlong reward shaping. Reward-window tracking and the round callbacks are those
-    of every `FedGRPOConfig`; the paper's FDAPO and "FDAPO w/o RPG" are in `trl_federated.methods`.
-
-    Parameters:
-        loss_type (`str`, *optional*, defaults to `"dapo"`):
-            DAPO's token-level loss normalisation: every token of the batch weighs the same.
-        epsilon_high (`float`, *optional*, defaults to `0.28`):
-            Upper clipping bound of the importance ratio (DAPO's clip-higher).
-        mask_truncated_completions (`bool`, *optional*, defaults to `True`):
-            Exclude truncated completions from the loss (DAPO's overlong filtering).
-        beta (`float`, *optional*, defaults to `0.0`):
-            KL coefficient; DAPO drops the KL term.
-    """
-
-    loss_type: str = field(default="dapo", metadata={"help": "DAPO's token-level loss normalisation."})
-    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clipping bound (clip-higher)."})
-    mask_truncated_completions: bool = field(
-        default=True, metadata={"help": "Exclude truncated completions from the loss (DAPO's overlong filtering)."}
-    )
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; DAPO drops the KL term."})
-
-
-@dataclass
-class FedGSPOConfig(FedGRPOConfig):
-    r"""
-    Federated GSPO (Zheng et al., 2025): [`FedGRPOConfig`] with the defaults of TRL's GSPO recipe.
-
-    Sequence-level importance ratios (`importance_sampling_level="sequence"`) clipped in the narrow range
-    [1 − 3e-4, 1 + 4e-4], no KL term, and `steps_per_generation=4` so that each generation batch is reused for
-    off-policy steps, without which the ratio is always 1 and GSPO equals GRPO. The paper's FGSPO and "FGSPO w/o
-    RPG" are in `trl_federated.methods`.
-
-    Parameters:
-        importance_sampling_level (`str`, *optional*, defaults to `"sequence"`):
-            GSPO's sequence-level importance ratio: the geometric mean of a completion's token ratios.
-        loss_type (`str`, *optional*, defaults to `"grpo"`):
-            Sequence-mean loss, as in TRL's GSPO recipe.
-        epsilon (`float`, *optional*, defaults to `3e-4`):
-            Lower clipping bound of the sequence ratio.
-        epsilon_high (`float`, *optional*, defaults to `4e-4`):
-            Upper clipping bound of the sequence ratio.
-        steps_per_generation (`int`, *optional*, defaults to `4`):
-            Optimisation steps per generation batch: above 1 the later steps are off-policy, where the ratio acts.
-        beta (`float`, *optional*, defaults to `0.0`):
-            KL coefficient; GSPO's recipe uses none.
-    """
-
-    importance_sampling_level: str = field(
-        default="sequence", metadata={"help": "GSPO's sequence-level importance sampling ratio."}
-    )
-    loss_type: str = field(default="grpo", metadata={"help": "Sequence-mean loss, as in TRL's GSPO recipe."})
-    epsilon: float = field(default=3e-4, metadata={"help": "Lower clipping bound of the sequence ratio."})
-    epsilon_high: float | None = field(default=4e-4, metadata={"help": "Upper clipping bound of the sequence ratio."})
-    steps_per_generation: int | None = field(
-        default=4, metadata={"help": "Optimisation steps per generation batch: >1 makes updates off-policy."}
-    )
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; GSPO's recipe uses none."})
-
-
-# The local algorithms by name (`trl-federated run --algorithm`, `methods.Method.algorithm`): each one's config
-# class, whose defaults are the algorithm's recipe.
-CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
-
-
-def rpg_errors(
-    lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
-):
-    """One message per RPG setting out of its range, named as `FedGRPOConfig`'s `rpg_*` field: the one rule for
-    the config's fields and `aggregation.RPGAggregator`'s arguments."""
-    for name, value in (("rpg_lambda_base", lambda_base), ("rpg_iota", iota)):
-        if not 0 < value <= 1:
-            yield f"`{name}` must lie in (0, 1], got {value}."
-    for name, value in (("rpg_sigma_min", sigma_min), ("rpg_tau_min", tau_min), ("rpg_eps", eps)):
-        if not value > 0:
-            yield f"`{name}` must be > 0, got {value}."
-    if sigma_min > sigma_max:
-        yield f"`rpg_sigma_min` ({sigma_min}) must not exceed `rpg_sigma_max` ({sigma_max})."
-    if tau_min > tau_max:
-        yield f"`rpg_tau_min` ({tau_min}) must not exceed `rpg_tau_max` ({tau_max})."
-    if lambda_anneal < 0:
-        yield f"`rpg_lambda_anneal` must be >= 0, got {lambda_anneal}."
-    if h_max is not None and not h_max > 0:
-        yield f"`rpg_h_max` must be > 0 or None, got {h_max}."
-
-
-def result_fields(config: FedGRPOConfig | type[FedGRPOConfig]) -> tuple[str, ...]:
-    """The fields of `config` (an instance or a class) that change what a run computes from a checkpoint on, which a
-    resumed run must keep unless `resume_allow_changes` names them: the federation's, whose help is a `ResultHelp`,
-    then TRL's (`TRL_RESULT_FIELDS`)."""
-    federation = [f.name for f in dataclasses.fields(config) if isinstance(f.metadata.get("help"), ResultHelp)]
-    return (*federation, *TRL_RESULT_FIELDS)
-
-
-def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
-    """`config_class` (a `GRPOConfig` subclass, such as TRL's `GMPOConfig`) with the federation's fields: a dataclass
-    that is both a `FedGRPOConfig` and a `config_class`, for the trainer `federated(...)` makes of the trainer that
-    `config_class` configures.
-
-    Its defaults are `config_class`'s for every field `config_class` (or a class between it and `GRPOConfig`)
-    declares itself, the algorithm's recipe, as `FedDAPOConfig` overrides `FedGRPOConfig`; `FedGRPOConfig`'s for
-    every other field, the federation's and Algorithm 1's (`loss_type`, `lr_scheduler_type`, `beta`). Both
-    `__post_init__` validations run. The class is made once per `config_class` and parses like any TRL config
-    (`TrlParser`, YAML); its instances pickle as long as `config_class` does. A `FedGRPOConfig` subclass is
-    returned as it is.
-    """
-    if not (isinstance(config_class, type) and issubclass(config_class, GRPOConfig)):
-        raise TypeError(f"`federated_config` needs a `trl.GRPOConfig` subclass, got {config_class!r}.")
-    if issubclass(config_class, FedGRPOConfig):
-        return config_class
-    return _federated_config_class(config_class)
-
-
-@functools.cache
-def _federated_config_class(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
-    # Dataclasses take each base's complete field table, inherited fields included, so whichever base comes last in
-    # the MRO would reset the other's own defaults to GRPOConfig's: the algorithm's own fields are declared again.
-    grpo_fields = GRPOConfig.__dataclass_fields__
-    own = [f for name, f in config_class.__dataclass_fields__.items() if grpo_fields.get(name) is not f]
-    namespace = {
-        "__module__": __name__,
-        "__qualname__": f"Fed{config_class.__name__}",
-        "__doc__": f"`{config_class.__module__}.{config_class.__qualname__}` with the fields of `FedGRPOConfig` "
-        "(see `federated_config`).",
-        "__annotations__": {f.name: f.type for f in own},
-        "__reduce__": _reduce_federated_config,
-        "algorithm_config_class": config_class,
-    }
-    for f in own:
-        namespace[f.name] = field(
-            default=f.default, default_factory=f.default_factory, init=f.init, repr=f.repr, metadata=f.metadata
-        )
-    return dataclass(type(f"Fed{config_class.__name__}", (FedGRPOConfig, config_class), namespace))
-
-
-def _reduce_federated_config(config: FedGRPOConfig):
-    # The class is made at run time, so pickle refers to it through the class it federates (Trainer saves its
-    # arguments with torch.save in every checkpoint).
-    return _rebuild_federated_config, (type(config).algorithm_config_class, config.__dict__)
-
-
-def _rebuild_federated_config(config_class: type[GRPOConfig], state: dict) -> FedGRPOConfig:
-    cls = federated_config(config_class)
-    config = cls.__new__(cls)
-    config.__dict__.update(state)
-    return config

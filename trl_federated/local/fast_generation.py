@@ -41,11 +41,11 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.initialization import no_init_weights
 from transformers.masking_utils import eager_mask
 
-from . import choices
-from .devices import has_native_bf16
+from .. import choices
+from ..runtime.devices import has_native_bf16
 from .shared_prefix import SharedPrefixStats, cache_keyword, has_full_attention_cache
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.fast_generation")  # its name before the move
 
 GENERATION_DTYPES = {name: getattr(torch, name) for name in choices.GENERATION_DTYPES}
 """The weight dtypes fast generation can run in, by the names `generation_dtype` takes ("auto" picks one)."""

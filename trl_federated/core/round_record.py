@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .adapters import state_nbytes
-from .aggregation.base import RoundMetric
+from ..adapters import state_nbytes
+from ..aggregation.base import RoundMetric
 
 
 @dataclass

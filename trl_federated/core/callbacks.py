@@ -12,7 +12,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from .aggregation.base import RoundMetric
+from ..aggregation.base import RoundMetric
 from .round_record import RoundRecord
 
 
@@ -35,6 +35,18 @@ class RoundCallback(TrainerCallback):
     def on_round_end(self, args, record: RoundRecord, **kwargs):
         """After aggregation: `record` holds R̄, ω, the aggregator's round metrics (RPG: h, τ), bytes and metrics of
         the round."""
+
+    def on_round_saved(self, args, record: RoundRecord, global_state, num_clients: int, **kwargs):
+        """After round `record.round_idx` was checkpointed: `global_state` is the adapter it made, `num_clients` the
+        federation's clients. The round's lines in the log hang here (`reports.round_log.RoundLog`)."""
+
+    def on_adapter_saved(self, args, model, output_dir, num_clients: int, evaluations: dict[int, dict[str, Any]],
+                         privacy: str | None, **kwargs):
+        """The run's final adapter is saved in `output_dir`: what describes it goes beside it (the model card,
+        `reports.hub.ModelCardReport`; `privacy` is the guarantee the run reached, None without DP)."""
+
+    def on_run_end(self, args, **kwargs):
+        """The run is over and saved on every process (the Hub push hangs here, last)."""
 
     def on_resume(
         self, args, round_idx: int, history: list[RoundRecord], evaluations: dict[int, dict[str, Any]], **kwargs

@@ -23,13 +23,13 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
-from .adapters import AdapterState, InvalidUpdateError, WireFormat, set_adapter_state
-from .aggregation import AGGREGATIONS, Aggregator, ClientUpdate
-from .config import FedGRPOConfig
+from ..adapters import AdapterState, InvalidUpdateError, WireFormat, set_adapter_state
+from ..aggregation import AGGREGATIONS, Aggregator, ClientUpdate
+from ..config import FedGRPOConfig
+from ..runtime.master_weights import read_master_state, write_master_state
+from ..runtime.memory import ReleaseFreeMemory, release_free_memory
+from ..runtime.vllm_server import reuse_vllm_client
 from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
-from .master_weights import read_master_state, write_master_state
-from .memory import ReleaseFreeMemory, release_free_memory
-from .vllm_server import reuse_vllm_client
 
 
 class ClientTimeoutError(TimeoutError):

@@ -49,13 +49,13 @@ import torch
 from peft import PeftConfig
 from safetensors.torch import load_file, save_file
 
-from .adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, check_state, non_finite_entries, write_adapter
+from ..adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, AdapterState, check_state, non_finite_entries, write_adapter
 from .round_record import RoundRecord
 
 if TYPE_CHECKING:
-    from .config import FedGRPOConfig
+    from ..config import FedGRPOConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.checkpoint")  # its name before the move
 
 # The layout of `federation.json`, recorded in it as "format": 2 since round records carry the aggregator's
 # `round_metrics`. A checkpoint without it, or of another format, is refused (`OutdatedCheckpointError`).

@@ -19,11 +19,15 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..names import closest_key_hint, import_object
 from .answer_check import answers_match
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.rewards")  # its name before the move
 
 _OPEN_RE = re.compile("<answer>", re.IGNORECASE)
 _CLOSE_RE = re.compile("</answer>", re.IGNORECASE)
@@ -162,3 +166,98 @@ def combined_reward_range(
         ends = (weight * float(bounds[0]), weight * float(bounds[1]))
         low, high = low + min(ends), high + max(ends)
     return low, high
+
+
+# Reward functions by name, as `trl grpo` reads its `reward_funcs` ------------------------------------------
+
+REWARD_FUNCTIONS = ("accuracy", "format")
+
+
+# TRL's `trl grpo` reward names (`trl/scripts/grpo.py`), with the values that script gives them: TRL's functions, which
+# read the dataset's `solution` column, as in `trl grpo`.
+TRL_REWARD_FUNCTIONS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward",
+                        "get_soft_overlong_punishment")  # fmt: skip
+
+
+def trl_reward_function(name: str):
+    """TRL's reward function `name` (`TRL_REWARD_FUNCTIONS`), configured as `trl grpo` configures it."""
+    from trl import rewards
+
+    if name == "get_soft_overlong_punishment":
+        return rewards.get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)
+    return getattr(rewards, name)
+
+
+def reward_functions(names: list[str], field_name: str = "reward_funcs") -> list:
+    """The reward functions `names` gives, as `trl grpo` reads its `reward_funcs`: this package's `REWARD_FUNCTIONS`,
+    TRL's (`TRL_REWARD_FUNCTIONS`), and any function by dotted import path (`my_lib.rewards.custom_reward`,
+    importable from the working directory); an entry with a `/` or naming a folder is a reward model's Hub id or local
+    folder, kept as such for `FederatedRunner` to load once (`client.load_reward_models`)."""
+    from .rewards import answer_accuracy_reward, format_reward
+
+    available = {"accuracy": answer_accuracy_reward, "format": format_reward}
+    functions = []
+    for name in names:
+        if name in available:
+            functions.append(available[name])
+        elif name in TRL_REWARD_FUNCTIONS:
+            functions.append(trl_reward_function(name))
+        elif "/" in name or Path(name).is_dir():
+            functions.append(name)
+        elif "." in name:
+            functions.append(import_object(name, field_name))
+        else:
+            raise ValueError(
+                f"Unknown `{field_name}` {name!r}; choose among {list(REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS)}, a "
+                "function's dotted import path (`my_lib.rewards.custom_reward`), or a reward model's Hub id "
+                f"(`org/name`) or local folder.{closest_key_hint(name, REWARD_FUNCTIONS + TRL_REWARD_FUNCTIONS)}"
+            )
+    return functions
+
+
+def training_rewards(data_args) -> list:
+    """The training rewards `data_args` (`arguments.BenchmarkArguments`) name, as `trl grpo` assembles them:
+    `reward_model_name_or_path` first, then `reward_funcs`;
+    `reward_funcs` left unset is the paper's `accuracy` alone, or nothing beside a reward model."""
+    names = [data_args.reward_model_name_or_path] if data_args.reward_model_name_or_path else []
+    if data_args.reward_funcs is not None:
+        names += data_args.reward_funcs
+    elif not names:
+        names = ["accuracy"]
+    return reward_functions(names)
+
+
+# What TRL's GRPOTrainer passes every reward function besides the dataset's columns (`_calculate_rewards`).
+TRAINER_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                            "environments")  # fmt: skip
+
+
+def check_reward_columns(reward_funcs: list, dataset, field_name: str = "reward_funcs") -> None:
+    """Refuse, naming the function and the column, a reward function whose required arguments are columns that
+    `dataset` lacks (TRL passes every column to the reward functions by name, and a missing one fails only at the
+    first training step)."""
+    import inspect
+
+    for function in reward_funcs:
+        if not callable(function) or isinstance(function, torch.nn.Module):
+            continue
+        parameters = inspect.signature(function).parameters.values()
+        required = [
+            parameter.name for parameter in parameters
+            if parameter.default is inspect.Parameter.empty
+            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            and parameter.name not in TRAINER_REWARD_ARGUMENTS
+        ]  # fmt: skip
+        missing = [name for name in required if name not in dataset.column_names]
+        if missing:
+            name = getattr(function, "__name__", repr(function))
+            advice = (
+                " TRL's rewards score a `solution` column; `accuracy` is this package's binary reward on the "
+                "`answer` column (`answer_accuracy_reward`; the embedded and paper benchmarks)."
+                if getattr(function, "__module__", "").startswith("trl.")
+                else ""
+            )
+            raise ValueError(
+                f"`{field_name}`: {name} ({function.__module__}) reads the column(s) {missing}, which the data lacks "
+                f"(columns: {dataset.column_names}).{advice}"
+            )

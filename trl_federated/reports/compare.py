@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from .methods import ABLATIONS, METHODS
+from ..methods import ABLATIONS, METHODS
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def cell_command(cell: Cell, config: str, root: Path, extra: list[str]) -> list[
     whatever an interrupted first round left), or None when its `result.json` exists; says which on stdout. A cell
     whose checkpoints are all of a format this version no longer reads (written by an earlier version, interrupted)
     starts afresh: a cell is reproducible at one thread, so it ends where the resume would have."""
-    from .checkpoint import CHECKPOINT_FORMAT, checkpoint_format, list_checkpoints  # torch and PEFT: deferred
+    from ..core.checkpoint import CHECKPOINT_FORMAT, checkpoint_format, list_checkpoints  # torch and PEFT: deferred
 
     directory = cell.directory(root)
     name = f"{cell.method} {cell.setting} seed {cell.seed}"

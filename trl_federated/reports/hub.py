@@ -19,11 +19,12 @@ from typing import Any
 from huggingface_hub import HfApi, ModelCard
 from trl.trainer.utils import generate_model_card, get_config_model_id
 
-from .config import CONFIG_CLASSES, FedGRPOConfig
-from .data.partition import split_description
-from .methods import METHODS
-from .models import base_model_hub_id
-from .reporting import ROUND_NUMBERING, format_evaluations
+from ..config import CONFIG_CLASSES, FedGRPOConfig
+from ..core.callbacks import RoundCallback
+from ..data.partition import split_description
+from ..methods import METHODS
+from ..runtime.models import base_model_hub_id
+from .summary import ROUND_NUMBERING, format_evaluations
 
 TAG_NAMES = ["trl", "grpo", "trl-federated", "federated-learning", "fgrpo"]
 PAPER = {
@@ -165,3 +166,18 @@ def push_to_hub(args: FedGRPOConfig) -> str:
         ) from error
     return str(commit)
 
+
+class ModelCardReport(RoundCallback):
+    """Writes the model card over PEFT's placeholder README.md when the final adapter is saved, pushed or not (the
+    folder describes its adapter), and pushes the folder to the Hub when the run ends with `args.push_to_hub`."""
+
+    def __init__(self, dataset_name: str | None = None):
+        self.dataset_name = dataset_name
+
+    def on_adapter_saved(self, args, model, output_dir, num_clients, evaluations, privacy, **kwargs):
+        card = federated_model_card(model, args, num_clients, evaluations, self.dataset_name, privacy=privacy)
+        card.save(Path(output_dir) / "README.md")
+
+    def on_run_end(self, args, **kwargs):
+        if args.push_to_hub:
+            push_to_hub(args)

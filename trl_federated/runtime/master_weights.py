@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from peft import get_peft_model_state_dict
 
-from .adapters import AdapterState
+from ..adapters import AdapterState
 
 
 class MasterWeightsError(ValueError):

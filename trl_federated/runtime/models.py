@@ -11,6 +11,8 @@ the same weights.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import os
 import shutil
@@ -35,8 +37,9 @@ from transformers import (
     PreTrainedTokenizerBase,
     ProcessorMixin,
 )
+from trl import ModelConfig, get_peft_config, get_quantization_config
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("trl_federated.models")  # its name before the move
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias of the embedded default model; `None` means the same."""
@@ -254,3 +257,52 @@ def load_model_and_tokenizer(
         tokenizer = processing_class.tokenizer if is_vlm else processing_class
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, processing_class
+
+
+def changed_fields(model_args: ModelConfig, names: tuple[str, ...]) -> list[str]:
+    """The fields among `names` that differ from ModelConfig's defaults."""
+    defaults = {item.name: item.default for item in dataclasses.fields(ModelConfig)}
+    return [name for name in names if getattr(model_args, name) != defaults[name]]
+
+
+def lora_config(model_args: ModelConfig):
+    """The federation's LoRA configuration: TRL's `get_peft_config` over every `lora_*`, `use_rslora`, `use_dora`."""
+    if not model_args.use_peft:
+        raise ValueError(
+            "`use_peft=false`: a federation always trains and exchanges a LoRA adapter; full fine-tuning is not "
+            "supported. Drop `use_peft`, or set the adapter with the `lora_*` fields."
+        )
+    return get_peft_config(model_args)
+
+
+def load_model(model_args: ModelConfig, args):
+    """`(model, processing_class)` as the arguments ask, as TRL's `GRPOTrainer` would load a model named by id:
+    ModelConfig's `dtype`, `attn_implementation`, `model_revision` and 4/8-bit loading (QLoRA, TRL's
+    `get_quantization_config`), and `trust_remote_code` and `model_init_kwargs` of `args` (a `FedGRPOConfig`). A
+    field that cannot apply is refused by name, never ignored."""
+    bnb_fields = changed_fields(model_args, ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"))
+    if bnb_fields and not model_args.load_in_4bit:
+        raise ValueError(f"{bnb_fields} are read only with `load_in_4bit`, which is off.")
+    model_kwargs = dict(args.model_init_kwargs or {})
+    named = {"dtype", "revision", "attn_implementation", "trust_remote_code", "quantization_config"} & set(model_kwargs)
+    if named:
+        raise ValueError(
+            f"Set {sorted(named)} with their own flags (`dtype`, `model_revision`, `attn_implementation`, "
+            "`trust_remote_code`, `load_in_4bit`/`load_in_8bit`), not in `model_init_kwargs`."
+        )
+    quantization_config = get_quantization_config(model_args)
+    if quantization_config is not None:
+        flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"`{flag}` (QLoRA) needs bitsandbytes, which is not installed: `pip install bitsandbytes`")
+        # transformers places the quantized weights itself (TRL 1.16's scripts pass no device_map either)
+        model_kwargs["quantization_config"] = quantization_config
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    return load_model_and_tokenizer(
+        model_args.model_name_or_path,
+        dtype=dtype,
+        revision=model_args.model_revision,
+        trust_remote_code=args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        **model_kwargs,
+    )

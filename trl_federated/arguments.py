@@ -1,0 +1,336 @@
+"""The arguments of `trl-federated run`: `ArgumentParser`, `BenchmarkArguments`, `config_class` and
+`parse_run_args`, importable without the command line (the Flower app and the benchmarks parse with them).
+
+Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by `--key value` flags, filling a
+`FedGRPOConfig` (training and federation), a `ModelConfig` (model and LoRA) and `BenchmarkArguments` (data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from trl import ModelConfig, TrlParser
+
+from .config import CONFIG_CLASSES, FedGRPOConfig, federated_config
+from .names import closest_key_hint, import_class
+from .scoring.rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
+
+
+def read_yaml_config(path: str, error: Callable[[str], Any]) -> dict[str, Any]:
+    """The mapping a `--config` YAML file holds; `error(message)` for a file that is missing, not YAML, or not a
+    mapping."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            values = yaml.safe_load(stream)
+    except OSError as fault:
+        return error(f"cannot read --config {path}: {fault.strerror or fault}.")
+    except yaml.YAMLError as fault:
+        return error(f"--config {path} is not valid YAML: {' '.join(str(fault).split())}")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        return error(f"--config {path} must hold `key: value` lines, got a {type(values).__name__}.")
+    return values
+
+
+def usage_error(message: str, prog: str = "trl-federated run"):
+    """Stop with `prog: error: message` on one line and exit status 2, as argparse does."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def choice_hint(key: str, value: str, choices: Iterable[Any]) -> str:
+    """What to say after a value outside a field's choices: a named method (`trl-federated compare --methods`) given
+    as an `aggregation` gets the settings that make it; else the closest choice."""
+    from .methods import METHODS
+
+    if key == "aggregation" and value in METHODS:
+        method = METHODS[value]
+        settings = " ".join(f"--{name} {setting}" for name, setting in method.overrides().items())
+        return f" `{value}` names the method {method.display_name}; `run` takes it as `{settings}`."
+    return closest_key_hint(value, map(str, choices))
+
+
+# Fields the federation sets on each client's configuration, never a user: parsed, but hidden from --help.
+INTERNAL_FIELDS = frozenset({"federation_round"})
+
+
+class ArgumentParser(TrlParser):
+    """TRL's `TrlParser` (a YAML `--config`, then `--key value` flags, never abbreviated) as a newcomer needs it:
+
+    - `--help` lists the flags in one argument group per dataclass, as `HfArgumentParser` groups a dataclass that
+      names one (`_argument_group_name`); a federated config's own fields form a group apart from the TRL config's.
+    - A YAML key or flag that no dataclass has is refused in one line that names it and the closest valid one (or
+      TRL's equivalent, `closest_key_hint`), before any dataclass is built; TRL raises "Unknown arguments" after a
+      traceback, and argparse would print the whole usage (hundreds of flags) before its error line.
+    """
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+
+    @staticmethod
+    def _groups(dtype) -> list[tuple[str, str, list[dataclasses.Field]]]:
+        """(title, description, fields) of each argument group of `dtype`: one, or for a federated config the TRL
+        config's fields, then the federation's."""
+        from trl import GRPOConfig
+
+        fields = [item for item in dataclasses.fields(dtype) if item.init]
+        if not issubclass(dtype, FedGRPOConfig):
+            return [(dtype.__name__, _first_line(dtype), fields)]
+        trl_config = next(c for c in dtype.__mro__ if issubclass(c, GRPOConfig) and not issubclass(c, FedGRPOConfig))
+        federation = {item.name for item in dataclasses.fields(FedGRPOConfig)} - {
+            item.name for item in dataclasses.fields(GRPOConfig)
+        }
+        return [  # the federation's own fields first: they are what a user of this command comes to set
+            (f"{dtype.__name__}: the federation", _first_line(dtype), [f for f in fields if f.name in federation]),
+            (f"{trl_config.__name__} (TRL)", _first_line(trl_config), [f for f in fields if f.name not in federation]),
+        ]
+
+    def _add_dataclass_arguments(self, dtype):
+        from typing import get_type_hints
+
+        type_hints = get_type_hints(dtype)
+        for title, description, fields in self._groups(dtype):
+            group = self.add_argument_group(title, description)
+            for item in fields:
+                item.type = type_hints[item.name]
+                self._parse_dataclass_field(group, item)
+                if item.name in INTERNAL_FIELDS:  # parsed as any field, but not offered in --help
+                    group._group_actions[-1].help = argparse.SUPPRESS
+
+    def error(self, message: str):
+        """One line, `prog: error: message`, exit status 2: argparse's usage line would list every flag."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs):
+        """TRL's parsing, with every fault of the command line or the YAML said in one line (`error`): an unknown
+        key or flag, a value outside a field's choices (argparse checks a flag's, never a YAML default's), a missing
+        `--config` file, and what the configs' own checks refuse (`__post_init__`)."""
+        args = list(sys.argv[1:] if args is None else args)
+        flags = args
+        choices = {action.dest: action.choices for action in self._actions if action.choices is not None}
+        if "--config" in args[:-1]:
+            at = args.index("--config")
+            path, flags = args[at + 1], args[:at] + args[at + 2 :]
+            values = read_yaml_config(path, self.error)
+            fields = [action.dest for action in self._actions if action.option_strings] + ["env"]
+            for key, value in values.items():
+                if key not in fields:
+                    self.error(f"unknown key `{key}` in {path}.{closest_key_hint(key, fields)}")
+                if key in choices and value is not None and str(value) not in map(str, choices[key]):
+                    self.error(f"`{key}: {value}` in {path} is not one of {list(choices[key])}."
+                               f"{choice_hint(key, str(value), choices[key])}")
+        options = [option for action in self._actions for option in action.option_strings]
+        for index, token in enumerate(flags):
+            flag, _, value = token.partition("=")
+            if flag.startswith("--") and flag not in options:
+                self.error(f"unknown flag `{flag}`.{closest_key_hint(flag, options)}")
+            key = flag[2:]
+            if key in choices and not value and index + 1 < len(flags):
+                value = flags[index + 1]
+            if key in choices and value and value not in map(str, choices[key]):
+                hint = choice_hint(key, value, choices[key])  # argparse's own words, with the hint it lacks
+                self.error(f"argument {flag}: invalid choice: {value!r} (choose from "
+                           f"{', '.join(map(repr, choices[key]))}).{hint}")
+        try:
+            return super().parse_args_and_config(args, **kwargs)
+        except (ValueError, TypeError) as fault:  # a config's own check (`__post_init__`), already one sentence
+            self.error(str(fault).strip().replace("\n", " "))
+
+
+def _first_line(cls) -> str:
+    """The first line of a class's docstring, without the doc markup of cross references ([`~trl.GRPOConfig`])."""
+    return re.sub(r"\[`~?([\w.]+)`\]", r"\1", (cls.__doc__ or "").strip().split("\n", 1)[0])
+
+
+@dataclass
+class BenchmarkArguments:
+    """Which data the clients hold. The default is the embedded reasoning-gym benchmark."""
+
+    dataset_name: str = field(
+        default="reasoning_gym",
+        metadata={
+            "help": "'reasoning_gym' for the embedded procedural benchmark; 'open_r1' (Multimodal-Open-R1-8k-Verified, "
+            "label `difficulty`) or 'geoqa' (GEOQA-8k, label `category`) for the paper's benchmarks, read from "
+            "`benchmark_source`; or a `datasets.load_dataset` name or local path with `prompt`, `answer` and the "
+            "partition column, and `train`/`test` splits."
+        },
+    )
+    benchmark_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "For 'open_r1' and 'geoqa': the Hub dataset id or local copy (a `save_to_disk` folder or a parquet "
+            "file) with the raw rows. None: the paper's Hub dataset."
+        },
+    )
+    max_pixels: int | None = field(
+        default=None,
+        metadata={
+            "help": "For 'open_r1' and 'geoqa': the largest image area in pixels; a larger figure is scaled down to "
+            "it when the benchmark loads, keeping its aspect ratio (as `max_pixels` in R1-V and EasyR1). None: "
+            "figures as stored."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "For a `datasets.load_dataset` name: its configuration name (`load_dataset`'s `name`), as in "
+            "`trl grpo`."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Training split of `dataset_name`."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Evaluation split of `dataset_name`."})
+    benchmark_size: int = field(
+        default=400, metadata={"help": "Items generated for the reasoning-gym benchmark, before the 80/20 split."}
+    )
+    benchmark_seed: int = field(
+        default=0,
+        metadata={"help": "Seed of the reasoning-gym generation, and of the 80/20 split of the paper's benchmarks."},
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many test items (None: the whole test split)."}
+    )
+    algorithm: str = field(
+        default="grpo",
+        metadata={
+            "help": "Local RL algorithm, "
+            + ", ".join(f"'{name}' ({config.__name__})" for name, config in CONFIG_CLASSES.items())
+            + ": it picks the recipe defaults, which explicit keys still override.",
+            "choices": list(CONFIG_CLASSES),
+        },
+    )
+    trainer_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "The GRPOTrainer subclass every client trains with, as an import path: 'package.module:Class' or "
+            "'package.module.Class' (e.g. 'trl.experimental.gmpo:GMPOTrainer', or your own trainer's module, "
+            "importable from the working directory). None: TRL's GRPOTrainer."
+        },
+    )
+    trainer_config_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "That trainer's own GRPOConfig subclass, as an import path (e.g. "
+            "'trl.experimental.gmpo:GMPOConfig'): the run's config is then that class with the federation's fields "
+            "(`federated_config`), with its defaults and fields, which `--key value` flags set like any other. It "
+            "replaces `algorithm`'s recipe, so it needs algorithm 'grpo'. None: the config `algorithm` names."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A reward model's Hub id or local folder (`AutoModelForSequenceClassification`, loaded once per "
+            "run), trained on before `reward_funcs`, as in `trl grpo`."
+        },
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": f"Reward functions: this package's {REWARD_FUNCTIONS} ('accuracy' is the paper's binary reward on "
+            f"the `answer` column), TRL's {TRL_REWARD_FUNCTIONS} (as `trl grpo` configures them; they read a "
+            "`solution` column), a function's dotted import path ('my_lib.rewards.custom_reward'), or reward models "
+            "by Hub id or local folder. None: ['accuracy'], or only `reward_model_name_or_path` when it is set."
+        },
+    )
+    eval_reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy"],
+        metadata={
+            "help": f"Reward functions that score the test split, among {REWARD_FUNCTIONS}, summed: the default "
+            "reports accuracy whatever `reward_funcs` trains on."
+        },
+    )
+
+    def __post_init__(self):
+        from .data.paper import check_max_pixels
+
+        check_max_pixels(self.max_pixels)
+        builders = ("reasoning_gym", "open_r1", "geoqa")
+        close = difflib.get_close_matches(self.dataset_name, builders, n=1, cutoff=0.75)
+        if self.dataset_name not in builders and "/" not in self.dataset_name and close and not Path(
+            self.dataset_name
+        ).exists():
+            raise ValueError(f"unknown `dataset_name` {self.dataset_name!r}. Did you mean `{close[0]}`?")
+
+
+def check_model_path(model_name_or_path: str | None) -> None:
+    """`usage_error` for a `model_name_or_path` written as a local path (absolute, `./`, `../`, `~`, or more than the
+    one `/` of a Hub id `org/name`) that does not exist: before the data is built, in one line, not the Hub client's
+    `HFValidationError` after it."""
+    if model_name_or_path is None:
+        return
+    path = Path(model_name_or_path).expanduser()
+    written_as_path = model_name_or_path.startswith(("/", "./", "../", "~")) or model_name_or_path.count("/") > 1
+    if written_as_path and not path.exists():
+        usage_error(f"`model_name_or_path` {model_name_or_path!r}: no such folder. Give a local model folder or a "
+                    "Hub id (`org/name`), or leave it unset for the embedded SmolLM2-135M-Instruct.")
+
+
+def _setting(argv: list[str], name: str, default):
+    """`--name value` from `argv`, else `name:` from the `--config` YAML, else `default`; read before parsing, for the
+    settings that decide which config class parses the rest."""
+    value = default
+    if "--config" in argv[:-1]:
+        value = read_yaml_config(argv[argv.index("--config") + 1], usage_error).get(name, value)
+    if f"--{name}" in argv[:-1]:
+        value = argv[argv.index(f"--{name}") + 1]
+    return value
+
+
+def config_class(argv: list[str]) -> type[FedGRPOConfig]:
+    """The config dataclass named by `--algorithm` (or `algorithm:` in the `--config` YAML), or by
+    `--trainer_config_class` made federated (`config.federated_config`); read before parsing because the recipe
+    decides the defaults of the other fields."""
+    algorithm = _setting(argv, "algorithm", "grpo")
+    if algorithm not in CONFIG_CLASSES:
+        raise ValueError(f"`algorithm` must be one of {list(CONFIG_CLASSES)}, got {algorithm!r}.")
+    trainer_config = _setting(argv, "trainer_config_class", None)
+    if trainer_config is None:
+        return CONFIG_CLASSES[algorithm]
+    if algorithm != "grpo":
+        raise ValueError(
+            f"`trainer_config_class` ({trainer_config!r}) brings its own recipe defaults, which would replace "
+            f"`algorithm` {algorithm!r}'s: set the recipe's fields with flags, and leave `algorithm` at 'grpo'."
+        )
+    from trl import GRPOConfig
+
+    return federated_config(import_class(trainer_config, GRPOConfig, "trainer_config_class"))
+
+
+def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:
+    """The three argument groups of `trl-federated run` from `--config` and `--key value` flags.
+
+    Flags are never abbreviated: `--num_round` is an unknown flag, not `--num_rounds`, refused in one line that names
+    the closest flag, as is an unknown YAML key (`ArgumentParser`). A federation always trains a LoRA adapter, so
+    `use_peft` is on and ModelConfig's LoRA fields default to `default_lora_config()`'s values: `--lora_r 4` alone
+    changes the adapter.
+    """
+    from .adapters import default_lora_config
+
+    try:
+        dtype = config_class(argv)
+    except ValueError as fault:
+        usage_error(str(fault))
+    parser = ArgumentParser((dtype, ModelConfig, BenchmarkArguments), prog="trl-federated run",
+                            usage="%(prog)s [-h] [--config CONFIG.yaml] [--FIELD VALUE ...]",
+                            description=RUN_DESCRIPTION)
+    lora = default_lora_config()
+    parser.set_defaults(
+        use_peft=True, lora_r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+        lora_target_modules=[lora.target_modules], lora_task_type=lora.task_type,
+    )  # fmt: skip
+    return parser.parse_args_and_config(argv)
+
+
+RUN_DESCRIPTION = (
+    "Federated GRPO-family RL fine-tuning of a LoRA adapter. Arguments parse like TRL's scripts: a YAML `--config`, "
+    "then `--key value` flags, which override it. The groups below are the dataclasses they fill."
+)

@@ -1,0 +1,64 @@
+"""Configuration of federated GRPO runs.
+
+`FedGRPOConfig` (`fields`) is a `trl.GRPOConfig`: every GRPO field keeps its meaning, and the federated fields parse
+the same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Beside its fields: the checks
+(`checks`), the server step's derivation (`server_step`), the fields that change a run's result (`results`), and the
+recipes (`recipes`: `FedDAPOConfig`, `FedGSPOConfig`, `CONFIG_CLASSES`, `federated_config`).
+"""
+
+from ..choices import (  # the choice lists, as the config module named them before it became a folder
+    AGGREGATION_SERVER_OPTIMIZERS,
+    GENERATION_DTYPE_CHOICES,
+    LORA_AGGREGATIONS,
+    MIN_TRIMMED_CLIENTS,
+    NORM_ACTIONS,
+    ROBUST_AGGREGATIONS,
+    SCAFFOLD_CORRECTIONS,
+    SERVER_LEARNING_RATES,
+    SERVER_OPTIMIZERS,
+    TRANSFER_DTYPES,
+)
+from .checks import ConfigChecks, rpg_errors
+from .fields import DEFAULT_FEDPROX_MU, FedGRPOConfig, has_native_bf16
+from .recipes import CONFIG_CLASSES, FedDAPOConfig, FedGSPOConfig, federated_config
+from .results import (
+    _NOTICED,
+    TRL_RESULT_FIELDS,
+    ResultHelp,
+    changed_trl_defaults,
+    notice_changed_trl_defaults,
+    result_fields,
+)
+from .server_step import PAPER_SERVER_EPSILON, SERVER_ADAM_SCALE, SERVER_STEP_FIELDS, ServerStep
+
+__all__ = [
+    "AGGREGATION_SERVER_OPTIMIZERS",
+    "GENERATION_DTYPE_CHOICES",
+    "LORA_AGGREGATIONS",
+    "MIN_TRIMMED_CLIENTS",
+    "NORM_ACTIONS",
+    "ROBUST_AGGREGATIONS",
+    "SCAFFOLD_CORRECTIONS",
+    "SERVER_LEARNING_RATES",
+    "SERVER_OPTIMIZERS",
+    "TRANSFER_DTYPES",
+    "CONFIG_CLASSES",
+    "DEFAULT_FEDPROX_MU",
+    "PAPER_SERVER_EPSILON",
+    "SERVER_ADAM_SCALE",
+    "SERVER_STEP_FIELDS",
+    "TRL_RESULT_FIELDS",
+    "_NOTICED",
+    "ConfigChecks",
+    "FedDAPOConfig",
+    "FedGRPOConfig",
+    "FedGSPOConfig",
+    "ResultHelp",
+    "ServerStep",
+    "changed_trl_defaults",
+    "federated_config",
+    "has_native_bf16",
+    "notice_changed_trl_defaults",
+    "result_fields",
+    "rpg_errors",
+]
