@@ -32,6 +32,7 @@ import json
 import math
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 from scipy import stats
@@ -39,6 +40,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from answers import test_items  # noqa: E402
 from verdict import (  # noqa: E402
     BudgetError,
     add_run_arguments,
@@ -231,6 +233,12 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
             f"{row['cpu_seconds'] / 3600:.2f} |")
     lines += ["", "`paper's h` and `noise-aware h`: RPG's gain formula applied to the R̄ this cell's clients reported, "
               "whatever weighed them; `own`: the run's own RPG (empty for FedAvg).", ""]
+    floors = constant_floors(root)
+    if floors:
+        lines += ["Constant-answer floors (the accuracy of answering every item of a task with its most common gold "
+                  "answer; `benchmarks/answers.py --grid " + str(root) + "` shows which answers the cells got right): "
+                  + ", ".join(f"{task} {answer!r} {share:.1f}%" for task, (answer, share) in sorted(floors.items()))
+                  + ". A task's accuracy near its floor can be a constant policy, not reasoning.", ""]
     lines += ["## Pilot gate", ""]
     if summary["gate"]:
         for method, value in summary["gate"].items():
@@ -259,6 +267,20 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
         "comparisons": summary["comparisons"], "gate": summary["gate"], "base": summary["base"],
     }, indent=1, sort_keys=True, default=str), encoding="utf-8")
     return text
+
+
+def constant_floors(root: Path) -> dict[str, tuple[str, float]]:
+    """Per task of the grid's test split: its most common gold answer and the accuracy (points) that answering it to
+    every item would score; {} without the folder's budget."""
+    if not (root / "budget.json").is_file():
+        return {}
+    tasks, answers = test_items(root)
+    floors = {}
+    for task in sorted(set(tasks)):
+        gold = Counter(answer for name, answer in zip(tasks, answers) if name == task)
+        answer, count = gold.most_common(1)[0]
+        floors[task] = (answer, 100 * count / sum(gold.values()))
+    return floors
 
 
 def premise_files(root: Path) -> list[Path]:
