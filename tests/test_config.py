@@ -117,6 +117,7 @@ HAND_KEPT_RESULT_FIELDS = (
     "rpg_lambda_anneal", "rpg_eps", "rpg_h_max", "rpg_gain", "rpg_noise_threshold",
     "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
     "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
+    "robust_num_malicious", "robust_num_selected",
     # differential privacy (its budget, δ and noise seed do not change what a round computes)
     "dp_noise_multiplier", "dp_clip_norm", "dp_reward_noise_multiplier",
     # local training
@@ -168,7 +169,8 @@ def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
     assert FedGRPOConfig.__dataclass_fields__["transfer_dtype"].metadata["choices"] == list(DTYPES)
     with pytest.raises(ValueError, match="`scaffold_correction` must be 'decoupled' or 'gradient', got 'x'"):
         make(tmp_path, scaffold_correction="x")
-    with pytest.raises(ValueError, match="`robust_aggregation` must be 'none', 'trimmed_mean' or 'median', got 'x'"):
+    with pytest.raises(ValueError, match="`robust_aggregation` must be 'none', 'trimmed_mean', 'krum', 'multi_krum', "
+                       "'bulyan' or 'median', got 'x'"):
         make(tmp_path, robust_aggregation="x")
 
 

@@ -29,9 +29,17 @@ RPG_GAINS = ("paper", "noise-aware")
 NORM_ACTIONS = ("reject", "clip")
 
 # `FedGRPOConfig.robust_aggregation` (`aggregation.robust`): 'none' is the weighted mean.
-ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "median")
+ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "krum", "multi_krum", "bulyan", "median")
 # The fewest clients a trimmed mean combines: one trimmed at each end and one kept.
 MIN_TRIMMED_CLIENTS = 3
+
+
+def min_robust_clients(robust_aggregation: str, num_malicious: int) -> int:
+    """The fewest clients a round must aggregate for `robust_aggregation` to tolerate `num_malicious` of them: Krum
+    and Multi-Krum n ≥ 2f + 3 (Blanchard et al. 2017, Prop. 1), Bulyan n ≥ 4f + 3 (El Mhamdi et al. 2018), the
+    trimmed mean 3; 1 for the others."""
+    return {"krum": 2 * num_malicious + 3, "multi_krum": 2 * num_malicious + 3, "bulyan": 4 * num_malicious + 3,
+            "trimmed_mean": MIN_TRIMMED_CLIENTS}.get(robust_aggregation, 1)
 
 # `FedGRPOConfig.scaffold_correction`: where SCAFFOLD's correction c − c_i meets a local Adam
 # (`aggregation.scaffold.ScaffoldCorrection`).

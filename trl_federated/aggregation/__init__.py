@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_OPTIMIZERS, check_choice
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
-from .robust import CoordinateMedian, TrimmedMean, combiner_from_config
+from .robust import Bulyan, CoordinateMedian, Krum, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
 from .server_optim import (
@@ -110,6 +110,8 @@ __all__ = [
     "ServerOptimizer",
     "ServerSGD",
     "TrimmedMean",
+    "Krum",
+    "Bulyan",
     "aggregator_from_config",
     "pseudo_gradient",
     "register_aggregation",

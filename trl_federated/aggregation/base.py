@@ -277,6 +277,8 @@ class Aggregator(ABC):
         # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
+        if hasattr(self.combiner, "prepare"):  # a combiner that selects whole clients, over every entry (Krum)
+            self.combiner.prepare(global_state, client_states)
         if privacy is not None:
             client_states = privacy.clipped(global_state, client_states)
             noise_std = privacy.noise_std(weights)

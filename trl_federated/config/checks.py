@@ -22,6 +22,7 @@ from ..choices import (
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
     choice_error,
+    min_robust_clients,
 )
 from ..sampling import participation_errors
 
@@ -245,6 +246,21 @@ class ConfigChecks:
                 f"every round needs at least {MIN_TRIMMED_CLIENTS} clients: set `min_clients_per_round` to "
                 f"{MIN_TRIMMED_CLIENTS} or more (it is {self.min_clients_per_round}), or use 'median' or 'none'."
             )
+        if not isinstance(self.robust_num_malicious, int) or self.robust_num_malicious < 0:
+            yield f"`robust_num_malicious` must be an integer >= 0, got {self.robust_num_malicious!r}."
+        elif self.robust_aggregation in ("krum", "multi_krum", "bulyan"):
+            needed = min_robust_clients(self.robust_aggregation, self.robust_num_malicious)
+            if self.min_clients_per_round < needed:
+                yield (
+                    f"`robust_aggregation={self.robust_aggregation!r}` tolerates `robust_num_malicious` = "
+                    f"{self.robust_num_malicious} arbitrary clients only among at least {needed} a round: set "
+                    f"`min_clients_per_round` to {needed} or more (it is {self.min_clients_per_round}), or lower "
+                    "`robust_num_malicious`."
+                )
+        if self.robust_num_selected is not None and (
+            not isinstance(self.robust_num_selected, int) or self.robust_num_selected < 1
+        ):
+            yield f"`robust_num_selected` must be a positive integer or None, got {self.robust_num_selected!r}."
         if self.max_client_samples is not None and (
             isinstance(self.max_client_samples, bool) or not isinstance(self.max_client_samples, int)
             or self.max_client_samples < 1

@@ -336,6 +336,11 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             mean Σ_i w_i θ_i), `"trimmed_mean"` (per coordinate, drop the `robust_trim_fraction` largest and smallest
             client values, then the weighted mean of the rest with their weights renormalised) or `"median"` (the
             unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).
+        robust_num_malicious (`int`, *optional*, defaults to `1`):
+            f, the arbitrary clients `"krum"`, `"multi_krum"` and `"bulyan"` tolerate: they need `min_clients_per_round`
+            of at least 2f + 3 (Krum, Multi-Krum; Blanchard et al., 2017) or 4f + 3 (Bulyan; El Mhamdi et al., 2018).
+        robust_num_selected (`int` or `None`, *optional*):
+            m, the clients `"multi_krum"` keeps and averages with the method's weights; `None` keeps n − f.
         robust_trim_fraction (`float`, *optional*, defaults to `0.2`):
             Fraction of clients trimmed at each end by `robust_aggregation="trimmed_mean"`, in (0, 0.5): the floor of
             the fraction × the number of clients that reported, as Flower's FedTrimmedAvg, but at least one (so
@@ -800,9 +805,11 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
         default="none",
         metadata={
             "help": ResultHelp(
-                "Coordinate-wise robust combination of the clients' adapters, for every method: 'none' (the weighted "
-                "mean), 'trimmed_mean' (drop the `robust_trim_fraction` extremes per coordinate, then the weighted "
-                "mean) or 'median' (unweighted, as Flower's FedMedian)."
+                "Robust combination of the clients' adapters, for every method: 'none' (the weighted mean), "
+                "'trimmed_mean' (drop the `robust_trim_fraction` extremes per coordinate, then the weighted mean), "
+                "'median' (unweighted, as Flower's FedMedian), 'krum' / 'multi_krum' (the client(s) closest to their "
+                "n − f − 2 neighbours) or 'bulyan' (recursive Krum, then a trimmed mean around the median), as "
+                "Flower's strategies of those names, tolerating `robust_num_malicious` clients."
             ),
             "choices": list(ROBUST_AGGREGATIONS),
         },
@@ -814,6 +821,23 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
                 "Fraction of the reporting clients trimmed at each end by robust_aggregation='trimmed_mean' "
                 "(rounded down, as Flower's FedTrimmedAvg, but at least one: min_clients_per_round must be 3 or "
                 "more), in (0, 0.5)."
+            )
+        },
+    )
+    robust_num_malicious: int = field(
+        default=1,
+        metadata={
+            "help": ResultHelp(
+                "f, the arbitrary clients Krum, Multi-Krum and Bulyan tolerate (Flower's num_malicious_nodes): they "
+                "need min_clients_per_round of at least 2f + 3 (Krum) or 4f + 3 (Bulyan)."
+            )
+        },
+    )
+    robust_num_selected: int | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "m, the clients Multi-Krum keeps and averages (Flower's num_nodes_to_select); None keeps n − f."
             )
         },
     )
