@@ -48,6 +48,7 @@ from verdict import (  # noqa: E402
     cell_cost,
     cell_diagnostics,
     grid_cells,
+    holm,
     machines,
     report_files,
     run_grid,
@@ -131,16 +132,6 @@ def run_diagnostics(directory: Path) -> dict[str, float]:
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
-
-
-def holm(p_values: dict[str, float]) -> dict[str, float]:
-    """Holm's step-down adjusted p-values (Holm 1979): the k-th smallest of m times (m − k + 1), made monotone."""
-    order = sorted((p, name) for name, p in p_values.items() if not math.isnan(p))
-    adjusted, running = {}, 0.0
-    for rank, (p, name) in enumerate(order):
-        running = max(running, min(1.0, (len(order) - rank) * p))
-        adjusted[name] = running
-    return {name: adjusted.get(name, math.nan) for name in p_values}
 
 
 def paired(differences: list[float]) -> dict[str, float]:

@@ -68,6 +68,9 @@ REFERENCE = "fgrpo"
 # collapsed), the last two from the per-item scores (`with_task_groups`).
 METRICS = {"total": "Total", "hard": "hard", "arith": "arithmetic", "other": "other tasks"}
 PRIMARY = "total"
+# Added after the grid ran (exploratory, not named before the cells): the simple tier, where SCAFFOLD looked ahead.
+# Corrected for multiplicity with the secondary endpoints (`holm`).
+EXPLORATORY = {"simple": "simple"}
 TASK_GROUPS = {"arithmetic": ("chain_sum", "products")}  # the rest: "other tasks"
 TARGET_HALF_WIDTH = 3.0  # points: the resolution the verdict aims at for FGRPO − FedAvg (issue 34)
 TEST_ITEMS_FILE = "test-items.json"  # per grid folder: the task of every test item, in evaluation order
@@ -167,6 +170,25 @@ def paired_gain(base: list[float], final: list[float], confidence: float = 0.95)
     }
 
 
+def paired_p(differences: list[float]) -> float:
+    """The two-sided p-value of a paired t-test that the differences' mean is 0 (scipy's `ttest_1samp`); NaN with
+    fewer than 2 differences or none of them apart."""
+    if len(differences) < 2 or any(math.isnan(value) for value in differences) or min(differences) == max(differences):
+        return math.nan  # too few, an endpoint some cell lacks, or no spread
+    return float(stats.ttest_1samp(differences, 0.0).pvalue)
+
+
+def holm(p_values: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjusted p-values (Holm 1979): the k-th smallest of m times (m − k + 1), kept monotone;
+    NaN stays NaN and is not counted in m."""
+    order = sorted((p, name) for name, p in p_values.items() if not math.isnan(p))
+    adjusted, running = {}, 0.0
+    for rank, (p, name) in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p))
+        adjusted[name] = running
+    return {name: adjusted.get(name, math.nan) for name in p_values}
+
+
 def reading(interval: dict[str, float]) -> str:
     """What a paired interval of FGRPO − baseline says."""
     if math.isnan(interval["low"]):
@@ -225,7 +247,7 @@ def cell_metrics(result: dict) -> dict[str, float]:
     evaluations = result["evaluations"]
     base, final = evaluations["-1"]["accuracy"], evaluations[max(evaluations, key=int)]["accuracy"]
     metrics = {}
-    for name, key in METRICS.items():
+    for name, key in {**METRICS, **EXPLORATORY}.items():
         if key not in base or key not in final:
             metrics.update(dict.fromkeys((f"{name}_base", f"{name}_final", f"{name}_gain"), math.nan))
             continue
@@ -601,8 +623,8 @@ def _points(interval: dict[str, float]) -> str:
     return f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]"
 
 
-def _optional(value: float) -> str:
-    return "—" if math.isnan(value) else f"{value:.2f}"
+def _optional(value: float, spec: str = ".2f") -> str:
+    return "—" if math.isnan(value) else format(value, spec)
 
 
 def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
@@ -635,7 +657,8 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         if not common:
             continue
         paired = {"setting": setting, "baseline": method, "seeds": [cell.seed for cell in common]}
-        for name in METRICS:
+        p_values = {}
+        for name in {**METRICS, **EXPLORATORY}:
             differences = [
                 cell_metrics(reference[cell.seed])[f"{name}_gain"] - cell_metrics(results[cell])[f"{name}_gain"]
                 for cell in common
@@ -644,6 +667,10 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
             paired[f"{name}_reading"] = reading(paired[name])
             paired[f"{name}_detectable_80"] = minimum_detectable(paired[name]["sd"], len(differences))
             paired[f"{name}_seeds_for_target"] = seeds_for(paired[name]["sd"])
+            p_values[name] = paired_p(differences)
+        # the secondary (and exploratory) endpoints of one baseline, corrected together; the primary stands alone
+        secondary = holm({name: p for name, p in p_values.items() if name != PRIMARY})
+        paired["p"] = {name: {"p": p, "p_holm": secondary.get(name)} for name, p in p_values.items()}
         paired["items"] = {cell.seed: item_difference(reference[cell.seed], results[cell]) for cell in common}
         summary["paired"].append(paired)
     return summary
@@ -712,6 +739,15 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
          _points(row["other"])]
         for row in summary["paired"]
     ]
+    holm_header = ["Setting", "FGRPO − baseline", "Seeds", "Endpoint", "Difference [95% CI]", "p (paired t)",
+                   "p (Holm)"]
+    holm_rows = [
+        [row["setting"], row["baseline"], str(len(row["seeds"])),
+         f"{name}{' (primary)' if name == PRIMARY else ' (exploratory)' if name in EXPLORATORY else ''}",
+         _points(row[name]), _optional(row["p"][name]["p"], ".3f"),
+         "—" if row["p"][name]["p_holm"] is None else _optional(row["p"][name]["p_holm"], ".3f")]
+        for row in summary["paired"] for name in {**METRICS, **EXPLORATORY}
+    ]
     seen, unrecorded = machines(root, results)
     machine_text = "; ".join(
         f"{record['cpu']} ({', '.join(record['cpu_flags'])}), {record['cores']} core(s) free to the harness, "
@@ -761,6 +797,11 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "is found with 80% probability from \"Detectable\" on (noncentral t, same spread); more seeds shrink both by "
         f"about √n. Below these, the grid says nothing either way{'; ' + item_points if item_points else ''}.\n\n"
         f"## Secondary endpoints: arithmetic and other tasks\n\n{markdown(task_header, task_rows)}\n\n"
+        "## Every endpoint, corrected for multiplicity\n\n"
+        "Per baseline, the paired t-test's p-value of each endpoint, and for the secondary endpoints (hard tier, "
+        "arithmetic, other tasks) and the exploratory one (the simple tier, added after the grid ran, where SCAFFOLD "
+        "looked ahead) Holm's adjusted p-value over those four together; the primary endpoint stands alone. Only an "
+        f"adjusted p below 0.05 says a secondary difference is there.\n\n{markdown(holm_header, holm_rows)}\n\n"
         "## Diagnostics per round, averaged over rounds and seeds (metrics.jsonl)\n\n"
         "Server step / ‖Δ‖: how far the server moved the global adapter against the clients' weighted mean change "
         "(1 for FedAvg's SGD at 1.0); cos: each client's update against Δ; groups with equal rewards: the share of "

@@ -583,3 +583,20 @@ def test_secondary_endpoints_from_per_item_scores_and_the_seeds_a_target_takes(t
     assert "Machines: 1 recorded (AMD EPYC (avx512_bf16), 2 core(s) free to the harness, 1 thread(s)" in report
     assert "2 cell(s) ran before cells recorded their machine" in report
     assert verdict.seeds_for(0.0) is None and verdict.seeds_for(1.0) == 3  # t(0.975, 2) / √3 = 2.48 ≤ 3
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    # sorted 0.01, 0.03, 0.04 of m = 3: 0.03, then max(0.03, 2 × 0.03) = 0.06, then max(0.06, 1 × 0.04) = 0.06
+    assert verdict.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+    adjusted = verdict.holm({"a": 0.5, "b": math.nan, "c": 0.4})  # NaN is not counted in m
+    assert adjusted["a"] == pytest.approx(0.8) and math.isnan(adjusted["b"])
+    assert verdict.holm({"a": 0.9, "b": 0.8}) == {"a": 1.0, "b": 1.0}
+
+
+def test_paired_p_is_scipys_one_sample_t_test():
+    from scipy import stats
+
+    differences = [1.0, 2.5, 0.5, 3.0]
+    assert verdict.paired_p(differences) == pytest.approx(stats.ttest_1samp(differences, 0.0).pvalue)
+    assert math.isnan(verdict.paired_p([1.0])) and math.isnan(verdict.paired_p([2.0, 2.0]))
+    assert math.isnan(verdict.paired_p([1.0, math.nan]))
