@@ -479,3 +479,73 @@ def test_one_admitted_scaffold_control_cannot_steer_the_federation_for_good(tmp_
             assert "m" in record.dropped and "m" not in server.aggregator.client_controls
             assert abs(float(along)) < 0.05  # c no longer points along the attacker's direction
     server.close()
+
+
+# Part three (issue 48): SCAFFOLD's bound, counts no client can inflate, log entries only a client's own, ids that
+# cannot corrupt a checkpoint ---------------------------------------------------------------------------------------
+
+
+def flat(state: dict) -> torch.Tensor:
+    return torch.cat([value.double().flatten() for _, value in sorted(state.items())])
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_a_scaffold_client_that_parks_its_control_on_the_bound_gains_no_update_norm(
+    tmp_path, tiny_model_dir, fast_args, action
+):
+    """Issue 48, 1: the gate added E·η·‖c − c_i‖ to the bound, and c_i is the client's doing: parked on the control
+    bound, it sent 19.56 U orthogonal to c − c_i, admitted. Now the update less its prescribed correction,
+    ‖(θ_i − θ) + E·η·(c − c_i)‖, is what `update_norm_bound` bounds."""
+    from trl_federated.adapters import state_norm
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path), aggregation="scaffold", num_rounds=4,
+                         update_norm_action=action)
+    server.start_run()
+    args, keys = server.args, list(server.global_state)
+    d = sum(tensor.numel() for tensor in server.global_state.values())
+    budget, bound = args.local_steps * args.learning_rate, args.update_norm_bound * unit(server)
+    generator = torch.Generator().manual_seed(3)
+    direction = {key: torch.randn(value.shape, generator=generator) for key, value in server.global_state.items()}
+    scale = 0.999 * args.update_norm_bound * math.sqrt(d) / state_norm(direction)
+    parked = {key: value * scale for key, value in direction.items()}  # c_m just inside the control bound
+    attacks = 0
+    for round_idx in range(4):
+        server.begin_round(round_idx)
+        for index, client_id in enumerate(["a", "b", "m"]):
+            _, extras = server.broadcast(client_id)
+            c, c_i = extras["server_control"], extras["client_control"]
+            if client_id != "m":  # honest: decoupled correction, c_i⁺ = g
+                g = {key: torch.full_like(value, 0.5 * (-1) ** (round_idx + index)) for key, value in c.items()}
+                state = {key: server.global_state[key] - budget * (g[key] + c[key] - c_i[key]) for key in keys}
+                reply(server, client_id, state=state,
+                      extras={"control_delta": {key: g[key] - c_i[key] for key in keys}})
+                continue
+            if "m" not in server.aggregator.client_controls:  # parks c_m on the bound (again, once refused)
+                reply(server, "m", state=dict(server.global_state), extras={"control_delta": parked})
+                continue
+            attacks += 1
+            # 19.56 U orthogonal to c − c_m: within the old allowance (10 U + E·η·‖c − c_m‖ ≈ 20 U)
+            correction = flat({key: c[key] - c_i[key] for key in keys})
+            w = torch.randn(correction.shape, generator=generator, dtype=torch.float64)
+            w -= torch.dot(w, correction) / torch.dot(correction, correction) * correction
+            w *= 1.956 * bound / w.norm()
+            offsets = dict(zip(sorted(keys), torch.split(w, [server.global_state[k].numel() for k in sorted(keys)])))
+            state = {key: server.global_state[key] + offsets[key].view_as(server.global_state[key]).float()
+                     for key in keys}
+            assert state_norm({key: state[key] - server.global_state[key] for key in keys}) < bound + budget * (
+                correction.norm().item())  # what the old gate admitted
+            admitted = reply(server, "m", state=state, extras={"control_delta": {k: torch.zeros_like(v)
+                                                                                 for k, v in c.items()}})
+            if action == "reject":
+                assert admitted is None
+            else:  # clipped: the client's own part on the bound, the prescribed correction kept
+                residual = flat({key: admitted.state[key] - server.global_state[key] + budget * (c[key] - c_i[key])
+                                 for key in keys})
+                assert residual.norm().item() == pytest.approx(bound, rel=1e-4)
+        record = server.end_round()
+        assert {"a", "b"} <= set(record.weights), record.dropped  # honest clients stay admitted
+        if round_idx % 2 and action == "reject":
+            assert "the update less its prescribed correction" in record.dropped["m"]
+            assert "exceeds update_norm_bound" in record.dropped["m"]
+    assert attacks == (2 if action == "reject" else 3)
+    server.close()

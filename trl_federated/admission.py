@@ -13,7 +13,8 @@ against what the server itself knows, and bounded before any server state sees i
    named like the server's own log entries; R̄ the mean of its last W step rewards when it sends them);
 4. sample count: the server's own count D_i where it has one, else the client's report capped at
    `max_client_samples`;
-5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`), else the update is rejected or clipped
+5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`); under SCAFFOLD the update less the
+   correction the server prescribed, ‖(θ_i − θ) + E·η·(c − c_i)‖; else the update is rejected or clipped
    (`update_norm_action`).
 
 Steps 2 to 5 are `UpdateGate.check`, which takes the decoded update and calls back into nothing. Anything that fails,
@@ -38,6 +39,7 @@ from .adapters import (
     norm_scale,
     scaled_update,
     state_distance,
+    state_norm,
     state_size,
 )
 from .aggregation import Aggregator, ClientUpdate
@@ -156,8 +158,9 @@ def update_norm_unit(local_steps: int, learning_rate: float, global_state: Adapt
 
     An Adam-family optimizer (TRL's default AdamW) moves a coordinate by η·|m̂/√v̂| per step, and |m̂/√v̂| is 1 at
     the first step and about 1 or less after it (Kingma & Ba, 2015, §2.1), so an honest client's ‖θ_i − θ‖ is at
-    most about U, whatever the model, the rank or the data; a learning-rate schedule only lowers it. SCAFFOLD's
-    decoupled correction adds at most about 2U more (c and c_i are mean Adam directions).
+    most about U, whatever the model, the rank or the data; a learning-rate schedule only lowers it. Under SCAFFOLD
+    the gate measures the update less the decoupled correction E·η·(c − c_i) the server prescribed, which leaves
+    the client's Adam steps (and, under a decaying schedule, at most E·η·‖c − c_i‖ ≈ 2U of correction not applied).
     """
     return local_steps * learning_rate * math.sqrt(state_size(global_state))
 
@@ -176,8 +179,9 @@ class UpdateGate:
         extras_norm_bound: `update_norm_bound`, which the aggregator applies to those extras in its own unit (None:
             no bound).
         local_steps: E, the local steps of a round: the most step rewards a client reports (None: not bounded).
-        learning_rate: η, the local learning rate (its peak, under a schedule): E · η times the correction the
-            aggregator's extras prescribe (`Aggregator.correction_norm`) is allowed on top of `max_update_norm`.
+        learning_rate: η, the local learning rate (its peak, under a schedule): with a strategy whose extras
+            prescribe a correction (`Aggregator.correction`, SCAFFOLD's c − c_i), `max_update_norm` bounds the
+            update less E · η times it, ‖(θ_i − θ) + E·η·(c − c_i)‖.
         reward_window: W: R̄ must be the mean of the last W step rewards a client reports (None: not checked).
     """
 
@@ -292,21 +296,38 @@ class UpdateGate:
     def _bound_norm(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
         if self.max_update_norm is None:
             return
-        bound, name = self.max_update_norm, "update_norm_bound"
+        correction = None
         if self.aggregator is not None and self.local_steps is not None and self.learning_rate is not None:
-            # The correction the server's extras prescribe is the server's doing, not the client's (see
-            # `Aggregator.correction_norm`): it is allowed on top, at most E·η times its norm per unit step.
-            correction = self.aggregator.correction_norm(update.client_id, self.global_state)
-            if correction > 0:
-                bound += self.local_steps * self.learning_rate * correction
-                name += " + the prescribed correction"
-        norm = state_distance(update.state, self.global_state)
+            correction = self.aggregator.correction(update.client_id, self.global_state)
+        if correction is None:
+            norm, measured = state_distance(update.state, self.global_state), "‖θ_i − θ‖"
+        else:
+            # The correction the server's extras prescribe, E·η·(c − c_i), is the server's doing: what the client
+            # controls is the update less it, bounded like any other method's update (see `Aggregator.correction`).
+            # Allowing E·η·‖c − c_i‖ on top instead let a client that parked c_i on the control bound double its own
+            # bound, in any direction.
+            step = self.local_steps * self.learning_rate
+            prescribed = {key: -step * value.double() for key, value in correction.items()}
+            residual = {
+                key: update.state[key].double() - value.double() - prescribed[key]
+                for key, value in self.global_state.items()
+            }
+            norm = state_norm(residual)
+            measured = "‖(θ_i − θ) + E·η·(c − c_i)‖ (the update less its prescribed correction)"
         try:
-            scale = norm_scale(norm, bound, self.norm_action, "‖θ_i − θ‖", name, update.client_id)
+            scale = norm_scale(norm, self.max_update_norm, self.norm_action, measured, "update_norm_bound",
+                               update.client_id)
         except ValueError as error:
             reject(str(error))
-        if scale != 1.0:
+        if scale == 1.0:
+            return
+        if correction is None:
             update.state = scaled_update(update.state, self.global_state, scale)
+        else:  # the client's own part scaled onto the bound, the prescribed correction kept
+            update.state = {
+                key: (value.double() + prescribed[key] + scale * residual[key]).to(value.dtype)
+                for key, value in self.global_state.items()
+            }
 
 
 def read_reply(client_id: str, decode: Callable[[], T]) -> T:
