@@ -549,3 +549,51 @@ def test_a_scaffold_client_that_parks_its_control_on_the_bound_gains_no_update_n
             assert "exceeds update_norm_bound" in record.dropped["m"]
     assert attacks == (2 if action == "reject" else 3)
     server.close()
+
+
+@pytest.mark.parametrize("aggregation", ["rpg", "scaffold"])
+def test_a_client_id_that_reads_as_a_tensor_marker_cannot_make_a_checkpoint_unreadable(
+    tmp_path, tiny_model_dir, fast_args, aggregation
+):
+    """Issue 48, 5: the id `__tensor__` as a round's only reporter made RPG's baselines (SCAFFOLD's client controls)
+    read back as a tensor reference: checkpoint-0 was corrupt and nothing resumed. Keys are now escaped."""
+    from trl_federated.checkpoint import latest_intact_checkpoint
+
+    output_dir = tmp_path / "run"
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), aggregation=aggregation)
+    server.start_run()
+    ids = ("__tensor__", "\\x", "b")  # and a key beginning with the escape (the server core admits any id)
+    for round_idx, reporters in enumerate([ids[:1], ids]):
+        server.begin_round(round_idx)
+        for client_id in reporters:
+            _, extras = server.broadcast(client_id)
+            control = {"control_delta": {key: torch.full_like(value, 0.25) for key, value in
+                                         extras["server_control"].items()}} if aggregation == "scaffold" else None
+            # the only reporter of round 0, whose checkpoint then holds its state alone
+            assert reply(server, client_id, reward=0.25 * (round_idx + 1), extras=control) is not None
+        server.end_round()
+    server.close()
+    for round_idx in range(2):
+        read_checkpoint(output_dir / f"checkpoint-{round_idx}")  # intact
+    assert latest_intact_checkpoint(output_dir) == output_dir / "checkpoint-1"
+
+    import shutil
+
+    shutil.rmtree(output_dir / "checkpoint-1")  # resume from the round where `__tensor__` reported alone
+    resumed = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), aggregation=aggregation,
+                          resume_from_checkpoint="true")
+    assert resumed.start_run() == 1
+    state = resumed.aggregator.state_dict()
+    if aggregation == "rpg":
+        assert state["baselines"] == {"__tensor__": 0.25}
+    else:
+        assert set(state["client_controls"]) == {"__tensor__"} and state["client_sizes"] == {"__tensor__": 10}
+        assert all(bool((value == 0.25).all()) for value in state["client_controls"]["__tensor__"].values())
+    resumed.begin_round(1)
+    for client_id in ids:  # and the resumed run goes on
+        _, extras = resumed.broadcast(client_id)
+        control = {"control_delta": {key: torch.zeros_like(value) for key, value in
+                                     extras["server_control"].items()}} if aggregation == "scaffold" else None
+        assert reply(resumed, client_id, extras=control) is not None
+    resumed.end_round()
+    resumed.close()
