@@ -597,3 +597,42 @@ def test_a_client_id_that_reads_as_a_tensor_marker_cannot_make_a_checkpoint_unre
         assert reply(resumed, client_id, extras=control) is not None
     resumed.end_round()
     resumed.close()
+
+
+@pytest.mark.parametrize("known", ["registry", "learned"])
+def test_a_client_writes_no_other_clients_log_entries_nor_a_privacy_budget(
+    tmp_path, tiny_model_dir, fast_args, caplog, known
+):
+    """Issue 48, 4: while b sat a round out, m's `b/loss` showed on b's curve, and its `dp_epsilon` put an ε in a run
+    without DP. A metric under another client's id (any of the federation's, known from a registry or learned when
+    the server first sent it a round) or a reserved name (`dp_*`, any strategy's round metrics) is dropped. The reply
+    travels as a Flower reply's records."""
+    from trl_federated.callbacks import round_logs
+    from trl_federated.flower.records import content_to_update, update_to_content
+
+    args = fast_args(num_clients=3, num_rounds=2, aggregation="fedavg", output_dir=str(tmp_path))
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    registry = {"client_ids": ["a", "b", "m"]} if known == "registry" else {}
+    server = FederatedServer(model, args, aggregator_from_config(args), [length_reward], **registry)
+    server.start_run()
+    forged = {"b/loss": 123.0, "b/completions/mean_length": 7.0, "dp_epsilon": 0.5, "dp_noise_std": 1.0,
+              "temperature": 9.0, "rpg_gain": 3.0, "m/loss": 1.0, "loss": 2.0, "completions/mean_length": 5.0}
+    for round_idx, clients in enumerate([("a", "b", "m"), ("a", "m")] if known == "learned" else [("a", "m")]):
+        server.begin_round(round_idx)
+        for index, client_id in enumerate(clients):
+            server.broadcast(client_id)
+            metrics = forged if client_id == "m" and round_idx == (1 if known == "learned" else 0) else {"loss": 1.5}
+            sent = ClientUpdate(client_id, server.wire.encode(moved(server, 1.0), server.global_state), 10, 0.5,
+                                dict(metrics))
+            update, _ = content_to_update(update_to_content(sent, index))  # as Flower delivers it
+            server.accept(server.admit(client_id, update))
+        record = server.end_round()
+    server.close()
+    assert "b" not in record.weights  # b sits this round out
+    assert record.client_metrics["m"] == {"m/loss": 1.0, "loss": 2.0, "completions/mean_length": 5.0}
+    logs = round_logs(record)
+    assert not [name for name in logs if name.startswith("b/") or "dp_" in name or "temperature" in name
+                or "rpg_gain" in name]
+    assert logs["m/loss"] == 2.0 and logs["m/m/loss"] == 1.0 and logs["loss"] == pytest.approx(1.75)
+    assert "'b/loss' (under another client's name)" in caplog.text
+    assert "'dp_epsilon' (a name of the server's round log)" in caplog.text

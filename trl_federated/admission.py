@@ -42,7 +42,7 @@ from .adapters import (
     state_norm,
     state_size,
 )
-from .aggregation import Aggregator, ClientUpdate
+from .aggregation import Aggregator, ClientUpdate, RPGAggregator
 from .aggregation.base import RoundMetric, refuse_extras
 from .callbacks import is_reserved_metric
 from .choices import NORM_ACTIONS, check_choice
@@ -99,26 +99,35 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9_.:@+-]+(/[A-Za-z0-9_.:@+-]+)*")
 # The lists a client sends (`client.train_local_round`), by name, with their largest length: R̄ of each local step
 # (one per step: `local_steps`, known to the server) and the round's start and end in Unix seconds.
 STEP_REWARDS, WALL_CLOCK = "step_rewards", "wall_clock"
+# The round metrics of every built-in strategy (RPG's include every strategy's diagnostics): a client metric never
+# takes their names, whichever strategy the run uses, so that no client adds a τ to a FedAvg run's log.
+STRATEGY_METRICS = tuple(RPGAggregator().round_metrics())
 
 
 def bound_metrics(
-    metrics: dict, client_id: str, local_steps: int | None = None, round_metrics: Iterable[RoundMetric] = ()
+    metrics: dict, client_id: str, local_steps: int | None = None, round_metrics: Iterable[RoundMetric] = (),
+    client_ids: Iterable[str] = (),
 ) -> dict:
     """The metrics of client `client_id` the server keeps: finite numbers (as floats), under names of at most
     `MAX_METRIC_NAME_LENGTH` characters of `METRIC_NAME`'s alphabet that are not the round log's own
-    (`callbacks.is_reserved_metric`, with the aggregator's `round_metrics`), and the two lists a client sends:
+    (`callbacks.is_reserved_metric`, with the aggregator's `round_metrics`) nor under another client's name
+    (`<client>/...` for any of the federation's `client_ids` but its own: the round log would show it on that
+    client's curve while it sits a round out), and the two lists a client sends:
     `step_rewards`, at most `local_steps` numbers (NaN marks a step whose rewards scored nothing; no ±Inf), and
     `wall_clock`, two finite numbers. Anything else is dropped, with one warning naming each and why; more than
     `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
     if len(metrics) > MAX_CLIENT_METRICS:
         raise ValueError(f"it sends {len(metrics)} metrics, more than the {MAX_CLIENT_METRICS} a client may send")
     lengths = {STEP_REWARDS: local_steps, WALL_CLOCK: 2}
+    others = set(client_ids) - {client_id}
     kept, dropped = {}, []
     for name, value in metrics.items():
         if len(name) > MAX_METRIC_NAME_LENGTH or not METRIC_NAME.fullmatch(name):
             dropped.append(f"{bounded_text(repr(name), 60)} (not a metric name)")
         elif is_reserved_metric(name, round_metrics):
             dropped.append(f"{name!r} (a name of the server's round log)")
+        elif "/" in name and name.split("/", 1)[0] in others:
+            dropped.append(f"{name!r} (under another client's name)")
         elif name in lengths:
             limit = lengths[name]
             items = [plain_number(item) for item in value] if isinstance(value, (list, tuple)) else None
@@ -173,6 +182,8 @@ class UpdateGate:
         max_update_norm: Bound on ‖θ_i − θ‖₂ (None: no bound).
         norm_action: "reject" drops an update over a bound; "clip" scales it back onto the bound.
         num_samples: D_i of the clients whose data volume the server knows; it replaces their report.
+        client_ids: The federation's clients the server knows (those of `num_samples` too; `FederatedServer` adds
+            each client it learns of): no client's metric is kept under another's name (`bound_metrics`).
         max_client_samples: Cap on a self-reported D_i (None: no cap).
         aggregator: The federation's aggregator, which checks and bounds what a client sends besides its adapter
             (`Aggregator.check_extras`); None: a client sends nothing else.
@@ -197,11 +208,13 @@ class UpdateGate:
         local_steps: int | None = None,
         reward_window: int | None = None,
         learning_rate: float | None = None,
+        client_ids: Iterable[str] = (),
     ):
         check_choice("update_norm_action", norm_action, NORM_ACTIONS)
         self.reward_range = reward_range
         self.max_update_norm, self.norm_action = max_update_norm, norm_action
         self.num_samples = dict(num_samples or {})
+        self.client_ids = {*client_ids, *self.num_samples}
         self.max_client_samples = max_client_samples
         self.aggregator, self.extras_norm_bound = aggregator, extras_norm_bound
         self.local_steps, self.reward_window, self.learning_rate = local_steps, reward_window, learning_rate
@@ -216,9 +229,10 @@ class UpdateGate:
         reward_range: tuple[float, float] | None = None,
         num_samples: Mapping[str, int] | None = None,
         aggregator: Aggregator | None = None,
+        client_ids: Iterable[str] = (),
     ) -> UpdateGate:
         """The gate a `FedGRPOConfig` describes (its "Robustness" fields) for a federation whose global adapter is
-        shaped like `global_state`, aggregated by `aggregator`."""
+        shaped like `global_state`, aggregated by `aggregator`, of the clients `client_ids` (as far as known)."""
         bound = args.update_norm_bound
         unit = update_norm_unit(args.local_steps, args.learning_rate, global_state)
         return cls(
@@ -232,6 +246,7 @@ class UpdateGate:
             local_steps=args.local_steps,
             reward_window=args.reward_window,
             learning_rate=args.learning_rate,
+            client_ids=client_ids,
         )
 
     def open_round(self, global_state: AdapterState) -> None:
@@ -268,8 +283,9 @@ class UpdateGate:
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
         try:
-            round_metrics = () if self.aggregator is None else self.aggregator.round_metrics()
-            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics)
+            round_metrics = [*STRATEGY_METRICS, *(() if self.aggregator is None else self.aggregator.round_metrics())]
+            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics,
+                                           self.client_ids)
             if self.reward_window is not None:
                 check_window_reward(update, self.reward_window)
             if self.aggregator is None:

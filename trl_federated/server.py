@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,9 @@ class FederatedServer:
         eval_reward_funcs: The reward function(s) that score `eval_dataset`, summed with weight 1 each (default:
             `reward_funcs` with `args.reward_weights`, as TRL's `reward`).
         dataset_name: The Hub id of the clients' data, for the model card.
+        client_ids: The federation's client ids where the server knows them without their data (a Flower
+            `ClientRegistry`); besides these, those of `client_datasets` and `num_samples`, and each client it learns
+            of (`add_clients`, `broadcast`, a checkpoint's history): no client's metric is kept under another's name.
         report_header: With a header (may be empty), the server also writes `summary.md` and the plots after every
             round (`reporting.ReportCallback`) and `result.json` when the run ends; None: neither.
         is_main_process, num_processes: Under `accelerate launch`, the main process aggregates and writes; the
@@ -156,9 +159,10 @@ class FederatedServer:
         report_header: str | None = None,
         is_main_process: bool = True,
         num_processes: int = 1,
+        client_ids: Sequence[str] | None = None,
     ):
         client_datasets = dict(client_datasets or {})
-        for client_id in [*client_datasets, *(num_samples or {})]:
+        for client_id in [*client_datasets, *(num_samples or {}), *(client_ids or ())]:
             check_client_id(client_id)
         self.args = args
         self.model = model
@@ -204,7 +208,8 @@ class FederatedServer:
         known_samples = {client_id: len(dataset) for client_id, dataset in client_datasets.items()}
         # Every update enters the server through this gate: decoding, identity, values, sample count, norms.
         self.gate = UpdateGate.from_config(
-            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples, aggregator=aggregator
+            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples, aggregator=aggregator,
+            client_ids=[*client_datasets, *(client_ids or ())],
         )
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
         self.identity = run_identity(model, client_datasets, aggregator, args)
@@ -315,11 +320,17 @@ class FederatedServer:
         self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
         return sampled
 
+    def add_clients(self, client_ids: Iterable[str]) -> None:
+        """Clients of the federation the server learns of as the run goes (a Flower node bound to its client): from
+        now on no other client's metric is kept under their names (`admission.bound_metrics`)."""
+        self.gate.client_ids.update(client_ids)
+
     def broadcast(self, client_id: str) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
         frozen ones, `adapters.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
         whose bytes count in the round's traffic."""
         extras = self.aggregator.client_extras(client_id, self.global_state)
+        self.add_clients([client_id])
         if self._round is not None:
             self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
         return self.wire.sent(self.global_state), extras
@@ -541,6 +552,7 @@ class FederatedServer:
             raise CorruptCheckpointError(path, f"its aggregator state does not load ({type(error).__name__}: "
                                               f"{error})") from error
         self.history = checkpoint.history
+        self.add_clients(name for record in self.history for name in [*record.rewards, *record.client_metrics])
         self.evaluations = checkpoint.evaluations
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
