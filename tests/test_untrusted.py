@@ -66,8 +66,9 @@ def reply(server, client_id, state=None, reward=0.5, num_samples=10, metrics=Non
 def honest_round(server, round_idx, client_ids=("a", "b", "c"), **replies):
     """Round `round_idx`: every client in `client_ids` replies honestly unless `replies` gives its reply's fields."""
     server.begin_round(round_idx)
-    for client_id in client_ids:
+    for client_id in client_ids:  # as Flower sends them, before any reply
         server.broadcast(client_id)
+    for client_id in client_ids:
         reply(server, client_id, **replies.get(client_id, {}))
     return server.end_round()
 
@@ -174,7 +175,7 @@ def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or
         "weight": 0.99, "b/weight": 0.0, "num_clients": 1000.0,  # the round log's own entries
         "eval_accuracy/Total": 1.0,  # an evaluation that never ran
         "kl": [1.0, "x"], "bad name\n": 1.0, "loss": math.inf,
-        "b/entropy": 9.0,  # a valid name, which must not read as b's entropy
+        "b/entropy": 9.0,  # a valid name, but under client b's (issue 48): it would read as b's entropy
         "entropy": 0.25,
     }
     flood = {"step_rewards": [0.5] * 100_000}  # more step rewards than local steps, kept in every checkpoint
@@ -184,18 +185,18 @@ def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or
         sizes.append((output_dir / f"checkpoint-{round_idx}" / "federation.json").stat().st_size)
     server.close()
 
-    assert record.client_metrics["a"] == {"b/entropy": 9.0, "entropy": 0.25} and record.client_metrics["c"] == {}
+    assert record.client_metrics["a"] == {"entropy": 0.25} and record.client_metrics["c"] == {}
     assert "Client 'a': metrics dropped: 'step_rewards' (not a list of at most 2 numbers)" in caplog.text
     logs = round_logs(record)
     assert logs["a/weight"] == record.weights["a"] and logs["b/weight"] == record.weights["b"]
     assert (logs["num_clients"], logs["round"], logs["a/entropy"], logs["entropy"]) == (3, 2, 0.25, 0.25)
-    assert logs["a/b/entropy"] == 9.0 and "b/entropy" not in logs
+    assert "a/b/entropy" not in logs and "b/entropy" not in logs
     assert not any(name.startswith("eval_") for name in logs)
     lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["event"] for line in lines if line["event"] != "evaluation"] == ["client"] * 3 + ["round"] + [
         "client"] * 3 + ["round"] + ["client"] * 3 + ["round"]
     assert (lines[0]["client_id"], lines[0]["round"]) == ("a", 0)
-    assert lines[0]["metrics"] == {"b/entropy": 9.0, "entropy": 0.25}
+    assert lines[0]["metrics"] == {"entropy": 0.25}
     # the checkpoint grows by the same few kilobytes a round, whatever the clients send
     assert sizes[2] - sizes[1] < 20_000 and abs((sizes[2] - sizes[1]) - (sizes[1] - sizes[0])) < 1_000
     # a line an earlier version wrote with a client's metric as its round is dropped on resume, not a crash
@@ -636,3 +637,52 @@ def test_a_client_writes_no_other_clients_log_entries_nor_a_privacy_budget(
     assert logs["m/loss"] == 2.0 and logs["m/m/loss"] == 1.0 and logs["loss"] == pytest.approx(1.75)
     assert "'b/loss' (under another client's name)" in caplog.text
     assert "'dp_epsilon' (a name of the server's round log)" in caplog.text
+
+
+@pytest.mark.parametrize(("num_clients", "aggregation"), [(3, "fedavg"), (10, "fedavg"), (3, "scaffold")])
+def test_a_self_reported_sample_count_weighs_at_most_as_a_median_client(
+    tmp_path, tiny_model_dir, fast_args, num_clients, aggregation
+):
+    """Issue 48, 3: in Flower without a registry, a client claiming 2^63 rows (capped to 1e6) took ω = 0.9996 of
+    FedAvg's weight at N = 3 (0.998 at N = 10) and moved the adapter 9.99 U in a round. A count the server does not
+    know now weighs at most the round's median; one it knows (a registry's) stays."""
+    from trl_federated.flower.records import content_to_update, update_to_content
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path), num_clients=num_clients,
+                         aggregation=aggregation)
+    server.start_run()
+    ids = [f"h{index}" for index in range(num_clients - 1)] + ["m"]
+    server.begin_round(0)
+    for index, client_id in enumerate(ids):
+        _, extras = server.broadcast(client_id)
+        liar = client_id == "m"
+        delta = {"control_delta": {key: torch.zeros_like(value) for key, value in extras["server_control"].items()}
+                 } if aggregation == "scaffold" else {}
+        state = moved(server, -1.0 if liar else 1.0, size=9.99 if liar else 0.5)
+        sent = ClientUpdate(client_id, server.wire.encode(state, server.global_state),
+                            2**63 - 1 if liar else 100 + index, 0.5, {}, delta)
+        update, _ = content_to_update(update_to_content(sent, index))  # as Flower delivers it
+        server.accept(server.admit(client_id, update))
+    before = {key: value.clone() for key, value in server.global_state.items()}
+    record = server.end_round()
+    server.close()
+    median = math.floor(statistics.median([100 + index for index in range(num_clients - 1)] + [10**6]))
+    honest = sum(min(100 + index, median) for index in range(num_clients - 1))  # every report bounded alike
+    assert record.weights["m"] == pytest.approx(median / (median + honest))
+    assert record.weights["m"] < 1.05 / num_clients
+    if aggregation == "scaffold":
+        assert server.aggregator.client_sizes["m"] == int(median)
+    moved_by = math.sqrt(sum(float(((server.global_state[k] - v) ** 2).sum()) for k, v in before.items()))
+    moved_by /= unit(server)
+    assert moved_by < 9.99 / num_clients + 0.5
+
+
+def test_a_registered_sample_count_is_never_bounded_by_the_median(tmp_path, tiny_model_dir, fast_args):
+    args = fast_args(num_clients=3, aggregation="fedavg", output_dir=str(tmp_path))
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    server = FederatedServer(model, args, aggregator_from_config(args), [length_reward],
+                             num_samples={"a": 10, "b": 10, "big": 80})
+    server.start_run()
+    record = honest_round(server, 0, client_ids=("a", "b", "big"), big={"num_samples": 10**6})
+    server.close()
+    assert record.weights["big"] == pytest.approx(0.8)  # the server's count, as registered

@@ -12,7 +12,8 @@ against what the server itself knows, and bounded before any server state sees i
    (`Aggregator.check_extras`: SCAFFOLD's Δc_i), and its metrics (`bound_metrics`: typed, size-bounded, never
    named like the server's own log entries; R̄ the mean of its last W step rewards when it sends them);
 4. sample count: the server's own count D_i where it has one, else the client's report capped at
-   `max_client_samples`;
+   `max_client_samples` and, when the round ends, at the median count of the round's updates
+   (`UpdateGate.bound_round_samples`);
 5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`); under SCAFFOLD the update less the
    correction the server prescribed, ‖(θ_i − θ) + E·η·(c − c_i)‖; else the update is rejected or clipped
    (`update_norm_action`).
@@ -28,6 +29,7 @@ import logging
 import math
 import re
 import reprlib
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from typing import Any, TypeVar
@@ -174,6 +176,13 @@ def update_norm_unit(local_steps: int, learning_rate: float, global_state: Adapt
     return local_steps * learning_rate * math.sqrt(state_size(global_state))
 
 
+# A count the server cannot check (a training sample count it does not know, an evaluation's row count) weighs at
+# most this many times the median count of the replies of its round or label, with at least MIN_MEDIAN_CLIENTS
+# replies: one reply then weighs as much as a median client, never most of a mean.
+SAMPLES_MEDIAN_SPREAD = 1
+MIN_MEDIAN_CLIENTS = 3
+
+
 class UpdateGate:
     """Decodes, checks and bounds each client's reply before aggregation (see the module docstring).
 
@@ -308,6 +317,23 @@ class UpdateGate:
                 update.client_id, update.num_samples, self.max_client_samples,
             )
             update.num_samples = self.max_client_samples
+
+    def bound_round_samples(self, updates: list[ClientUpdate]) -> None:
+        """Bound each self-reported sample count of a round (a client whose count the server does not know) by
+        `SAMPLES_MEDIAN_SPREAD` times the median count of the round's updates, with `MIN_MEDIAN_CLIENTS` or more: a
+        client claiming 2^63 rows then weighs in FedAvg's mean as a median client does, not 0.9996 of it. With
+        fewer updates there is no median a single claim cannot move (`max_client_samples` alone bounds it)."""
+        if len(updates) < MIN_MEDIAN_CLIENTS:
+            return
+        cap = max(1, math.floor(SAMPLES_MEDIAN_SPREAD * statistics.median(update.num_samples for update in updates)))
+        for update in updates:
+            if update.client_id not in self.num_samples and update.num_samples > cap:
+                logger.warning(
+                    "Client %r reports %d training rows; counted as %d, the round's median (the server knows no "
+                    "count of its own for it: register num-samples to weigh clients by their true data).",
+                    update.client_id, update.num_samples, cap,
+                )
+                update.num_samples = cap
 
     def _bound_norm(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
         if self.max_update_norm is None:

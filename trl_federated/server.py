@@ -10,11 +10,12 @@ server happens here, once:
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
     admit(client_id, ...)   a reply, as it came off the wire, decoded once (`adapters.WireFormat`), its bytes
                             counted, then checked and bounded (`admission.UpdateGate.check`)
-    accept(update)          an admitted update joins the round, and the aggregator commits its per-client state
-                            (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i)
+    accept(update)          an admitted update joins the round
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
-    end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
-                            the atomic checkpoint, and the round's summary in the log
+    end_round()             min_clients_per_round, the self-reported sample counts bounded by the round's median
+                            (`UpdateGate.bound_round_samples`), the aggregator's per-client state committed
+                            (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i), aggregation, the round record,
+                            evaluation, callbacks, the atomic checkpoint, and the round's summary in the log
 
 and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the clients sampled to evaluate the global
 adapter on their own held-out data), `record_client_evaluation` (their results and row-weighted mean, logged) and
@@ -351,8 +352,9 @@ class FederatedServer:
 
     def accept(self, update: ClientUpdate) -> None:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
-        with it every bit of the aggregate, is the same whichever transport delivered it."""
-        self.aggregator.accept(update)
+        with it every bit of the aggregate, is the same whichever transport delivered it. The aggregator commits its
+        per-client state when the round ends, once the round's self-reported sample counts are bounded
+        (`UpdateGate.bound_round_samples`)."""
         self._round.updates.append(update)
         self._fire("on_client_end", round_idx=self._round.round_idx, update=update)
 
@@ -391,6 +393,11 @@ class FederatedServer:
                 f"{reasons or 'none'}. The run stops; "
                 f"{f'the last checkpoint, {last[-1]}, is intact' if last else 'no round finished'}."
             )
+        # A sample count the server does not know is bounded by the round's median (it weighs FedAvg's and
+        # SCAFFOLD's mean, and SCAFFOLD's c), before the aggregator commits any client's state.
+        self.gate.bound_round_samples(updates)
+        for update in updates:
+            self.aggregator.accept(update)
         record = None
         if self.is_main_process:
             # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
