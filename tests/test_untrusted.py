@@ -411,27 +411,77 @@ def test_a_report_that_fails_to_draw_neither_stops_the_round_nor_its_checkpoint(
     assert reporting.plot_label("site$a_b_c$") == r"site\$a_b_c\$" and reporting.plot_label("_x") == "x"
 
 
+def evaluation(total, rows, **labels):
+    """An evaluation reply as `evaluate_accuracy` gives it, through Flower's records (`evaluation_to_content`, then
+    what the strategy decodes, `content_to_evaluation`), with `labels` as label=(accuracy, rows)."""
+    from trl_federated.flower.records import content_to_evaluation, evaluation_to_content
+
+    accuracy, count = {"Total": total}, {"Total": rows}
+    for label, (value, label_rows) in labels.items():
+        accuracy[label], count[label] = value, label_rows
+    return content_to_evaluation(evaluation_to_content({"accuracy": accuracy, "count": count}, "site", 0))
+
+
 def test_one_client_cannot_own_the_pooled_evaluation(tmp_path, tiny_model_dir, fast_args):
     """The Flower evaluate round's pooling (`FederatedServer.record_client_evaluation`, which the strategy calls with
-    each reply decoded): a forged row count weighs at most a few honest clients, an accuracy outside the reward
-    range fails that client."""
+    each reply decoded). Issue 48, 2: two honest replies (0.25 over 100 rows, "hard" 0.10 over 40) and one claiming
+    2^63 − 1 rows read 0.75, "hard" 0.85 (capped at 4 x the Total's median), a label only the attacker reports 1.0,
+    with two replies 0.9999. Now an implausible count fails the client; any other count weighs at most its label's
+    median; a label is pooled only when 3 or more clients report it."""
     server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path), num_clients=4)
     server.start_run()
-
-    def evaluation(total, rows, hard=None):
-        accuracy, count = {"Total": total}, {"Total": rows}
-        if hard is not None:
-            accuracy["hard"], count["hard"] = hard
-        return {"accuracy": accuracy, "count": count}
-
     honest = {name: evaluation(0.25, 100, hard=(0.1, 40)) for name in ("a", "b", "c")}
-    results = server.record_client_evaluation(0, {**honest, "d": evaluation(1.0, 2**63 - 1, hard=(1.0, 10**12))}, {})
-    assert results["accuracy"]["Total"] == pytest.approx((3 * 25 + 400 * 1.0) / 700)  # d weighs 4 x the median
-    assert results["accuracy"]["hard"] < 0.8  # not 0.99999
+    results = server.record_client_evaluation(0, {**honest, "d": evaluation(1.0, 2**63 - 1, hard=(1.0, 2**62))}, {})
+    assert results["failed"]["d"] == ("invalid evaluation reply: it counts 9,223,372,036,854,775,807 rows, more than "
+                                      "any evaluation counts (1,000,000)")
+    assert results["accuracy"] == {"hard": pytest.approx(0.1), "Total": pytest.approx(0.25)}
     assert results["clients"]["d"]["count"]["Total"] == 2**63 - 1  # what it claimed stays in the record
-    for forged in (1000.0, -1e6, 1e308):
-        results = server.record_client_evaluation(1, {**honest, "d": evaluation(forged, 100)}, {})
+    # a plausible count weighs at most the label's median: d is one client of four, up or down
+    for forged, total, hard in ((1.0, (75 + 100) / 400, (12 + 40) / 160), (0.0, 75 / 400, 12 / 160)):
+        d = evaluation(forged, 900_000, hard=(forged, 900_000), olympiad=(forged, 10))
+        results = server.record_client_evaluation(1, {**honest, "d": d}, {})
+        assert results["accuracy"] == {"hard": pytest.approx(hard), "Total": pytest.approx(total)}
+        assert results["count"] == {"hard": 160, "Total": 400} and results["unpooled"] == ["olympiad"]
+    # a label reported by fewer than 3 clients is shown per client only: with 2 replies, nothing is pooled
+    results = server.record_client_evaluation(2, {"a": honest["a"], "d": evaluation(1.0, 10**6)}, {})
+    assert results["accuracy"] == {} and results["unpooled"] == ["Total", "hard"] and set(results["clients"]) == {
+        "a", "d"}
+    for forged in (1000.0, -1e6, 1e308):  # outside the reward range: failed
+        results = server.record_client_evaluation(3, {**honest, "d": evaluation(forged, 100)}, {})
         assert results["accuracy"]["Total"] == pytest.approx(0.25) and "outside" in results["failed"]["d"]
+    server.close()
+
+
+def test_an_evaluation_without_a_declared_range_is_pooled_by_its_median_and_known_splits_bound_counts(
+    tmp_path, tiny_model_dir, fast_args
+):
+    """Issue 48, 2: with evaluation rewards that declare no range, one reply of 1e300 pooled to 3.3e299. Without a
+    range the pooled value is the median of the clients' values; where the server knows a client's evaluation split
+    (a registry's `eval-samples`), a reply counting more fails it."""
+
+    def unbounded_reward(completions, **kwargs):
+        return [float(len(completion)) for completion in completions]
+
+    def server_of(**known):
+        args = fast_args(num_clients=4, output_dir=str(tmp_path / str(len(known))))
+        model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+        return FederatedServer(model, args, aggregator_from_config(args), [unbounded_reward], **known)
+
+    server = server_of()
+    server.start_run()
+    assert server.evaluation_range() is None
+    replies = {"a": evaluation(0.25, 100), "b": evaluation(0.5, 100), "c": evaluation(0.75, 300),
+               "d": evaluation(1e300, 50)}
+    results = server.record_client_evaluation(0, replies, {})
+    assert results["accuracy"] == {"Total": pytest.approx(0.625)}  # the median of 0.25, 0.5, 0.75, 1e300
+    assert results["count"] == {"Total": 100 + 100 + 100 + 50}  # c bounded by the median (100)
+    server.close()
+    server = server_of(eval_samples={"a": 100, "d": 50})
+    server.start_run()
+    results = server.record_client_evaluation(1, {**replies, "d": evaluation(0.5, 51)}, {})
+    assert results["failed"] == {"d": "invalid evaluation reply: it counts 51 rows, more than the 50 of its "
+                                      "evaluation split"}
+    assert results["accuracy"] == {"Total": pytest.approx(0.5)}
     server.close()
 
 

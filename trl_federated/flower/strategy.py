@@ -154,6 +154,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             model, args, aggregator, reward_funcs,
             num_samples=None if registry is None else registry.num_samples(), callbacks=callbacks,
             client_ids=None if registry is None else [client.client_id for client in registry.clients],
+            eval_samples=None if registry is None else registry.eval_samples(),
             processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
             dataset_name=dataset_name, report_header=report_header,
         )
