@@ -610,3 +610,32 @@ def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_oth
     else:
         assert evaluate_messages == [("evaluate", "1")] * later and 0 not in result.evaluate_metrics_clientapp
         assert redone not in caplog.text
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_flower_client_writes_no_log_entry_of_a_client_that_sits_the_round_out(tmp_path, tiny_model_dir):
+    """Issue 48, 4, through the Flower strategy: every node bound to a client counts as the federation's (sampled or
+    not), so site-0's `site-2/loss` never shows on the curve of site-2, which sits round 0 out, and its `dp_epsilon`
+    puts no ε in a run without DP."""
+    args = sampling_args(tmp_path / "flower", num_clients=NUM_CLIENTS, num_rounds=1, aggregation="fedavg",
+                         node_wait_timeout=0)
+    strategy = FederatedStrategy(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, report_header=None, reply_timeout=5
+    )
+    initial = copy.deepcopy(strategy.global_state)
+    forged = {"site-2/loss": 123.0, "dp_epsilon": 0.5, "train_loss": 0.5}
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(CLIENT_IDS[index], index)}), reply_to=message)
+        update = ClientUpdate(CLIENT_IDS[index], moved(initial, seed=index), 10, 0.5,
+                              metrics=dict(forged) if index == 0 else {"train_loss": 0.25})
+        return Message(update_to_content(update, index), reply_to=message)
+
+    grid = LocalGrid(respond, {100 + index: {"partition-id": index} for index in range(NUM_CLIENTS)})
+    _, metrics = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
+    assert sorted(strategy.history[0].weights) == [CLIENT_IDS[index] for index in SAMPLED[0]]  # site-2 sits out
+    assert "site-2/loss" not in metrics and "site-0/site-2/loss" not in metrics
+    assert not [name for name in metrics if "dp_" in name]
+    assert metrics["site-0/loss"] == 0.5 and metrics["loss"] == pytest.approx(0.375)
