@@ -314,6 +314,15 @@ def test_the_liar_benchmark_reaches_the_analytic_peak():
     assert liar.peak(3, 2.5, 0.0, 2.0) == pytest.approx(math.exp(4) / (math.exp(4) + 2))
     h = 1 / (0.9 * 0.05 + 0.1)
     assert liar.peak(10, 1.5, 0.0, 1.0) == pytest.approx(math.exp(h / 1.5) / (math.exp(h / 1.5) + 9), rel=1e-6)
+    assert liar.ceiling(10, 1.5, 1.0) == pytest.approx(math.exp(h / 1.5) / (math.exp(h / 1.5) + 9), rel=1e-6)
+    assert liar.ceiling(3, 2.5, 2.0) == pytest.approx(liar.peak(3, 2.5, 0.0, 2.0))
+    # Issue 48, 6: over 8 rounds (annealed τ, rewards spanning 2, N = 3) a rising ramp took 0.619 on average, above
+    # the low/high patterns the benchmark searched; its dynamic programme finds at least as much, a sequence
+    # replayed through the server's own RPGAggregator, below the per-round ceiling
+    replayed, estimate, sequence = liar.optimal_mean(3, None, 2.0, 8)
+    assert 0.619 <= replayed <= liar.ceiling(3, 1.5, 2.0) and replayed == pytest.approx(estimate, abs=0.005)
+    assert replayed == pytest.approx(sum(liar.liar_weights(sequence, 3, None)) / 8)
+    assert replayed > liar.sustained(3, None, 0.0, 2.0, rounds=8)[0]
 
 
 # Part two: what a client reports about its reward, and free text ----------------------------------------------------
