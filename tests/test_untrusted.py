@@ -745,3 +745,25 @@ def test_a_registered_sample_count_is_never_bounded_by_the_median(tmp_path, tiny
     record = honest_round(server, 0, client_ids=("a", "b", "big"), big={"num_samples": 10**6})
     server.close()
     assert record.weights["big"] == pytest.approx(0.8)  # the server's count, as registered
+
+
+def test_a_registry_declares_each_clients_evaluation_split_and_the_strategy_bounds_replies_by_it(
+    tmp_path, tiny_model_dir, fast_args
+):
+    from trl_federated.flower import FederatedStrategy
+    from trl_federated.flower.identity import ClientRegistry, RegisteredClient
+
+    with pytest.raises(ValueError, match="Client 'a': eval-samples must be a positive integer, got 0"):
+        ClientRegistry([RegisteredClient("a", 0, b"key", eval_samples=0)])
+    registry = ClientRegistry([RegisteredClient(name, index, name.encode(), 10, 20 + index)
+                               for index, name in enumerate(["a", "b", "c"])])
+    args = fast_args(num_clients=3, output_dir=str(tmp_path))
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, [length_reward],
+                                 registry=registry, report_header=None)
+    assert strategy.server.eval_samples == {"a": 20, "b": 21, "c": 22}
+    assert strategy.server.gate.client_ids == {"a", "b", "c"}
+    strategy.server.start_run()
+    replies = {"a": evaluation(0.5, 20), "b": evaluation(0.5, 21), "c": evaluation(1.0, 23)}
+    results = strategy.server.record_client_evaluation(0, replies, {})
+    assert "more than the 22 of its evaluation split" in results["failed"]["c"] and results["accuracy"] == {}
+    strategy.server.close()
