@@ -431,7 +431,7 @@ def evaluation(total, rows, **labels):
     return content_to_evaluation(evaluation_to_content({"accuracy": accuracy, "count": count}, "site", 0))
 
 
-def test_one_client_cannot_own_the_pooled_evaluation(tmp_path, tiny_model_dir, fast_args):
+def test_one_client_cannot_own_the_pooled_evaluation(tmp_path, tiny_model_dir, fast_args, caplog):
     """The Flower evaluate round's pooling (`FederatedServer.record_client_evaluation`, which the strategy calls with
     each reply decoded). Issue 48, 2: two honest replies (0.25 over 100 rows, "hard" 0.10 over 40) and one claiming
     2^63 − 1 rows read 0.75, "hard" 0.85 (capped at 4 x the Total's median), a label only the attacker reports 1.0,
@@ -451,6 +451,8 @@ def test_one_client_cannot_own_the_pooled_evaluation(tmp_path, tiny_model_dir, f
         results = server.record_client_evaluation(1, {**honest, "d": d}, {})
         assert results["accuracy"] == {"hard": pytest.approx(hard), "Total": pytest.approx(total)}
         assert results["count"] == {"hard": 160, "Total": 400} and results["unpooled"] == ["olympiad"]
+        assert "Client 'd''s evaluation counts more rows than the median client's ('Total': 900,000 > 100" in (
+            caplog.text)
     # a label reported by fewer than 3 clients is shown per client only: with 2 replies, nothing is pooled
     results = server.record_client_evaluation(2, {"a": honest["a"], "d": evaluation(1.0, 10**6)}, {})
     assert results["accuracy"] == {} and results["unpooled"] == ["Total", "hard"] and set(results["clients"]) == {

@@ -666,6 +666,12 @@ def bound_client_evaluations(
     bounded = {}
     for client_id, evaluation in kept.items():
         labels = [label for label in evaluation["count"] if label in caps]
+        over = [label for label in labels if client_id not in known_counts and evaluation["count"][label] > caps[label]]
+        if over:
+            logger.warning("Client %r's evaluation counts more rows than the median client's (%s): counted as the "
+                           "median.", client_id, ", ".join(f"{bounded_text(repr(label), 100)}: "
+                                                            f"{evaluation['count'][label]:,} > {caps[label]:,}"
+                                                            for label in over[:5]))
         bounded[client_id] = {
             "accuracy": {label: evaluation["accuracy"][label] for label in labels},
             "count": {
