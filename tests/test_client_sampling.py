@@ -6,6 +6,7 @@ did. Each test fails on a tree without client sampling."""
 import copy
 import json
 import logging
+import statistics
 from pathlib import Path
 
 import pytest
@@ -443,12 +444,9 @@ def test_clients_evaluate_the_round_adapter_on_their_own_held_out_data(tmp_path,
         expected = evaluate_adapter(model, strategy.global_state, tokenizer, rows, args, [loopback_app.length_reward])
         assert line["clients"][client_id]["count"] == {"Total": len(rows)}
         assert line["clients"][client_id]["accuracy"]["Total"] == pytest.approx(expected["accuracy"]["Total"])
-    # pooled by rows, logged for Flower's Result too
-    clients = line["clients"]
-    pooled = (4 * clients["client_0"]["accuracy"]["Total"] + 2 * clients["client_1"]["accuracy"]["Total"]) / 6
-    assert line["accuracy"]["Total"] == pytest.approx(pooled) and line["count"]["Total"] == 6
-    assert result.evaluate_metrics_clientapp[1]["accuracy"] == line["accuracy"]["Total"]
-    assert result.evaluate_metrics_clientapp[1]["num-examples"] == 6
+    # pooled only from 3 clients on (issue 48: with 2, either reply would own the pool): each client's own
+    assert line["accuracy"] == {} and line["count"] == {} and line["unpooled"] == ["Total"]
+    assert 1 not in result.evaluate_metrics_clientapp
 
 
 def test_the_runner_warns_that_only_flower_runs_client_evaluation(tmp_path, tiny_model_dir, caplog):
@@ -506,8 +504,9 @@ def test_the_evaluate_round_samples_its_clients_and_names_those_without_an_evalu
     messages = strategy.configure_evaluate(1, None, None, grid)
     assert sorted(grid.contexts[m.metadata.dst_node_id].node_config["partition-id"] for m in messages) == evaluated
     metrics = strategy.aggregate_evaluate(1, grid.send_and_receive(messages))
-    assert dict(metrics) == {"accuracy": 0.5, "num-examples": 4}
+    assert metrics is None  # one evaluation: shown as that client's, not pooled (3 or more are)
     (line,) = events(args.output_dir, "client_evaluation")
+    assert line["clients"][CLIENT_IDS[evaluated[1]]] == evaluation and line["accuracy"] == {}
     assert set(line["clients"]) == {CLIENT_IDS[evaluated[1]]}
     assert line["failed"] == {
         CLIENT_IDS[evaluated[0]]: "ValueError: this site has no held-out data (the report names client 'x')"
@@ -549,9 +548,11 @@ def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_oth
     from trl_federated.flower.records import evaluation_to_content
     from trl_federated.sampling import sample_clients
 
+    fraction = 0.75  # 3 of 4 clients evaluate: enough to pool
+
     def federation(node_offset, crash=None, **overrides):
         args = sampling_args(tmp_path / "flower", num_clients=NUM_CLIENTS, num_rounds=2, aggregation="fedavg",
-                             node_wait_timeout=0, fraction_train=1.0, fraction_evaluate=FRACTION, **overrides)
+                             node_wait_timeout=0, fraction_train=1.0, fraction_evaluate=fraction, **overrides)
         strategy = FederatedStrategy(
             AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, report_header=None, reply_timeout=5
         )
@@ -588,22 +589,53 @@ def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_oth
     lines = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
     evaluations = [line for line in lines if line["event"] == "client_evaluation"]
     assert [line["round"] for line in evaluations] == [0, 1]  # each round's once
-    evaluated = sample_clients(NUM_CLIENTS, FRACTION, 1, SEED, 0, "evaluate")
+    evaluated = sample_clients(NUM_CLIENTS, fraction, 1, SEED, 0, "evaluate")
+    later = len(sample_clients(NUM_CLIENTS, fraction, 1, SEED, 1, "evaluate"))
     assert set(evaluations[0]["clients"]) == sampled_ids(evaluated) and evaluations[0]["failed"] == {}
-    rows = {index: 2 + index for index in evaluated}
-    assert evaluations[0]["accuracy"]["Total"] == pytest.approx(
-        sum(index / 4 * count for index, count in rows.items()) / sum(rows.values())
-    )
+    # no reward functions declare a range here: the median of the clients' values (issue 48), over their rows, each
+    # count bounded by the median count
+    median = statistics.median(2 + index for index in evaluated)
+    assert evaluations[0]["accuracy"]["Total"] == pytest.approx(statistics.median(index / 4 for index in evaluated))
+    assert evaluations[0]["count"]["Total"] == sum(min(2 + index, median) for index in evaluated)
     assert_states_equal(carried[0], round_0)  # round 0's global adapter, as its own evaluate round sends it
     evaluate_messages = [sent for sent in grid.sent if sent[0] == "evaluate"]
     if crash_on == ("evaluate", "0"):
         # redone right after the resume, before round 1 begins, with Flower's Result holding it under server round 0
         resumed_at = lines.index(next(line for line in lines if line["event"] == "resumed"))
         assert lines.index(evaluations[0]) == resumed_at + 1
-        assert evaluate_messages == [("evaluate", "0")] * len(evaluated) + [("evaluate", "1")] * 2
+        assert evaluate_messages == [("evaluate", "0")] * len(evaluated) + [("evaluate", "1")] * later
         assert grid.sent.index(("evaluate", "0")) < grid.sent.index(("train", "1"))
         assert result.evaluate_metrics_clientapp[0]["accuracy"] == evaluations[0]["accuracy"]["Total"]
         assert caplog.text.count(redone) == 1
     else:
-        assert evaluate_messages == [("evaluate", "1")] * 2 and 0 not in result.evaluate_metrics_clientapp
+        assert evaluate_messages == [("evaluate", "1")] * later and 0 not in result.evaluate_metrics_clientapp
         assert redone not in caplog.text
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_flower_client_writes_no_log_entry_of_a_client_that_sits_the_round_out(tmp_path, tiny_model_dir):
+    """Issue 48, 4, through the Flower strategy: every node bound to a client counts as the federation's (sampled or
+    not), so site-0's `site-2/loss` never shows on the curve of site-2, which sits round 0 out, and its `dp_epsilon`
+    puts no ε in a run without DP."""
+    args = sampling_args(tmp_path / "flower", num_clients=NUM_CLIENTS, num_rounds=1, aggregation="fedavg",
+                         node_wait_timeout=0)
+    strategy = FederatedStrategy(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), args, report_header=None, reply_timeout=5
+    )
+    initial = copy.deepcopy(strategy.global_state)
+    forged = {"site-2/loss": 123.0, "dp_epsilon": 0.5, "train_loss": 0.5}
+
+    def respond(message, context):
+        index = context.node_config["partition-id"]
+        if message.metadata.message_type == IDENTIFY:
+            return Message(RecordDict({CLIENT: client_identity_record(CLIENT_IDS[index], index)}), reply_to=message)
+        update = ClientUpdate(CLIENT_IDS[index], moved(initial, seed=index), 10, 0.5,
+                              metrics=dict(forged) if index == 0 else {"train_loss": 0.25})
+        return Message(update_to_content(update, index), reply_to=message)
+
+    grid = LocalGrid(respond, {100 + index: {"partition-id": index} for index in range(NUM_CLIENTS)})
+    _, metrics = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, None, None, grid)))
+    assert sorted(strategy.history[0].weights) == [CLIENT_IDS[index] for index in SAMPLED[0]]  # site-2 sits out
+    assert "site-2/loss" not in metrics and "site-0/site-2/loss" not in metrics
+    assert not [name for name in metrics if "dp_" in name]
+    assert metrics["site-0/loss"] == 0.5 and metrics["loss"] == pytest.approx(0.375)

@@ -193,7 +193,7 @@ class Aggregator(ABC):
     A strategy that keeps state per client (SCAFFOLD's c_i) exchanges "extras" with each client besides the adapter,
     named adapter-shaped states: `client_extras` is what the server sends a client, `client_hook` what the client
     trains with them and sends back, `check_extras` how the admission gate checks and bounds that reply (and the
-    per-client state it would commit), `correction_norm` how far the extras sent move the client's adapter, and
+    per-client state it would commit), `correction` how the extras sent move the client's adapter, and
     `accept` commits an admitted update's per-client state. By default a strategy exchanges nothing else.
 
     `round_metrics` is what a strategy reports about each aggregation besides ω (RPG: its gains h and temperature τ):
@@ -359,11 +359,17 @@ class Aggregator(ABC):
 
     def correction_norm(self, client_id: str, global_state: AdapterState) -> float:
         """The norm of the change per unit of learning rate that the extras the server sends `client_id` make each of
-        its local steps add (SCAFFOLD's decoupled correction c − c_i; 0 for a strategy without extras). It is set by
-        the server's state, other clients' contributions included, not by the client: the admission gate allows its
-        E · η times on top of `update_norm_bound`, so that a client is bounded by what it controls and never
-        rejected for a correction others induced."""
+        its local steps add (SCAFFOLD's decoupled correction c − c_i; 0 for a strategy without extras): the norm of
+        `correction`, which the admission gate takes off the update before bounding it."""
         return 0.0
+
+    def correction(self, client_id: str, global_state: AdapterState) -> AdapterState | None:
+        """The change per unit of learning rate that the extras the server sends `client_id` make each of its local
+        steps add, as tensors (SCAFFOLD's decoupled correction, applied as θ ← θ − η (c − c_i): this returns c − c_i);
+        None for a strategy without extras. The admission gate bounds the update less what the server prescribed,
+        ‖(θ_i − θ) + E · η · (c − c_i)‖, by `update_norm_bound`: the prescribed part is the server's doing, and the
+        rest is bounded like any other method's update, whatever controls the client has built up."""
+        return None
 
     def forget(self, client_id: str) -> None:
         """A client the admission gate refused this round: per-client state that acts on the other clients (SCAFFOLD's

@@ -115,6 +115,12 @@ class ScaffoldAggregator(FedAvgAggregator):
         server_control = self.server_control(global_state)
         return state_norm({key: server_control[key] - control[key] for key in server_control})
 
+    def correction(self, client_id: str, global_state: AdapterState) -> AdapterState:
+        """c − c_i, which each decoupled local step applies times its learning rate (`ScaffoldCorrection`)."""
+        control = self.client_control(client_id, global_state)
+        server_control = self.server_control(global_state)
+        return {key: server_control[key] - control[key] for key in server_control}
+
     def forget(self, client_id: str) -> None:
         """A client the gate refused: its c_i and D_i leave c from this round's aggregation on, so that what it got
         in while admitted stops steering the others' steps; a later admitted update starts it again from c_i = 0."""

@@ -12,8 +12,10 @@ against what the server itself knows, and bounded before any server state sees i
    (`Aggregator.check_extras`: SCAFFOLD's Δc_i), and its metrics (`bound_metrics`: typed, size-bounded, never
    named like the server's own log entries; R̄ the mean of its last W step rewards when it sends them);
 4. sample count: the server's own count D_i where it has one, else the client's report capped at
-   `max_client_samples`;
-5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`), else the update is rejected or clipped
+   `max_client_samples` and, when the round ends, at the median count of the round's updates
+   (`UpdateGate.bound_round_samples`);
+5. size: ‖θ_i − θ‖ within `update_norm_bound` (see `update_norm_unit`); under SCAFFOLD the update less the
+   correction the server prescribed, ‖(θ_i − θ) + E·η·(c − c_i)‖; else the update is rejected or clipped
    (`update_norm_action`).
 
 Steps 2 to 5 are `UpdateGate.check`, which takes the decoded update and calls back into nothing. Anything that fails,
@@ -27,6 +29,7 @@ import logging
 import math
 import re
 import reprlib
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from typing import Any, TypeVar
@@ -38,9 +41,10 @@ from ..adapters import (
     norm_scale,
     scaled_update,
     state_distance,
+    state_norm,
     state_size,
 )
-from ..aggregation import Aggregator, ClientUpdate
+from ..aggregation import Aggregator, ClientUpdate, RPGAggregator
 from ..aggregation.base import RoundMetric, refuse_extras
 from ..choices import NORM_ACTIONS, check_choice
 from .callbacks import is_reserved_metric
@@ -97,26 +101,35 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9_.:@+-]+(/[A-Za-z0-9_.:@+-]+)*")
 # The lists a client sends (`client.train_local_round`), by name, with their largest length: R̄ of each local step
 # (one per step: `local_steps`, known to the server) and the round's start and end in Unix seconds.
 STEP_REWARDS, WALL_CLOCK = "step_rewards", "wall_clock"
+# The round metrics of every built-in strategy (RPG's include every strategy's diagnostics): a client metric never
+# takes their names, whichever strategy the run uses, so that no client adds a τ to a FedAvg run's log.
+STRATEGY_METRICS = tuple(RPGAggregator().round_metrics())
 
 
 def bound_metrics(
-    metrics: dict, client_id: str, local_steps: int | None = None, round_metrics: Iterable[RoundMetric] = ()
+    metrics: dict, client_id: str, local_steps: int | None = None, round_metrics: Iterable[RoundMetric] = (),
+    client_ids: Iterable[str] = (),
 ) -> dict:
     """The metrics of client `client_id` the server keeps: finite numbers (as floats), under names of at most
     `MAX_METRIC_NAME_LENGTH` characters of `METRIC_NAME`'s alphabet that are not the round log's own
-    (`callbacks.is_reserved_metric`, with the aggregator's `round_metrics`), and the two lists a client sends:
+    (`callbacks.is_reserved_metric`, with the aggregator's `round_metrics`) nor under another client's name
+    (`<client>/...` for any of the federation's `client_ids` but its own: the round log would show it on that
+    client's curve while it sits a round out), and the two lists a client sends:
     `step_rewards`, at most `local_steps` numbers (NaN marks a step whose rewards scored nothing; no ±Inf), and
     `wall_clock`, two finite numbers. Anything else is dropped, with one warning naming each and why; more than
     `MAX_CLIENT_METRICS` metrics is a `ValueError`."""
     if len(metrics) > MAX_CLIENT_METRICS:
         raise ValueError(f"it sends {len(metrics)} metrics, more than the {MAX_CLIENT_METRICS} a client may send")
     lengths = {STEP_REWARDS: local_steps, WALL_CLOCK: 2}
+    others = set(client_ids) - {client_id}
     kept, dropped = {}, []
     for name, value in metrics.items():
         if len(name) > MAX_METRIC_NAME_LENGTH or not METRIC_NAME.fullmatch(name):
             dropped.append(f"{bounded_text(repr(name), 60)} (not a metric name)")
         elif is_reserved_metric(name, round_metrics):
             dropped.append(f"{name!r} (a name of the server's round log)")
+        elif "/" in name and name.split("/", 1)[0] in others:
+            dropped.append(f"{name!r} (under another client's name)")
         elif name in lengths:
             limit = lengths[name]
             items = [plain_number(item) for item in value] if isinstance(value, (list, tuple)) else None
@@ -156,10 +169,18 @@ def update_norm_unit(local_steps: int, learning_rate: float, global_state: Adapt
 
     An Adam-family optimizer (TRL's default AdamW) moves a coordinate by η·|m̂/√v̂| per step, and |m̂/√v̂| is 1 at
     the first step and about 1 or less after it (Kingma & Ba, 2015, §2.1), so an honest client's ‖θ_i − θ‖ is at
-    most about U, whatever the model, the rank or the data; a learning-rate schedule only lowers it. SCAFFOLD's
-    decoupled correction adds at most about 2U more (c and c_i are mean Adam directions).
+    most about U, whatever the model, the rank or the data; a learning-rate schedule only lowers it. Under SCAFFOLD
+    the gate measures the update less the decoupled correction E·η·(c − c_i) the server prescribed, which leaves
+    the client's Adam steps (and, under a decaying schedule, at most E·η·‖c − c_i‖ ≈ 2U of correction not applied).
     """
     return local_steps * learning_rate * math.sqrt(state_size(global_state))
+
+
+# A count the server cannot check (a training sample count it does not know, an evaluation's row count) weighs at
+# most this many times the median count of the replies of its round or label, with at least MIN_MEDIAN_CLIENTS
+# replies: one reply then weighs as much as a median client, never most of a mean.
+SAMPLES_MEDIAN_SPREAD = 1
+MIN_MEDIAN_CLIENTS = 3
 
 
 class UpdateGate:
@@ -170,14 +191,17 @@ class UpdateGate:
         max_update_norm: Bound on ‖θ_i − θ‖₂ (None: no bound).
         norm_action: "reject" drops an update over a bound; "clip" scales it back onto the bound.
         num_samples: D_i of the clients whose data volume the server knows; it replaces their report.
+        client_ids: The federation's clients the server knows (those of `num_samples` too; `FederatedServer` adds
+            each client it learns of): no client's metric is kept under another's name (`bound_metrics`).
         max_client_samples: Cap on a self-reported D_i (None: no cap).
         aggregator: The federation's aggregator, which checks and bounds what a client sends besides its adapter
             (`Aggregator.check_extras`); None: a client sends nothing else.
         extras_norm_bound: `update_norm_bound`, which the aggregator applies to those extras in its own unit (None:
             no bound).
         local_steps: E, the local steps of a round: the most step rewards a client reports (None: not bounded).
-        learning_rate: η, the local learning rate (its peak, under a schedule): E · η times the correction the
-            aggregator's extras prescribe (`Aggregator.correction_norm`) is allowed on top of `max_update_norm`.
+        learning_rate: η, the local learning rate (its peak, under a schedule): with a strategy whose extras
+            prescribe a correction (`Aggregator.correction`, SCAFFOLD's c − c_i), `max_update_norm` bounds the
+            update less E · η times it, ‖(θ_i − θ) + E·η·(c − c_i)‖.
         reward_window: W: R̄ must be the mean of the last W step rewards a client reports (None: not checked).
     """
 
@@ -193,11 +217,13 @@ class UpdateGate:
         local_steps: int | None = None,
         reward_window: int | None = None,
         learning_rate: float | None = None,
+        client_ids: Iterable[str] = (),
     ):
         check_choice("update_norm_action", norm_action, NORM_ACTIONS)
         self.reward_range = reward_range
         self.max_update_norm, self.norm_action = max_update_norm, norm_action
         self.num_samples = dict(num_samples or {})
+        self.client_ids = {*client_ids, *self.num_samples}
         self.max_client_samples = max_client_samples
         self.aggregator, self.extras_norm_bound = aggregator, extras_norm_bound
         self.local_steps, self.reward_window, self.learning_rate = local_steps, reward_window, learning_rate
@@ -212,9 +238,10 @@ class UpdateGate:
         reward_range: tuple[float, float] | None = None,
         num_samples: Mapping[str, int] | None = None,
         aggregator: Aggregator | None = None,
+        client_ids: Iterable[str] = (),
     ) -> UpdateGate:
         """The gate a `FedGRPOConfig` describes (its "Robustness" fields) for a federation whose global adapter is
-        shaped like `global_state`, aggregated by `aggregator`."""
+        shaped like `global_state`, aggregated by `aggregator`, of the clients `client_ids` (as far as known)."""
         bound = args.update_norm_bound
         unit = update_norm_unit(args.local_steps, args.learning_rate, global_state)
         return cls(
@@ -228,6 +255,7 @@ class UpdateGate:
             local_steps=args.local_steps,
             reward_window=args.reward_window,
             learning_rate=args.learning_rate,
+            client_ids=client_ids,
         )
 
     def open_round(self, global_state: AdapterState) -> None:
@@ -264,8 +292,9 @@ class UpdateGate:
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
         try:
-            round_metrics = () if self.aggregator is None else self.aggregator.round_metrics()
-            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics)
+            round_metrics = [*STRATEGY_METRICS, *(() if self.aggregator is None else self.aggregator.round_metrics())]
+            update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics,
+                                           self.client_ids)
             if self.reward_window is not None:
                 check_window_reward(update, self.reward_window)
             if self.aggregator is None:
@@ -289,24 +318,58 @@ class UpdateGate:
             )
             update.num_samples = self.max_client_samples
 
+    def bound_round_samples(self, updates: list[ClientUpdate]) -> None:
+        """Bound each self-reported sample count of a round (a client whose count the server does not know) by
+        `SAMPLES_MEDIAN_SPREAD` times the median count of the round's updates, with `MIN_MEDIAN_CLIENTS` or more: a
+        client claiming 2^63 rows then weighs in FedAvg's mean as a median client does, not 0.9996 of it. With
+        fewer updates there is no median a single claim cannot move (`max_client_samples` alone bounds it)."""
+        if len(updates) < MIN_MEDIAN_CLIENTS:
+            return
+        cap = max(1, math.floor(SAMPLES_MEDIAN_SPREAD * statistics.median(update.num_samples for update in updates)))
+        for update in updates:
+            if update.client_id not in self.num_samples and update.num_samples > cap:
+                logger.warning(
+                    "Client %r reports %d training rows; counted as %d, the round's median (the server knows no "
+                    "count of its own for it: register num-samples to weigh clients by their true data).",
+                    update.client_id, update.num_samples, cap,
+                )
+                update.num_samples = cap
+
     def _bound_norm(self, update: ClientUpdate, reject: Callable[[str], None]) -> None:
         if self.max_update_norm is None:
             return
-        bound, name = self.max_update_norm, "update_norm_bound"
+        correction = None
         if self.aggregator is not None and self.local_steps is not None and self.learning_rate is not None:
-            # The correction the server's extras prescribe is the server's doing, not the client's (see
-            # `Aggregator.correction_norm`): it is allowed on top, at most E·η times its norm per unit step.
-            correction = self.aggregator.correction_norm(update.client_id, self.global_state)
-            if correction > 0:
-                bound += self.local_steps * self.learning_rate * correction
-                name += " + the prescribed correction"
-        norm = state_distance(update.state, self.global_state)
+            correction = self.aggregator.correction(update.client_id, self.global_state)
+        if correction is None:
+            norm, measured = state_distance(update.state, self.global_state), "‖θ_i − θ‖"
+        else:
+            # The correction the server's extras prescribe, E·η·(c − c_i), is the server's doing: what the client
+            # controls is the update less it, bounded like any other method's update (see `Aggregator.correction`).
+            # Allowing E·η·‖c − c_i‖ on top instead let a client that parked c_i on the control bound double its own
+            # bound, in any direction.
+            step = self.local_steps * self.learning_rate
+            prescribed = {key: -step * value.double() for key, value in correction.items()}
+            residual = {
+                key: update.state[key].double() - value.double() - prescribed[key]
+                for key, value in self.global_state.items()
+            }
+            norm = state_norm(residual)
+            measured = "‖(θ_i − θ) + E·η·(c − c_i)‖ (the update less its prescribed correction)"
         try:
-            scale = norm_scale(norm, bound, self.norm_action, "‖θ_i − θ‖", name, update.client_id)
+            scale = norm_scale(norm, self.max_update_norm, self.norm_action, measured, "update_norm_bound",
+                               update.client_id)
         except ValueError as error:
             reject(str(error))
-        if scale != 1.0:
+        if scale == 1.0:
+            return
+        if correction is None:
             update.state = scaled_update(update.state, self.global_state, scale)
+        else:  # the client's own part scaled onto the bound, the prescribed correction kept
+            update.state = {
+                key: (value.double() + prescribed[key] + scale * residual[key]).to(value.dtype)
+                for key, value in self.global_state.items()
+            }
 
 
 def read_reply(client_id: str, decode: Callable[[], T]) -> T:

@@ -78,6 +78,9 @@ ROUND_LOG_NAMES = frozenset({
 })
 CLIENT_LOG_NAMES = frozenset({"reward_window", "weight", "bytes_sent", "update_norm", "update_cosine"})
 EVALUATION_LOG_PREFIX = "eval_"
+# Differential privacy's round metrics (`privacy.ClientLevelPrivacy.round_metrics`: `dp_epsilon`, `dp_noise_std`,
+# `<client_id>/dp_reward`): reserved whether or not the run is private, so that no client adds an ε to a run without DP.
+PRIVACY_LOG_PREFIX = "dp_"
 
 
 def metric_log_name(name: str) -> str:
@@ -87,7 +90,8 @@ def metric_log_name(name: str) -> str:
 
 def is_reserved_metric(name: str, round_metrics: Iterable[RoundMetric] = ()) -> bool:
     """Whether a client metric named `name` would take the name of one of the round log's own entries: the server's,
-    an evaluation's, a client's (`weight`, and `<any client>/weight`), or one of the aggregator's `round_metrics`."""
+    an evaluation's, a client's (`weight`, and `<any client>/weight`), one of the aggregator's `round_metrics`, or
+    differential privacy's (`dp_...`, in any run)."""
     name = metric_log_name(name)
     round_metrics = list(round_metrics)
     round_names = ROUND_LOG_NAMES | {metric.log_entry for metric in round_metrics if not metric.per_client}
@@ -95,6 +99,7 @@ def is_reserved_metric(name: str, round_metrics: Iterable[RoundMetric] = ()) -> 
     return (
         name in round_names or name.rsplit("/", 1)[-1] in client_names
         or name.startswith(EVALUATION_LOG_PREFIX)
+        or name.startswith(PRIVACY_LOG_PREFIX) or name.rsplit("/", 1)[-1].startswith(PRIVACY_LOG_PREFIX)
     )
 
 

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 import shutil
 import socket
 from collections.abc import Callable, Mapping
@@ -346,25 +347,41 @@ def _round_of(path: Path) -> int:
     return int(_CHECKPOINT_RE.fullmatch(path.name).group(1))
 
 
+# A tensor in the aggregator state is written as {TENSOR_MARKER: its name in federation.safetensors}. A mapping key of
+# the state itself (a client id, an adapter key) that could read as the marker, or as an escaped key, is written with
+# ESCAPE in front: client ids and metric names never hold a backslash, so a checkpoint written before the escape
+# reads the same, and no key a client chooses (its id, `__tensor__` included) can turn its state into a tensor
+# reference.
+TENSOR_MARKER, ESCAPE = "__tensor__", "\\"
+
+
 def _split_tensors(tree: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """`tree` with every tensor moved into `tensors` under its path and replaced by {"__tensor__": path}."""
+    """`tree` with every tensor moved into `tensors` under its path and replaced by {TENSOR_MARKER: path}, and every
+    mapping key that is the marker or begins with `ESCAPE` escaped (`_escaped_key`)."""
     if isinstance(tree, torch.Tensor):
         if name in tensors:
             raise ValueError(f"Two checkpoint tensors share the name {name!r}; rename the clients or the state keys.")
         tensors[name] = tree.detach().to("cpu").contiguous()
-        return {"__tensor__": name}
+        return {TENSOR_MARKER: name}
     if isinstance(tree, Mapping):
-        return {str(key): _split_tensors(value, f"{name}/{key}", tensors) for key, value in tree.items()}
+        return {_escaped_key(str(key)): _split_tensors(value, f"{name}/{key}", tensors) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
         return [_split_tensors(value, f"{name}/{index}", tensors) for index, value in enumerate(tree)]
     return tree
 
 
+def _escaped_key(key: str) -> str:
+    return ESCAPE + key if key == TENSOR_MARKER or key.startswith(ESCAPE) else key
+
+
 def _join_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, dict):
-        if set(tree) == {"__tensor__"}:
-            return tensors[tree["__tensor__"]]
-        return {key: _join_tensors(value, tensors) for key, value in tree.items()}
+        if set(tree) == {TENSOR_MARKER}:
+            name = tree[TENSOR_MARKER]
+            if not isinstance(name, str) or name not in tensors:
+                raise KeyError(f"a tensor reference {reprlib.repr(name)} names no tensor of {TENSORS_FILE}")
+            return tensors[name]
+        return {key.removeprefix(ESCAPE): _join_tensors(value, tensors) for key, value in tree.items()}
     if isinstance(tree, list):
         return [_join_tensors(value, tensors) for value in tree]
     return tree

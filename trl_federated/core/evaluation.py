@@ -13,9 +13,11 @@ placed in its prompt as TRL does in training. The server evaluates in the traini
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ from ..data.reasoning_gym import DIFFICULTIES
 from ..local import fast_generation as fast
 from ..runtime.memory import release_free_memory
 from ..scoring.rewards import answer_accuracy_reward
+from .admission import MIN_MEDIAN_CLIENTS, SAMPLES_MEDIAN_SPREAD, bounded_text, plain_number
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -384,36 +387,107 @@ def to_training_device(model: PeftModel, args: FedGRPOConfig) -> None:
         model.to(args.device)
 
 
-# The most rows one client's evaluation may count with (a held-out split of that size takes hours to evaluate on the
-# hardware this runs on), and how many times the clients' median count it may weigh in the pooled accuracy.
+# The most rows one client's evaluation may count (a held-out split of that size takes hours to evaluate on the
+# hardware this runs on): a reply claiming more is refused, its client failed. A count the server cannot check weighs
+# at most `EVALUATION_WEIGHT_SPREAD` times the median count of its label, and a label is pooled only when
+# `MIN_POOLED_CLIENTS` or more clients report it: with fewer there is no median one reply cannot move.
 MAX_EVALUATION_ROWS = 1_000_000
-
-
-EVALUATION_WEIGHT_SPREAD = 4
+EVALUATION_WEIGHT_SPREAD = SAMPLES_MEDIAN_SPREAD
+MIN_POOLED_CLIENTS = MIN_MEDIAN_CLIENTS
 
 
 def bound_client_evaluations(
-    evaluations: dict[str, dict[str, Any]], reward_range: tuple[float, float] | None, failed: dict[str, str]
+    evaluations: dict[str, dict[str, Any]], reward_range: tuple[float, float] | None, failed: dict[str, str],
+    known_counts: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The clients' evaluations as they enter the pooled accuracy, which no one reply can own: an accuracy outside
-    `reward_range` fails that client (named in `failed`); every row count is capped at `MAX_EVALUATION_ROWS` and at
-    `EVALUATION_WEIGHT_SPREAD` times the replying clients' median total count (with 3 or more replies), so a client
-    claiming 2^63 rows weighs at most a few honest clients. The clients' own figures stay in the record as sent."""
+    """The clients' evaluations as they enter the pooled accuracy, which no one reply can own. A reply that is not an
+    evaluation (`evaluation_fault`: values no finite numbers, counts no positive integers up to its Total), whose
+    accuracy lies outside `reward_range`, or that counts more rows than is plausible (`MAX_EVALUATION_ROWS`, or the
+    size of its evaluation split where the server knows it, `known_counts`) fails that client (named in `failed`).
+    Of the others, a label enters only when `MIN_POOLED_CLIENTS` or more clients report it (the rest are shown per
+    client), each count bounded by what the server knows of the client (its split's size) or, without that, by
+    `EVALUATION_WEIGHT_SPREAD` times the median of that label's counts: a client claiming 2^63 rows weighs as a
+    median client does. The clients' own figures stay in the record as sent."""
+    known_counts = dict(known_counts or {})
     kept = {}
     for client_id, evaluation in evaluations.items():
-        if reward_range is not None:
-            low, high = reward_range
-            outside = [label for label, value in evaluation["accuracy"].items() if not low <= value <= high]
-            if outside:
-                failed[client_id] = (f"invalid evaluation reply: its accuracy of {outside[0]!r} lies outside the "
-                                     f"evaluation's reward range [{low}, {high}]")
-                continue
+        fault = evaluation_fault(evaluation, reward_range, known_counts.get(client_id))
+        if fault is not None:
+            failed[client_id] = f"invalid evaluation reply: {fault}"
+            continue
         kept[client_id] = evaluation
-    totals = sorted(evaluation["count"][TOTAL] for evaluation in kept.values())
-    cap = MAX_EVALUATION_ROWS
-    if len(totals) >= 3:
-        cap = min(cap, EVALUATION_WEIGHT_SPREAD * totals[len(totals) // 2])
-    return {
-        client_id: {**evaluation, "count": {label: min(count, cap) for label, count in evaluation["count"].items()}}
-        for client_id, evaluation in kept.items()
+    counts: dict[str, list[int]] = {}
+    for evaluation in kept.values():
+        for label, count in evaluation["count"].items():
+            counts.setdefault(label, []).append(count)
+    caps = {
+        label: max(1, math.floor(EVALUATION_WEIGHT_SPREAD * statistics.median(values)))
+        for label, values in counts.items() if len(values) >= MIN_POOLED_CLIENTS
     }
+    bounded = {}
+    for client_id, evaluation in kept.items():
+        labels = [label for label in evaluation["count"] if label in caps]
+        over = [label for label in labels if client_id not in known_counts and evaluation["count"][label] > caps[label]]
+        if over:
+            logger.warning("Client %r's evaluation counts more rows than the median client's (%s): counted as the "
+                           "median.", client_id, ", ".join(f"{bounded_text(repr(label), 100)}: "
+                                                            f"{evaluation['count'][label]:,} > {caps[label]:,}"
+                                                            for label in over[:5]))
+        bounded[client_id] = {
+            "accuracy": {label: evaluation["accuracy"][label] for label in labels},
+            "count": {
+                label: evaluation["count"][label] if client_id in known_counts
+                else min(evaluation["count"][label], caps[label])
+                for label in labels
+            },
+        }
+    return bounded
+
+
+def evaluation_fault(
+    evaluation: Any, reward_range: tuple[float, float] | None, known_count: int | None = None
+) -> str | None:
+    """Why a client's evaluation reply cannot be pooled, or None: it must hold "accuracy" and "count" for the same
+    labels, `TOTAL` among them; every accuracy a finite number inside `reward_range` (when declared), every count a
+    positive integer up to its Total, and the Total at most `MAX_EVALUATION_ROWS` and `known_count` (the rows of the
+    client's evaluation split, where the server knows them)."""
+    accuracy = evaluation.get("accuracy") if isinstance(evaluation, dict) else None
+    count = evaluation.get("count") if isinstance(evaluation, dict) else None
+    if not isinstance(accuracy, dict) or not isinstance(count, dict) or set(accuracy) != set(count) or (
+        TOTAL not in count
+    ):
+        return f"it holds no accuracy and row count per label with {TOTAL!r}"
+    total = count[TOTAL]
+    for label, value in accuracy.items():
+        number, rows = plain_number(value), count[label]
+        name = bounded_text(repr(label), 100)
+        if number is None or not math.isfinite(number):
+            return f"its accuracy of {name} is no finite number"
+        if reward_range is not None and not reward_range[0] <= number <= reward_range[1]:
+            return (f"its accuracy of {name!s} lies outside the evaluation's reward range "
+                    f"[{reward_range[0]}, {reward_range[1]}]")
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or (
+            isinstance(total, int) and rows > total
+        ):
+            return f"its row count of {name} is no positive integer up to its {TOTAL} ({bounded_text(repr(rows), 40)})"
+    if total > MAX_EVALUATION_ROWS:
+        return f"it counts {total:,} rows, more than any evaluation counts ({MAX_EVALUATION_ROWS:,})"
+    if known_count is not None and total > known_count:
+        return f"it counts {total:,} rows, more than the {known_count:,} of its evaluation split"
+    return None
+
+
+def pool_client_evaluations(
+    bounded: dict[str, dict[str, Any]], reward_range: tuple[float, float] | None
+) -> dict[str, dict[str, Any]]:
+    """The pooled evaluation of the clients' bounded evaluations (`bound_client_evaluations`): per label, the
+    row-weighted mean (`evaluation.merge_evaluations`), or, when the evaluation's rewards declare no range (nothing
+    bounds what one client's value can be), the median of the clients' values, which no one client can move beyond
+    the others'."""
+    pooled = merge_evaluations(bounded.values())
+    if reward_range is None:
+        for label in pooled["accuracy"]:
+            pooled["accuracy"][label] = statistics.median(
+                evaluation["accuracy"][label] for evaluation in bounded.values() if label in evaluation["accuracy"]
+            )
+    return pooled

@@ -10,11 +10,13 @@ server happens here, once:
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
     admit(client_id, ...)   a reply, as it came off the wire, decoded once (`adapters.WireFormat`), its bytes
                             counted, then checked and bounded (`admission.UpdateGate.check`)
-    accept(update)          an admitted update joins the round, and the aggregator commits its per-client state
-                            (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i)
+    accept(update)          an admitted update joins the round
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
-    end_round()             min_clients_per_round, aggregation, the round record, evaluation, callbacks,
-                            the atomic checkpoint, then `on_round_saved` (the round's lines in the log)
+    end_round()             min_clients_per_round, the self-reported sample counts bounded by the round's median
+                            (`UpdateGate.bound_round_samples`), the aggregator's per-client state committed
+                            (`Aggregator.accept`: SCAFFOLD's c_i ← c_i + Δc_i), aggregation, the round record,
+                            evaluation, callbacks, the atomic checkpoint, then `on_round_saved` (the round's lines in
+                            the log)
 
 and, for a Flower evaluate round after a round, `evaluation_clients(t)` (the clients sampled to evaluate the global
 adapter on their own held-out data), `record_client_evaluation` (their results and row-weighted mean, logged) and
@@ -76,7 +78,14 @@ from .checkpoint import (
     unlock_output_dir,
     write_checkpoint,
 )
-from .evaluation import TOTAL, bound_client_evaluations, check_eval_reward_funcs, evaluate_adapter, merge_evaluations
+from .evaluation import (
+    MIN_POOLED_CLIENTS,
+    TOTAL,
+    bound_client_evaluations,
+    check_eval_reward_funcs,
+    evaluate_adapter,
+    pool_client_evaluations,
+)
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, keep_server_step, run_identity
 
@@ -128,6 +137,11 @@ class FederatedServer:
             `reward_funcs` with `args.reward_weights`, as TRL's `reward`).
         writes_result: Whether the server writes `result.json` when the run ends (summary.md, the plots and the
             model card are reports among `callbacks`: `reports.server_reports`).
+        client_ids: The federation's client ids where the server knows them without their data (a Flower
+            `ClientRegistry`); besides these, those of `client_datasets` and `num_samples`, and each client it learns
+            of (`add_clients`, `broadcast`, a checkpoint's history): no client's metric is kept under another's name.
+        eval_samples: The rows of each client's own evaluation split where the server knows them (a registry's
+            `eval-samples`): a client evaluation counting more is refused, one counting fewer weighs as it counts.
         is_main_process, num_processes: Under `accelerate launch`, the main process aggregates and writes; the
             others receive its results, so every process leaves a round identical. Every process takes part in
             each evaluation, generating its share of the batches (`evaluation.evaluate_accuracy`).
@@ -148,9 +162,11 @@ class FederatedServer:
         writes_result: bool = False,
         is_main_process: bool = True,
         num_processes: int = 1,
+        client_ids: Sequence[str] | None = None,
+        eval_samples: Mapping[str, int] | None = None,
     ):
         client_datasets = dict(client_datasets or {})
-        for client_id in [*client_datasets, *(num_samples or {})]:
+        for client_id in [*client_datasets, *(num_samples or {}), *(client_ids or ())]:
             check_client_id(client_id)
         self.args = args
         self.model = model
@@ -191,10 +207,13 @@ class FederatedServer:
         self.is_main_process, self.num_processes = is_main_process, num_processes
         self.history: list[RoundRecord] = []
         self.evaluations: dict[int, dict[str, Any]] = {}
+        # The rows of each client's evaluation split, where the server knows them (a registry's `eval-samples`).
+        self.eval_samples = dict(eval_samples or {})
         known_samples = {client_id: len(dataset) for client_id, dataset in client_datasets.items()}
         # Every update enters the server through this gate: decoding, identity, values, sample count, norms.
         self.gate = UpdateGate.from_config(
-            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples, aggregator=aggregator
+            args, self.global_state, self.reward_range, num_samples=known_samples or num_samples, aggregator=aggregator,
+            client_ids=[*client_datasets, *(client_ids or ())],
         )
         # What a checkpoint must match to be resumed, taken before any training can touch the model.
         self.identity = run_identity(model, client_datasets, aggregator, args)
@@ -304,6 +323,11 @@ class FederatedServer:
         self._round = _Round(round_idx, time.perf_counter(), sampled, state_nbytes(self.wire.sent(self.global_state)))
         return sampled
 
+    def add_clients(self, client_ids: Iterable[str]) -> None:
+        """Clients of the federation the server learns of as the run goes (a Flower node bound to its client): from
+        now on no other client's metric is kept under their names (`admission.bound_metrics`)."""
+        self.gate.client_ids.update(client_ids)
+
     def broadcast(
         self, client_id: str, client_index: int | None = None
     ) -> tuple[AdapterState, dict[str, AdapterState]]:
@@ -312,6 +336,7 @@ class FederatedServer:
         whose bytes count in the round's traffic. `client_index`: the client's index, by which `accept` orders the
         round's updates (None: its place among this round's broadcasts, as a driver that sends in index order has)."""
         extras = self.aggregator.client_extras(client_id, self.global_state)
+        self.add_clients([client_id])
         if self._round is not None:
             self._round.extras_bytes[client_id] = sum(state_nbytes(extra) for extra in extras.values())
             indices = self._round.indices
@@ -336,7 +361,9 @@ class FederatedServer:
         """An admitted update joins the round: in the order of the clients' indices, so that summation order, and
         with it every bit of the aggregate, is the same whichever transport delivered it. The transport contract's
         first rule: an update whose client comes before one already accepted is refused (`TransportContractError`);
-        a driver that receives replies in another order hands them to `accept_in_order`."""
+        a driver that receives replies in another order hands them to `accept_in_order`. The aggregator commits its
+        per-client state when the round ends, once the round's self-reported sample counts are bounded
+        (`UpdateGate.bound_round_samples`)."""
         indices = self._round.indices
         index = indices.get(update.client_id)
         behind = [accepted.client_id for accepted in self._round.updates
@@ -347,7 +374,6 @@ class FederatedServer:
                 f"accepted after that of {behind[0]!r} (index {indices[behind[0]]}): a round's updates join in the "
                 "order of the clients' indices (`FederatedServer.accept_in_order` sorts them)."
             )
-        self.aggregator.accept(update)
         self._round.updates.append(update)
         self._fire("on_client_end", round_idx=self._round.round_idx, update=update)
 
@@ -393,6 +419,11 @@ class FederatedServer:
                 f"{reasons or 'none'}. The run stops; "
                 f"{f'the last checkpoint, {last[-1]}, is intact' if last else 'no round finished'}."
             )
+        # A sample count the server does not know is bounded by the round's median (it weighs FedAvg's and
+        # SCAFFOLD's mean, and SCAFFOLD's c), before the aggregator commits any client's state.
+        self.gate.bound_round_samples(updates)
+        for update in updates:
+            self.aggregator.accept(update)
         record = None
         if self.is_main_process:
             # The gate checked every value already: the aggregator checks the rest (ids, keys, shapes, result).
@@ -454,18 +485,32 @@ class FederatedServer:
     ) -> dict[str, Any]:
         """Record the clients' evaluations of the global adapter of round `round_idx`, each on its own held-out data
         (`evaluate_accuracy`'s "accuracy" and "count" per label), and why the others sampled have none: the pooled
-        result (`evaluation.merge_evaluations`: per label, the row-weighted mean), each client's, and the failures go
-        to the callbacks (`RoundCallback.on_client_evaluation`, a `client_evaluation` line in metrics.jsonl) and the
-        log; returns them."""
+        result (`pool_client_evaluations`: per label reported by 3 or more clients, the row-weighted mean with every
+        count bounded, `bound_client_evaluations`; the median without a declared reward range), the labels not pooled
+        ("unpooled"), each client's as sent, and the failures go to the callbacks (`RoundCallback.on_client_evaluation`,
+        a `client_evaluation` line in metrics.jsonl) and the log; returns them."""
         failed = dict(failed)
-        kept = bound_client_evaluations(evaluations, self.evaluation_range(), failed)
-        results = {**merge_evaluations(kept.values()), "clients": evaluations, "failed": failed}
+        reward_range = self.evaluation_range()
+        bounded = bound_client_evaluations(evaluations, reward_range, failed, self.eval_samples)
+        pooled = pool_client_evaluations(bounded, reward_range)
+        reported = {label for client_id, evaluation in evaluations.items() if client_id not in failed
+                    for label in evaluation["count"]}
+        unpooled = sorted(reported - set(pooled["count"]))
+        results = {**pooled, "clients": evaluations, "failed": failed, "unpooled": unpooled}
         self._fire("on_client_evaluation", round_idx=round_idx, results=results)
         total = results["accuracy"].get(TOTAL)
+        if total is None:  # fewer than MIN_POOLED_CLIENTS replies: each client's own, not pooled
+            summary = "not pooled (fewer than %d clients): %s" % (MIN_POOLED_CLIENTS, ", ".join(
+                f"{client_id} {100 * evaluations[client_id]['accuracy'][TOTAL]:.2f}% over "
+                f"{evaluations[client_id]['count'][TOTAL]} rows" for client_id in evaluations if client_id not in failed
+            ) or "no evaluation")
+        else:
+            summary = f"accuracy {100 * total:.2f}% over {results['count'][TOTAL]} rows"
         logger.info(
-            "Round %d: %d clients evaluated the global adapter on their own held-out data: %s over %d rows%s.",
-            round_idx, len(evaluations), "no accuracy" if total is None else f"accuracy {100 * total:.2f}%",
-            results["count"].get(TOTAL, 0),
+            "Round %d: %d clients evaluated the global adapter on their own held-out data: %s%s%s.",
+            round_idx, len(evaluations), summary,
+            "" if not unpooled or total is None else f"; labels reported by fewer than {MIN_POOLED_CLIENTS} "
+            f"clients, shown per client only: {', '.join(map(repr, unpooled[:10]))}",
             "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items()),
         )
         return results
@@ -518,6 +563,7 @@ class FederatedServer:
             raise CorruptCheckpointError(path, f"its aggregator state does not load ({type(error).__name__}: "
                                               f"{error})") from error
         self.history = checkpoint.history
+        self.add_clients(name for record in self.history for name in [*record.rewards, *record.client_metrics])
         self.evaluations = checkpoint.evaluations
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)

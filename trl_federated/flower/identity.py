@@ -50,6 +50,7 @@ class RegisteredClient:
     index: int
     public_key: bytes  # DER SubjectPublicKeyInfo (`public_key_der`)
     num_samples: int | None = None
+    eval_samples: int | None = None  # the rows of its own evaluation split (Flower's evaluate round)
 
 
 class ClientRegistry:
@@ -69,11 +70,11 @@ class ClientRegistry:
                 raise ValueError(f"Two registered clients share a {attribute.replace('_', ' ')}.")
         for client in self.clients:
             check_client_id(client.client_id)
-            if client.num_samples is not None and (
-                isinstance(client.num_samples, bool) or not isinstance(client.num_samples, int)
-                or client.num_samples < 1
-            ):
-                raise ValueError(f"Client {client.client_id!r}: num-samples must be a positive integer.")
+            for name in ("num_samples", "eval_samples"):
+                value = getattr(client, name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"Client {client.client_id!r}: {name.replace('_', '-')} must be a positive "
+                                     f"integer, got {value!r}.")
         self._by_key = {client.public_key: client for client in self.clients}
 
     @classmethod
@@ -84,7 +85,8 @@ class ClientRegistry:
 
         `public-key` is a key file (the `.pub` registered with the SuperLink; relative to the registry file) or the
         key itself; `num-samples` (optional) is the client's number of training rows, which then replaces its
-        self-report in FedAvg's and SCAFFOLD's weights.
+        self-report in FedAvg's and SCAFFOLD's weights; `eval-samples` (optional) the rows of its own evaluation
+        split, which then bounds its evaluation replies (`FederatedServer.record_client_evaluation`).
         """
         path = Path(path)
         entries = json.loads(path.read_text(encoding="utf-8"))["clients"]
@@ -99,7 +101,8 @@ class ClientRegistry:
                     )
                 key = key_file.read_bytes()
             clients.append(
-                RegisteredClient(str(entry["client-id"]), index, public_key_der(key), entry.get("num-samples"))
+                RegisteredClient(str(entry["client-id"]), index, public_key_der(key), entry.get("num-samples"),
+                                 entry.get("eval-samples"))
             )
         return cls(clients)
 
@@ -116,6 +119,10 @@ class ClientRegistry:
     def num_samples(self) -> dict[str, int]:
         """The registered sample counts, by client id."""
         return {client.client_id: client.num_samples for client in self.clients if client.num_samples is not None}
+
+    def eval_samples(self) -> dict[str, int]:
+        """The registered sizes of the clients' evaluation splits, by client id."""
+        return {client.client_id: client.eval_samples for client in self.clients if client.eval_samples is not None}
 
 
 class NodeBinder:

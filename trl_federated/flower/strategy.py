@@ -155,6 +155,8 @@ class FederatedStrategy(ServerStateView, Strategy):
             model, args, aggregator, reward_funcs,
             num_samples=None if registry is None else registry.num_samples(),
             callbacks=[*(callbacks or []), *server_reports(args.output_dir, report_header, dataset_name)],
+            client_ids=None if registry is None else [client.client_id for client in registry.clients],
+            eval_samples=None if registry is None else registry.eval_samples(),
             processing_class=processing_class, eval_dataset=eval_dataset, eval_reward_funcs=eval_reward_funcs,
             writes_result=report_header is not None,
         )
@@ -297,6 +299,7 @@ class FederatedStrategy(ServerStateView, Strategy):
         round_idx = self._round_idx(server_round)
         sampled = self.server.begin_round(round_idx)
         node_ids = self._wait_for_nodes(grid, round_idx, sampled)
+        self.server.add_clients(self.binder.client_of(node_id)[0] for node_id in node_ids)  # sampled or not
         self._sent = []
         for node_id in node_ids:
             client_id, client_index = self.binder.client_of(node_id)
