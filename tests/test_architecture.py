@@ -205,3 +205,18 @@ def test_every_moved_module_imports_by_its_old_name():
         module = importlib.import_module(f"{ROOT}.{old}")
         assert module is importlib.import_module(f"{ROOT}.{new}"), old
         assert module.__spec__.name == f"{ROOT}.{new}"
+
+
+# The core modules, each with its own test file, tests/test_<name>.py (other tests of it may live where their concern
+# is: a resume in test_reliability.py, an attack in test_untrusted.py).
+TESTED_BY_NAME = (
+    "core.server", "core.admission", "core.checkpoint", "core.run_identity", "core.callbacks", "core.evaluation",
+    "reports.round_log", "aggregation.rpg", "aggregation.scaffold", "aggregation.robust", "aggregation.server_optim",
+    "aggregation.privacy", "config", "runner", "trainer", "cli", "methods",
+)  # fmt: skip
+
+
+def test_the_core_modules_tests_are_found_by_their_names():
+    tests = PACKAGE.parent / "tests"
+    missing = [name for name in TESTED_BY_NAME if not (tests / f"test_{name.rsplit('.', 1)[-1]}.py").is_file()]
+    assert not missing, missing

@@ -2,7 +2,7 @@
 it: a round's updates join in the clients' index order (`accept` refuses another order, `accept_in_order` sorts), and
 `session` closes the server however the run ends. The round's steps themselves are tested where their concern is:
 admission in test_admission.py and test_untrusted.py, aggregation in test_aggregation.py, checkpoints and resumes in
-test_reliability.py, the round log in test_server_step.py."""
+test_reliability.py, the round log in test_round_log.py."""
 
 import pytest
 
