@@ -114,7 +114,7 @@ HAND_KEPT_RESULT_FIELDS = (
     # the federation
     "seed", "local_steps", "reward_window", "fraction_train", "min_train_clients", "fedprox_mu", "scaffold_correction",
     "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
-    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max",
+    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max", "aggregation_args", "server_optimizer_args",
     "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
     "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
     # differential privacy (its budget, δ and noise seed do not change what a round computes)
@@ -161,7 +161,7 @@ def test_help_formats_and_every_own_field_is_documented(config_class):
 def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
     for name, f in FedGRPOConfig.__dataclass_fields__.items():
         if "choices" in f.metadata and name in own_fields(FedGRPOConfig):
-            assert make(tmp_path, **{name: f.metadata["choices"][-1]})
+            assert make(tmp_path, **{name: list(f.metadata["choices"])[-1]})
             with pytest.raises(ValueError, match=f"`{name}` must be"):
                 make(tmp_path, **{name: "no-such-choice"})
     assert FedGRPOConfig.__dataclass_fields__["update_norm_action"].metadata["choices"] == list(NORM_ACTIONS)

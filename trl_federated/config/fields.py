@@ -13,6 +13,7 @@ its server-step derivation `server_step.ServerStep`: mixins of it, beside it in 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from ..choices import (
-    AGGREGATION_SERVER_OPTIMIZERS,
+    AGGREGATIONS,
     GENERATION_DTYPE_CHOICES,
     LORA_AGGREGATIONS,
     NORM_ACTIONS,
@@ -217,6 +218,9 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             How SCAFFOLD's correction c − c_i meets the local Adam: `"decoupled"` (applied to the parameters after
             each step, scaled by the learning rate, outside Adam) or `"gradient"` (added to the gradient before
             Adam, as in SGD-SCAFFOLD, through the loss: clipped with the GRPO gradient).
+        aggregation_args (`dict` or `None`, *optional*, defaults to `None`):
+            The hyperparameters of a registered aggregation that has its own (`register_aggregation`), by name; a
+            JSON object on the command line. Its `from_config` reads them, its `config_errors` checks them.
 
         > Wire format
 
@@ -266,6 +270,9 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
         server_bias_correction (`bool`, *optional*, defaults to `False`):
             Apply Adam bias correction to `"adam"` (the paper's update has none; `"fedadam"` and `"adam-norm"` always
             correct).
+        server_optimizer_args (`dict` or `None`, *optional*, defaults to `None`):
+            The hyperparameters of a registered server optimizer that has its own (`register_server_optimizer`), as
+            `aggregation_args`.
 
         > Exact speed-ups of the local step
 
@@ -545,7 +552,7 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
             "volume), 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`) or "
             "'scaffold' (data volume plus control variates, see `scaffold_correction`).",
-            "choices": list(AGGREGATION_SERVER_OPTIMIZERS),
+            "choices": AGGREGATIONS,  # the registry itself: a name registered after import is a choice
         },
     )
     rpg_lambda_base: float = field(
@@ -612,6 +619,12 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "choices": list(SCAFFOLD_CORRECTIONS),
         },
     )
+    aggregation_args: dict | str | None = field(
+        default=None,
+        metadata={"help": ResultHelp("The hyperparameters of a registered aggregation that has its own, by name (a "
+                                     "JSON object on the command line): its `from_config` reads them, its "
+                                     "`config_errors` checks them.")},
+    )
 
     # Wire format
     lora_aggregation: str = field(
@@ -643,7 +656,7 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "of the client models, for every method: FGRPO's default by experiment (the paper's 'adam' learned less "
             "than FedAvg at the grid's budget, the RPG-weighted mean as much; docs/methods.md); a resumed run keeps "
             "its checkpoint's.",
-            "choices": list(SERVER_OPTIMIZERS),
+            "choices": SERVER_OPTIMIZERS,  # the registry itself
         },
     )
     server_learning_rate: float | None = field(
@@ -680,6 +693,11 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
                 "correct)."
             )
         },
+    )
+    server_optimizer_args: dict | str | None = field(
+        default=None,
+        metadata={"help": ResultHelp("The hyperparameters of a registered server optimizer that has its own, by name "
+                                     "(a JSON object on the command line), as `aggregation_args`.")},
     )
 
     # Exact speed-ups of the local step (any number of clients, 1 included)
@@ -849,6 +867,10 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
         if isinstance(self.dirichlet_alpha, str):
             with contextlib.suppress(ValueError):  # left a string, it is named by _type_errors
                 self.dirichlet_alpha = float(self.dirichlet_alpha)
+        for name in ("aggregation_args", "server_optimizer_args"):  # a JSON object, from the command line
+            if isinstance(getattr(self, name), str):
+                with contextlib.suppress(ValueError):  # left a string, it is named by _federation_errors
+                    setattr(self, name, json.loads(getattr(self, name)))
         for message in self._type_errors():
             raise TypeError(message)
         if self.fedprox_mu is None:
