@@ -66,7 +66,7 @@ COLUMNS = ("part", "run", "wall_s", "step_s", "round_s", "eval_s", "peak_gpu_gib
 
 def letter_share_reward(completions, **kwargs) -> list[float]:
     """The share of a completion's characters that are ASCII letters: a reward random text earns unevenly."""
-    from trl_federated.rewards import completion_text
+    from trl_federated.scoring.rewards import completion_text
 
     texts = [completion_text(completion) for completion in completions]
     return [sum(char.isascii() and char.isalpha() for char in text) / max(len(text), 1) for text in texts]

@@ -20,7 +20,8 @@ LAYERS = {
         "runtime.master_weights",
     },
     "configuration, data and rewards": {
-        "config", "config.fields", "config.checks", "config.server_step", "config.results", "config.recipes",
+        "config", "config.fields", "config.building", "config.checks", "config.server_step", "config.results",
+        "config.recipes",
         "data", "data.reasoning_gym", "data.paper", "data.partition", "data.loading",
         "scoring", "scoring.answer_check", "scoring.rewards",
     },
@@ -47,7 +48,7 @@ LAYERS = {
 # The modules `config` may import: the configuration reads its choices and checks, and imports no implementation.
 CONFIG_IMPORTS = {
     "choices", "runtime.devices", "sampling",
-    "config.fields", "config.checks", "config.server_step", "config.results", "config.recipes",
+    "config.fields", "config.building", "config.checks", "config.server_step", "config.results", "config.recipes",
 }
 
 

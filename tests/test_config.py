@@ -191,7 +191,7 @@ def test_an_unset_bf16_does_not_stop_a_machine_without_an_accelerator(tmp_path):
 def test_an_unset_bf16_on_cpu_follows_the_cpus_native_bf16(tmp_path, monkeypatch):
     """With `use_cpu`, an unset bf16 is TRL's default (on) where the CPU computes bf16 natively, off where bf16 would
     be emulated; an explicit value is kept either way."""
-    from trl_federated.config import fields as config_module
+    from trl_federated.config import building as config_module
 
     def make(**values):
         return FedGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True,
