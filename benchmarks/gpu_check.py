@@ -114,12 +114,13 @@ def timings(output_dir: Path) -> dict:
 
 def run_here(flags: list[str], output_dir: Path, device: str) -> dict:
     """One `trl-federated run` in this process: its wall time, timings and peak GPU memory."""
-    from trl_federated.cli import run
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.federation import run_federation
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    run([*flags, "--output_dir", str(output_dir)])
+    run_federation(*parse_run_args([*flags, "--output_dir", str(output_dir)]))
     row = {"wall_s": time.perf_counter() - started, **timings(output_dir)}
     if device == "cuda":
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30

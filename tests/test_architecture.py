@@ -40,7 +40,8 @@ LAYERS = {
     "reports": {"reports", "reports.summary", "reports.round_log", "reports.hub", "reports.compare"},
     "arguments": {"arguments"},
     "transports and drivers": {
-        "runner", "trainer", "flower", "flower.records", "flower.identity", "flower.run_config", "flower.strategy",
+        "runner", "trainer", "federation", "flower", "flower.records", "flower.identity", "flower.run_config",
+        "flower.strategy",
         "flower.apps", "flower.flwr_run",
     },
     "command line": {"cli", ""},
@@ -182,6 +183,10 @@ def test_the_command_line_only_parses_and_dispatches(graph):
     importers = sorted(name for name, targets in graph.items() if "cli" in targets)
     assert importers == [], importers
     assert not [name for name in graph if name.startswith("flower") and "cli" in graph[name]]
+    # nor does a benchmark, but the one that profiles the command line as a user runs it
+    benchmarks = PACKAGE.parent / "benchmarks"
+    importers = [path.name for path in benchmarks.glob("*.py") if "trl_federated.cli import" in path.read_text()]
+    assert importers == ["run_profile.py"], importers
 
 
 def test_the_folders_are_the_layers_and_few_modules_sit_flat():
