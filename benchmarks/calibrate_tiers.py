@@ -33,7 +33,7 @@ from datasets import concatenate_datasets
 
 from trl_federated.data import DEFAULT_TASKS, build_reasoning_benchmark
 from trl_federated.evaluation import evaluate_accuracy
-from trl_federated.models import load_model_and_tokenizer
+from trl_federated.runtime.models import load_model_and_tokenizer
 
 # Candidate settings per task, from easy to hard; each is measured on its own.
 CANDIDATES = {
@@ -103,8 +103,8 @@ def measure_config(config: str, flags: list[str], from_result: str | None, batch
     from trl_federated.adapters import with_federated_adapter
     from trl_federated.arguments import parse_run_args
     from trl_federated.data.loading import load_benchmark
-    from trl_federated.models import load_model, lora_config
-    from trl_federated.rewards import reward_functions
+    from trl_federated.runtime.models import load_model, lora_config
+    from trl_federated.scoring.rewards import reward_functions
 
     run_args, model_args, data_args = parse_run_args(["--config", config, *flags])
     _, test = load_benchmark(data_args)

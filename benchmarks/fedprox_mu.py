@@ -63,9 +63,9 @@ def main(argv: list[str]) -> None:
     from trl_federated.arguments import parse_run_args
     from trl_federated.data import partition_clients
     from trl_federated.data.loading import load_benchmark
-    from trl_federated.models import load_model, lora_config
-    from trl_federated.rewards import training_rewards
     from trl_federated.runner import FederatedRunner
+    from trl_federated.runtime.models import load_model, lora_config
+    from trl_federated.scoring.rewards import training_rewards
 
     output_dir = tempfile.mkdtemp(prefix="fedprox-mu-")
     args, model_args, data_args = parse_run_args([

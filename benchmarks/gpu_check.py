@@ -66,7 +66,7 @@ COLUMNS = ("part", "run", "wall_s", "step_s", "round_s", "eval_s", "peak_gpu_gib
 
 def letter_share_reward(completions, **kwargs) -> list[float]:
     """The share of a completion's characters that are ASCII letters: a reward random text earns unevenly."""
-    from trl_federated.rewards import completion_text
+    from trl_federated.scoring.rewards import completion_text
 
     texts = [completion_text(completion) for completion in completions]
     return [sum(char.isascii() and char.isalpha() for char in text) / max(len(text), 1) for text in texts]
@@ -114,12 +114,13 @@ def timings(output_dir: Path) -> dict:
 
 def run_here(flags: list[str], output_dir: Path, device: str) -> dict:
     """One `trl-federated run` in this process: its wall time, timings and peak GPU memory."""
-    from trl_federated.cli import run
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.federation import run_federation
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    run([*flags, "--output_dir", str(output_dir)])
+    run_federation(*parse_run_args([*flags, "--output_dir", str(output_dir)]))
     row = {"wall_s": time.perf_counter() - started, **timings(output_dir)}
     if device == "cuda":
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -96,8 +96,8 @@ class Bench:
         from trl_federated.client import local_training_args
         from trl_federated.data import partition_clients
         from trl_federated.data.loading import load_benchmark
-        from trl_federated.models import load_model_and_tokenizer
-        from trl_federated.rewards import training_rewards
+        from trl_federated.runtime.models import load_model_and_tokenizer
+        from trl_federated.scoring.rewards import training_rewards
 
         parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
         args, model_args, data_args = parser.parse_args_and_config(argv)

@@ -140,7 +140,7 @@ class Setup:
     def __init__(self, args: argparse.Namespace, workdir: Path):
         from datasets import Dataset
 
-        from trl_federated.models import load_model_and_tokenizer
+        from trl_federated.runtime.models import load_model_and_tokenizer
 
         if args.model == "tiny":
             from trl_federated.testing import save_tiny_model
@@ -176,7 +176,7 @@ class Setup:
         )
 
     def fresh_model(self):
-        from trl_federated.models import load_model_and_tokenizer
+        from trl_federated.runtime.models import load_model_and_tokenizer
 
         return load_model_and_tokenizer(self.model_path)[0]
 

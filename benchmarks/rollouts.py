@@ -42,7 +42,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from trl_federated.adapters import default_lora_config
 from trl_federated.data import build_reasoning_benchmark
-from trl_federated.models import load_model_and_tokenizer
+from trl_federated.runtime.models import load_model_and_tokenizer
 
 
 def rollout_prompts(

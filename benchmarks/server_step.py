@@ -70,8 +70,8 @@ def evaluate_rounds(config: str, directory: Path | None, output: Path, per_group
     from trl_federated.arguments import parse_run_args
     from trl_federated.data.loading import load_benchmark
     from trl_federated.evaluation import evaluate_accuracy, to_training_device
-    from trl_federated.models import load_model, lora_config
-    from trl_federated.rewards import reward_functions
+    from trl_federated.runtime.models import load_model, lora_config
+    from trl_federated.scoring.rewards import reward_functions
 
     args, model_args, data_args = parse_run_args(["--config", config])
     train, _ = load_benchmark(data_args)

@@ -38,7 +38,7 @@ def build_trainer(model_path: str | None, output_dir: str, micro_batch: int):
 
     from trl_federated import FedGRPOConfig, FedGRPOTrainer
     from trl_federated.adapters import default_lora_config
-    from trl_federated.models import load_model_and_tokenizer
+    from trl_federated.runtime.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     # `shared_prefix` on, so that the speed-ups' mixin joins the trainer (it joins only a trainer whose config turns

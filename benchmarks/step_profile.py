@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     from trl_federated.data.loading import load_benchmark
     from trl_federated.evaluation import evaluate_accuracy
     from trl_federated.memory import release_free_memory
-    from trl_federated.models import load_model_and_tokenizer
-    from trl_federated.rewards import training_rewards
+    from trl_federated.runtime.models import load_model_and_tokenizer
+    from trl_federated.scoring.rewards import training_rewards
     from trl_federated.trainer import FedGRPOTrainer
 
     own = argparse.ArgumentParser(add_help=False)

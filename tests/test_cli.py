@@ -320,14 +320,15 @@ def test_cli_faults_are_one_line_errors_naming_the_field_and_the_fix(tmp_path, c
     settings that make it; a missing --config, a reward window longer than the local steps, a misspelled built-in
     dataset, a reward function that does not exist and a model folder that does not exist are one line each, before
     any data or model loads."""
+    from trl_federated.choices import AGGREGATIONS  # the built-in four, and any a test registered before
+
     config = tmp_path / "run.yaml"
     config.write_text("aggregation: fedavgg\n", encoding="utf-8")
     cases = [
         (["--config", str(config)],
-         f"`aggregation: fedavgg` in {config} is not one of ['rpg', 'fedavg', 'fedprox', 'scaffold']. Did you mean "
-         "`fedavg`?"),
+         f"`aggregation: fedavgg` in {config} is not one of {list(AGGREGATIONS)}. Did you mean `fedavg`?"),
         (["--aggregation", "fgrpo"],
-         "argument --aggregation: invalid choice: 'fgrpo' (choose from 'rpg', 'fedavg', 'fedprox', 'scaffold'). "
+         f"argument --aggregation: invalid choice: 'fgrpo' (choose from {', '.join(map(repr, AGGREGATIONS))}). "
          "`fgrpo` names the method FGRPO; `run` takes it as `--aggregation rpg --server_optimizer sgd`."),
         (["--config", str(tmp_path / "absent.yaml")],
          f"cannot read --config {tmp_path / 'absent.yaml'}: No such file or directory."),

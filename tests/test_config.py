@@ -114,7 +114,8 @@ HAND_KEPT_RESULT_FIELDS = (
     # the federation
     "seed", "local_steps", "reward_window", "fraction_train", "min_train_clients", "fedprox_mu", "scaffold_correction",
     "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
-    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max", "rpg_gain", "rpg_noise_threshold",
+    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max", "rpg_gain", "rpg_noise_threshold", "aggregation_args",
+    "server_optimizer_args",
     "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
     "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",
     "robust_num_malicious", "robust_num_selected",
@@ -162,7 +163,7 @@ def test_help_formats_and_every_own_field_is_documented(config_class):
 def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
     for name, f in FedGRPOConfig.__dataclass_fields__.items():
         if "choices" in f.metadata and name in own_fields(FedGRPOConfig):
-            assert make(tmp_path, **{name: f.metadata["choices"][-1]})
+            assert make(tmp_path, **{name: list(f.metadata["choices"])[-1]})
             with pytest.raises(ValueError, match=f"`{name}` must be"):
                 make(tmp_path, **{name: "no-such-choice"})
     assert FedGRPOConfig.__dataclass_fields__["update_norm_action"].metadata["choices"] == list(NORM_ACTIONS)
@@ -193,7 +194,7 @@ def test_an_unset_bf16_does_not_stop_a_machine_without_an_accelerator(tmp_path):
 def test_an_unset_bf16_on_cpu_follows_the_cpus_native_bf16(tmp_path, monkeypatch):
     """With `use_cpu`, an unset bf16 is TRL's default (on) where the CPU computes bf16 natively, off where bf16 would
     be emulated; an explicit value is kept either way."""
-    from trl_federated.config import fields as config_module
+    from trl_federated.config import building as config_module
 
     def make(**values):
         return FedGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, use_cpu=True,

@@ -36,10 +36,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds `trl_federated.<old name>` (`MOVED_MODULES`) as the module at its new place."""
 
     def find_spec(self, fullname, path=None, target=None):
-        # Only the package's own old names: a script's sibling module of the same name (benchmarks' `shared_prefix`)
-        # is not the package's.
-        name = fullname.removeprefix(__name__ + ".")
-        if name != fullname and name in MOVED_MODULES:
+        package, _, name = fullname.rpartition(".")
+        if package == __name__ and name in MOVED_MODULES:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 

@@ -2,7 +2,7 @@
 
 It parses and dispatches, nothing else: the arguments parse in `arguments` (like TRL's own scripts, `TrlParser`), the
 data loads in `data.loading`, the rewards resolve in `rewards`, the model loads in `models` and the trainer class in
-`trainer`; `run` puts them together for a `FederatedRunner`, `compare` hands over to `compare`.
+`trainer`; `run` hands the parsed arguments to `federation.run_federation`, `compare` to `reports.compare`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 import warnings
-from pathlib import Path
 
 # What `trl-federated run` parses, loads and trains with, each in its concept's module; named here too, where the
 # README's examples import them from.
@@ -42,65 +40,11 @@ logger = logging.getLogger("trl_federated")
 
 
 def run(argv: list[str]) -> int:
-    """Federate GRPO on the configured model and benchmark; write adapters, metrics, summary and plots."""
-    from accelerate import PartialState
+    """Federate GRPO on the configured model and benchmark (`federation.run_federation`); write adapters, metrics,
+    summary and plots."""
+    from .federation import run_federation
 
-    from .core.checkpoint import prepare_output_dir
-    from .data import partition_clients
-    from .data.partition import split_description
-    from .reports.hub import HubPushError
-    from .runner import FederatedRunner
-    from .runtime.distributed import shut_down
-
-    args, model_args, data_args = parse_run_args(argv)
-    check_model_path(model_args.model_name_or_path)
-    peft_config = lora_config(model_args)
-    try:  # what the command line names, refused in one line before output_dir or any loading is touched
-        federated_trainer = trainer_class(data_args)
-        rewards = training_rewards(data_args)
-        eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
-    except ValueError as fault:
-        usage_error(str(fault))
-    start = time.perf_counter()
-    train, test = load_benchmark(data_args)
-    try:  # a reward reading a column the data lacks would fail only at the first training step; a partition that
-        # cannot be drawn, before anything is written
-        check_reward_columns(rewards, train)
-        check_reward_columns(eval_rewards, test, "eval_reward_funcs")
-        clients = partition_clients(train, args)
-    except ValueError as fault:
-        usage_error(str(fault))
-    # A taken output_dir or a missing checkpoint fails here, before the model loads; after every check of the
-    # command line, so that a refused run leaves a folder `overwrite_output_dir` would clear as it was.
-    prepare_output_dir(args, PartialState().is_main_process)
-    model, processing_class = load_model(model_args, args)
-    header = (
-        f"Model `{model_args.model_name_or_path or 'SmolLM2-135M-Instruct (embedded)'}`, "
-        f"{args.num_clients} clients ({split_description(args, train)}), "
-        f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
-        f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, "
-        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
-        f"{len(train)} train / {len(test)} test items."
-    )
-    # The runner's server writes summary.md and the plots after every round, and result.json at the end.
-    runner = FederatedRunner(
-        model, rewards, args, clients, processing_class=processing_class, peft_config=peft_config,
-        eval_dataset=test, eval_reward_funcs=eval_rewards, dataset_name=hub_dataset_id(data_args), report_header=header,
-        trainer_class=federated_trainer,
-    )
-    push_error = None
-    try:
-        runner.run()
-    except HubPushError as error:  # the run itself finished and is saved: it still gets its result.json
-        push_error = error
-    if runner.is_main_process:
-        summary = (Path(args.output_dir) / "summary.md").read_text(encoding="utf-8")
-        print(summary)
-        print(f"Finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}")
-    shut_down()
-    if push_error is not None:
-        raise push_error
-    return 0
+    return run_federation(*parse_run_args(argv))
 
 
 def compare(argv: list[str]) -> int:

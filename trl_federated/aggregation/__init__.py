@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_OPTIMIZERS, check_choice
+from ..choices import AGGREGATION_SERVER_OPTIMIZERS, AGGREGATIONS, SERVER_OPTIMIZERS, Aggregation, check_choice
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .robust import Bulyan, CoordinateMedian, Krum, TrimmedMean, combiner_from_config
@@ -21,6 +20,7 @@ from .server_optim import (
     ServerNormMatchedAdam,
     ServerOptimizer,
     ServerSGD,
+    register_server_optimizer,
 )
 
 if TYPE_CHECKING:
@@ -35,28 +35,15 @@ def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     return SERVER_OPTIMIZER_CLASSES[args.server_optimizer].from_config(args)
 
 
-@dataclass(frozen=True)
-class Aggregation:
-    """A registered aggregation: the server strategy (`aggregator_class.from_config` builds it) and the server
-    optimizer it takes when `FedGRPOConfig.server_optimizer` is left unset (`choices.AGGREGATION_SERVER_OPTIMIZERS`)."""
-
-    aggregator_class: type[Aggregator]
-    server_optimizer: str = "sgd"
-
-
-AGGREGATIONS: dict[str, Aggregation] = {}
-"""The aggregations `FedGRPOConfig.aggregation` may name, by name (`register_aggregation`)."""
-
-
 def register_aggregation(name: str, aggregator_class: type[Aggregator], server_optimizer: str | None = None) -> None:
     """Make `name` a value of `FedGRPOConfig.aggregation`: `aggregator_from_config` builds `aggregator_class` for it
     (`Aggregator.from_config`), with `server_optimizer` (one of `choices.SERVER_OPTIMIZERS`) unless the config names
     another; None keeps the method's row of `choices.AGGREGATION_SERVER_OPTIMIZERS` ("sgd" for a new name). The
-    config validates `aggregation` against that table, which this adds the name to."""
+    config validates `aggregation` against the registry (`choices.AGGREGATIONS`, the one of the aggregations' names),
+    which this adds the name to; the command line offers it from then on."""
     server_optimizer = server_optimizer or AGGREGATION_SERVER_OPTIMIZERS.get(name, "sgd")
     if server_optimizer not in SERVER_OPTIMIZERS:
-        raise ValueError(f"`server_optimizer` must be one of {SERVER_OPTIMIZERS}, got {server_optimizer!r}.")
-    AGGREGATION_SERVER_OPTIMIZERS[name] = server_optimizer
+        raise ValueError(f"`server_optimizer` must be one of {list(SERVER_OPTIMIZERS)}, got {server_optimizer!r}.")
     AGGREGATIONS[name] = Aggregation(aggregator_class, server_optimizer)
 
 
@@ -75,7 +62,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     combiner = combiner_from_config(args)  # robust_aggregation: None for the weighted mean
     # The server step's fields may have been derived (`FedGRPOConfig.resolve_server_step`): say what they are.
     origin = args.server_field_origin
-    epsilon = "" if args.server_optimizer not in ("adam", "adam-norm", "fedadam") else (
+    epsilon = "" if not SERVER_OPTIMIZERS[args.server_optimizer].takes_epsilon else (
         f", ε {args.server_epsilon:g} ({origin('server_epsilon')})" if args.server_epsilon is not None
         else ", ε per tensor from its first Δ")
     logger.info(
@@ -115,5 +102,6 @@ __all__ = [
     "aggregator_from_config",
     "pseudo_gradient",
     "register_aggregation",
+    "register_server_optimizer",
     "server_optimizer_from_config",
 ]

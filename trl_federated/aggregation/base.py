@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -233,6 +233,12 @@ class Aggregator(ABC):
         and combiner built from it (`aggregation.aggregator_from_config`); a strategy with settings of its own reads
         its fields here."""
         return cls(server_optimizer=server_optimizer, combiner=combiner)
+
+    @classmethod
+    def config_errors(cls, args: FedGRPOConfig) -> Iterable[str]:
+        """One message per field of `args` this aggregation reads that is out of its range (the config raises the
+        first): an aggregation with hyperparameters of its own (`aggregation_args`) checks them here."""
+        return ()
 
     @abstractmethod
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:

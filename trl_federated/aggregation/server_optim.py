@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..choices import SERVER_OPTIMIZERS
 from .blocks import blocks
 
 if TYPE_CHECKING:
@@ -34,10 +36,22 @@ class ServerOptimizer(ABC):
     for a whole Δ.
     """
 
+    # What an unset `server_learning_rate` takes (None: derived from the local budget, `FedGRPOConfig`), what an unset
+    # `server_epsilon` takes, and whether the step reads an ε at all.
+    default_learning_rate: float | None = 1.0
+    default_epsilon: float | None = None
+    takes_epsilon = False
+
     def __init__(self, learning_rate: float):
         if not learning_rate > 0:
             raise ValueError(f"Server `learning_rate` must be > 0, got {learning_rate}.")
         self.learning_rate = learning_rate
+
+    @classmethod
+    def config_errors(cls, args: FedGRPOConfig) -> Iterable[str]:
+        """One message per field of `args` this step reads that is out of its range (the config raises the first):
+        a step with hyperparameters of its own checks them here."""
+        return ()
 
     @classmethod
     @abstractmethod
@@ -74,6 +88,8 @@ class ServerOptimizer(ABC):
 class ServerSGD(ServerOptimizer):
     """θ^{[t+1]} = θ^{[t]} + α Δ^{[t]}. With α = 1 the new global model is the ω-weighted average of the clients."""
 
+    default_learning_rate = 1.0  # the weighted mean of the client models
+
     def __init__(self, learning_rate: float = 1.0):
         super().__init__(learning_rate)
 
@@ -99,6 +115,10 @@ class ServerAdam(ServerOptimizer):
     m and v start at 0 (m^{[-1]} = v^{[-1]} = 0) and, as in the paper, are not bias-corrected; with
     `bias_correction=True` they are divided by (1 − β^{t+1}) as in Kingma & Ba's Adam.
     """
+
+    default_learning_rate = None  # SERVER_ADAM_SCALE × E × the local rate (`FedGRPOConfig`)
+    default_epsilon = 1e-8  # the paper's (Algorithm 1)
+    takes_epsilon = True
 
     def __init__(
         self,
@@ -180,6 +200,10 @@ class ServerFedAdam(ServerOptimizer):
     every coordinate by α whatever Δ.
     """
 
+    default_learning_rate = 1.0
+    default_epsilon = None  # the RMS of each tensor's first non-zero Δ, as FedAdam's τ
+    takes_epsilon = True
+
     def __init__(self, learning_rate: float = 1.0, beta1: float = 0.9, beta2: float = 0.99,
                  epsilon: float | None = None):
         super().__init__(learning_rate)
@@ -247,6 +271,8 @@ class ServerNormMatchedAdam(ServerAdam):
     nothing, however long the momentum; Adam decides only the direction within each tensor (a trust ratio, as LAMB's
     per layer, taken against the update instead of the weights)."""
 
+    default_learning_rate = 1.0
+
     def __init__(self, learning_rate: float = 1.0, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8):
         super().__init__(learning_rate, beta1, beta2, epsilon, bias_correction=True)
 
@@ -276,6 +302,8 @@ class ServerNesterov(ServerOptimizer):
 
     Every step lies in the span of the clients' changes; a direction that persists over rounds grows up to
     η (1 + μ / (1 − μ)) times Δ, one that cancels does not."""
+
+    default_learning_rate = 0.7  # DiLoCo's outer learning rate
 
     def __init__(self, learning_rate: float = 0.7, momentum: float = 0.9):
         super().__init__(learning_rate)
@@ -312,9 +340,21 @@ class ServerNesterov(ServerOptimizer):
         self.m = {key: tensor.clone() for key, tensor in state["m"].items()}
 
 
-# `FedGRPOConfig.server_optimizer` → its class (`choices.SERVER_OPTIMIZERS` names the same keys); a checkpoint records
-# the class, by which a resumed run finds its step again (`run_identity.keep_server_step`).
-SERVER_OPTIMIZER_CLASSES: dict[str, type[ServerOptimizer]] = {
-    "adam": ServerAdam, "sgd": ServerSGD, "fedadam": ServerFedAdam, "adam-norm": ServerNormMatchedAdam,
-    "nesterov": ServerNesterov,
-}
+def register_server_optimizer(name: str, optimizer_class: type[ServerOptimizer]) -> None:
+    """Make `name` a value of `FedGRPOConfig.server_optimizer` (`choices.SERVER_OPTIMIZERS`, the one registry of the
+    server optimizers' names): `optimizer_class.from_config` builds it, its `default_learning_rate` and
+    `default_epsilon` are what an unset `server_learning_rate` and `server_epsilon` take, its `config_errors` checks
+    the config. The command line offers it from then on."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ServerOptimizer)):
+        raise TypeError(f"`optimizer_class` must be a ServerOptimizer subclass, got {optimizer_class!r}.")
+    SERVER_OPTIMIZERS[name] = optimizer_class
+
+
+# `FedGRPOConfig.server_optimizer` → its class; a checkpoint records the class, by which a resumed run finds its step
+# again (`run_identity.keep_server_step`).
+SERVER_OPTIMIZER_CLASSES = SERVER_OPTIMIZERS
+register_server_optimizer("adam", ServerAdam)
+register_server_optimizer("sgd", ServerSGD)
+register_server_optimizer("fedadam", ServerFedAdam)
+register_server_optimizer("adam-norm", ServerNormMatchedAdam)
+register_server_optimizer("nesterov", ServerNesterov)

@@ -18,8 +18,9 @@ from ..choices import (  # the choice lists, as the config module named them bef
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
 )
+from .building import DEFAULT_FEDPROX_MU, BuildsConfig, has_native_bf16
 from .checks import ConfigChecks, rpg_errors
-from .fields import DEFAULT_FEDPROX_MU, FedGRPOConfig, has_native_bf16
+from .fields import FedGRPOConfig
 from .recipes import CONFIG_CLASSES, FedDAPOConfig, FedGSPOConfig, federated_config
 from .results import (
     _NOTICED,
@@ -48,6 +49,7 @@ __all__ = [
     "SERVER_ADAM_SCALE",
     "SERVER_STEP_FIELDS",
     "TRL_RESULT_FIELDS",
+    "BuildsConfig",
     "_NOTICED",
     "ConfigChecks",
     "FedDAPOConfig",

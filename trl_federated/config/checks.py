@@ -11,7 +11,7 @@ import math
 from transformers.trainer_utils import IntervalStrategy
 
 from ..choices import (
-    AGGREGATION_SERVER_OPTIMIZERS,
+    AGGREGATIONS,
     GENERATION_DTYPE_CHOICES,
     LORA_AGGREGATIONS,
     MIN_TRIMMED_CLIENTS,
@@ -33,7 +33,7 @@ def _is_of_type(value, type_name: str) -> bool:
         return isinstance(value, bool)
     if isinstance(value, bool):
         return False
-    return isinstance(value, {"int": int, "float": (int, float), "str": str}[type_name])
+    return isinstance(value, {"int": int, "float": (int, float), "str": str, "dict": dict}[type_name])
 
 
 def rpg_errors(
@@ -191,7 +191,7 @@ class ConfigChecks:
         if not self.dirichlet_alpha > 0 or math.isnan(self.dirichlet_alpha):
             yield f"`dirichlet_alpha` must be > 0 (or 'inf' for a uniform split), got {self.dirichlet_alpha}."
         for name, choices in (
-            ("aggregation", AGGREGATION_SERVER_OPTIMIZERS), ("lora_aggregation", LORA_AGGREGATIONS),
+            ("aggregation", AGGREGATIONS), ("lora_aggregation", LORA_AGGREGATIONS),
             ("transfer_dtype", TRANSFER_DTYPES), ("server_optimizer", SERVER_OPTIMIZERS),
             ("scaffold_correction", SCAFFOLD_CORRECTIONS), ("generation_dtype", GENERATION_DTYPE_CHOICES),
         ):
@@ -207,6 +207,14 @@ class ConfigChecks:
             yield message
         if not self.rpg_noise_threshold >= 0:
             yield f"`rpg_noise_threshold` must be >= 0, got {self.rpg_noise_threshold}."
+        for name in ("aggregation_args", "server_optimizer_args"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                yield f"`{name}` must be a mapping (a JSON object on the command line), got {getattr(self, name)!r}."
+        # The chosen methods' own hyperparameters, checked by their implementations (`config_errors`).
+        aggregator_class = getattr(AGGREGATIONS.get(self.aggregation), "aggregator_class", None)
+        for implementation in (aggregator_class, SERVER_OPTIMIZERS.get(self.server_optimizer)):
+            if implementation is not None:
+                yield from implementation.config_errors(self)
         yield from rpg_errors(
             self.rpg_lambda_base, self.rpg_iota, self.rpg_sigma_min, self.rpg_sigma_max, self.rpg_tau_min,
             self.rpg_tau_max, self.rpg_lambda_anneal, self.rpg_eps, self.rpg_h_max,

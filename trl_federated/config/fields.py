@@ -6,22 +6,19 @@ the default) a `FedGRPOConfig` trains exactly like a `GRPOConfig` with the same 
 the paper's Algorithm 1 where TRL's differ (`loss_type`, `lr_scheduler_type`); where we keep TRL's (`optim`,
 `max_grad_norm`, `beta`), its Parameters say why. `FedDAPOConfig` and `FedGSPOConfig` carry the DAPO and GSPO
 recipes (`recipes.CONFIG_CLASSES`), `recipes.federated_config` adds the federation to any other `GRPOConfig`
-subclass, and `results.result_fields` names the fields a resumed run must keep. Its checks are `checks.ConfigChecks`,
-its server-step derivation `server_step.ServerStep`: mixins of it, beside it in this folder.
+subclass, and `results.result_fields` names the fields a resumed run must keep. What it does when built
+(`building.BuildsConfig`), its checks (`checks.ConfigChecks`) and its server-step derivation (`server_step.ServerStep`)
+are mixins of it, beside it in this folder.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from dataclasses import dataclass, field
 
-import torch
-from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from ..choices import (
-    AGGREGATION_SERVER_OPTIMIZERS,
+    AGGREGATIONS,
     GENERATION_DTYPE_CHOICES,
     LORA_AGGREGATIONS,
     NORM_ACTIONS,
@@ -31,19 +28,14 @@ from ..choices import (
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
 )
-from ..runtime.devices import has_native_bf16
+from .building import BuildsConfig
 from .checks import ConfigChecks
-from .results import ResultHelp, notice_changed_trl_defaults
-from .server_step import SERVER_STEP_FIELDS, ServerStep
-
-logger = logging.getLogger(__name__)
-
-# FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
-DEFAULT_FEDPROX_MU = 0.1
+from .results import ResultHelp
+from .server_step import ServerStep
 
 
 @dataclass
-class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
+class FedGRPOConfig(BuildsConfig, ServerStep, ConfigChecks, GRPOConfig):
     r"""
     Configuration class for [`FedGRPOTrainer`] and [`FederatedRunner`]: a [`~trl.GRPOConfig`] plus the federation.
 
@@ -233,6 +225,9 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             How SCAFFOLD's correction c − c_i meets the local Adam: `"decoupled"` (applied to the parameters after
             each step, scaled by the learning rate, outside Adam) or `"gradient"` (added to the gradient before
             Adam, as in SGD-SCAFFOLD, through the loss: clipped with the GRPO gradient).
+        aggregation_args (`dict` or `None`, *optional*, defaults to `None`):
+            The hyperparameters of a registered aggregation that has its own (`register_aggregation`), by name; a
+            JSON object on the command line. Its `from_config` reads them, its `config_errors` checks them.
 
         > Wire format
 
@@ -282,6 +277,9 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
         server_bias_correction (`bool`, *optional*, defaults to `False`):
             Apply Adam bias correction to `"adam"` (the paper's update has none; `"fedadam"` and `"adam-norm"` always
             correct).
+        server_optimizer_args (`dict` or `None`, *optional*, defaults to `None`):
+            The hyperparameters of a registered server optimizer that has its own (`register_server_optimizer`), as
+            `aggregation_args`.
 
         > Exact speed-ups of the local step
 
@@ -585,7 +583,7 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "help": "Client weighting: 'rpg' (FGRPO, softmax of relative performance gains), 'fedavg' (data "
             "volume), 'fedprox' (data volume plus a proximal term in every client's loss, see `fedprox_mu`) or "
             "'scaffold' (data volume plus control variates, see `scaffold_correction`).",
-            "choices": list(AGGREGATION_SERVER_OPTIMIZERS),
+            "choices": AGGREGATIONS,  # the registry itself: a name registered after import is a choice
         },
     )
     rpg_lambda_base: float = field(
@@ -672,6 +670,12 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "choices": list(SCAFFOLD_CORRECTIONS),
         },
     )
+    aggregation_args: dict | str | None = field(
+        default=None,
+        metadata={"help": ResultHelp("The hyperparameters of a registered aggregation that has its own, by name (a "
+                                     "JSON object on the command line): its `from_config` reads them, its "
+                                     "`config_errors` checks them.")},
+    )
 
     # Wire format
     lora_aggregation: str = field(
@@ -703,7 +707,7 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "of the client models, for every method: FGRPO's default by experiment (the paper's 'adam' learned less "
             "than FedAvg at the grid's budget, the RPG-weighted mean as much; docs/methods.md); a resumed run keeps "
             "its checkpoint's.",
-            "choices": list(SERVER_OPTIMIZERS),
+            "choices": SERVER_OPTIMIZERS,  # the registry itself
         },
     )
     server_learning_rate: float | None = field(
@@ -740,6 +744,11 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
                 "correct)."
             )
         },
+    )
+    server_optimizer_args: dict | str | None = field(
+        default=None,
+        metadata={"help": ResultHelp("The hyperparameters of a registered server optimizer that has its own, by name "
+                                     "(a JSON object on the command line), as `aggregation_args`.")},
     )
 
     # Exact speed-ups of the local step (any number of clients, 1 included)
@@ -909,40 +918,4 @@ class FedGRPOConfig(ServerStep, ConfigChecks, GRPOConfig):
             "LoRA, clients, aggregation, server_optimizer and wire format can never change."
         },
     )
-
-    def __post_init__(self):
-        notice_changed_trl_defaults(self)
-        if not self.use_cpu and not torch.accelerator.is_available():
-            # No GPU (or other accelerator): the CPU, as `Trainer` would fall back to, so that one config (the
-            # quickstart's) runs on a GPU where there is one and on the CPU elsewhere, with no flag to change
-            self.use_cpu = True
-        if self.bf16 is None and not self.fp16:
-            if self.use_cpu:  # autocast's bf16 products: fast where native, emulated (slower than float32) elsewhere
-                self.bf16 = has_native_bf16(torch.device("cpu"))
-            elif not is_torch_bf16_gpu_available():
-                self.bf16 = False  # TRL's default (bf16 unless fp16) stops TrainingArguments with no bf16 GPU
-        super().__post_init__()
-        # YAML hands "inf" and a Python-spelled None over as strings.
-        if isinstance(self.partition_column, str) and self.partition_column in ("None", "none", "null"):
-            self.partition_column = None
-        if isinstance(self.dirichlet_alpha, str):
-            with contextlib.suppress(ValueError):  # left a string, it is named by _type_errors
-                self.dirichlet_alpha = float(self.dirichlet_alpha)
-        for message in self._type_errors():
-            raise TypeError(message)
-        if self.fedprox_mu is None:
-            self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
-        # The server-step fields left unset, resolved here (`resolve_server_step`): a resumed run takes its
-        # checkpoint's values of them instead (`run_identity.keep_server_step`). Copies of the config keep it.
-        self.derived_server_fields = frozenset(name for name in SERVER_STEP_FIELDS if getattr(self, name) is None)
-        self.resolve_server_step()
-        for message in self._federation_errors():
-            raise ValueError(message)
-        for message in self._robustness_errors():
-            raise ValueError(message)
-        for message in self._privacy_errors():
-            raise ValueError(message)
-        if self.num_clients > 1:
-            self.check_vllm()
-
 

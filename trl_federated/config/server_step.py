@@ -32,8 +32,8 @@ class ServerStep:
             self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]  # the method's own
         if "server_learning_rate" in self.derived_server_fields and self.server_optimizer in SERVER_OPTIMIZERS:
             self.server_learning_rate = self.derived_server_learning_rate()
-        if "server_epsilon" in self.derived_server_fields:
-            self.server_epsilon = PAPER_SERVER_EPSILON if self.server_optimizer in ("adam", "adam-norm") else None
+        if "server_epsilon" in self.derived_server_fields:  # the step's own (`ServerOptimizer.default_epsilon`)
+            self.server_epsilon = getattr(SERVER_OPTIMIZERS.get(self.server_optimizer), "default_epsilon", None)
 
 
     def server_field_origin(self, name: str) -> str:

@@ -33,7 +33,7 @@ adapter entries the wire format sends, and the extras (SCAFFOLD's c and c_i down
 The core imports nothing a person reads: summary.md and the plots, the round's log lines and the server-step advice,
 the model card and the Hub push are `RoundCallback`s on its events (`reports.server_reports`), which the drivers
 attach. The transport contract is enforced here, not left to each driver: `accept` takes a round's updates in the
-order of the clients' indices, and `serve` (a context manager around a run) closes the server however the run ends.
+order of the clients' indices, and `session` (a context manager around a run) closes the server however the run ends.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from trl_federated.arguments import BenchmarkArguments
 from trl_federated.data import dirichlet_partition, partition_clients
 from trl_federated.data.loading import load_benchmark
 from trl_federated.flower import ClientSite, load_once, make_client_app
-from trl_federated.models import load_model, lora_config
+from trl_federated.runtime.models import load_model, lora_config
 
 from .task import read_config, rewards
 

@@ -14,7 +14,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from trl_federated.flower import FederatedStrategy, state_to_array_record
-from trl_federated.models import load_model, lora_config
+from trl_federated.runtime.models import load_model, lora_config
 
 from .task import read_config, rewards
 

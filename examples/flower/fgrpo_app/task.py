@@ -8,7 +8,7 @@ from trl import ModelConfig
 from trl_federated import FedGRPOConfig
 from trl_federated.arguments import BenchmarkArguments
 from trl_federated.flower.run_config import NUM_PARTITIONS, federation_arguments
-from trl_federated.rewards import training_rewards
+from trl_federated.scoring.rewards import training_rewards
 
 APP_DIR = Path(__file__).resolve().parents[1]
 # This app's own run-config keys; every other key sets the field of its name (see `trl_federated.flower.run_config`).

@@ -1,11 +1,12 @@
-"""The server step designs (`server_optim`), each against its equations by hand, and the step's diagnostics."""
+"""The server step designs (trl_federated/aggregation/server_optim.py), each against its equations by hand, and the
+step's diagnostics."""
 
-import logging
 import math
 
 import pytest
 import torch
 
+from test_aggregation import rpg
 from trl_federated.aggregation import (
     ClientUpdate,
     FedAvgAggregator,
@@ -16,6 +17,7 @@ from trl_federated.aggregation import (
     ServerSGD,
     aggregator_from_config,
 )
+from trl_federated.aggregation.blocks import BLOCK_BYTES, blocks
 from trl_federated.config import FedGRPOConfig
 from trl_federated.round_record import RoundRecord
 
@@ -135,7 +137,8 @@ def test_every_server_optimizer_choice_has_its_class():
     from trl_federated.aggregation import SERVER_OPTIMIZER_CLASSES
     from trl_federated.choices import SERVER_OPTIMIZERS
 
-    assert tuple(SERVER_OPTIMIZER_CLASSES) == SERVER_OPTIMIZERS
+    assert SERVER_OPTIMIZER_CLASSES is SERVER_OPTIMIZERS  # one registry of the names, with their classes
+    assert list(SERVER_OPTIMIZERS)[:5] == ["adam", "sgd", "fedadam", "adam-norm", "nesterov"]
 
 
 def test_step_diagnostics_cosines_and_lora_factor_norms():
@@ -161,32 +164,95 @@ def test_step_diagnostics_cosines_and_lora_factor_norms():
     assert record.server_step_cosine == pytest.approx(aggregator.last_step.step_delta_cosine)
 
 
-def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path, caplog):
-    from trl_federated.reports.round_log import RoundLog, format_round_log
+def test_server_adam_matches_hand_computation_over_two_steps():
+    adam = ServerAdam(learning_rate=0.1, beta1=0.9, beta2=0.99, epsilon=1e-8)
+    params = {"w": torch.tensor([1.0, 1.0])}
+    delta1 = {"w": torch.tensor([0.2, -0.4])}
+    out1 = adam.step(params, delta1)
+    # m = 0.1 Δ, v = 0.01 Δ², update = m / (sqrt(v) + eps) = sign(Δ) (no bias correction)
+    torch.testing.assert_close(adam.m["w"], torch.tensor([0.02, -0.04]))
+    torch.testing.assert_close(adam.v["w"], torch.tensor([0.0004, 0.0016]))
+    torch.testing.assert_close(out1["w"], torch.tensor([1.1, 0.9]))
 
-    args = FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_clients=2, report_to="none",
-                         server_optimizer="adam")
-    server = RoundLog()  # what `on_round_saved` gives it
-    server.args, server.global_state = args, {"w": torch.ones(100)}
-    record = RoundRecord(round_idx=3, sampled=[0, 1], delta_norm=1e-3, server_step_norm=1.0, server_step_ratio=1000.0)
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
-        server.check_server_step(record, server.delta_is_rounding(record))
-    # the server's own warnings: FedGRPOConfig's once-per-process notice of TRL defaults may be among the records
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "trl_federated.server"]
-    assert "'adam-norm' or 'fedadam'" in warning.getMessage() and "leave it unset" not in warning.getMessage()
-    caplog.clear()
-    zero = RoundRecord(round_idx=4, sampled=[0, 1], delta_norm=5.9e-7 * 1e-3, server_step_norm=0.4,
-                       server_step_ratio=6.8e5)
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
-        server.check_server_step(zero, server.delta_is_rounding(zero))
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "float rounding" in caplog.text and "momentum" in caplog.text
-    # the round's console line says the same: a step's norm, not a ratio of 6.8e5 to a Δ of rounding
-    assert "680000" not in format_round_log(zero, 8, 2, server.delta_is_rounding(zero))
-    assert "Δ ≈ 0 (float rounding), server step ‖s‖ = 0.4" in format_round_log(zero, 8, 2, True)
-    assert "server step 1000.00x ‖Δ‖" in format_round_log(record, 8, 2, server.delta_is_rounding(record))
-    args.server_optimizer = "nesterov"
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
-        server.check_server_step(record, server.delta_is_rounding(record))
-    assert "`server_beta1` (μ)" in caplog.text
+    delta2 = {"w": torch.tensor([0.1, 0.0])}
+    out2 = adam.step(out1, delta2)
+    m = torch.tensor([0.9 * 0.02 + 0.1 * 0.1, 0.9 * -0.04])
+    v = torch.tensor([0.99 * 0.0004 + 0.01 * 0.01, 0.99 * 0.0016])
+    torch.testing.assert_close(adam.m["w"], m)
+    torch.testing.assert_close(adam.v["w"], v)
+    torch.testing.assert_close(out2["w"], torch.tensor([1.1, 0.9]) + 0.1 * m / (v.sqrt() + 1e-8))
+
+
+def test_server_adam_bias_correction_option():
+    adam = ServerAdam(learning_rate=0.1, bias_correction=True)
+    out = adam.step({"w": torch.tensor([0.0])}, {"w": torch.tensor([0.5])})
+    # m̂ = Δ, v̂ = Δ² after one step
+    torch.testing.assert_close(out["w"], torch.tensor([0.1 * 0.5 / (0.5 + 1e-8)]))
+
+
+def test_server_adam_state_round_trip_continues_identically():
+    a, b = ServerAdam(learning_rate=0.05), ServerAdam(learning_rate=0.05)
+    params = {"w": torch.tensor([0.3, -0.1])}
+    params = a.step(params, {"w": torch.tensor([0.2, 0.1])})
+    b.load_state_dict(a.state_dict())
+    delta = {"w": torch.tensor([-0.3, 0.4])}
+    assert torch.equal(a.step(params, delta)["w"], b.step(params, delta)["w"])
+
+
+def test_blocked_server_step_matches_the_equations_on_a_multi_block_adapter():
+    """RPG + Adam over an adapter of several cache-sized blocks equals Eqs. model_diff, momentum, model_update
+    computed tensor by tensor."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(300, 1000), (1000, 300), (64, 2000), (2000, 64), (2, 3), (600, 600)]
+
+    def adapter():
+        return {f"t{i}": torch.randn(*shape, generator=generator) for i, shape in enumerate(shapes)}
+
+    theta = adapter()
+    assert len(list(blocks(theta))) > 2 and sum(t.numel() * 4 for t in theta.values()) > 2 * BLOCK_BYTES
+    aggregator = rpg(server_optimizer=ServerAdam(learning_rate=0.01, beta1=0.9, beta2=0.99, epsilon=1e-8))
+    m = {key: torch.zeros_like(value) for key, value in theta.items()}
+    v = {key: torch.zeros_like(value) for key, value in theta.items()}
+    for round_idx, rewards in enumerate([(0.2, 0.5, 0.4), (0.6, 0.45, 0.5)]):
+        # Clients that moved away from θ (Δ bounded away from 0, where m / √v is ill-conditioned).
+        moves = [adapter() for _ in rewards]
+        updates = [
+            ClientUpdate(f"c{i}", {key: theta[key] + 1 + move[key].abs() for key in theta}, 1, reward)
+            for i, (move, reward) in enumerate(zip(moves, rewards))
+        ]
+        new = aggregator.aggregate(theta, updates, round_idx)
+        weights = [aggregator.last_weights[update.client_id] for update in updates]
+        for key in theta:
+            delta = sum(w * (update.state[key] - theta[key]) for w, update in zip(weights, updates))
+            m[key] = 0.9 * m[key] + 0.1 * delta
+            v[key] = 0.99 * v[key] + 0.01 * delta**2
+            torch.testing.assert_close(aggregator.server_optimizer.m[key], m[key])
+            torch.testing.assert_close(aggregator.server_optimizer.v[key], v[key])
+            torch.testing.assert_close(new[key], theta[key] + 0.01 * m[key] / (v[key].sqrt() + 1e-8))
+        assert list(new) == list(theta)
+        theta = new
+    assert aggregator.server_optimizer.num_steps == 2
+
+
+def test_server_step_geometry_over_blocks():
+    """`last_step`: ‖Δ‖, the step's size and each client's update norm and cosine with Δ, accumulated over blocks;
+    FedAvg's step is Δ (ratio 1), server Adam's first step is α per coordinate whatever Δ."""
+    count, e = BLOCK_BYTES // 4, 2.0**-10  # a block's worth of float32 values per tensor; a step exact in float32
+    global_state = {"a": torch.zeros(count), "b": torch.ones(count)}
+    up = {"a": torch.full((count,), e), "b": torch.full((count,), 1.0 + e)}  # moves every coordinate by +e
+    back = {"a": torch.full((count,), -e), "b": torch.ones(count)}  # moves only "a", by −e
+    updates = [ClientUpdate("up", up, 3, 0.0), ClientUpdate("back", back, 1, 0.0)]
+    assert len(list(blocks(global_state))) == 2
+    aggregator = FedAvgAggregator(ServerSGD(1.0))
+    aggregator.aggregate(global_state, updates, 0)
+    step = aggregator.last_step
+    # Δ = 3/4 up + 1/4 back: e/2 on "a", 3e/4 on "b"
+    delta_norm = math.sqrt(count) * e * math.sqrt(0.5**2 + 0.75**2)
+    assert step.delta_norm == pytest.approx(delta_norm, rel=1e-6) and step.ratio == pytest.approx(1.0, rel=1e-6)
+    norms = {"up": math.sqrt(2 * count) * e, "back": math.sqrt(count) * e}
+    assert step.update_norms == pytest.approx(norms, rel=1e-6)
+    assert step.cosines["up"] == pytest.approx(1.25 * count * e * e / (norms["up"] * delta_norm), rel=1e-6)
+    assert step.cosines["back"] == pytest.approx(-0.5 * count * e * e / (norms["back"] * delta_norm), rel=1e-6)
+    adam = FedAvgAggregator(ServerAdam(learning_rate=1e-2))
+    adam.aggregate(global_state, updates, 0)
+    assert adam.last_step.step_norm == pytest.approx(1e-2 * math.sqrt(2 * count), rel=1e-4)

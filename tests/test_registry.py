@@ -1,0 +1,52 @@
+"""One registry per kind of name (`choices.AGGREGATIONS`, `choices.SERVER_OPTIMIZERS`), read when the command line
+parses and when the config checks: a server optimizer and an aggregation of one's own are one file
+(tests/own_methods.py) and one registration line each, and run from `trl-federated run` with their own
+hyperparameters."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from trl_federated.arguments import parse_run_args
+from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS, AGGREGATIONS, SERVER_OPTIMIZERS
+from trl_federated.cli import main
+
+
+def test_a_name_registered_after_import_is_a_choice_of_the_parser_and_the_config(tmp_path):
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", "--aggregation", "leader"]
+    if "own_methods" not in sys.modules:  # before the registration, `leader` is no choice
+        with pytest.raises(SystemExit):
+            parse_run_args(argv)
+    import own_methods
+
+    assert AGGREGATIONS["leader"].aggregator_class is own_methods.Leader
+    assert AGGREGATION_SERVER_OPTIMIZERS["leader"] == "sgd" and SERVER_OPTIMIZERS["half-step"] is own_methods.HalfStep
+    args, _, _ = parse_run_args([*argv, "--server_optimizer", "half-step",
+                                 "--server_optimizer_args", json.dumps({"scale": 0.25})])
+    assert (args.aggregation, args.server_optimizer) == ("leader", "half-step")
+    assert args.server_optimizer_args == {"scale": 0.25} and args.server_learning_rate == 1.0  # its own default
+    # each checks its own hyperparameter, through the config
+    with pytest.raises(SystemExit):
+        parse_run_args([*argv, "--aggregation_args", json.dumps({"leader_weight": 2.0})])
+
+
+def test_an_own_aggregation_and_server_optimizer_run_from_the_command_line(tmp_path, tiny_model_dir):
+    import own_methods  # noqa: F401 - registers `leader` and `half-step`
+
+    output_dir = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "output_dir": str(output_dir), "model_name_or_path": str(tiny_model_dir), "benchmark_size": 40,
+        "max_eval_samples": 4, "num_clients": 2, "dirichlet_alpha": "inf", "num_rounds": 1, "local_steps": 1,
+        "reward_window": 1, "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8,
+        "per_device_eval_batch_size": 4, "use_cpu": True, "bf16": False, "gradient_checkpointing": False,
+        "report_to": "none", "eval_initial": False,
+    }))  # fmt: skip
+    assert main(["run", "--config", str(config), "--aggregation", "leader", "--server_optimizer", "half-step",
+                 "--aggregation_args", '{"leader_weight": 0.75}', "--server_optimizer_args", '{"scale": 0.5}']) == 0
+    (result,) = json.loads((output_dir / "result.json").read_text())["rounds"]
+    assert sorted(result["weights"].values()) == pytest.approx([0.25, 0.75])
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["event"] for line in metrics if line["event"] == "round"] == ["round"]
