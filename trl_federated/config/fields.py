@@ -473,22 +473,13 @@ class FedGRPOConfig(BuildsConfig, ServerStep, ConfigChecks, GRPOConfig):
     )
     labels_per_client: int | None = field(
         default=None,
-        metadata={
-            "help": (
-                "Give each client exactly this many values of `partition_column` (Flower's PathologicalPartitioner, "
-                "labels dealt in order: client i holds label i with 1), in place of the Dirichlet draw: one task per "
-                "client, the setting where clients differ in what they learn. None: the Dirichlet partition."
-            )
-        },
+        metadata={"help": "Give each client exactly this many values of `partition_column` (Flower's "
+                  "PathologicalPartitioner, dealt in order) in place of the Dirichlet draw. None: the Dirichlet draw."},
     )
     equal_partition_sizes: bool = field(
         default=False,
-        metadata={
-            "help": (
-                "Cut every client's partition to the smallest one's size, so that data volume (FedAvg's weight) is "
-                "equal and only what the clients learn tells them apart."
-            )
-        },
+        metadata={"help": "Cut every client's partition to the smallest one's size: equal data volumes (FedAvg's "
+                  "weights equal), so that only what the clients learn tells them apart."},
     )
 
     # Client sampling, named after Flower's strategies
@@ -619,23 +610,13 @@ class FedGRPOConfig(BuildsConfig, ServerStep, ConfigChecks, GRPOConfig):
     rpg_eps: float = field(default=1e-8, metadata={"help": ResultHelp("ε added to σ in the RPG denominator.")})
     rpg_gain: str = field(
         default="paper",
-        metadata={
-            "help": ResultHelp(
-                "How RPG turns R̄ into a gain h: 'paper' (Eq. rpg) or 'noise-aware' (the gap R̄ − φ soft-thresholded "
-                "at `rpg_noise_threshold` standard errors of R̄, from the window's step rewards, and σ floored at that "
-                "standard error, so that a gap within R̄'s sampling noise earns no weight)."
-            ),
-            "choices": list(RPG_GAINS),
-        },
+        metadata={"help": ResultHelp("How RPG turns R̄ into a gain: 'paper' (Eq. rpg) or 'noise-aware' (the gap "
+                                     "soft-thresholded at its standard error, σ floored there)."),
+                  "choices": list(RPG_GAINS)},
     )
     rpg_noise_threshold: float = field(
         default=1.0,
-        metadata={
-            "help": ResultHelp(
-                "With `rpg_gain: noise-aware`: how many standard errors of the gap a client's R̄ must move before it "
-                "earns any gain; 0 keeps only the σ floor."
-            )
-        },
+        metadata={"help": ResultHelp("With rpg_gain 'noise-aware': the standard errors of the gap that earn no gain.")},
     )
     rpg_h_max: float | None = field(
         default=10.0,
@@ -835,20 +816,12 @@ class FedGRPOConfig(BuildsConfig, ServerStep, ConfigChecks, GRPOConfig):
     )
     robust_num_malicious: int = field(
         default=1,
-        metadata={
-            "help": ResultHelp(
-                "f, the arbitrary clients Krum, Multi-Krum and Bulyan tolerate (Flower's num_malicious_nodes): they "
-                "need min_clients_per_round of at least 2f + 3 (Krum) or 4f + 3 (Bulyan)."
-            )
-        },
+        metadata={"help": ResultHelp("f, the arbitrary clients Krum, Multi-Krum and Bulyan tolerate: they need "
+                                     "min_clients_per_round of 2f + 3 (Krum) or 4f + 3 (Bulyan).")},
     )
     robust_num_selected: int | None = field(
         default=None,
-        metadata={
-            "help": ResultHelp(
-                "m, the clients Multi-Krum keeps and averages (Flower's num_nodes_to_select); None keeps n − f."
-            )
-        },
+        metadata={"help": ResultHelp("m, the clients Multi-Krum keeps and averages; None keeps n − f.")},
     )
     max_client_samples: int | None = field(
         default=1_000_000,
