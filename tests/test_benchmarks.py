@@ -276,3 +276,22 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
     assert f"| fedavg | 4 | {sigma:.3g} | 10.0 | 25.0 | 3.99 | 0.5 | 1 | 40 | 0.25 0.50 |" in report
     assert "| fgrpo |" not in report  # not run: no folder
     assert (tmp_path / dp_cost.CURVES_FILE).stat().st_size > 0
+
+
+def test_the_premise_report_regenerates_from_its_committed_cells(tmp_path):
+    """benchmarks/results/grid-premise/premise.md is what `premise.py --report_only` writes from the committed cells
+    (the harness's command, the cells' figures, the gate, the constant-answer floors), byte for byte but its command
+    line, which names the copy's folder."""
+    import shutil
+
+    premise = load("premise")
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "grid-premise"
+    copy = tmp_path / "grid-premise"
+    shutil.copytree(committed, copy)
+    (copy / "premise.md").unlink()
+    assert premise.main(["--methods", "fedavg", "fgrpo", "fgrpo-noise-aware", "--seeds", "0", "1", "--report_only",
+                         "--output_dir", str(copy)]) == 0
+    expected = (committed / "premise.md").read_text(encoding="utf-8").replace(
+        "--seeds 0 1`", f"--seeds 0 1 --output_dir {copy}`").replace(
+        "--grid benchmarks/results/grid-premise`", f"--grid {copy}`")
+    assert (copy / "premise.md").read_text(encoding="utf-8") == expected
