@@ -624,8 +624,10 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
         assert (f"Round {round_idx} ({round_idx + 1}/2): 2 clients aggregated, 0 dropped, "
                 f"τ = {record.temperature:.3f}") in stream
         for client_id, reward in record.rewards.items():
-            assert (f"{client_id}: R̄ = {reward:.4f}, h = {record.gains[client_id]:+.4f}, "
-                    f"ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}") in stream
+            # R̄ and h, the round's per-client diagnostics (se(R̄), zero-signal, idle), then ω and ‖u‖, on one line
+            head = re.escape(f"{client_id}: R̄ = {reward:.4f}, h = {record.gains[client_id]:+.4f}, ")
+            tail = re.escape(f"ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}")
+            assert re.search(f"{head}[^\n]*{tail}", stream), stream[-3000:]
             assert f"sent {record.bytes_sent[client_id]:,} B" in stream
     # Each SuperNode's log shows its own local rounds.
     for index in (0, 1):
