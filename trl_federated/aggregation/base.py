@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -411,11 +412,7 @@ class Aggregator(ABC):
 def window_stderr(step_rewards, window: int | None) -> float | None:
     """sd / √n of the last `window` (all with None) finite numbers of `step_rewards`; None with fewer than two."""
     values = [float(value) for value in list(step_rewards)[-window if window else 0:] if math.isfinite(value)]
-    if len(values) < 2:
-        return None
-    mean = math.fsum(values) / len(values)
-    variance = math.fsum((value - mean) ** 2 for value in values) / (len(values) - 1)
-    return math.sqrt(variance / len(values))
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else None
 
 
 def zero_signal_share(update: ClientUpdate) -> float | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Aggregator, ClientUpdate, check_number
+from .base import Aggregator, ClientUpdate, check_number, data_shares
 
 
 class FedAvgAggregator(Aggregator):
@@ -15,6 +15,4 @@ class FedAvgAggregator(Aggregator):
     def client_weights(self, updates: list[ClientUpdate], round_idx: int) -> list[float]:
         for update in updates:
             check_number(update.num_samples, f"FedAvg: client {update.client_id!r}'s num_samples", positive_int=True)
-        sizes = [update.num_samples for update in updates]
-        total = sum(sizes)
-        return [size / total for size in sizes]
+        return data_shares(updates)
