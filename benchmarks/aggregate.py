@@ -21,11 +21,12 @@ Targets: ratio <= 3, and time per client flat in N (linear scaling).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
 
+from harness.timing import alternated, wall_seconds
 from trl_federated.aggregation import ClientUpdate, RPGAggregator, ServerAdam
 
 HIDDEN, INTERMEDIATE, HEAD_DIM, Q_HEADS, KV_HEADS, RANK = 2048, 11008, 128, 16, 2, 32
@@ -52,14 +53,6 @@ def synthetic_adapter(num_layers: int, generator: torch.Generator) -> dict[str, 
     return state
 
 
-def seconds(function) -> float:
-    start = time.perf_counter()
-    result = function()
-    elapsed = time.perf_counter() - start
-    del result  # freed outside the timed region, as the runner frees the previous global adapter
-    return elapsed
-
-
 def measure(num_clients: int, num_layers: int, repeats: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(num_clients)
     global_state = synthetic_adapter(num_layers, generator)
@@ -83,12 +76,10 @@ def measure(num_clients: int, num_layers: int, repeats: int) -> dict[str, float]
     def aggregate():  # as the runner calls it: its admission gate has checked every value for NaN and Inf
         return aggregator.aggregate(global_state, updates, next(round_idx), check_finite=False)
 
-    sides = {"copy_s": copy_clients, "aggregate_s": aggregate}
-    times = {name: [] for name in sides}
-    for _ in range(repeats):  # alternated, so that machine noise hits both sides alike
-        for name, function in sides.items():
-            times[name].append(seconds(function))
-    copy_s, aggregate_s = (statistics.median(times[name]) for name in sides)
+    # alternated, so that machine noise hits both sides alike
+    times = alternated({"copy_s": functools.partial(wall_seconds, copy_clients),
+                        "aggregate_s": functools.partial(wall_seconds, aggregate)}, repeats)
+    copy_s, aggregate_s = (statistics.median(times[name]) for name in times)
     # Each pair ran back to back, under the same load: the median of the pairs' ratios is the steadiest figure.
     ratio = statistics.median(a / c for a, c in zip(times["aggregate_s"], times["copy_s"]))
     adapter_mb = sum(tensor.numel() * tensor.element_size() for tensor in global_state.values()) / 1e6

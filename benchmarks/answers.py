@@ -16,22 +16,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from trl_federated.data import build_reasoning_benchmark  # noqa: E402
+from harness.cells import gold_answers
 
 CONSTANT_SHARE = 1.0  # every correct item has the one answer
 
 
-def test_items(grid: Path) -> tuple[list[str], list[str]]:
-    """The (task, gold answer) of every test item of the grid folder's budget, in evaluation order."""
-    config = json.loads((grid / "budget.json").read_text(encoding="utf-8"))["config"]
-    benchmark = build_reasoning_benchmark(size=config["benchmark_size"], seed=config.get("benchmark_seed", 0))
-    return list(benchmark["test"]["category"]), [str(answer) for answer in benchmark["test"]["answer"]]
-
-
 def answer_table(grid: Path) -> str:
-    tasks, answers = test_items(grid)
+    tasks, answers = gold_answers(grid)
     by_task = {task: [i for i, name in enumerate(tasks) if name == task] for task in sorted(set(tasks))}
     lines = [
         f"# Answers scored correct, per cell and task ({grid})", "",

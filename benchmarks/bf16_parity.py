@@ -21,12 +21,10 @@ import contextlib
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_step_speed import Bench  # noqa: E402
+from harness.trainers import Bench
 
 
 def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -6,7 +6,7 @@ round for `--num_rounds` rounds, in `benchmarks/results/dp/<method>-eps<ε>/`. F
 is the one the run's own accountant (`aggregation.privacy.ClientLevelPrivacy`: replace-one, m of N sampled without
 replacement, R̄'s release composed with Δ's under RPG, σ_R = σ) spends exactly ε at δ = 1e-5 over those rounds
 (`noise_multiplier_for`); ε = ∞ runs without DP. Cells resume and, with `--commit`, are committed as they finish
-(`verdict.run_cells`, `verdict.commit`); `report.md` tabulates each cell's base and final test accuracy, the ε its
+(`harness.grid`: `run_cells`, `commit`); `report.md` tabulates each cell's base and final test accuracy, the ε its
 last round reported, σ, the std of Δ's noise, the clients' update norms against the noised Δ, and the clients' mean R̄
 per round, which `curves.png` plots.
 
@@ -24,15 +24,15 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the grid's harness beside it, also when loaded by path
-import verdict  # noqa: E402  (it puts this checkout's package first, also where another checkout is installed)
-from scipy import optimize  # noqa: E402
+from scipy import optimize
 
-from trl_federated.aggregation.privacy import ClientLevelPrivacy  # noqa: E402
-from trl_federated.callbacks import read_metrics  # noqa: E402
-from trl_federated.compare import Cell, cell_command, final_accuracy, load_result  # noqa: E402
-from trl_federated.methods import METHODS  # noqa: E402
-from trl_federated.sampling import clients_per_round  # noqa: E402
+from harness.cells import BUDGET_FILE
+from harness.grid import check_budget, commit, committed_files, run_cells
+from trl_federated.aggregation.privacy import ClientLevelPrivacy
+from trl_federated.callbacks import read_metrics
+from trl_federated.compare import Cell, cell_command, final_accuracy, load_result
+from trl_federated.methods import METHODS
+from trl_federated.sampling import clients_per_round
 
 DEFAULT_CONFIG = "examples/configs/quickstart.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/dp"
@@ -82,7 +82,7 @@ def cell_row(directory: Path) -> dict[str, object]:
 
 def recorded_noise_multiplier(folder: Path) -> float | None:
     """The σ a cell folder's cells ran with, from the flags its `budget.json` records (None: no DP)."""
-    flags = json.loads((folder / verdict.BUDGET_FILE).read_text(encoding="utf-8"))["flags"]
+    flags = json.loads((folder / BUDGET_FILE).read_text(encoding="utf-8"))["flags"]
     return float(flags[flags.index(SIGMA_FLAG) + 1]) if SIGMA_FLAG in flags else None
 
 
@@ -171,15 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                 sigma = noise_multiplier_for(epsilon, args.num_rounds, args.num_clients, sample_size,
                                              METHODS[method].aggregation == "rpg")
                 extra += [SIGMA_FLAG, f"{sigma:.6g}"]
-            verdict.check_budget(folder, args.config, extra)
-            if verdict.run_cells([cell], folder, lambda cell, folder=folder, extra=extra: cell_command(
+            check_budget(folder, args.config, extra)
+            if run_cells([cell], folder, lambda cell, folder=folder, extra=extra: cell_command(
                     cell, args.config, folder, extra)):
                 return 1
             write_report(root, cells, command.strip())
             if args.commit:
-                files = [*verdict.committed_files(cell.directory(folder)), folder / verdict.BUDGET_FILE,
+                files = [*committed_files(cell.directory(folder)), folder / BUDGET_FILE,
                          root / REPORT_FILE, root / CURVES_FILE]
-                verdict.commit(files, f"dp cost: {method} at ε = {level} finished")
+                commit(files, f"dp cost: {method} at ε = {level} finished")
     print(write_report(root, cells, command.strip()))
     return 0
 

@@ -1,9 +1,9 @@
 """The gate before the grid: does GRPO learn at the grid's budget? Centralised GRPO and FedAvg, each against the base
 model, with a paired test over the test items.
 
-Two cells of the grid's config (`examples/configs/grid.yaml`), seed 0, run and resumed exactly as the grid's
-(`benchmarks/verdict.py`: skipped when finished, resumed from their last round checkpoint, `--parallel`, `--commit`),
-in the grid's folder by default:
+Two cells of the grid's config (`examples/configs/grid.yaml`), seed 0, run and resumed by the grid's harness
+(`benchmarks/harness/grid.py`: skipped when finished, resumed from their last round checkpoint, `--parallel`,
+`--commit`), in the grid's folder by default:
 
 - centralised GRPO: one client holding all the training data (`num_clients` 1, `dirichlet_alpha` inf), with the
   grid's rounds and local steps, so it takes as many local steps as each federated client (rounds × local steps,
@@ -24,17 +24,14 @@ interval lies above 0 and McNemar's p < 0.05. If either FAILs, change the budget
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-from trl_federated.compare import Cell, load_result, markdown
-
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("benchmark_verdict", HERE / "verdict.py")
-verdict = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(verdict)
+from harness.cells import BUDGET_FILE, finished_results
+from harness.grid import BudgetError, add_run_arguments, run_grid
+from harness.significance import paired_gain
+from trl_federated.compare import Cell, markdown
 
 LEVEL = 0.05  # both tests at 5%: the 95% interval above 0, McNemar's two-sided p below 0.05
 BUDGET_KEYS = (
@@ -67,7 +64,7 @@ def run_record(result: dict) -> dict:
     base, final = evaluations["-1"], evaluations[max(evaluations, key=int)]
     if "row_rewards" not in base or "row_rewards" not in final:
         raise ValueError("An evaluation without `row_rewards` (made before they were recorded) cannot be paired.")
-    record = verdict.paired_gain(base["row_rewards"], final["row_rewards"], 1 - LEVEL)
+    record = paired_gain(base["row_rewards"], final["row_rewards"], 1 - LEVEL)
     if "hard" in base["accuracy"] and "hard" in final["accuracy"]:
         record["hard_gain"] = 100 * (final["accuracy"]["hard"] - base["accuracy"]["hard"])
     return record
@@ -83,7 +80,7 @@ def write_report(
     records: dict[str, dict | None], cells: dict[str, Cell], root: Path, config: str, command: str
 ) -> tuple[str, str]:
     """gate.md and gate.json; returns the report and the status (PASS, FAIL or PENDING)."""
-    budget_path = root / verdict.BUDGET_FILE
+    budget_path = root / BUDGET_FILE
     budget = json.loads(budget_path.read_text(encoding="utf-8")) if budget_path.exists() else {"config": {}}
     budget_line = ", ".join(f"{key} {budget['config'][key]}" for key in BUDGET_KEYS if key in budget["config"])
     if budget.get("flags"):
@@ -158,7 +155,7 @@ def write_report(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    verdict.add_run_arguments(parser)
+    add_run_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_clients", type=int, default=3, help="FedAvg's clients (the grid's).")
     parser.add_argument("--dirichlet_alpha", default="0.05", help="FedAvg's Dirichlet μ (the grid's).")
@@ -171,20 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/gate.py " + " ".join(arg for arg in argv if arg != "--report_only")
 
     def report() -> tuple[str, str, dict[str, dict | None]]:
-        results = {
-            name: load_result(cell.directory(root))
-            for name, cell in cells.items()
-            if (cell.directory(root) / "result.json").exists()
-        }
-        results = verdict.with_shared_base(results, verdict.base_evaluation(root))
+        finished = finished_results(cells.values(), root)
+        results = {name: finished[cell] for name, cell in cells.items() if cell in finished}
         records = {name: run_record(results[name]) if name in results else None for name in cells}
         return (*write_report(records, cells, root, args.config, command.strip()), records)
 
     failed = 0
     if not args.report_only:
         try:
-            failed = verdict.run_grid(list(cells.values()), args, extra, lambda: report()[0], "gate")
-        except verdict.BudgetError as error:
+            failed = run_grid(list(cells.values()), args, extra, lambda: report()[0], "gate")
+        except BudgetError as error:
             parser.error(str(error))
     text, status, records = report()
     print(text)

@@ -16,24 +16,15 @@ reset through /proc/self/clear_refs at its start, freed heap handed back before 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shared_prefix import build_trainer, generation_batch  # noqa: E402
-from step_profile import read_peak_rss_mib, reset_peak_rss  # noqa: E402
-
-
-def resident_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("No VmRSS in /proc/self/status: this benchmark needs Linux.")
+from harness.timing import alternated, read_peak_rss_mib, reset_peak_rss, resident_mib
+from harness.trainers import build_trainer, generation_batch
 
 
 def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, float, torch.Tensor]:
@@ -71,13 +62,9 @@ def measure(model: str, repeats: int) -> dict:
     )
     for recompute in (False, True):
         step(trainer, micro_batches, recompute)
-    seconds, rises, gradients = {False: [], True: []}, {False: [], True: []}, {False: [], True: []}
-    for repeat in range(repeats):
-        for recompute in (repeat % 2 == 1, repeat % 2 == 0):
-            cpu_seconds, rise, gradient = step(trainer, micro_batches, recompute)
-            seconds[recompute].append(cpu_seconds)
-            rises[recompute].append(rise)
-            gradients[recompute].append(gradient)
+    runs = alternated({recompute: functools.partial(step, trainer, micro_batches, recompute)
+                       for recompute in (False, True)}, repeats)
+    seconds, rises, gradients = ({side: [run[index] for run in runs[side]] for side in runs} for index in range(3))
     autograd_s, recomputed_s = statistics.median(seconds[False]), statistics.median(seconds[True])
     reference = gradients[False][0]
 

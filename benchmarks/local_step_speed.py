@@ -26,27 +26,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
+import functools
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
+from harness.timing import alternated, best_seconds
+from harness.trainers import Bench
+
 MATMUL_SHAPES = ((512, 576, 1536), (1024, 2048, 2048))  # a prefill's MLP projection, and a larger product
-
-
-def best_seconds(function, repeats: int = 5) -> float:
-    function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def machine_floors(tiny: bool) -> dict[str, float]:
@@ -60,133 +51,6 @@ def machine_floors(tiny: bool) -> dict[str, float]:
             throughputs.append(2 * m * k * n / best_seconds(lambda: a @ b, repeats=10) / 1e9)  # noqa: B023
         floors[f"matmul_{name}_gflop_s"] = max(throughputs)  # the machine's best: a floor
     return floors
-
-
-class Phases:
-    """Wall seconds of wrapped methods, summed per phase until `take()`."""
-
-    def __init__(self):
-        self.seconds = defaultdict(float)
-
-    def wrap(self, owner, attribute: str, name: str) -> None:
-        original = getattr(owner, attribute)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-
-        setattr(owner, attribute, timed)
-
-    def take(self) -> dict[str, float]:
-        seconds, self.seconds = dict(self.seconds), defaultdict(float)
-        return seconds
-
-
-class Bench:
-    """The quickstart's client, model, adapter and rows, and each measurement for either path."""
-
-    def __init__(self, argv: list[str], tiny: bool, output_dir: str):
-        from trl import ModelConfig, TrlParser, get_peft_config
-
-        from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
-        from trl_federated.arguments import BenchmarkArguments, config_class
-        from trl_federated.client import local_training_args
-        from trl_federated.data import partition_clients
-        from trl_federated.data.loading import load_benchmark
-        from trl_federated.runtime.models import load_model_and_tokenizer
-        from trl_federated.scoring.rewards import training_rewards
-
-        parser = TrlParser((config_class(argv), ModelConfig, BenchmarkArguments))
-        args, model_args, data_args = parser.parse_args_and_config(argv)
-        if tiny:
-            from trl_federated.testing import save_tiny_model
-
-            model_args.model_name_or_path = str(save_tiny_model(Path(output_dir) / "tiny"))
-        train, self.test = load_benchmark(data_args)
-        clients = partition_clients(train, args)
-        model, self.tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, dtype=model_args.dtype)
-        peft_config = get_peft_config(model_args) if model_args.use_peft else default_lora_config()
-        self.model = with_federated_adapter(model, args.seed, peft_config)
-        # A trained-looking adapter (B = 0 at initialisation would make the merge a no-op).
-        with torch.no_grad():
-            for name, parameter in self.model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0, 0.01, generator=torch.Generator().manual_seed(hash(name) % 2**31))
-        self.adapter = get_adapter_state(self.model)
-        client_id, self.client_data = max(enumerate(clients), key=lambda item: len(item[1]))
-        self.args = local_training_args(args, 0, client_id, len(clients), f"client_{client_id}")
-        self.args.output_dir = output_dir
-        self.reward_funcs = training_rewards(data_args)
-        self.phases = Phases()
-
-    def trainer(self, fast: bool, steps: int, bf16: bool | None = None):
-        """A fresh trainer for today's path (float32 loss and TRL's generation) or the new one (fast generation, the
-        loss under bf16 autocast where the config's resolved `bf16` says so); `bf16` overrides the loss's precision."""
-        from accelerate.state import AcceleratorState
-
-        from trl_federated.adapters import set_adapter_state
-        from trl_federated.trainer import FedGRPOTrainer
-
-        set_adapter_state(self.model, self.adapter)
-        args = copy.deepcopy(self.args)
-        args.fast_generation = fast
-        args.bf16 = (self.args.bf16 and fast) if bf16 is None else bf16
-        args.mixed_precision = "bf16" if args.bf16 else "no"
-        AcceleratorState._reset_state(reset_partial_state=True)  # the mixed precision is the process's, set per trainer
-        args.max_steps = args.local_steps = steps
-        trainer = FedGRPOTrainer(
-            model=self.model, reward_funcs=self.reward_funcs, args=args, train_dataset=self.client_data,
-            processing_class=self.tokenizer,
-        )  # fmt: skip
-        self.phases.wrap(trainer, "_generate_and_score_completions", "generation")
-        self.phases.wrap(trainer, "compute_loss", "loss")
-        self.phases.wrap(trainer.accelerator, "backward", "loss")
-        return trainer
-
-    def first_batch_prompt_ids(self, trainer) -> list[list[int]]:
-        rows = self.client_data.select(range(self.args.generation_batch_size // self.args.num_generations))
-        prompts = [prompt for prompt in rows["prompt"] for _ in range(self.args.num_generations)]
-        return trainer._tokenize_prompts(prompts)[0]
-
-    def generation(self, trainer, prompt_ids, new_tokens: int) -> float:
-        """Wall seconds of `_generate_single_turn` with exactly `new_tokens` new tokens per row."""
-        config = trainer.generation_config
-        saved = config.max_new_tokens, config.min_new_tokens
-        config.max_new_tokens = config.min_new_tokens = new_tokens
-        try:
-            torch.manual_seed(0)
-            start = time.perf_counter()
-            trainer._generate_single_turn(prompt_ids, None, {}, self.args.num_generations)
-            return time.perf_counter() - start
-        finally:
-            config.max_new_tokens, config.min_new_tokens = saved
-
-    def steps(self, fast: bool, steps: int) -> dict[str, float]:
-        trainer = self.trainer(fast, steps)
-        self.phases.take()
-        start = time.perf_counter()
-        trainer.train()
-        total = time.perf_counter() - start
-        phases = self.phases.take()
-        per_step = {name: seconds / steps for name, seconds in phases.items()}
-        per_step["step"] = total / steps
-        per_step["rest"] = per_step["step"] - per_step["generation"] - per_step["loss"]
-        return per_step
-
-    def evaluation(self, fast: bool, rows: int, dtype: str) -> tuple[float, float]:
-        from trl_federated.adapters import set_adapter_state
-        from trl_federated.evaluation import evaluate_accuracy
-
-        set_adapter_state(self.model, self.adapter)
-        result = evaluate_accuracy(
-            self.model, self.tokenizer, self.test.select(range(min(rows, len(self.test)))),
-            label_column=self.args.partition_column, batch_size=self.args.per_device_eval_batch_size,
-            max_new_tokens=self.args.max_completion_length, fast_generation=fast, generation_dtype=dtype,
-        )  # fmt: skip
-        return result["seconds"], result["accuracy"]["Total"]
 
 
 def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_rows: int, tiny: bool) -> dict:
@@ -204,20 +68,23 @@ def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_
         for fast in (False, True):  # warm-up: allocator, the merged copy, lazy initialisation
             bench.generation(trainers[fast], prompt_ids, 2)
             bench.steps(fast, 1)
-        for repeat in range(repeats):
-            for fast in (repeat % 2 == 1, repeat % 2 == 0):  # alternate which path goes first
-                one = bench.generation(trainers[fast], prompt_ids, 1)
-                many = bench.generation(trainers[fast], prompt_ids, decode_tokens)
-                runs[fast]["prefill_s"].append(one)
-                runs[fast]["decode_ms"].append(1000 * (many - one) / (decode_tokens - 1))
-        for repeat in range(repeats):
-            for fast in (repeat % 2 == 1, repeat % 2 == 0):
-                for name, seconds in bench.steps(fast, steps).items():
-                    runs[fast][f"{name}_s"].append(seconds)
-                if eval_rows:
-                    seconds, accuracy = bench.evaluation(fast, eval_rows, dtype_name)
-                    runs[fast]["evaluation_s"].append(seconds)
-                    runs[fast]["eval_accuracy"].append(accuracy)
+        def decode(fast: bool) -> dict[str, float]:
+            one = bench.generation(trainers[fast], prompt_ids, 1)
+            many = bench.generation(trainers[fast], prompt_ids, decode_tokens)
+            return {"prefill_s": one, "decode_ms": 1000 * (many - one) / (decode_tokens - 1)}
+
+        def local_steps(fast: bool) -> dict[str, float]:
+            figures = {f"{name}_s": seconds for name, seconds in bench.steps(fast, steps).items()}
+            if eval_rows:
+                figures["evaluation_s"], figures["eval_accuracy"] = bench.evaluation(fast, eval_rows, dtype_name)
+            return figures
+
+        for measurement in (decode, local_steps):
+            for fast, figures in alternated({fast: functools.partial(measurement, fast) for fast in (False, True)},
+                                            repeats).items():
+                for figure in figures:
+                    for name, value in figure.items():
+                        runs[fast][name].append(value)
         fast_stats = trainers[True].fast_generation_stats
         assert not fast_stats.fallbacks, fast_stats.fallbacks
 

@@ -27,6 +27,7 @@ import contextlib
 import gc
 import importlib
 import inspect
+import itertools
 import logging
 import statistics
 import tempfile
@@ -35,6 +36,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from harness.timing import alternated
 
 MODELS = ("tiny", "smollm2")
 # Module attributes the runner (or the client module split out of it) calls, wrapped by name when present.
@@ -305,12 +308,14 @@ def main() -> None:
         warm = Setup(argparse.Namespace(**{**vars(args), "clients": 1, "rounds": 1, "local_steps": 1}), workdir)
         run_plain(warm, workdir / "warm-plain")
         run_federated(warm, workdir / "warm-federated")
-        plain, federated = [], []
-        for repeat in range(args.repeats):
-            sides = [("plain", run_plain, plain), ("federated", run_federated, federated)]
-            for name, run, results in sides if repeat % 2 == 0 else sides[::-1]:
-                results.append(run(setup, workdir / f"{name}-{repeat}"))
-    report(args, plain, federated)
+        folders = itertools.count()  # every run writes to a folder of its own
+
+        def side(name, run):
+            return lambda: run(setup, workdir / f"{name}-{next(folders)}")
+
+        timers = alternated({"plain": side("plain", run_plain), "federated": side("federated", run_federated)},
+                            args.repeats)
+    report(args, timers["plain"], timers["federated"])
 
 
 def report(args: argparse.Namespace, plain: list[PhaseTimer], federated: list[PhaseTimer]) -> None:

@@ -4,7 +4,7 @@ in what they learn, not in how much data they hold.
 The setting (`examples/configs/premise.yaml`): 4 clients, one reasoning-gym task each (`labels_per_client: 1` over
 `category`), equal data volumes (`equal_partition_sizes`: FedAvg's weights are all 1/4), 12 rounds of 4 local steps,
 R̄ over the whole round. Every cell is one `trl-federated run` of that config with only the method's settings and
-`seed` overridden, run, resumed and committed by the verdict grid's harness (`benchmarks/verdict.py`: `run_grid`):
+`seed` overridden, run, resumed and committed by the benchmarks' harness (`benchmarks/harness/grid.py`: `run_grid`):
 a cell whose `result.json` exists is skipped, an interrupted one resumes from its last round, `--commit` commits each
 finished cell's small files (per-item scores in result.json) and this report, which regenerates from them
 (`--report_only`).
@@ -37,30 +37,22 @@ from pathlib import Path
 
 from scipy import stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from answers import test_items  # noqa: E402
-from verdict import (  # noqa: E402
-    BudgetError,
-    add_run_arguments,
+from harness.cells import (
+    BUDGET_FILE,
     base_evaluation,
     cell_cost,
     cell_diagnostics,
-    grid_cells,
-    holm,
+    finished_results,
+    gold_answers,
     machines,
-    report_files,
-    run_grid,
-    t_interval,
-    with_shared_base,
+    round_records,
 )
-
-from trl_federated.aggregation.base import ClientUpdate  # noqa: E402
-from trl_federated.aggregation.rpg import RPGAggregator  # noqa: E402
-from trl_federated.callbacks import read_metrics  # noqa: E402
-from trl_federated.compare import Cell, load_result  # noqa: E402
-from trl_federated.methods import METHODS  # noqa: E402
+from harness.grid import add_run_arguments, grid_cells, grid_main, report_files
+from harness.significance import holm, t_interval
+from trl_federated.aggregation.base import ClientUpdate
+from trl_federated.aggregation.rpg import RPGAggregator
+from trl_federated.compare import Cell
+from trl_federated.methods import METHODS
 
 DEFAULT_CONFIG = "examples/configs/premise.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid-premise"
@@ -82,15 +74,6 @@ def accuracies(result: dict) -> dict[str, float]:
     return {TOTAL: 100 * final[TOTAL], **tasks, WORST: min(tasks.values()) if tasks else math.nan}
 
 
-def rounds_of(directory: Path) -> list[dict]:
-    """The cell's round records in order, the last line of each round (a resumed run may repeat one)."""
-    rounds = {}
-    for record in read_metrics(directory / "metrics.jsonl"):
-        if record.get("event") == "round":
-            rounds[record["round_idx"]] = record
-    return [rounds[key] for key in sorted(rounds)]
-
-
 def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> float | None:
     """The correlation of RPG's gain with the next change of R̄ over a run's client-rounds, RPG's formula (default
     settings, the config's window) applied to the R̄ and step rewards the run's clients reported, whatever weighed
@@ -105,10 +88,9 @@ def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> float | No
     return aggregator.prediction_sums.correlation()
 
 
-def run_diagnostics(directory: Path) -> dict[str, float]:
+def run_diagnostics(rounds: list[dict]) -> dict[str, float]:
     """R̄'s standard error and the typical change of R̄ a round (mean |R̄_t − R̄_{t−1}| over clients), the run's
-    predictiveness (its own, and RPG's formula on its clients), idle client-rounds, from metrics.jsonl."""
-    rounds = rounds_of(directory)
+    predictiveness (its own, and RPG's formula on its clients), idle client-rounds, from its round records."""
     stderrs = [value for record in rounds for value in (record.get("reward_stderr") or {}).values()
                if value is not None]
     changes, previous = [], {}
@@ -148,8 +130,9 @@ def paired(differences: list[float]) -> dict[str, float]:
 def summarize(results: dict[Cell, dict], root: Path) -> dict:
     per_cell = {}
     for cell, result in results.items():
-        per_cell[cell] = {**accuracies(result), **run_diagnostics(cell.directory(root)),
-                          **cell_diagnostics(cell.directory(root)), **cell_cost(cell.directory(root))}
+        rounds = round_records(cell.directory(root))  # metrics.jsonl, read once for both diagnostics
+        per_cell[cell] = {**accuracies(result), **run_diagnostics(rounds), **cell_diagnostics(rounds),
+                          **cell_cost(cell.directory(root))}
     methods = list(dict.fromkeys(cell.method for cell in results))
     base = base_evaluation(root)
     comparisons = {}
@@ -267,9 +250,9 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
 def constant_floors(root: Path) -> dict[str, tuple[str, float]]:
     """Per task of the grid's test split: its most common gold answer and the accuracy (points) that answering it to
     every item would score; {} without the folder's budget."""
-    if not (root / "budget.json").is_file():
+    if not (root / BUDGET_FILE).is_file():
         return {}
-    tasks, answers = test_items(root)
+    tasks, answers = gold_answers(root)
     floors = {}
     for task in sorted(set(tasks)):
         gold = Counter(answer for name, answer in zip(tasks, answers) if name == task)
@@ -301,21 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/premise.py " + " ".join(shown)
 
     def report() -> str:
-        results = {cell: load_result(cell.directory(root)) for cell in cells
-                   if (cell.directory(root) / "result.json").exists()}
-        results = with_shared_base(results, base_evaluation(root))
+        results = finished_results(cells, root)
         if not results:
             return "No cell has finished yet.\n"
         return write_report(summarize(results, root), results, len(cells), root, command.strip())
 
-    status = 0
-    if not args.report_only:
-        try:
-            status = run_grid(cells, args, extra, report, "premise", premise_files)
-        except BudgetError as error:
-            parser.error(str(error))
-    print(report())
-    return status
+    return grid_main(parser, cells, args, extra, report, "premise", premise_files)
 
 
 if __name__ == "__main__":

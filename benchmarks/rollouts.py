@@ -31,6 +31,7 @@ the memory that batching clients multiplies; for sequential calls, the largest o
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -40,6 +41,7 @@ import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from harness.timing import alternated
 from trl_federated.adapters import default_lora_config
 from trl_federated.data import build_reasoning_benchmark
 from trl_federated.runtime.models import load_model_and_tokenizer
@@ -156,24 +158,16 @@ class Rollouts:
 
 
 def measure_batch_sizes(rollouts: Rollouts, batch_sizes: list[int], repeats: int) -> dict[int, list[Call]]:
-    calls = {size: [] for size in batch_sizes}
-    for repeat in range(repeats):
-        shift = repeat % len(batch_sizes)
-        for size in batch_sizes[shift:] + batch_sizes[:shift]:
-            calls[size].append(rollouts.generate(rollouts.rows(0, size)))
-    return calls
+    return alternated({size: lambda size=size: rollouts.generate(rollouts.rows(0, size)) for size in batch_sizes},
+                      repeats)
 
 
 def measure_mixed_vs_sequential(
     rollouts: Rollouts, num_clients: int, rows_per_client: int, repeats: int
 ) -> dict[str, list[Call]]:
     names = rollouts.add_client_adapters(num_clients)
-    calls = {"mixed": [], "sequential": []}
-    for repeat in range(repeats):
-        order = ["mixed", "sequential"] if repeat % 2 == 0 else ["sequential", "mixed"]
-        for side in order:
-            calls[side].append(getattr(rollouts, side)(names, rows_per_client))
-    return calls
+    sides = {"mixed": rollouts.mixed, "sequential": rollouts.sequential}
+    return alternated({side: functools.partial(call, names, rows_per_client) for side, call in sides.items()}, repeats)
 
 
 def tokens_per_s(calls: list[Call], clock: str = "seconds") -> float:

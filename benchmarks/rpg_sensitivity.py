@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import statistics
@@ -34,13 +33,11 @@ from pathlib import Path
 
 import yaml
 
+from harness.cells import METRICS, cell_metrics, points, with_shared_base
+from harness.grid import run_timed_cell
+from harness.significance import t_interval
 from trl_federated.compare import Cell, load_result, markdown
 from trl_federated.methods import METHODS
-
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("benchmark_verdict", HERE / "verdict.py")
-verdict = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(verdict)
 
 # Appendix D, Tables 10 (λ_base) and 11 (τ_min); Algorithm 1's defaults are λ_base = 0.8, τ_min = 1.5.
 DEFAULT = "(default)"  # the grid's own FGRPO cells, the reference of every paired difference
@@ -123,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for field, value in args.settings:
             for seed in args.seeds:
-                verdict.run_timed_cell(cell(seed), args.config, root / f"{field}={value}",
+                run_timed_cell(cell(seed), args.config, root / f"{field}={value}",
                                        [f"--{field}", value, "--eval_initial", "false"])
     print(report(args, grid, root))
     return 0
@@ -151,13 +148,13 @@ def report(args: argparse.Namespace, grid: Path, root: Path) -> str:
     found = {path.name for path in root.glob("*=*") if path.is_dir()}
     settings = sorted(found | {f"{field}={value}" for field, value in args.settings})
     folders = {DEFAULT: grid, **{name: root / name for name in settings}}
-    results = verdict.with_shared_base({
+    results = with_shared_base({
         (name, seed): load_result(cell(seed).directory(folder))
         for name, folder in folders.items() for seed in finished_seeds(folder)
     })
     if not results:
         return "The verdict grid has no finished cell with the base model's evaluation yet.\n"
-    metrics = {key: verdict.cell_metrics(result) for key, result in results.items()}
+    metrics = {key: cell_metrics(result) for key, result in results.items()}
     rows, records = [], []
     for name, folder in folders.items():
         seeds = sorted(seed for setting, seed in results if setting == name)
@@ -167,21 +164,21 @@ def report(args: argparse.Namespace, grid: Path, root: Path) -> str:
         if name != DEFAULT:  # setting − default, seed by seed
             common = [seed for seed in seeds if (DEFAULT, seed) in metrics]
             paired = {
-                key: verdict.t_interval([metrics[name, seed][f"{key}_gain"] - metrics[DEFAULT, seed][f"{key}_gain"]
+                key: t_interval([metrics[name, seed][f"{key}_gain"] - metrics[DEFAULT, seed][f"{key}_gain"]
                                          for seed in common])
-                for key in verdict.METRICS
+                for key in METRICS
             }
         diagnostics = [weight_diagnostics(results[name, seed], completions) for seed in seeds]
         mean = {key: statistics.fmean(d[key] for d in diagnostics) for key in diagnostics[0]}
         ratios = [r for r in (server_step_ratio(cell(seed).directory(folder)) for seed in seeds) if r is not None]
         mean["server_step_ratio"] = statistics.fmean(ratios) if ratios else None
-        gains = {f"{key}_gain": verdict.t_interval([metrics[name, seed][f"{key}_gain"] for seed in seeds])
-                 for key in verdict.METRICS}
+        gains = {f"{key}_gain": t_interval([metrics[name, seed][f"{key}_gain"] for seed in seeds])
+                 for key in METRICS}
         record = {"setting": name, "seeds": seeds, **gains, "paired_vs_default": paired, **mean}
         records.append(record)
         rows.append([
-            name, str(len(seeds)), verdict._points(record["total_gain"]), verdict._points(record["hard_gain"]),
-            verdict._points(paired["total"]) if paired else "—", verdict._points(paired["hard"]) if paired else "—",
+            name, str(len(seeds)), points(record["total_gain"]), points(record["hard_gain"]),
+            points(paired["total"]) if paired else "—", points(paired["hard"]) if paired else "—",
             f"{mean['mean_abs_h']:.2f}", f"{mean['weight_spread']:.2f}", f"{mean['reward_standard_error']:.3f}",
             "—" if mean["server_step_ratio"] is None else f"{mean['server_step_ratio']:.1f}",
         ])

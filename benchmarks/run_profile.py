@@ -18,10 +18,8 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile import read_peak_rss_mib, reset_peak_rss  # noqa: E402
+from harness.timing import read_peak_rss_mib, reset_peak_rss
 
 
 class NestedPhaseMeter:
@@ -74,12 +72,17 @@ class NestedPhaseMeter:
 
 
 def main(argv: list[str] | None = None) -> NestedPhaseMeter:
+    from importlib.metadata import entry_points
+
     import accelerate
     from trl import GRPOTrainer
 
     import trl_federated.models
     import trl_federated.server
-    from trl_federated.cli import main as cli_main
+
+    # The command as a user runs it: the `trl-federated` console script (this checkout's, the harness put it first).
+    (command,) = entry_points(group="console_scripts", name="trl-federated")
+    run_command = command.load()
 
     meter = NestedPhaseMeter()
     meter.wrap(trl_federated.models, "load_model_and_tokenizer", "model load")  # imported at call time by the CLI
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> NestedPhaseMeter:
     start = time.process_time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` also prints the phases run so far
     try:
-        code = cli_main(sys.argv[1:] if argv is None else argv)
+        code = run_command(sys.argv[1:] if argv is None else argv)
     finally:
         meter.restore()
         print(meter.report(), f"\nwhole run: {time.process_time() - start:.0f} CPU s", file=sys.stderr)

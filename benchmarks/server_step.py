@@ -32,11 +32,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the grid's harness beside it, also when loaded by path
-import verdict  # noqa: E402  (it puts this checkout's package first, also where another checkout is installed)
-
-from trl_federated.callbacks import read_metrics  # noqa: E402
-from trl_federated.compare import Cell, cell_command  # noqa: E402
+from harness.cells import BUDGET_FILE
+from harness.grid import DEFAULT_CONFIG, check_budget, commit, committed_files, run_cells
+from trl_federated.callbacks import read_metrics
+from trl_federated.compare import Cell, cell_command
 
 DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-sgd", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo-paper"]
 VALIDATION_FILE = "validation.json"
@@ -191,7 +190,7 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--config", default=verdict.DEFAULT_CONFIG)
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--designs", nargs="+", default=DESIGNS, choices=DESIGNS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -209,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     cells = [Cell(design, seed, 3, "0.05") for seed in args.seeds for design in args.designs]
     command = "python benchmarks/server_step.py " + " ".join(arg for arg in argv if arg != "--report_only")
     if not args.report_only:
-        verdict.check_budget(root, args.config, [])
+        check_budget(root, args.config, [])
         me = [sys.executable, __file__, "--config", args.config, "--output_dir", str(root),
               "--per_group", str(args.per_group), "--evaluate"]
         if not (root / BASE_VALIDATION_FILE).exists():
             subprocess.run(me, check=True)
         for cell in cells:
             directory = cell.directory(root)
-            failures = verdict.run_cells(
+            failures = run_cells(
                 [cell], root, lambda cell: cell_command(cell, args.config, root, ["--eval_initial", "false"])
             )
             if failures:
@@ -224,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([*me, str(directory)], check=True)
             write_report(root, cells, command.strip())
             if args.commit:
-                shared = (BASE_VALIDATION_FILE, REPORT_FILE, verdict.BUDGET_FILE)
-                files = [*verdict.committed_files(directory), *(root / name for name in shared)]
-                verdict.commit(files, f"server step: {cell.method} seed {cell.seed} finished")
+                shared = (BASE_VALIDATION_FILE, REPORT_FILE, BUDGET_FILE)
+                files = [*committed_files(directory), *(root / name for name in shared)]
+                commit(files, f"server step: {cell.method} seed {cell.seed} finished")
     print(write_report(root, cells, command.strip()))
     return 0
 

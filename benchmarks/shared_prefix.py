@@ -23,66 +23,15 @@ not depend on the log-probabilities: its ratio is exp(logp - logp.detach()) = 1)
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
 
 import torch
 
-PROMPT_LENGTH = 191  # the quickstart's one-shot prompts: ~143 real tokens, 191 padded
-COMPLETION_LENGTH = 64
-
-
-def build_trainer(model_path: str | None, output_dir: str, micro_batch: int):
-    from datasets import Dataset
-
-    from trl_federated import FedGRPOConfig, FedGRPOTrainer
-    from trl_federated.adapters import default_lora_config
-    from trl_federated.runtime.models import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(model_path)
-    # `shared_prefix` on, so that the speed-ups' mixin joins the trainer (it joins only a trainer whose config turns
-    # one on); each measurement then switches it, and `recompute_gated_mlp`, per step.
-    args = FedGRPOConfig(
-        output_dir=output_dir, bf16=False, use_cpu=True, gradient_checkpointing=False, report_to="none",
-        per_device_train_batch_size=micro_batch, num_generations=2, max_completion_length=COMPLETION_LENGTH,
-        shared_prefix=True,
-    )  # fmt: skip
-    trainer = FedGRPOTrainer(
-        model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["unused"] * 4}), processing_class=tokenizer,
-        peft_config=default_lora_config(),
-    )  # fmt: skip
-    trainer.model.train()
-    return trainer
-
-
-def generation_batch(trainer, num_prompts: int, group_size: int, micro_batch: int, seed: int) -> list[dict]:
-    """A generation batch of `num_prompts` x `group_size` rows, shuffled and split into micro-batches."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab_size, pad_token_id = len(trainer.processing_class), trainer.processing_class.pad_token_id
-    lengths = [PROMPT_LENGTH] + torch.randint(130, PROMPT_LENGTH + 1, (num_prompts - 1,), generator=generator).tolist()
-    prompt_ids = torch.full((num_prompts, PROMPT_LENGTH), pad_token_id)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for row, length in enumerate(lengths):
-        prompt_ids[row, -length:] = torch.randint(vocab_size, (length,), generator=generator)
-        prompt_mask[row, -length:] = 1
-    rows = num_prompts * group_size
-    order = torch.randperm(rows, generator=generator)
-    batch = {
-        "prompt_ids": prompt_ids.repeat_interleave(group_size, dim=0)[order],
-        "prompt_mask": prompt_mask.repeat_interleave(group_size, dim=0)[order],
-        "completion_ids": torch.randint(vocab_size, (rows, COMPLETION_LENGTH), generator=generator),
-        "completion_mask": torch.ones(rows, COMPLETION_LENGTH, dtype=torch.long),
-        "advantages": torch.randn(rows, generator=generator),
-    }
-    micro_batches = [
-        {key: value[start : start + micro_batch] for key, value in batch.items()}
-        for start in range(0, rows, micro_batch)
-    ]
-    for inputs in micro_batches:
-        inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
-    return micro_batches
+from harness.timing import alternated
+from harness.trainers import COMPLETION_LENGTH, PROMPT_LENGTH, build_trainer, generation_batch
 
 
 def step(trainer, micro_batches: list[dict], shared_prefix: bool) -> tuple[float, torch.Tensor]:
@@ -131,13 +80,10 @@ def measure(model: str, group_sizes: list[int], num_prompts: int, micro_batch: i
     for group_size in group_sizes:
         micro_batches = generation_batch(trainer, num_prompts, group_size, micro_batch, seed=group_size)
         rows_before, prompt_rows_before = trainer.shared_prefix_stats.rows, trainer.shared_prefix_stats.prompt_rows
-        seconds = {False: [], True: []}
-        gradients = {}
-        for repeat in range(repeats):
-            # alternate which side goes first, so that neither always runs on a warmer cache
-            for shared_prefix in (repeat % 2 == 1, repeat % 2 == 0):
-                cpu_seconds, gradients[shared_prefix] = step(trainer, micro_batches, shared_prefix)
-                seconds[shared_prefix].append(cpu_seconds)
+        runs = alternated({shared: functools.partial(step, trainer, micro_batches, shared) for shared in (False, True)},
+                          repeats)
+        seconds = {shared: [cpu_seconds for cpu_seconds, _ in runs[shared]] for shared in runs}
+        gradients = {shared: runs[shared][-1][1] for shared in runs}  # each side's last step
         counts = token_counts(micro_batches)
         # what the shared path itself counted agrees with the count above
         assert trainer.shared_prefix_stats.rows - rows_before == repeats * counts["rows"]

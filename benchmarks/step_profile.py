@@ -22,16 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-
-def read_peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("No VmHWM in /proc/self/status: this benchmark needs Linux.")
-
-
-def reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # "5" resets the peak RSS to the current RSS
+from harness.timing import read_peak_rss_mib, reset_peak_rss
 
 
 class PhaseMeter:

@@ -29,164 +29,39 @@ CPU time per cell.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import itertools
 import json
 import math
-import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-import yaml
-from scipy import optimize, stats
+from harness.cells import (
+    EXPLORATORY,
+    METRICS,
+    PRIMARY,
+    cell_cost,
+    cell_diagnostics,
+    cell_metrics,
+    finished_results,
+    machines,
+    points,
+    round_records,
+    test_item_tasks,
+    with_task_groups,
+)
+from harness.grid import add_run_arguments, grid_cells, grid_main
+from harness.significance import holm, minimum_detectable, paired_gain, paired_p, seeds_for, t_interval
+from trl_federated.compare import Cell, markdown
+from trl_federated.methods import ABLATIONS, METHODS
 
-# This checkout's package first, also where another checkout is installed (a worktree running a grid): the harness
-# then reads the same methods table as the cells it runs (`cell_command` runs them from this checkout).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from trl_federated.callbacks import read_metrics  # noqa: E402
-from trl_federated.compare import Cell, cell_command, load_result, markdown  # noqa: E402
-from trl_federated.methods import ABLATIONS, METHODS  # noqa: E402
-
-DEFAULT_CONFIG = "examples/configs/grid.yaml"
-DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
 # FGRPO and its baselines (with FGRPO's averaging step, its "w/o RPG" ablation is FedAvg), then the paper's literal
 # step and its ablation, whose committed cells stay as rows of their own
 DEFAULT_METHODS = ["fgrpo", "fedavg", "fedprox", "scaffold", "fgrpo-paper", "fgrpo-paper-wo-rpg"]
 REFERENCE = "fgrpo"
-# Reported name -> accuracy key of an evaluation. The endpoints, named before the cells ran: total accuracy (primary),
-# the hard tier, and the arithmetic tasks against the others (secondary: where the paper-literal server step
-# collapsed), the last two from the per-item scores (`with_task_groups`).
-METRICS = {"total": "Total", "hard": "hard", "arith": "arithmetic", "other": "other tasks"}
-PRIMARY = "total"
-# Added after the grid ran (exploratory, not named before the cells): the simple tier, where SCAFFOLD looked ahead.
-# Corrected for multiplicity with the secondary endpoints (`holm`).
-EXPLORATORY = {"simple": "simple"}
-TASK_GROUPS = {"arithmetic": ("chain_sum", "products")}  # the rest: "other tasks"
 TARGET_HALF_WIDTH = 3.0  # points: the resolution the verdict aims at for FGRPO − FedAvg (issue 34)
-TEST_ITEMS_FILE = "test-items.json"  # per grid folder: the task of every test item, in evaluation order
-COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end
-BUDGET_FILE = "budget.json"  # per grid folder: the config and flags its cells ran with
-# A finished cell's files that are committed (`--commit`): small, and enough to recheck every figure of the report
-# and each client's curves. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
-CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png",
-              "validation.json")
-REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE, TEST_ITEMS_FILE)
-MAX_COMMITTED_BYTES = 5 * 2**20  # a cell file larger than this is not committed (and said so)
-# What limits a cell process to its share of the cores under `--parallel`: torch's intra-op threads follow OMP.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-# Recorded with every cell attempt (`machine_record`): the CPU flags that choose torch's kernels, and the libraries
-# whose versions change what a cell computes.
-KERNEL_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"})
-KERNEL_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "numpy")
-
-
-# Statistics ------------------------------------------------------------------------------------------------
-
-
-def t_quantile(probability: float, df: int) -> float:
-    """The `probability` quantile of Student's t with `df` degrees of freedom (0.975, 2 -> 4.303)."""
-    if df < 1:
-        raise ValueError(f"t_quantile needs df >= 1, got {df}.")
-    return float(stats.t.ppf(probability, df))
-
-
-def t_interval(values: list[float], confidence: float = 0.95) -> dict[str, float]:
-    """Mean and two-sided t-interval of `values`, with their standard deviation and the interval's half-width
-    (one value: no interval, `low`, `high`, `sd` and `half_width` are NaN)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2 or math.isnan(mean):  # one value, or an endpoint some cell lacks
-        return {"mean": mean, "low": math.nan, "high": math.nan, "n": len(values), "sd": math.nan,
-                "half_width": math.nan}
-    sd = statistics.stdev(values)
-    half = t_quantile(0.5 + confidence / 2, len(values) - 1) * sd / math.sqrt(len(values))
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values), "sd": sd, "half_width": half}
-
-
-def minimum_detectable(sd: float, n: int, confidence: float = 0.95, power: float = 0.8) -> float:
-    """The smallest true mean difference that a two-sided one-sample t-test of `n` paired differences with standard
-    deviation `sd` detects at level 1 − `confidence` with probability `power` (exact, by the noncentral t); NaN
-    without a spread (fewer than 2 values, or `sd` 0)."""
-    if n < 2 or not sd > 0:
-        return math.nan
-    df, critical = n - 1, t_quantile(0.5 + confidence / 2, n - 1)
-
-    def shortfall(delta: float) -> float:
-        shift = delta * math.sqrt(n) / sd
-        # The wrong-sign tail is negligible where scipy's noncentral t returns NaN for it (large shifts).
-        wrong_sign = float(stats.nct.cdf(-critical, df, shift))
-        return float(stats.nct.sf(critical, df, shift)) + (0.0 if math.isnan(wrong_sign) else wrong_sign) - power
-
-    high = sd
-    while shortfall(high) < 0:
-        high *= 2
-    return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-10))
-
-
-def paired_gain(base: list[float], final: list[float], confidence: float = 0.95) -> dict:
-    """The gain of `final` over `base`, per-item scores of the same test items in the same order, in points: the
-    mean difference with its two-sided t-interval, the paired t-test's p-value, and for binary scores McNemar's exact
-    test (two-sided binomial test of the items that went right against those that went wrong; None otherwise).
-    `passed`: the interval lies above 0 and McNemar's p (where there is one) is below 1 − `confidence`."""
-    if len(base) != len(final) or len(base) < 2:
-        raise ValueError(
-            f"A paired test needs the same items, at least 2, in both evaluations: got {len(base)} "
-            f"base and {len(final)} final scores."
-        )
-    differences = [100 * (after - before) for before, after in zip(base, final)]
-    interval = t_interval(differences, confidence)
-    if interval["sd"] > 0:
-        p_value = float(stats.ttest_rel(final, base).pvalue)
-    else:  # every item moved by the same amount: no spread, and a t-test is undefined
-        p_value = 1.0 if interval["mean"] == 0 else 0.0
-    improved = sum(after > before for before, after in zip(base, final))
-    worsened = sum(after < before for before, after in zip(base, final))
-    binary = all(value in (0.0, 1.0) for value in (*base, *final))
-    mcnemar = None
-    if binary:
-        mcnemar = float(stats.binomtest(improved, improved + worsened, 0.5).pvalue) if improved + worsened else 1.0
-    passed = interval["low"] > 0 and (mcnemar is None or mcnemar < 1 - confidence)
-    return {
-        "items": len(base),
-        "base": 100 * statistics.fmean(base),
-        "final": 100 * statistics.fmean(final),
-        "gain": interval["mean"],
-        "low": interval["low"],
-        "high": interval["high"],
-        "p_value": p_value,
-        "improved": improved,
-        "worsened": worsened,
-        "mcnemar_p": mcnemar,
-        "passed": passed,
-    }
-
-
-def paired_p(differences: list[float]) -> float:
-    """The two-sided p-value of a paired t-test that the differences' mean is 0 (scipy's `ttest_1samp`); NaN with
-    fewer than 2 differences or none of them apart."""
-    if len(differences) < 2 or any(math.isnan(value) for value in differences) or min(differences) == max(differences):
-        return math.nan  # too few, an endpoint some cell lacks, or no spread
-    return float(stats.ttest_1samp(differences, 0.0).pvalue)
-
-
-def holm(p_values: dict[str, float]) -> dict[str, float]:
-    """Holm's step-down adjusted p-values (Holm 1979): the k-th smallest of m times (m − k + 1), kept monotone;
-    NaN stays NaN and is not counted in m."""
-    order = sorted((p, name) for name, p in p_values.items() if not math.isnan(p))
-    adjusted, running = {}, 0.0
-    for rank, (p, name) in enumerate(order):
-        running = max(running, min(1.0, (len(order) - rank) * p))
-        adjusted[name] = running
-    return {name: adjusted.get(name, math.nan) for name in p_values}
 
 
 def reading(interval: dict[str, float]) -> str:
@@ -203,8 +78,6 @@ def reading(interval: dict[str, float]) -> str:
         return "baseline better"
     return "not resolved (interval holds 0)"
 
-
-# Cells -----------------------------------------------------------------------------------------------------
 
 
 def parse_extra_seeds(specs: Iterable[str], methods: list[str]) -> dict[str, list[int]]:
@@ -227,400 +100,14 @@ def parse_extra_seeds(specs: Iterable[str], methods: list[str]) -> dict[str, lis
     return extra
 
 
-def grid_cells(methods: list[str], seeds: list[int], extra_seeds: dict[str, list[int]], num_clients: list[int],
-               alphas: list[str]) -> list[Cell]:
-    """Every (setting, seed, method) cell, methods innermost: after each seed every method that runs it has its
-    cell, so a partial grid is already a paired comparison, and the seeds only some methods run come last."""
-    method_seeds = {method: list(dict.fromkeys([*seeds, *extra_seeds.get(method, [])])) for method in methods}
-    all_seeds = list(dict.fromkeys(seed for method in methods for seed in method_seeds[method]))
-    return [
-        Cell(method, seed, clients, alpha)
-        for clients, alpha, seed in itertools.product(num_clients, alphas, all_seeds)
-        for method in methods
-        if seed in method_seeds[method]
-    ]
-
-
-def cell_metrics(result: dict) -> dict[str, float]:
-    """Accuracy gains of a finished cell over the base model (round -1), in points; NaN for an endpoint its
-    evaluations lack (the task groups without per-item scores)."""
-    evaluations = result["evaluations"]
-    base, final = evaluations["-1"]["accuracy"], evaluations[max(evaluations, key=int)]["accuracy"]
-    metrics = {}
-    for name, key in {**METRICS, **EXPLORATORY}.items():
-        if key not in base or key not in final:
-            metrics.update(dict.fromkeys((f"{name}_base", f"{name}_final", f"{name}_gain"), math.nan))
-            continue
-        metrics[f"{name}_base"] = 100 * base[key]
-        metrics[f"{name}_final"] = 100 * final[key]
-        metrics[f"{name}_gain"] = 100 * (final[key] - base[key])
-    return metrics
-
-
-def test_item_tasks(root: Path) -> list[str]:
-    """The task (`category`) of every test item in the order evaluations score them, built once from the budget the
-    grid folder's cells ran (`BUDGET_FILE`) and cached in its `TEST_ITEMS_FILE`; [] for a folder without either."""
-    path, budget = root / TEST_ITEMS_FILE, root / BUDGET_FILE
-    if path.exists():
-        return json.loads(path.read_text(encoding="utf-8"))
-    if not budget.exists():
-        return []
-    import tempfile
-
-    from trl_federated.arguments import parse_run_args
-    from trl_federated.data.loading import load_benchmark
-
-    with tempfile.TemporaryDirectory() as folder:
-        config = Path(folder) / "budget.yaml"
-        config.write_text(yaml.safe_dump(json.loads(budget.read_text(encoding="utf-8"))["config"]), encoding="utf-8")
-        _, _, data_args = parse_run_args(["--config", str(config)])
-    _, test = load_benchmark(data_args)
-    tasks = list(test["category"]) if "category" in test.column_names else []
-    path.write_text(json.dumps(tasks) + "\n", encoding="utf-8")
-    return tasks
-
-
-def with_task_groups(results: dict[Any, dict], tasks: list[str]) -> dict[Any, dict]:
-    """Each evaluation of `results` with the accuracy of every `TASK_GROUPS` group and of the other tasks, from its
-    per-item scores (`row_rewards`, in the order of `tasks`); an evaluation without them is left as it is."""
-    groups = {name: {index for index, task in enumerate(tasks) if task in members}
-              for name, members in TASK_GROUPS.items()}
-    groups["other tasks"] = set(range(len(tasks))) - set().union(*groups.values())
-    for result in results.values():
-        for evaluation in result["evaluations"].values():
-            rows = evaluation.get("row_rewards")
-            if rows is None or len(rows) != len(tasks):
-                continue
-            for name, indices in groups.items():
-                if indices:
-                    evaluation["accuracy"][name] = statistics.fmean(rows[index] for index in indices)
-    return results
-
-
-def seeds_for(sd: float, half_width: float = TARGET_HALF_WIDTH, confidence: float = 0.95,
-              limit: int = 1000) -> int | None:
-    """The fewest paired seeds whose 95% t-interval is at most ±`half_width` at the spread `sd` (None without a
-    spread, or beyond `limit`)."""
-    if not sd > 0:
-        return None
-    for n in range(2, limit + 1):
-        if t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n) <= half_width:
-            return n
-    return None
-
-
-def machines(root: Path, cells: Iterable[Cell]) -> tuple[list[dict], int]:
-    """The distinct machines (`machine_record`) the finished attempts of `cells` ran on, and how many cells have
-    no record (they ran before cells recorded it)."""
-    seen, unrecorded = [], 0
-    for cell in cells:
-        path = cell.directory(root) / COST_FILE
-        attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-        records = [attempt["machine"] for attempt in attempts if "machine" in attempt]
-        unrecorded += not records
-        seen += [record for record in records if record not in seen]
-    return seen, unrecorded
-
-
-def base_evaluation(root: Path) -> dict | None:
-    """The base model's evaluation (round -1) of any finished cell in the grid folder `root` (the gate's cells
-    included), or None: every cell of a folder runs one budget (`check_budget`), so one model and one test split."""
-    for path in sorted(root.glob("*/*/seed*/result.json")):
-        evaluation = load_result(path.parent)["evaluations"].get("-1")
-        if evaluation is not None:
-            return evaluation
-    return None
-
-
-def with_shared_base(results: dict[Any, dict], base: dict | None = None) -> dict[Any, dict]:
-    """The finished cells (keyed by `Cell`, or by anything that names a cell), each with the base model's evaluation
-    (round -1): the grid evaluates it in one cell only (the same model and test split in every cell), so a cell
-    without one takes that cell's, else `base`. Cells are left out until a base evaluation exists."""
-    base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), base)
-    if base is None:
-        return {}
-    for result in results.values():
-        result["evaluations"].setdefault("-1", base)
-    return results
-
 
 def reward_curve(result: dict) -> list[float]:
     """Mean client R̄ per round."""
     return [statistics.fmean(record["rewards"].values()) for record in result["rounds"]]
 
 
-class BudgetError(ValueError):
-    """A grid folder holds cells of another budget (`check_budget`)."""
-
-
-def check_budget(root: Path, config: str, extra: list[str]) -> None:
-    """Record in `root/budget.json` the config (its values) and the flags the cells of `root` run with, or refuse
-    with a `BudgetError`, naming the differences, when the folder already holds cells of another budget: their finished
-    cells would be skipped, not rerun, and mixed into the report."""
-    with open(config, encoding="utf-8") as stream:
-        budget = json.loads(json.dumps({"config": yaml.safe_load(stream) or {}, "flags": list(extra)}))
-    path = root / BUDGET_FILE
-    if not path.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(budget, indent=1) + "\n", encoding="utf-8")
-        return
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    if saved == budget:
-        return
-    keys = sorted(key for key in saved["config"].keys() | budget["config"].keys()
-                  if saved["config"].get(key) != budget["config"].get(key))
-    changes = [f"{key}: {saved['config'].get(key)!r} -> {budget['config'].get(key)!r}" for key in keys]
-    if saved["flags"] != budget["flags"]:
-        changes.append(f"flags: {saved['flags']} -> {budget['flags']}")
-    raise BudgetError(
-        f"{root} holds cells of another budget ({'; '.join(changes)}; recorded in {path}): give this budget its own "
-        "--output_dir, or delete that file if the change cannot alter any result."
-    )
-
-
-def cell_environment(parallel: int) -> dict[str, str] | None:
-    """The environment of a cell process when `parallel` cells share the machine: each gets its share of the cores
-    (`THREAD_VARIABLES`); None (inherit) for one cell at a time."""
-    if parallel <= 1:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(max(1, cores // parallel)))}
-
-
-def machine_record(environment: dict[str, str] | None = None) -> dict[str, Any]:
-    """The machine a cell attempt runs on: bf16 kernels (AVX512-BF16, AMX) differ between CPUs, and threaded kernels
-    between thread counts, so the same seed need not give the same numbers elsewhere. CPU model and the flags that pick
-    kernels (/proc/cpuinfo), the cell's threads (`THREAD_VARIABLES` of `environment`, else the cores) and the versions
-    of the libraries that compute."""
-    from importlib import metadata
-
-    info: dict[str, str] = {}
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as stream:
-        for line in stream:
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = (environment or os.environ).get(THREAD_VARIABLES[0])
-    versions = {}
-    for package in KERNEL_PACKAGES:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    return {
-        "cpu": info.get("model name", platform.processor() or "unknown"),
-        "cpu_flags": sorted(set(info.get("flags", "").split()) & KERNEL_FLAGS),
-        "cores": cores,
-        "threads": int(threads) if threads and threads.isdigit() else cores,
-        "python": platform.python_version(),
-        "versions": versions,
-    }
-
-
-def record_cost(
-    directory: Path, cpu_seconds: float, wall_seconds: float, machine: dict[str, Any] | None = None
-) -> None:
-    path = directory / COST_FILE
-    attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-    attempts.append({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds,
-                     **({"machine": machine} if machine else {})})
-    path.write_text(json.dumps(attempts, indent=1), encoding="utf-8")
-
-
-def cell_cost(directory: Path) -> dict[str, float]:
-    path = directory / COST_FILE
-    attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-    return {key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")}
-
-
-def cell_diagnostics(directory: Path) -> dict[str, float]:
-    """Per-round diagnostics of a cell from its metrics.jsonl ("round" lines; NaN where a cell predates them): the
-    server step against the clients' mean change (`server_step_ratio`, median and maximum over rounds), ‖Δ‖, the
-    cosine of each client's update with Δ, the fraction of GRPO groups whose rewards were all equal (no learning
-    signal) and the spread of the aggregation weights (max ω − min ω), each averaged over rounds (and clients)."""
-    rounds: dict[int, dict] = {}
-    for record in read_metrics(directory / "metrics.jsonl"):  # torn lines skipped
-        if record.get("event") == "round":
-            rounds[record["round_idx"]] = record  # the last line of a round counts (a resumed run may repeat one)
-    ratios, deltas, cosines, zero_std, spreads, entropies = [], [], [], [], [], []
-    step_cosines, momentum_cosines, norms_a, norms_b = [], [], [], []
-    for record in rounds.values():
-        for name, values in (("server_step_cosine", step_cosines), ("server_step_momentum_cosine", momentum_cosines),
-                             ("server_step_norm_a", norms_a), ("server_step_norm_b", norms_b)):
-            if record.get(name) is not None:  # a cell from before the step's diagnostics has none
-                values.append(record[name])
-        if record.get("server_step_ratio") is not None:
-            ratios.append(record["server_step_ratio"])
-        if record.get("delta_norm") is not None:
-            deltas.append(record["delta_norm"])
-        # None: no cosine (a zero update or Δ)
-        cosines.extend(value for value in (record.get("update_cosines") or {}).values() if value is not None)
-        for metrics in (record.get("client_metrics") or {}).values():
-            if metrics.get("frac_reward_zero_std") is not None:
-                zero_std.append(metrics["frac_reward_zero_std"])
-            if metrics.get("entropy") is not None:
-                entropies.append(metrics["entropy"])
-        if record.get("weights"):
-            spreads.append(max(record["weights"].values()) - min(record["weights"].values()))
-    return {
-        "step_ratio_median": statistics.median(ratios) if ratios else math.nan,
-        "step_ratio_max": max(ratios, default=math.nan),
-        "delta_norm": _mean(deltas),
-        "update_cosine": _mean(cosines),
-        "zero_std_groups": _mean(zero_std),
-        "weight_spread": _mean(spreads),
-        "entropy": _mean(entropies),
-        "last_entropy": _mean([metrics["entropy"] for metrics in (rounds[max(rounds)].get("client_metrics") or {})
-                               .values() if metrics.get("entropy") is not None]) if rounds else math.nan,
-        "step_cosine": _mean(step_cosines),
-        "momentum_cosine": _mean(momentum_cosines),
-        "step_norm_a": _mean(norms_a),
-        "step_norm_b": _mean(norms_b),
-    }
-
-
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
-
-
-def run_cells(
-    cells: list[Cell],
-    root: Path,
-    command: Callable[[Cell], list[str] | None],
-    parallel: int = 1,
-    on_finish: Callable[[Cell, bool], None] | None = None,
-) -> list[tuple[Cell, int]]:
-    """Run `command(cell)` for every cell, at most `parallel` processes at a time (`cell_environment`), in order; a
-    None command is a finished cell, skipped. Each attempt that exits 0 appends its CPU seconds (the process's and
-    its children's, `os.wait4`) and wall seconds to the cell's cost.json; an attempt that is killed records nothing,
-    so an interrupted cell's cost is a lower bound. `on_finish(cell, ran)` follows every finished cell, skipped ones
-    included (`ran` False). A failing cell stops the launch of further cells; those running are waited for. Returns
-    the failures, (cell, exit status). Stopped (SIGTERM, or Ctrl-C), it stops the running cells with SIGTERM, waits
-    for them (each resumes from its last round checkpoint on the next run) and exits (status 143 for SIGTERM)."""
-    environment = cell_environment(parallel)
-    pending, running, failures = list(cells), {}, []
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
-    try:
-        _run_cells(pending, running, failures, root, command, parallel, on_finish, environment)
-    except (_Stopped, KeyboardInterrupt) as stop:
-        for cell, process, _ in running.values():
-            print(f"[verdict] stopping {cell.method} {cell.setting} seed {cell.seed}", flush=True)
-            process.terminate()
-        for _, process, _ in running.values():
-            process.wait()
-        if isinstance(stop, _Stopped):
-            raise SystemExit(128 + stop.signum) from None
-        raise
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return failures
-
-
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop(signum, frame) -> None:
-    raise _Stopped(signum)
-
-
-def _run_cells(pending, running, failures, root, command, parallel, on_finish, environment) -> None:
-    while pending or running:
-        while pending and len(running) < max(1, parallel) and not failures:
-            cell = pending.pop(0)
-            argv = command(cell)
-            if argv is None:
-                if on_finish is not None:
-                    on_finish(cell, False)
-                continue
-            cell.directory(root).mkdir(parents=True, exist_ok=True)
-            process = subprocess.Popen(argv, env=environment)
-            running[process.pid] = (cell, process, time.perf_counter())
-        if not running:
-            break
-        pid, status, usage = os.wait4(-1, 0)
-        if pid not in running:  # not a cell of this grid
-            continue
-        cell, process, started = running.pop(pid)
-        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen.wait
-        if process.returncode != 0:
-            print(f"[verdict] {cell.method} {cell.setting} seed {cell.seed}: failed with exit status "
-                  f"{process.returncode}; no further cell is started", flush=True)
-            failures.append((cell, process.returncode))
-            continue
-        record_cost(cell.directory(root), usage.ru_utime + usage.ru_stime, time.perf_counter() - started,
-                    machine_record(environment))
-        if on_finish is not None:
-            on_finish(cell, True)
-
-
-def run_timed_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> None:
-    """One cell (`run_cells`), its cost recorded in its cost.json; raises if it fails."""
-    failures = run_cells([cell], root, lambda cell: cell_command(cell, config, root, extra))
-    if failures:
-        raise subprocess.CalledProcessError(failures[0][1], f"trl-federated run of {cell}")
-
-
-# Commits ---------------------------------------------------------------------------------------------------
-
-
-def committed_files(directory: Path) -> list[Path]:
-    """A finished cell's files that `--commit` commits: `CELL_FILES` that exist and are at most
-    `MAX_COMMITTED_BYTES`; never its adapters, round adapters or checkpoints."""
-    files = []
-    for name in CELL_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        if path.stat().st_size > MAX_COMMITTED_BYTES:
-            print(f"[verdict] {path} is {path.stat().st_size / 2**20:.1f} MiB: not committed", flush=True)
-            continue
-        files.append(path)
-    return files
-
-
-def report_files(root: Path) -> list[Path]:
-    """The grid folder's report (`REPORT_FILES`, the gate's report and the curves) that exists."""
-    names = [*REPORT_FILES, "gate.md", "gate.json"]
-    return [root / name for name in names if (root / name).is_file()] + sorted(root.glob("curves-*.png"))
-
-
-def commit(paths: list[Path], message: str) -> bool:
-    """`git add` and `git commit` exactly `paths` (nothing else staged goes in) in the repository holding them; False
-    when there is nothing new to commit or git fails (said on stdout: the grid goes on, and the next run of the
-    same command commits what this one could not)."""
-    if not paths:
-        return False
-    cwd = paths[0].parent
-    names = [str(path.resolve()) for path in paths]
-
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-
-    for args in (("add", "--force", "--", *names), ("diff", "--cached", "--name-only", "--", *names)):
-        result = git(*args)
-        if result.returncode != 0:
-            print(f"[verdict] not committed: git {args[0]} failed ({result.stderr.strip()})", flush=True)
-            return False
-    if not result.stdout.strip():  # every file is committed as it is
-        return False
-    result = git("commit", "--quiet", "--only", "-m", message, "--", *names)
-    if result.returncode != 0:
-        print(f"[verdict] not committed: git commit failed ({(result.stderr or result.stdout).strip()})", flush=True)
-        return False
-    print(f"[verdict] committed: {message}", flush=True)
-    return True
-
-
-# Report ----------------------------------------------------------------------------------------------------
-
-
-def _points(interval: dict[str, float]) -> str:
-    if math.isnan(interval["low"]):
-        return f"{interval['mean']:+.2f}"
-    return f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]"
 
 
 def _optional(value: float, spec: str = ".2f") -> str:
@@ -666,7 +153,7 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
             paired[name] = t_interval(differences)
             paired[f"{name}_reading"] = reading(paired[name])
             paired[f"{name}_detectable_80"] = minimum_detectable(paired[name]["sd"], len(differences))
-            paired[f"{name}_seeds_for_target"] = seeds_for(paired[name]["sd"])
+            paired[f"{name}_seeds_for_target"] = seeds_for(paired[name]["sd"], TARGET_HALF_WIDTH)
             p_values[name] = paired_p(differences)
         # the secondary (and exploratory) endpoints of one baseline, corrected together; the primary stands alone
         secondary = holm({name: p for name, p in p_values.items() if name != PRIMARY})
@@ -713,8 +200,8 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
               "Final hard", "Hard gain [95% CI]", "CPU min/cell", "Wall min/cell"]
     rows = [
         [row["setting"], row["method"], str(len(row["seeds"])), f"{row['total_base']['mean']:.2f}",
-         f"{row['total_final']['mean']:.2f}", _points(row["total_gain"]), f"{row['hard_base']['mean']:.2f}",
-         f"{row['hard_final']['mean']:.2f}", _points(row["hard_gain"]), f"{row['cpu_seconds_per_cell'] / 60:.1f}",
+         f"{row['total_final']['mean']:.2f}", points(row["total_gain"]), f"{row['hard_base']['mean']:.2f}",
+         f"{row['hard_final']['mean']:.2f}", points(row["hard_gain"]), f"{row['cpu_seconds_per_cell'] / 60:.1f}",
          f"{row['wall_seconds_per_cell'] / 60:.1f}"]
         for row in summary["methods"]
     ]
@@ -723,20 +210,20 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
                      f"Seeds for ±{TARGET_HALF_WIDTH:g}, total", "FGRPO − baseline, hard [95% CI]", "Reading (hard)",
                      "Resolved beyond ±, hard"]
     paired_rows = [
-        [row["setting"], row["baseline"], str(len(row["seeds"])), _points(row["total"]), row["total_reading"],
+        [row["setting"], row["baseline"], str(len(row["seeds"])), points(row["total"]), row["total_reading"],
          _optional(row["total"]["half_width"]), _optional(row["total_detectable_80"]),
-         "—" if row["total_seeds_for_target"] is None else str(row["total_seeds_for_target"]), _points(row["hard"]),
+         "—" if row["total_seeds_for_target"] is None else str(row["total_seeds_for_target"]), points(row["hard"]),
          row["hard_reading"], _optional(row["hard"]["half_width"])]
         for row in summary["paired"]
     ]
     task_header = ["Setting", "Method or baseline", "Seeds", "Arithmetic gain [95% CI]", "Other tasks gain [95% CI]"]
     task_rows = [
-        [row["setting"], row["method"], str(len(row["seeds"])), _points(row["arith_gain"]),
-         _points(row["other_gain"])]
+        [row["setting"], row["method"], str(len(row["seeds"])), points(row["arith_gain"]),
+         points(row["other_gain"])]
         for row in summary["methods"]
     ] + [
-        [row["setting"], f"FGRPO − {row['baseline']}", str(len(row["seeds"])), _points(row["arith"]),
-         _points(row["other"])]
+        [row["setting"], f"FGRPO − {row['baseline']}", str(len(row["seeds"])), points(row["arith"]),
+         points(row["other"])]
         for row in summary["paired"]
     ]
     holm_header = ["Setting", "FGRPO − baseline", "Seeds", "Endpoint", "Difference [95% CI]", "p (paired t)",
@@ -744,7 +231,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
     holm_rows = [
         [row["setting"], row["baseline"], str(len(row["seeds"])),
          f"{name}{' (primary)' if name == PRIMARY else ' (exploratory)' if name in EXPLORATORY else ''}",
-         _points(row[name]), _optional(row["p"][name]["p"], ".3f"),
+         points(row[name]), _optional(row["p"][name]["p"], ".3f"),
          "—" if row["p"][name]["p_holm"] is None else _optional(row["p"][name]["p_holm"], ".3f")]
         for row in summary["paired"] for name in {**METRICS, **EXPLORATORY}
     ]
@@ -862,50 +349,6 @@ def plot(summary: dict, root: Path, status: str) -> None:
         plt.close(figure)
 
 
-# Command line ----------------------------------------------------------------------------------------------
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, output_dir: str = DEFAULT_OUTPUT_DIR) -> None:
-    """The flags the grid shares with the gate (`benchmarks/gate.py`): which config, where, how many at a time."""
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="Base config of every cell.")
-    parser.add_argument("--output_dir", default=output_dir,
-                        help="Grid folder: one sub-folder per cell, and the report; finished cells are skipped.")
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="Cells run at a time, each a process with its share of the cores (OMP_NUM_THREADS etc.).")
-    parser.add_argument("--commit", action="store_true",
-                        help="After each finished cell, git-commit its small files (result, metrics, summary, curves, "
-                        "cost) and the report; never adapters or checkpoints.")
-    parser.add_argument("--report_only", action="store_true", help="Run nothing: report the cells finished so far.")
-
-
-def run_grid(cells: list[Cell], args: argparse.Namespace, extra: list[str], report: Callable[[], str],
-             label: str, reports: Callable[[Path], list[Path]] = report_files) -> int:
-    """Run `cells` (`run_cells`) in `args.output_dir` after `check_budget`, rewriting the report after every finished
-    cell and committing it and the report's files (`reports`) with `args.commit`; 1 when a cell failed. The base
-    model is evaluated in one cell only, the first, unless a finished cell of the folder has evaluated it already
-    (`base_evaluation`): every cell starts from the same base model and is tested on the same split."""
-    root = Path(args.output_dir)
-    check_budget(root, args.config, extra)
-    shared_base = base_evaluation(root) is not None
-
-    def command(cell: Cell) -> list[str] | None:
-        evaluate_base = cell == cells[0] and not shared_base
-        return cell_command(cell, args.config, root, [*extra, *([] if evaluate_base else ["--eval_initial", "false"])])
-
-    def on_finish(cell: Cell, ran: bool) -> None:
-        if ran:
-            report()
-        if args.commit:
-            name = f"{cell.method} {cell.setting} seed {cell.seed}"
-            commit([*committed_files(cell.directory(root)), *reports(root)], f"{label}: {name} finished")
-
-    failures = run_cells(cells, root, command, args.parallel, on_finish)
-    if args.commit:
-        report()
-        commit(reports(root), f"{label}: report")
-    return 1 if failures else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -932,25 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/verdict.py " + " ".join(arg for arg in argv if arg != "--report_only")
 
     def report() -> str:
-        results = {
-            cell: load_result(cell.directory(root)) for cell in cells if (cell.directory(root) / "result.json").exists()
-        }
-        results = with_task_groups(with_shared_base(results, base_evaluation(root)),
-                                   test_item_tasks(root))
+        results = with_task_groups(finished_results(cells, root), test_item_tasks(root))
         if not results:
             return "No cell has finished yet.\n"
         costs = {cell: cell_cost(cell.directory(root)) for cell in results}
-        diagnostics = {cell: cell_diagnostics(cell.directory(root)) for cell in results}
+        diagnostics = {cell: cell_diagnostics(round_records(cell.directory(root))) for cell in results}
         return write_report(results, costs, diagnostics, len(cells), root, command.strip())
 
-    status = 0
-    if not args.report_only:
-        try:
-            status = run_grid(cells, args, extra, report, "grid")
-        except BudgetError as error:
-            parser.error(str(error))
-    print(report())
-    return status
+    return grid_main(parser, cells, args, extra, report, "grid")
 
 
 if __name__ == "__main__":

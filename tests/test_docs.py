@@ -279,14 +279,14 @@ def check_run(argv: list[str]) -> list[str]:
 
 
 def check_script_flags(script: Path, argv: list[str]) -> list[str]:
-    """A script's flags: each one its argparse declares (or the harness it loads, `benchmarks/verdict.py`), or, for a
-    script that parses `trl-federated run`'s groups or hands them the flags it does not know, a field of them."""
+    """A script's flags: each one its argparse declares (or the harness it imports, `benchmarks/harness/grid.py`), or,
+    for a script that parses `trl-federated run`'s groups or hands them the flags it does not know, a field of them."""
     from trl_federated.cli import BenchmarkArguments
     from trl_federated.config import CONFIG_CLASSES
 
     source = script.read_text(encoding="utf-8")
-    if '"verdict.py"' in source or "from verdict import" in source:
-        source += (ROOT / "benchmarks" / "verdict.py").read_text(encoding="utf-8")
+    if "from harness" in source:
+        source += "".join(path.read_text(encoding="utf-8") for path in (ROOT / "benchmarks" / "harness").glob("*.py"))
     run_like = re.search(r"TrlParser|parse_run_args|HfArgumentParser|parse_known_args", source)
     import dataclasses
 

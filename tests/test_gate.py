@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
+import harness.grid
+import harness.significance
+import verdict
+
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("benchmark_gate", ROOT / "benchmarks" / "gate.py")
 gate = importlib.util.module_from_spec(spec)
@@ -36,7 +40,7 @@ def _binomial_two_sided(successes, trials):
 
 def test_a_resolved_gain_passes():
     base, final = _scores(600, 180, improved=40, worsened=10)
-    record = gate.verdict.paired_gain(base, final)
+    record = harness.significance.paired_gain(base, final)
     assert record["items"] == 600 and record["base"] == pytest.approx(30.0) and record["final"] == pytest.approx(35.0)
     assert record["gain"] == pytest.approx(5.0)
     interval = stats.ttest_rel(final, base).confidence_interval(0.95)
@@ -53,7 +57,7 @@ def test_a_resolved_gain_passes():
 )
 def test_an_unresolved_gain_or_a_loss_fails(improved, worsened):
     base, final = _scores(600, 180, improved, worsened)
-    record = gate.verdict.paired_gain(base, final)
+    record = harness.significance.paired_gain(base, final)
     assert record["gain"] == pytest.approx(100 * (improved - worsened) / 600)
     assert not record["passed"]
     if improved + worsened:
@@ -65,15 +69,15 @@ def test_an_unresolved_gain_or_a_loss_fails(improved, worsened):
 def test_both_tests_must_resolve_the_gain():
     """Where the t-interval clears 0 but McNemar's exact test does not (few changed items), the gate fails."""
     base, final = _scores(40, 10, improved=4, worsened=0)
-    record = gate.verdict.paired_gain(base, final)
+    record = harness.significance.paired_gain(base, final)
     assert record["low"] > 0 and record["mcnemar_p"] == pytest.approx(0.125) and not record["passed"]
 
 
 def test_scores_that_are_not_binary_have_no_mcnemar_test():
-    record = gate.verdict.paired_gain([0.0, 0.5, 0.25, 0.5], [0.5, 1.0, 0.5, 1.0])
+    record = harness.significance.paired_gain([0.0, 0.5, 0.25, 0.5], [0.5, 1.0, 0.5, 1.0])
     assert record["mcnemar_p"] is None and record["passed"]
     with pytest.raises(ValueError, match="same items"):
-        gate.verdict.paired_gain([0.0, 1.0], [1.0])
+        harness.significance.paired_gain([0.0, 1.0], [1.0])
 
 
 def test_the_gate_runs_centralised_grpo_and_the_grids_fedavg_cell():
@@ -93,7 +97,7 @@ def test_the_gate_runs_centralised_grpo_and_the_grids_fedavg_cell():
         "inf",
     ]
     assert str(centralised.directory(Path("grid"))) == "grid/N1-muinf/fedavg/seed0"
-    grid = gate.verdict.grid_cells(gate.verdict.DEFAULT_METHODS, [0, 1, 2], {}, [3], ["0.05"])
+    grid = harness.grid.grid_cells(verdict.DEFAULT_METHODS, [0, 1, 2], {}, [3], ["0.05"])
     assert fedavg in grid and centralised not in grid  # the grid skips the gate's FedAvg cell once it is done
 
 
@@ -140,7 +144,7 @@ def test_the_gate_reports_pass_and_fail_from_its_cells(tmp_path, monkeypatch, ca
             *cell.overrides(),
         ]
 
-    monkeypatch.setattr(gate.verdict, "cell_command", fake_command)
+    monkeypatch.setattr(harness.grid, "cell_command", fake_command)
     config = tmp_path / "grid.yaml"
     config.write_text("num_rounds: 8\nlocal_steps: 5\n")
     root = tmp_path / "grid"

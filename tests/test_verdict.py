@@ -17,6 +17,9 @@ import torch
 import yaml
 from scipy import stats
 
+import harness.cells
+import harness.grid
+from harness.significance import holm, minimum_detectable, paired_p, seeds_for, t_interval, t_quantile
 from trl_federated.compare import Cell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +30,7 @@ spec.loader.exec_module(verdict)
 
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
 def test_t_quantile_matches_the_published_table(df, expected):
-    assert verdict.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
 
 
 @pytest.mark.parametrize("values", [[1.0, 2.0, 3.0], [-3.5, 0.25, 1.0, 7.75, 2.0, 2.0], [0.49, 0.0]])
@@ -35,7 +38,7 @@ def test_t_interval_is_scipys(values):
     """The interval is scipy's t-interval (the hand-written t distribution is gone), as scipy's one-sample t-test
     gives it."""
     assert not hasattr(verdict, "t_cdf")
-    interval = verdict.t_interval(values, confidence=0.95)
+    interval = t_interval(values, confidence=0.95)
     mean, sem = statistics.fmean(values), stats.sem(values)
     low, high = stats.t.interval(0.95, len(values) - 1, loc=mean, scale=sem)
     assert (interval["low"], interval["high"]) == (pytest.approx(low, rel=1e-12), pytest.approx(high, rel=1e-12))
@@ -47,7 +50,7 @@ def test_t_interval_is_scipys(values):
 
 def test_the_minimum_detectable_difference_has_the_asked_power():
     sd, n = 4.0, 6
-    delta = verdict.minimum_detectable(sd, n)
+    delta = minimum_detectable(sd, n)
     critical = stats.t.ppf(0.975, n - 1)
     shift = delta * math.sqrt(n) / sd
     power = stats.nct.sf(critical, n - 1, shift) + stats.nct.cdf(-critical, n - 1, shift)
@@ -57,25 +60,25 @@ def test_the_minimum_detectable_difference_has_the_asked_power():
     assert delta > critical * sd / math.sqrt(n)
     approximation = (critical + stats.t.ppf(0.8, n - 1)) * sd / math.sqrt(n)
     assert delta == pytest.approx(approximation, rel=0.1)
-    assert verdict.minimum_detectable(2 * sd, n) == pytest.approx(2 * delta)  # in proportion to the spread
-    assert math.isnan(verdict.minimum_detectable(0.0, n)) and math.isnan(verdict.minimum_detectable(sd, 1))
+    assert minimum_detectable(2 * sd, n) == pytest.approx(2 * delta)  # in proportion to the spread
+    assert math.isnan(minimum_detectable(0.0, n)) and math.isnan(minimum_detectable(sd, 1))
 
 
 def test_t_interval_and_its_reading():
-    interval = verdict.t_interval([1.0, 2.0, 3.0])
+    interval = t_interval([1.0, 2.0, 3.0])
     half = 4.303 * 1.0 / math.sqrt(3)  # stdev of 1, 2, 3 is 1
     assert interval["mean"] == 2.0 and interval["n"] == 3
     assert (interval["low"] == pytest.approx(2.0 - half, abs=1e-3)
             and interval["high"] == pytest.approx(2.0 + half, abs=1e-3))
     assert verdict.reading(interval).startswith("not resolved")  # 2 ± 2.48 holds 0
-    assert verdict.reading(verdict.t_interval([3.0, 4.0, 5.0])) == "FGRPO better"
-    assert verdict.reading(verdict.t_interval([-3.0, -4.0, -5.0])) == "baseline better"
-    assert verdict.reading(verdict.t_interval([-1.0, 1.0, 0.5])).startswith("not resolved")
-    assert verdict.reading(verdict.t_interval([1.47, 1.47])).startswith("not resolved (every seed gave the same")
-    single = verdict.t_interval([4.0])
+    assert verdict.reading(t_interval([3.0, 4.0, 5.0])) == "FGRPO better"
+    assert verdict.reading(t_interval([-3.0, -4.0, -5.0])) == "baseline better"
+    assert verdict.reading(t_interval([-1.0, 1.0, 0.5])).startswith("not resolved")
+    assert verdict.reading(t_interval([1.47, 1.47])).startswith("not resolved (every seed gave the same")
+    single = t_interval([4.0])
     assert single["mean"] == 4.0 and math.isnan(single["low"]) and verdict.reading(single) == "one seed: no interval"
     with pytest.raises(ValueError, match="df"):
-        verdict.t_quantile(0.975, 0)
+        t_quantile(0.975, 0)
 
 
 def _result(base, final, rewards):
@@ -94,7 +97,7 @@ def _write(root, cell, result, cpu_seconds=600.0):
     directory = cell.directory(root)
     directory.mkdir(parents=True)
     (directory / "result.json").write_text(json.dumps(result))
-    (directory / verdict.COST_FILE).write_text(json.dumps([{"cpu_seconds": cpu_seconds, "wall_seconds": 100.0}]))
+    (directory / harness.cells.COST_FILE).write_text(json.dumps([{"cpu_seconds": cpu_seconds, "wall_seconds": 100.0}]))
 
 
 def test_report_from_finished_cells_is_partial_and_paired_by_seed(tmp_path, capsys):
@@ -201,7 +204,7 @@ def test_the_report_averages_each_cells_round_diagnostics(tmp_path, capsys):
     assert verdict.main(["--output_dir", str(tmp_path), "--methods", "fgrpo", "fedavg", "--seeds", "0", "1",
                          "--report_only"]) == 0
     capsys.readouterr()
-    seed0 = verdict.cell_diagnostics(Cell("fgrpo", 0, 3, "0.05").directory(tmp_path))
+    seed0 = harness.cells.cell_diagnostics(harness.cells.round_records(Cell("fgrpo", 0, 3, "0.05").directory(tmp_path)))
     step_keys = ("entropy", "last_entropy", "step_cosine", "momentum_cosine", "step_norm_a", "step_norm_b")
     steps = {key: seed0.pop(key) for key in step_keys}
     assert seed0 == pytest.approx({"step_ratio_median": 3.0, "step_ratio_max": 6.0, "delta_norm": 0.4,
@@ -223,9 +226,9 @@ def test_the_report_averages_each_cells_round_diagnostics(tmp_path, capsys):
 def test_a_finished_cell_is_skipped_and_keeps_its_cost(tmp_path, capsys):
     cell = Cell("fgrpo", 0, 3, "0.05")
     _write(tmp_path, cell, _result((0.2, 0.1), (0.3, 0.2), [0.1, 0.2, 0.3]), cpu_seconds=123.0)
-    verdict.run_timed_cell(cell, "no-such-config.yaml", tmp_path, [])  # would fail if it ran anything
+    harness.grid.run_timed_cell(cell, "no-such-config.yaml", tmp_path, [])  # would fail if it ran anything
     assert "done, skipped" in capsys.readouterr().out
-    assert verdict.cell_cost(cell.directory(tmp_path)) == {"cpu_seconds": 123.0, "wall_seconds": 100.0}
+    assert harness.cells.cell_cost(cell.directory(tmp_path)) == {"cpu_seconds": 123.0, "wall_seconds": 100.0}
 
 
 def test_cells_share_the_base_evaluation_of_the_first(tmp_path):
@@ -233,9 +236,9 @@ def test_cells_share_the_base_evaluation_of_the_first(tmp_path):
     without = _result((0.9, 0.9), (0.25, 0.1), [0.1, 0.2, 0.3])
     del without["evaluations"]["-1"]  # a cell run with `--eval_initial false`
     fgrpo, fedavg = Cell("fgrpo", 0, 3, "0.05"), Cell("fedavg", 0, 3, "0.05")
-    assert verdict.with_shared_base({fedavg: without}) == {}  # no gain without a base evaluation
-    shared = verdict.with_shared_base({fgrpo: with_base, fedavg: without})
-    assert verdict.cell_metrics(shared[fedavg])["total_gain"] == pytest.approx(5.0)  # 25 − 20, not 25 − 90
+    assert harness.cells.with_shared_base({fedavg: without}) == {}  # no gain without a base evaluation
+    shared = harness.cells.with_shared_base({fgrpo: with_base, fedavg: without})
+    assert harness.cells.cell_metrics(shared[fedavg])["total_gain"] == pytest.approx(5.0)  # 25 − 20, not 25 − 90
 
 
 def test_the_reference_method_is_required(tmp_path):
@@ -293,14 +296,14 @@ def test_extra_seeds_go_to_the_named_methods_after_the_common_seeds():
     methods = ["fgrpo", "fgrpo-paper", "fedavg", "fedprox", "scaffold"]
     extra = verdict.parse_extra_seeds(["fgrpo,fedavg:3,4,5"], methods)
     assert extra == {"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}
-    cells = verdict.grid_cells(methods, [0, 1, 2], extra, [3], ["0.05"])
+    cells = harness.grid.grid_cells(methods, [0, 1, 2], extra, [3], ["0.05"])
     assert len(cells) == 3 * 5 + 2 * 3  # 21: 3 seeds for all, 6 for FGRPO and FedAvg
     assert [(c.method, c.seed) for c in cells[:5]] == [(method, 0) for method in methods]  # methods innermost
     assert [(c.method, c.seed) for c in cells[15:]] == [(m, s) for s in (3, 4, 5) for m in ("fgrpo", "fedavg")]
     assert {c.setting for c in cells} == {"N=3,mu=0.05"}
     # a seed named twice runs once; separate specs add up
     assert verdict.parse_extra_seeds(["fgrpo:0,3", "fgrpo:3,4"], methods) == {"fgrpo": [0, 3, 4]}
-    assert len(verdict.grid_cells(["fgrpo"], [0, 1], {"fgrpo": [0, 3]}, [3], ["0.05"])) == 3
+    assert len(harness.grid.grid_cells(["fgrpo"], [0, 1], {"fgrpo": [0, 3]}, [3], ["0.05"])) == 3
     for bad in ("fgrpo", "fgrpo:", "fgrpo:x", ":3", "fedsgd:3"):
         with pytest.raises(ValueError, match="extra_seeds"):
             verdict.parse_extra_seeds([bad], methods)
@@ -331,7 +334,7 @@ def test_two_cells_run_at_a_time_each_on_its_share_of_the_cores(tmp_path):
             return None
         return [sys.executable, str(FAKE_CELL), str(cell.directory(grid)), str(spec)]
 
-    failures = verdict.run_cells([done, *cells], grid, command, parallel=2,
+    failures = harness.grid.run_cells([done, *cells], grid, command, parallel=2,
                                  on_finish=lambda cell, ran: finished.append((cell, ran)))
     assert failures == []
     assert finished[0] == (done, False) and sorted(finished[1:], key=lambda item: item[0].seed) == [
@@ -341,9 +344,9 @@ def test_two_cells_run_at_a_time_each_on_its_share_of_the_cores(tmp_path):
     cores = len(os.sched_getaffinity(0))
     assert {entry["threads"] for entry in log} == {str(max(1, cores // 2))}
     for cell in cells:  # each attempt's own CPU time (not the other cell's), and its wall time
-        (attempt,) = json.loads((cell.directory(grid) / verdict.COST_FILE).read_text())
+        (attempt,) = json.loads((cell.directory(grid) / harness.cells.COST_FILE).read_text())
         assert 0.25 <= attempt["cpu_seconds"] < 5 and attempt["wall_seconds"] >= attempt["cpu_seconds"] * 0.5
-    assert not (done.directory(grid) / verdict.COST_FILE).exists()
+    assert not (done.directory(grid) / harness.cells.COST_FILE).exists()
 
 
 def test_a_failing_cell_stops_the_launch_of_others(tmp_path):
@@ -352,11 +355,11 @@ def test_a_failing_cell_stops_the_launch_of_others(tmp_path):
     spec = _fake_spec(tmp_path / "fake", base={}, default_final={}, fail=[failing], cpu_seconds=0.5)
     grid = tmp_path / "grid"
     finished = []
-    failures = verdict.run_cells(
+    failures = harness.grid.run_cells(
         cells, grid, lambda cell: [sys.executable, str(FAKE_CELL), str(cell.directory(grid)), str(spec)], parallel=2,
         on_finish=lambda cell, ran: finished.append(cell))
     assert failures == [(cells[1], 3)] and finished == [cells[0]]  # the cell beside it finished; no other started
-    assert len(_log(tmp_path / "fake")) == 2 and not (cells[1].directory(grid) / verdict.COST_FILE).exists()
+    assert len(_log(tmp_path / "fake")) == 2 and not (cells[1].directory(grid) / harness.cells.COST_FILE).exists()
     assert not cells[2].directory(grid).exists()
 
 
@@ -366,18 +369,17 @@ def test_a_stopped_harness_stops_its_cells(tmp_path):
     spec = _fake_spec(tmp_path / "fake", base={}, default_final={}, together=3, wait_for=120)  # never 3: they wait
     grid = tmp_path / "grid"
     driver = (
-        "import importlib.util, sys\n"
+        "import sys\n"
         "from pathlib import Path\n"
+        "from harness.grid import run_cells\n"
         "from trl_federated.compare import Cell\n"
-        f"spec = importlib.util.spec_from_file_location('verdict', {str(ROOT / 'benchmarks' / 'verdict.py')!r})\n"
-        "verdict = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(verdict)\n"
         f"root = Path({str(grid)!r})\n"
         "cells = [Cell('fgrpo', seed, 3, '0.05') for seed in range(3)]\n"
         f"command = lambda cell: [sys.executable, {str(FAKE_CELL)!r}, str(cell.directory(root)), {str(spec)!r}]\n"
-        "verdict.run_cells(cells, root, command, parallel=2)\n"
+        "run_cells(cells, root, command, parallel=2)\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    environment = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")}  # the harness, which puts the package first
+    process = subprocess.Popen([sys.executable, "-c", driver], env=environment)
     deadline = time.monotonic() + 120
     while len(list((tmp_path / "fake").glob("running-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -393,22 +395,22 @@ def test_a_stopped_harness_stops_its_cells(tmp_path):
 
 def test_one_cell_at_a_time_inherits_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    assert verdict.cell_environment(1) is None
-    assert verdict.cell_environment(2)["MKL_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert harness.grid.cell_environment(1) is None
+    assert harness.grid.cell_environment(2)["MKL_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
 
 
 def test_a_folder_runs_one_budget(tmp_path):
     config = tmp_path / "grid.yaml"
     config.write_text("num_rounds: 8\nlocal_steps: 5\n")
     root = tmp_path / "grid"
-    verdict.check_budget(root, str(config), ["--max_eval_samples", "10"])
-    assert json.loads((root / verdict.BUDGET_FILE).read_text())["config"] == {"num_rounds": 8, "local_steps": 5}
-    verdict.check_budget(root, str(config), ["--max_eval_samples", "10"])  # the same budget: fine
+    harness.grid.check_budget(root, str(config), ["--max_eval_samples", "10"])
+    assert json.loads((root / harness.cells.BUDGET_FILE).read_text())["config"] == {"num_rounds": 8, "local_steps": 5}
+    harness.grid.check_budget(root, str(config), ["--max_eval_samples", "10"])  # the same budget: fine
     with pytest.raises(ValueError, match="flags"):
-        verdict.check_budget(root, str(config), [])
+        harness.grid.check_budget(root, str(config), [])
     config.write_text("num_rounds: 4\nlocal_steps: 5\n# a comment changes nothing\n")
     with pytest.raises(ValueError, match="num_rounds: 8 -> 4"):
-        verdict.check_budget(root, str(config), ["--max_eval_samples", "10"])
+        harness.grid.check_budget(root, str(config), ["--max_eval_samples", "10"])
 
 
 def _git(repo, *args):
@@ -434,35 +436,35 @@ def test_commit_takes_a_cells_small_files_only(repository, capsys):
     cell = Cell("fgrpo", 0, 3, "0.05")
     directory = cell.directory(repository / "grid")
     subprocess.run([sys.executable, str(FAKE_CELL), str(directory), str(spec)], check=True)
-    verdict.record_cost(directory, 1.0, 2.0)
+    harness.grid.record_cost(directory, 1.0, 2.0)
     (directory / "huge.png").write_bytes(b"0")
-    files = verdict.committed_files(directory)
+    files = harness.grid.committed_files(directory)
     assert {path.name for path in files} == {"result.json", "metrics.jsonl", "cost.json", "summary.md", "rewards.png",
                                              "weights.png", "accuracy.png"}
     (repository / "notes.txt").write_text("staged by someone else\n")
     _git(repository, "add", "notes.txt")
 
-    assert verdict.commit(files, "grid: fgrpo seed 0 finished")
+    assert harness.grid.commit(files, "grid: fgrpo seed 0 finished")
     committed = _git(repository, "show", "--name-only", "--format=", "HEAD").split()
     assert sorted(committed) == sorted(str(path.relative_to(repository)) for path in files)
     assert "notes.txt" in _git(repository, "diff", "--cached", "--name-only")  # still staged, not committed
     tracked = _git(repository, "ls-files")
     assert "adapter_model.safetensors" not in tracked and "checkpoint-1" not in tracked and "round-1" not in tracked
 
-    assert not verdict.commit(files, "again")  # nothing new
+    assert not harness.grid.commit(files, "again")  # nothing new
     (directory / "result.json").write_text("{}")
-    assert verdict.commit(files, "changed")
+    assert harness.grid.commit(files, "changed")
     assert _git(repository, "log", "-1", "--format=%s").strip() == "changed"
     outside = repository.parent / "outside.json"
     outside.write_text("{}")
-    assert not verdict.commit([outside], "no repository") and "not committed" in capsys.readouterr().out
+    assert not harness.grid.commit([outside], "no repository") and "not committed" in capsys.readouterr().out
 
 
 def test_a_cell_file_too_large_is_not_committed(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(verdict, "MAX_COMMITTED_BYTES", 10)
+    monkeypatch.setattr(harness.grid, "MAX_COMMITTED_BYTES", 10)
     (tmp_path / "result.json").write_text("{}")
     (tmp_path / "metrics.jsonl").write_text("x" * 11)
-    assert verdict.committed_files(tmp_path) == [tmp_path / "result.json"]
+    assert harness.grid.committed_files(tmp_path) == [tmp_path / "result.json"]
     assert "metrics.jsonl is" in capsys.readouterr().out
 
 
@@ -474,7 +476,7 @@ def test_the_grid_runs_two_at_a_time_commits_each_cell_and_resumes(repository, m
     """`main` end to end with stand-in cells: the extra seeds, two cells at a time, the base evaluated once, a
     commit per finished cell, the report with what the grid resolves, and a rerun that skips everything."""
     methods = ["fgrpo", "fedavg"]
-    cells = verdict.grid_cells(methods, [0, 1], {"fgrpo": [2], "fedavg": [2]}, [3], ["0.05"])
+    cells = harness.grid.grid_cells(methods, [0, 1], {"fgrpo": [2], "fedavg": [2]}, [3], ["0.05"])
     gains = {"fgrpo": [0.10, 0.14, 0.12], "fedavg": [0.05, 0.06, 0.10]}
     spec = _fake_spec(repository.parent / "fake", base=_evaluation(0.20, 0.10), together=2, wait_for=20, cells={
         "/".join(cell.directory(Path("grid")).parts[-3:]): _evaluation(0.20 + gains[cell.method][cell.seed], 0.10)
@@ -486,7 +488,7 @@ def test_the_grid_runs_two_at_a_time_commits_each_cell_and_resumes(repository, m
             return None
         return [sys.executable, str(FAKE_CELL), str(cell.directory(root)), str(spec), *extra, *cell.overrides()]
 
-    monkeypatch.setattr(verdict, "cell_command", fake_command)
+    monkeypatch.setattr(harness.grid, "cell_command", fake_command)
     config = repository / "grid.yaml"
     config.write_text("num_rounds: 8\n")
     grid = repository / "grid"
@@ -516,7 +518,7 @@ def test_the_grid_runs_two_at_a_time_commits_each_cell_and_resumes(repository, m
     assert paired["total"]["mean"] == pytest.approx(statistics.fmean(differences))
     half = stats.t.ppf(0.975, 2) * statistics.stdev(differences) / math.sqrt(3)
     assert paired["total"]["half_width"] == pytest.approx(half)
-    assert paired["total_detectable_80"] == pytest.approx(verdict.minimum_detectable(statistics.stdev(differences), 3))
+    assert paired["total_detectable_80"] == pytest.approx(minimum_detectable(statistics.stdev(differences), 3))
     report = (grid / "verdict.md").read_text()
     assert f"| {half:.2f} |" in report and "one test item is 10.00 points" in report
 
@@ -535,22 +537,22 @@ def test_each_cell_attempt_records_the_machine_it_ran_on(tmp_path):
     def command(cell):
         return [sys.executable, str(FAKE_CELL), str(cell.directory(tmp_path)), str(spec)]
 
-    failures = verdict.run_cells([cell], tmp_path, command, parallel=2)
+    failures = harness.grid.run_cells([cell], tmp_path, command, parallel=2)
     assert failures == []
-    (attempt,) = json.loads((cell.directory(tmp_path) / verdict.COST_FILE).read_text())
+    (attempt,) = json.loads((cell.directory(tmp_path) / harness.cells.COST_FILE).read_text())
     machine = attempt["machine"]
     cores = len(os.sched_getaffinity(0))
     assert machine["cores"] == cores
     assert machine["threads"] == max(1, cores // 2)  # --parallel 2: each cell its share, as cell_environment sets
     assert machine["cpu"] and machine["versions"]["torch"] == torch.__version__
-    assert set(machine["cpu_flags"]) <= verdict.KERNEL_FLAGS
+    assert set(machine["cpu_flags"]) <= harness.grid.KERNEL_FLAGS
 
 
 def test_secondary_endpoints_from_per_item_scores_and_the_seeds_a_target_takes(tmp_path, capsys):
     """Arithmetic against the other tasks from each evaluation's per-item scores (the folder's test-items.json gives
     each item's task), the seeds FGRPO − FedAvg needs for ±3 points, and the machines the cells recorded."""
     tasks = ["chain_sum"] * 2 + ["products"] * 2 + ["gcd"] * 4
-    (tmp_path / verdict.TEST_ITEMS_FILE).write_text(json.dumps(tasks))
+    (tmp_path / harness.cells.TEST_ITEMS_FILE).write_text(json.dumps(tasks))
     base_rows = [0, 0, 1, 0] + [1, 0, 0, 0]  # arithmetic 25%, other 25%
     finals = {"fgrpo": ([1, 1, 1, 0] + [1, 0, 0, 0], [1, 1, 0, 0] + [1, 1, 0, 0]),  # arithmetic 75 / 50, other 25 / 50
               "fedavg": ([0, 1, 1, 0] + [1, 1, 1, 0], [0, 1, 1, 0] + [1, 1, 1, 1])}  # arith 50 / 50, other 75 / 100
@@ -563,7 +565,7 @@ def test_secondary_endpoints_from_per_item_scores_and_the_seeds_a_target_takes(t
     machine = {"cpu": "AMD EPYC", "cpu_flags": ["avx512_bf16"], "cores": 2, "threads": 1, "python": "3.11",
                "versions": {"torch": "2.13.0", "transformers": "5.24.0"}}
     for seed in (0, 1):
-        verdict.record_cost(Cell("fgrpo", seed, 3, "0.05").directory(tmp_path), 1.0, 1.0, machine)
+        harness.grid.record_cost(Cell("fgrpo", seed, 3, "0.05").directory(tmp_path), 1.0, 1.0, machine)
     assert verdict.main(["--output_dir", str(tmp_path), "--methods", "fgrpo", "fedavg", "--seeds", "0", "1",
                          "--report_only"]) == 0
     capsys.readouterr()
@@ -576,27 +578,27 @@ def test_secondary_endpoints_from_per_item_scores_and_the_seeds_a_target_takes(t
     assert paired["arith"]["mean"] == pytest.approx(12.5) and paired["other"]["mean"] == pytest.approx(-50.0)
     sd = paired["total"]["sd"]
     needed = paired["total_seeds_for_target"]
-    assert verdict.t_quantile(0.975, needed - 1) * sd / math.sqrt(needed) <= 3.0
-    assert verdict.t_quantile(0.975, needed - 2) * sd / math.sqrt(needed - 1) > 3.0
+    assert t_quantile(0.975, needed - 1) * sd / math.sqrt(needed) <= 3.0
+    assert t_quantile(0.975, needed - 2) * sd / math.sqrt(needed - 1) > 3.0
     report = (tmp_path / "verdict.md").read_text()
     assert "Endpoints, named before the cells ran: total accuracy (primary)" in report
     assert "Machines: 1 recorded (AMD EPYC (avx512_bf16), 2 core(s) free to the harness, 1 thread(s)" in report
     assert "2 cell(s) ran before cells recorded their machine" in report
-    assert verdict.seeds_for(0.0) is None and verdict.seeds_for(1.0) == 3  # t(0.975, 2) / √3 = 2.48 ≤ 3
+    assert seeds_for(0.0, 3.0) is None and seeds_for(1.0, 3.0) == 3  # t(0.975, 2) / √3 = 2.48 ≤ 3
 
 
 def test_holm_adjusts_step_down_and_keeps_the_order():
     # sorted 0.01, 0.03, 0.04 of m = 3: 0.03, then max(0.03, 2 × 0.03) = 0.06, then max(0.06, 1 × 0.04) = 0.06
-    assert verdict.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
-    adjusted = verdict.holm({"a": 0.5, "b": math.nan, "c": 0.4})  # NaN is not counted in m
+    assert holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+    adjusted = holm({"a": 0.5, "b": math.nan, "c": 0.4})  # NaN is not counted in m
     assert adjusted["a"] == pytest.approx(0.8) and math.isnan(adjusted["b"])
-    assert verdict.holm({"a": 0.9, "b": 0.8}) == {"a": 1.0, "b": 1.0}
+    assert holm({"a": 0.9, "b": 0.8}) == {"a": 1.0, "b": 1.0}
 
 
 def test_paired_p_is_scipys_one_sample_t_test():
     from scipy import stats
 
     differences = [1.0, 2.5, 0.5, 3.0]
-    assert verdict.paired_p(differences) == pytest.approx(stats.ttest_1samp(differences, 0.0).pvalue)
-    assert math.isnan(verdict.paired_p([1.0])) and math.isnan(verdict.paired_p([2.0, 2.0]))
-    assert math.isnan(verdict.paired_p([1.0, math.nan]))
+    assert paired_p(differences) == pytest.approx(stats.ttest_1samp(differences, 0.0).pvalue)
+    assert math.isnan(paired_p([1.0])) and math.isnan(paired_p([2.0, 2.0]))
+    assert math.isnan(paired_p([1.0, math.nan]))

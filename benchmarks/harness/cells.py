@@ -1,0 +1,214 @@
+"""What a grid folder's finished cells hold, read back for a report: each cell's result with the base model's
+evaluation shared between cells, its round records (metrics.jsonl) and the diagnostics averaged over them, its cost
+and the machines it ran on, its accuracy gains on the grid's endpoints, and the test split's items rebuilt from the
+folder's budget.
+
+A grid folder: `budget.json` (`BUDGET_FILE`: the config and flags every cell ran with), one folder per cell
+(`compare.Cell.directory`: `N<clients>-mu<α>/<method>/seed<s>/`) with its `result.json`, `metrics.jsonl` and
+`cost.json` (`COST_FILE`), and the reports written from them."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trl_federated.callbacks import read_metrics
+from trl_federated.compare import Cell, load_result
+
+TEST_ITEMS_FILE = "test-items.json"  # per grid folder: the task of every test item, in evaluation order
+COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end
+BUDGET_FILE = "budget.json"  # per grid folder: the config and flags its cells ran with
+# Reported name -> accuracy key of an evaluation. The endpoints, named before the cells ran: total accuracy (primary),
+# the hard tier, and the arithmetic tasks against the others (secondary: where the paper-literal server step
+# collapsed), the last two from the per-item scores (`with_task_groups`).
+METRICS = {"total": "Total", "hard": "hard", "arith": "arithmetic", "other": "other tasks"}
+PRIMARY = "total"
+# Added after the grid ran (exploratory, not named before the cells): the simple tier, where SCAFFOLD looked ahead.
+# Corrected for multiplicity with the secondary endpoints (`holm`).
+EXPLORATORY = {"simple": "simple"}
+TASK_GROUPS = {"arithmetic": ("chain_sum", "products")}  # the rest: "other tasks"
+
+
+def finished_results(cells: Iterable[Cell], root: Path) -> dict[Cell, dict]:
+    """The results of the `cells` that finished in the grid folder `root` (their `result.json`), each with the base
+    model's evaluation (`with_shared_base`)."""
+    results = {cell: load_result(cell.directory(root)) for cell in cells
+               if (cell.directory(root) / "result.json").exists()}
+    return with_shared_base(results, base_evaluation(root))
+
+
+def round_records(directory: Path) -> list[dict]:
+    """A cell's round records from its metrics.jsonl in round order (torn lines skipped), the last line of each
+    round (a resumed run may repeat one)."""
+    rounds = {}
+    for record in read_metrics(directory / "metrics.jsonl"):
+        if record.get("event") == "round":
+            rounds[record["round_idx"]] = record
+    return [rounds[key] for key in sorted(rounds)]
+
+
+def cell_metrics(result: dict) -> dict[str, float]:
+    """Accuracy gains of a finished cell over the base model (round -1), in points; NaN for an endpoint its
+    evaluations lack (the task groups without per-item scores)."""
+    evaluations = result["evaluations"]
+    base, final = evaluations["-1"]["accuracy"], evaluations[max(evaluations, key=int)]["accuracy"]
+    metrics = {}
+    for name, key in {**METRICS, **EXPLORATORY}.items():
+        if key not in base or key not in final:
+            metrics.update(dict.fromkeys((f"{name}_base", f"{name}_final", f"{name}_gain"), math.nan))
+            continue
+        metrics[f"{name}_base"] = 100 * base[key]
+        metrics[f"{name}_final"] = 100 * final[key]
+        metrics[f"{name}_gain"] = 100 * (final[key] - base[key])
+    return metrics
+
+
+def test_item_tasks(root: Path) -> list[str]:
+    """The task (`category`) of every test item in the order evaluations score them, built once from the budget the
+    grid folder's cells ran (`BUDGET_FILE`) and cached in its `TEST_ITEMS_FILE`; [] for a folder without either."""
+    path, budget = root / TEST_ITEMS_FILE, root / BUDGET_FILE
+    if path.exists():
+        return json.loads(path.read_text(encoding="utf-8"))
+    if not budget.exists():
+        return []
+    import tempfile
+
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.data.loading import load_benchmark
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "budget.yaml"
+        config.write_text(yaml.safe_dump(json.loads(budget.read_text(encoding="utf-8"))["config"]), encoding="utf-8")
+        _, _, data_args = parse_run_args(["--config", str(config)])
+    _, test = load_benchmark(data_args)
+    tasks = list(test["category"]) if "category" in test.column_names else []
+    path.write_text(json.dumps(tasks) + "\n", encoding="utf-8")
+    return tasks
+
+
+def with_task_groups(results: dict[Any, dict], tasks: list[str]) -> dict[Any, dict]:
+    """Each evaluation of `results` with the accuracy of every `TASK_GROUPS` group and of the other tasks, from its
+    per-item scores (`row_rewards`, in the order of `tasks`); an evaluation without them is left as it is."""
+    groups = {name: {index for index, task in enumerate(tasks) if task in members}
+              for name, members in TASK_GROUPS.items()}
+    groups["other tasks"] = set(range(len(tasks))) - set().union(*groups.values())
+    for result in results.values():
+        for evaluation in result["evaluations"].values():
+            rows = evaluation.get("row_rewards")
+            if rows is None or len(rows) != len(tasks):
+                continue
+            for name, indices in groups.items():
+                if indices:
+                    evaluation["accuracy"][name] = statistics.fmean(rows[index] for index in indices)
+    return results
+
+
+def machines(root: Path, cells: Iterable[Cell]) -> tuple[list[dict], int]:
+    """The distinct machines (`machine_record`) the finished attempts of `cells` ran on, and how many cells have
+    no record (they ran before cells recorded it)."""
+    seen, unrecorded = [], 0
+    for cell in cells:
+        path = cell.directory(root) / COST_FILE
+        attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+        records = [attempt["machine"] for attempt in attempts if "machine" in attempt]
+        unrecorded += not records
+        seen += [record for record in records if record not in seen]
+    return seen, unrecorded
+
+
+def base_evaluation(root: Path) -> dict | None:
+    """The base model's evaluation (round -1) of any finished cell in the grid folder `root` (the gate's cells
+    included), or None: every cell of a folder runs one budget (`check_budget`), so one model and one test split."""
+    for path in sorted(root.glob("*/*/seed*/result.json")):
+        evaluation = load_result(path.parent)["evaluations"].get("-1")
+        if evaluation is not None:
+            return evaluation
+    return None
+
+
+def with_shared_base(results: dict[Any, dict], base: dict | None = None) -> dict[Any, dict]:
+    """The finished cells (keyed by `Cell`, or by anything that names a cell), each with the base model's evaluation
+    (round -1): the grid evaluates it in one cell only (the same model and test split in every cell), so a cell
+    without one takes that cell's, else `base`. Cells are left out until a base evaluation exists."""
+    base = next((result["evaluations"]["-1"] for result in results.values() if "-1" in result["evaluations"]), base)
+    if base is None:
+        return {}
+    for result in results.values():
+        result["evaluations"].setdefault("-1", base)
+    return results
+
+
+def cell_cost(directory: Path) -> dict[str, float]:
+    path = directory / COST_FILE
+    attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+    return {key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")}
+
+
+def cell_diagnostics(rounds: list[dict]) -> dict[str, float]:
+    """Per-round diagnostics of a cell from its round records (`round_records`; NaN where a cell predates them): the
+    server step against the clients' mean change (`server_step_ratio`, median and maximum over rounds), ‖Δ‖, the
+    cosine of each client's update with Δ, the fraction of GRPO groups whose rewards were all equal (no learning
+    signal) and the spread of the aggregation weights (max ω − min ω), each averaged over rounds (and clients)."""
+    ratios, deltas, cosines, zero_std, spreads, entropies = [], [], [], [], [], []
+    step_cosines, momentum_cosines, norms_a, norms_b = [], [], [], []
+    for record in rounds:
+        for name, values in (("server_step_cosine", step_cosines), ("server_step_momentum_cosine", momentum_cosines),
+                             ("server_step_norm_a", norms_a), ("server_step_norm_b", norms_b)):
+            if record.get(name) is not None:  # a cell from before the step's diagnostics has none
+                values.append(record[name])
+        if record.get("server_step_ratio") is not None:
+            ratios.append(record["server_step_ratio"])
+        if record.get("delta_norm") is not None:
+            deltas.append(record["delta_norm"])
+        # None: no cosine (a zero update or Δ)
+        cosines.extend(value for value in (record.get("update_cosines") or {}).values() if value is not None)
+        for metrics in (record.get("client_metrics") or {}).values():
+            if metrics.get("frac_reward_zero_std") is not None:
+                zero_std.append(metrics["frac_reward_zero_std"])
+            if metrics.get("entropy") is not None:
+                entropies.append(metrics["entropy"])
+        if record.get("weights"):
+            spreads.append(max(record["weights"].values()) - min(record["weights"].values()))
+    return {
+        "step_ratio_median": statistics.median(ratios) if ratios else math.nan,
+        "step_ratio_max": max(ratios, default=math.nan),
+        "delta_norm": _mean(deltas),
+        "update_cosine": _mean(cosines),
+        "zero_std_groups": _mean(zero_std),
+        "weight_spread": _mean(spreads),
+        "entropy": _mean(entropies),
+        "last_entropy": _mean([metrics["entropy"] for metrics in (rounds[-1].get("client_metrics") or {}).values()
+                               if metrics.get("entropy") is not None]) if rounds else math.nan,
+        "step_cosine": _mean(step_cosines),
+        "momentum_cosine": _mean(momentum_cosines),
+        "step_norm_a": _mean(norms_a),
+        "step_norm_b": _mean(norms_b),
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+
+
+def points(interval: dict[str, float]) -> str:
+    """A mean in points with its interval where it has one: "+1.23 [-0.45, +2.91]"."""
+    if math.isnan(interval["low"]):
+        return f"{interval['mean']:+.2f}"
+    return f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]"
+
+
+def gold_answers(root: Path) -> tuple[list[str], list[str]]:
+    """The (task, gold answer) of every test item of the grid folder's budget (`BUDGET_FILE`), in evaluation order."""
+    from trl_federated.data import build_reasoning_benchmark
+
+    config = json.loads((root / BUDGET_FILE).read_text(encoding="utf-8"))["config"]
+    benchmark = build_reasoning_benchmark(size=config["benchmark_size"], seed=config.get("benchmark_seed", 0))
+    return list(benchmark["test"]["category"]), [str(answer) for answer in benchmark["test"]["answer"]]
