@@ -183,10 +183,9 @@ def test_the_command_line_only_parses_and_dispatches(graph):
     importers = sorted(name for name, targets in graph.items() if "cli" in targets)
     assert importers == [], importers
     assert not [name for name in graph if name.startswith("flower") and "cli" in graph[name]]
-    # nor does a benchmark, but the one that profiles the command line as a user runs it
-    benchmarks = PACKAGE.parent / "benchmarks"
-    importers = [path.name for path in benchmarks.glob("*.py") if "trl_federated.cli import" in path.read_text()]
-    assert importers == ["run_profile.py"], importers
+    # nor does a benchmark or its harness (the one that profiles a run calls the `trl-federated` console script)
+    importers = [name for name, imported in benchmark_imports().items() if f"{ROOT}.cli" in imported]
+    assert importers == [], importers
 
 
 def test_the_folders_are_the_layers_and_few_modules_sit_flat():
@@ -200,6 +199,38 @@ def test_the_folders_are_the_layers_and_few_modules_sit_flat():
         if "." in name and name not in ("flower.stream", "aggregation.blocks"):
             folders.setdefault(name.split(".")[0], set()).add(level[name])
     assert all(len(levels) == 1 for levels in folders.values()), folders
+
+
+def test_no_module_but_the_configs_fields_runs_over_600_lines():
+    # `config.fields` is the one list of the configuration's fields, each with its help; any other module that grows
+    # past 600 lines holds more than one concept.
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in package_modules().items()}
+    long = {name: lines for name, lines in lengths.items() if lines > 600 and name != "config.fields"}
+    assert not long, long
+
+
+def benchmark_imports() -> dict[str, set[str]]:
+    """Every module each file of benchmarks/ (its harness included) imports, by the file's path there: `import a.b`
+    and `from a.b import c` name a.b, the latter a.b.c too (c may be a module)."""
+    benchmarks = PACKAGE.parent / "benchmarks"
+    found = {}
+    for path in [*benchmarks.glob("*.py"), *(benchmarks / "harness").glob("*.py")]:
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        found[str(path.relative_to(benchmarks))] = imported
+    return found
+
+
+def test_the_benchmark_scripts_import_the_harness_not_each_other():
+    # Each script under benchmarks/ imports the harness (benchmarks/harness/) and the package, never another script.
+    scripts = {path.stem for path in (PACKAGE.parent / "benchmarks").glob("*.py")}
+    found = {name: sorted(module for module in imported if module.split(".")[0] in scripts)
+             for name, imported in benchmark_imports().items()}
+    assert not any(found.values()), {name: modules for name, modules in found.items() if modules}
 
 
 def test_every_moved_module_imports_by_its_old_name():

@@ -67,6 +67,18 @@ def test_out_of_range_values_name_the_field(tmp_path, overrides, field):
         make(tmp_path, **overrides)
 
 
+def test_rpgs_ranges_are_its_own_checked_through_the_registry(tmp_path):
+    # `RPGAggregator.config_errors`, which the config calls for the aggregation it names: one rule for the config's
+    # `rpg_*` fields and the aggregator's arguments, and a config of another aggregation does not read them.
+    from trl_federated.aggregation import RPGAggregator
+
+    with pytest.raises(ValueError, match="`rpg_tau_min` \\(3.0\\) must not exceed `rpg_tau_max`"):
+        make(tmp_path, aggregation="rpg", rpg_tau_min=3.0)
+    with pytest.raises(ValueError, match="`rpg_tau_min` \\(3.0\\) must not exceed `rpg_tau_max`"):
+        RPGAggregator(tau_min=3.0)
+    assert make(tmp_path, aggregation="fedavg", rpg_tau_min=3.0).rpg_tau_min == 3.0
+
+
 def test_parses_from_yaml_and_command_line(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from ..choices import RPG_GAINS, check_choice
-from ..config import rpg_errors
+from ..choices import RPG_GAINS, choice_error
 from .base import Aggregator, ClientUpdate, RoundMetric, check_number
 from .server_optim import ServerAdam, ServerOptimizer
 
@@ -79,13 +79,10 @@ class RPGAggregator(Aggregator):
         noise_threshold: float = 1.0,
     ):
         super().__init__(server_optimizer if server_optimizer is not None else ServerAdam(), combiner)
-        for message in rpg_errors(
-            lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
+        for message in self.setting_errors(
+            lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max, gain, noise_threshold
         ):
             raise ValueError(message)
-        check_choice("rpg_gain", gain, RPG_GAINS)
-        if not noise_threshold >= 0:
-            raise ValueError(f"`rpg_noise_threshold` must be >= 0, got {noise_threshold}.")
         self.lambda_base, self.iota, self.eps, self.h_max = lambda_base, iota, eps, h_max
         self.sigma_min, self.sigma_max = sigma_min, sigma_max
         self.tau_min, self.tau_max, self.lambda_anneal = tau_min, tau_max, lambda_anneal
@@ -97,6 +94,40 @@ class RPGAggregator(Aggregator):
         self.last_gains: dict[str, float] = {}
         self.last_temperature: float | None = None
         self.last_predictiveness: float | None = None
+
+    @staticmethod
+    def setting_errors(
+        lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max, gain, noise_threshold
+    ) -> Iterator[str]:
+        """One message per RPG setting out of its range, named as `FedGRPOConfig`'s `rpg_*` field: the one rule for
+        this class's arguments and the config's fields (`config_errors`)."""
+        for name, value in (("rpg_lambda_base", lambda_base), ("rpg_iota", iota)):
+            if not 0 < value <= 1:
+                yield f"`{name}` must lie in (0, 1], got {value}."
+        for name, value in (("rpg_sigma_min", sigma_min), ("rpg_tau_min", tau_min), ("rpg_eps", eps)):
+            if not value > 0:
+                yield f"`{name}` must be > 0, got {value}."
+        if sigma_min > sigma_max:
+            yield f"`rpg_sigma_min` ({sigma_min}) must not exceed `rpg_sigma_max` ({sigma_max})."
+        if tau_min > tau_max:
+            yield f"`rpg_tau_min` ({tau_min}) must not exceed `rpg_tau_max` ({tau_max})."
+        if lambda_anneal < 0:
+            yield f"`rpg_lambda_anneal` must be >= 0, got {lambda_anneal}."
+        if h_max is not None and not h_max > 0:
+            yield f"`rpg_h_max` must be > 0 or None, got {h_max}."
+        if message := choice_error("rpg_gain", gain, RPG_GAINS):
+            yield message
+        if not noise_threshold >= 0:
+            yield f"`rpg_noise_threshold` must be >= 0, got {noise_threshold}."
+
+    @classmethod
+    def config_errors(cls, args) -> Iterable[str]:
+        """The config's `rpg_*` fields out of their ranges (`setting_errors`)."""
+        return cls.setting_errors(
+            args.rpg_lambda_base, args.rpg_iota, args.rpg_sigma_min, args.rpg_sigma_max, args.rpg_tau_min,
+            args.rpg_tau_max, args.rpg_lambda_anneal, args.rpg_eps, args.rpg_h_max, args.rpg_gain,
+            args.rpg_noise_threshold,
+        )
 
     @classmethod
     def from_config(cls, args, num_clients, server_optimizer, combiner=None) -> RPGAggregator:

@@ -19,7 +19,7 @@ from ..choices import (  # the choice lists, as the config module named them bef
     TRANSFER_DTYPES,
 )
 from .building import DEFAULT_FEDPROX_MU, BuildsConfig, has_native_bf16
-from .checks import ConfigChecks, rpg_errors
+from .checks import ConfigChecks
 from .fields import FedGRPOConfig
 from .recipes import CONFIG_CLASSES, FedDAPOConfig, FedGSPOConfig, federated_config
 from .results import (
@@ -62,5 +62,4 @@ __all__ = [
     "has_native_bf16",
     "notice_changed_trl_defaults",
     "result_fields",
-    "rpg_errors",
 ]

@@ -1,8 +1,9 @@
 """The checks of a federated configuration: one message per invalid field, naming it and its value
 (`ConfigChecks._type_errors`, `_federation_errors`, `_robustness_errors`, `_privacy_errors`, which
 `FedGRPOConfig.__post_init__` raises), what makes a federation learn something other than the user likely means
-(`federation_warnings`), the vLLM settings federated clients cannot generate with (`check_vllm`), and the RPG ranges
-(`rpg_errors`, the one rule for the config's fields and `aggregation.RPGAggregator`'s arguments)."""
+(`federation_warnings`), and the vLLM settings federated clients cannot generate with (`check_vllm`). The chosen
+aggregation's and server optimizer's own fields are checked by their implementations (`config_errors`, through the
+registries of `choices`): RPG's `rpg_*` ranges by `aggregation.RPGAggregator.config_errors`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from ..choices import (
     MIN_TRIMMED_CLIENTS,
     NORM_ACTIONS,
     ROBUST_AGGREGATIONS,
-    RPG_GAINS,
     SCAFFOLD_CORRECTIONS,
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
@@ -34,28 +34,6 @@ def _is_of_type(value, type_name: str) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, {"int": int, "float": (int, float), "str": str, "dict": dict}[type_name])
-
-
-def rpg_errors(
-    lambda_base, iota, sigma_min, sigma_max, tau_min, tau_max, lambda_anneal, eps, h_max
-):
-    """One message per RPG setting out of its range, named as `FedGRPOConfig`'s `rpg_*` field: the one rule for
-    the config's fields and `aggregation.RPGAggregator`'s arguments."""
-    for name, value in (("rpg_lambda_base", lambda_base), ("rpg_iota", iota)):
-        if not 0 < value <= 1:
-            yield f"`{name}` must lie in (0, 1], got {value}."
-    for name, value in (("rpg_sigma_min", sigma_min), ("rpg_tau_min", tau_min), ("rpg_eps", eps)):
-        if not value > 0:
-            yield f"`{name}` must be > 0, got {value}."
-    if sigma_min > sigma_max:
-        yield f"`rpg_sigma_min` ({sigma_min}) must not exceed `rpg_sigma_max` ({sigma_max})."
-    if tau_min > tau_max:
-        yield f"`rpg_tau_min` ({tau_min}) must not exceed `rpg_tau_max` ({tau_max})."
-    if lambda_anneal < 0:
-        yield f"`rpg_lambda_anneal` must be >= 0, got {lambda_anneal}."
-    if h_max is not None and not h_max > 0:
-        yield f"`rpg_h_max` must be > 0 or None, got {h_max}."
-
 
 
 def _own_fields_class(config_class: type) -> type:
@@ -203,10 +181,6 @@ class ConfigChecks:
             elif self.partition_column is None:
                 yield ("`labels_per_client` deals the values of `partition_column` to the clients: name that column "
                        "(e.g. `partition_column: category`), or leave `labels_per_client` unset.")
-        if message := choice_error("rpg_gain", self.rpg_gain, RPG_GAINS):
-            yield message
-        if not self.rpg_noise_threshold >= 0:
-            yield f"`rpg_noise_threshold` must be >= 0, got {self.rpg_noise_threshold}."
         for name in ("aggregation_args", "server_optimizer_args"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 yield f"`{name}` must be a mapping (a JSON object on the command line), got {getattr(self, name)!r}."
@@ -215,10 +189,6 @@ class ConfigChecks:
         for implementation in (aggregator_class, SERVER_OPTIMIZERS.get(self.server_optimizer)):
             if implementation is not None:
                 yield from implementation.config_errors(self)
-        yield from rpg_errors(
-            self.rpg_lambda_base, self.rpg_iota, self.rpg_sigma_min, self.rpg_sigma_max, self.rpg_tau_min,
-            self.rpg_tau_max, self.rpg_lambda_anneal, self.rpg_eps, self.rpg_h_max,
-        )
         for name in ("server_learning_rate", "server_epsilon"):
             value = getattr(self, name)
             if value is None and name == "server_epsilon":  # FedAdam's τ, derived from the first Δ

@@ -491,3 +491,38 @@ def pool_client_evaluations(
                 evaluation["accuracy"][label] for evaluation in bounded.values() if label in evaluation["accuracy"]
             )
     return pooled
+
+
+def client_evaluation_record(
+    evaluations: dict[str, dict[str, Any]], failed: dict[str, str], reward_range: tuple[float, float] | None,
+    known_counts: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """The clients' evaluations of one global adapter, each on its own held-out data, as a round records them: the
+    pooled result (`pool_client_evaluations`: per label reported by 3 or more clients, the row-weighted mean with every
+    count bounded, `bound_client_evaluations`; the median without a declared reward range), the labels not pooled
+    ("unpooled"), each client's as sent ("clients") and the clients that have none, with the reason ("failed")."""
+    failed = dict(failed)
+    bounded = bound_client_evaluations(evaluations, reward_range, failed, known_counts)
+    pooled = pool_client_evaluations(bounded, reward_range)
+    reported = {label for client_id, evaluation in evaluations.items() if client_id not in failed
+                for label in evaluation["count"]}
+    unpooled = sorted(reported - set(pooled["count"]))
+    return {**pooled, "clients": evaluations, "failed": failed, "unpooled": unpooled}
+
+
+def describe_client_evaluation(results: dict[str, Any]) -> str:
+    """A `client_evaluation_record` in words, for the round's log line: the pooled accuracy (each client's own when
+    too few pooled), the labels shown per client only, and the failures."""
+    evaluations, failed, unpooled = results["clients"], results["failed"], results["unpooled"]
+    total = results["accuracy"].get(TOTAL)
+    if total is None:  # fewer than MIN_POOLED_CLIENTS replies: each client's own, not pooled
+        summary = "not pooled (fewer than %d clients): %s" % (MIN_POOLED_CLIENTS, ", ".join(
+            f"{client_id} {100 * evaluations[client_id]['accuracy'][TOTAL]:.2f}% over "
+            f"{evaluations[client_id]['count'][TOTAL]} rows" for client_id in evaluations if client_id not in failed
+        ) or "no evaluation")
+    else:
+        summary = f"accuracy {100 * total:.2f}% over {results['count'][TOTAL]} rows"
+    if unpooled and total is not None:
+        summary += (f"; labels reported by fewer than {MIN_POOLED_CLIENTS} clients, shown per client only: "
+                    f"{', '.join(map(repr, unpooled[:10]))}")
+    return summary + "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items())

@@ -78,14 +78,7 @@ from .checkpoint import (
     unlock_output_dir,
     write_checkpoint,
 )
-from .evaluation import (
-    MIN_POOLED_CLIENTS,
-    TOTAL,
-    bound_client_evaluations,
-    check_eval_reward_funcs,
-    evaluate_adapter,
-    pool_client_evaluations,
-)
+from .evaluation import check_eval_reward_funcs, client_evaluation_record, describe_client_evaluation, evaluate_adapter
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, keep_server_step, run_identity
 
@@ -485,34 +478,13 @@ class FederatedServer:
     ) -> dict[str, Any]:
         """Record the clients' evaluations of the global adapter of round `round_idx`, each on its own held-out data
         (`evaluate_accuracy`'s "accuracy" and "count" per label), and why the others sampled have none: the pooled
-        result (`pool_client_evaluations`: per label reported by 3 or more clients, the row-weighted mean with every
-        count bounded, `bound_client_evaluations`; the median without a declared reward range), the labels not pooled
-        ("unpooled"), each client's as sent, and the failures go to the callbacks (`RoundCallback.on_client_evaluation`,
-        a `client_evaluation` line in metrics.jsonl) and the log; returns them."""
-        failed = dict(failed)
-        reward_range = self.evaluation_range()
-        bounded = bound_client_evaluations(evaluations, reward_range, failed, self.eval_samples)
-        pooled = pool_client_evaluations(bounded, reward_range)
-        reported = {label for client_id, evaluation in evaluations.items() if client_id not in failed
-                    for label in evaluation["count"]}
-        unpooled = sorted(reported - set(pooled["count"]))
-        results = {**pooled, "clients": evaluations, "failed": failed, "unpooled": unpooled}
+        result, the labels not pooled, each client's as sent and the failures (`client_evaluation_record`) go to the
+        callbacks (`RoundCallback.on_client_evaluation`, a `client_evaluation` line in metrics.jsonl) and the log;
+        returns them."""
+        results = client_evaluation_record(evaluations, failed, self.evaluation_range(), self.eval_samples)
         self._fire("on_client_evaluation", round_idx=round_idx, results=results)
-        total = results["accuracy"].get(TOTAL)
-        if total is None:  # fewer than MIN_POOLED_CLIENTS replies: each client's own, not pooled
-            summary = "not pooled (fewer than %d clients): %s" % (MIN_POOLED_CLIENTS, ", ".join(
-                f"{client_id} {100 * evaluations[client_id]['accuracy'][TOTAL]:.2f}% over "
-                f"{evaluations[client_id]['count'][TOTAL]} rows" for client_id in evaluations if client_id not in failed
-            ) or "no evaluation")
-        else:
-            summary = f"accuracy {100 * total:.2f}% over {results['count'][TOTAL]} rows"
-        logger.info(
-            "Round %d: %d clients evaluated the global adapter on their own held-out data: %s%s%s.",
-            round_idx, len(evaluations), summary,
-            "" if not unpooled or total is None else f"; labels reported by fewer than {MIN_POOLED_CLIENTS} "
-            f"clients, shown per client only: {', '.join(map(repr, unpooled[:10]))}",
-            "".join(f"; {client_id}: {reason}" for client_id, reason in failed.items()),
-        )
+        logger.info("Round %d: %d clients evaluated the global adapter on their own held-out data: %s.", round_idx,
+                    len(evaluations), describe_client_evaluation(results))
         return results
 
     def evaluation_range(self) -> tuple[float, float] | None:
@@ -568,6 +540,7 @@ class FederatedServer:
         set_adapter_state(self.model, self.global_state)
         self._fire("on_resume", round_idx=checkpoint.round_idx, history=self.history, evaluations=self.evaluations)
         return checkpoint.round_idx
+
 
 class ServerStateView:
     """What a driver that owns `self.server` (`FederatedRunner`, the Flower strategy) shows of the server: the global
