@@ -45,7 +45,8 @@ def rloo(tmp_path, trainer_class, config_class, tiny_model_dir, tiny_tokenizer, 
 
 
 def step_logs(trainer):
-    return [{k: v for k, v in entry.items() if k != "step_time"} for entry in trainer.state.log_history if "loss" in entry]
+    entries = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return [{key: value for key, value in entry.items() if key != "step_time"} for entry in entries]
 
 
 @pytest.mark.parametrize("options", [{}, {"beta": 0.0, "normalize_advantages": True, "num_iterations": 2}])

@@ -102,7 +102,9 @@ def federated_config(config_class: type[GRPOConfig] | type[RLOOConfig]) -> type[
     does. A federated config class is returned as it is.
     """
     if not (isinstance(config_class, type) and issubclass(config_class, FEDERABLE_CONFIGS)):
-        raise TypeError(f"`federated_config` needs a `trl.GRPOConfig` or `trl.RLOOConfig` subclass, got {config_class!r}.")
+        raise TypeError(
+            f"`federated_config` needs a `trl.GRPOConfig` or `trl.RLOOConfig` subclass, got {config_class!r}."
+        )
     if issubclass(config_class, FederatedConfig):
         return config_class
     return _federated_config_class(config_class)
@@ -131,7 +133,9 @@ def _federated_config_class(config_class: type) -> type[FederatedConfig]:
         "__qualname__": f"Fed{config_class.__name__}",
         "__doc__": f"`{config_class.__module__}.{config_class.__qualname__}` with the fields of `FedGRPOConfig` "
         "(see `federated_config`).",
-        "__annotations__": {f.name: f.type for f in declared},
+        # The federation's fields as `FedGRPOConfig` annotates them (strings, which its type checks read): a parser
+        # may have replaced a field's `type` with the type the string names.
+        "__annotations__": {f.name: vars(FedGRPOConfig)["__annotations__"].get(f.name, f.type) for f in declared},
         "__reduce__": _reduce_federated_config,
         "algorithm_config_class": config_class,
     }
