@@ -152,7 +152,8 @@ def test_result_fields_are_the_hand_kept_list(tmp_path, config_class):
     assert result_fields(make(tmp_path)) == result_fields(FedGRPOConfig)
     fields = FedGRPOConfig.__dataclass_fields__
     marked = {name for name, f in fields.items() if isinstance(f.metadata.get("help"), ResultHelp)}
-    assert marked | set(TRL_RESULT_FIELDS) == set(HAND_KEPT_RESULT_FIELDS) - {"warmup_ratio"}
+    # TRL_RESULT_FIELDS also names RLOOConfig's own (`normalize_advantages`, `reward_clip_range`), which GRPO lacks
+    assert marked | (set(TRL_RESULT_FIELDS) & set(fields)) == set(HAND_KEPT_RESULT_FIELDS) - {"warmup_ratio"}
     assert not marked & set(TRL_RESULT_FIELDS)
     assert not marked & set(GRPOConfig.__dataclass_fields__)  # TRL's fields are named in TRL_RESULT_FIELDS
 

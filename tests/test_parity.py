@@ -51,6 +51,31 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+class CounterEnvironment:
+    """A tiny deterministic environment (TRL's `environment_factory`): `reset` appends a fixed line to the prompt,
+    `add` is its tool, and `get_reward` scores a rollout by its tool calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, **kwargs):
+        self.calls = 0
+        return "You may call `add`."
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
 def standard_prompts(n=8):
     return Dataset.from_dict(
         {"prompt": [f"What is {i} + {2 * i}?" for i in range(n)], "difficulty": ["easy", "hard"] * (n // 2)}
@@ -76,6 +101,7 @@ class Case:
     rewards: str = "length"  # "length", "weighted" (two functions with weights) or "model"
     peft: str = "config"  # "config" (peft_config), "model" (a PeftModel) or "none" (full model)
     tools: bool = False
+    environment: bool = False  # `environment_factory=CounterEnvironment` (conversational data and tool tokenizer)
     optimizer: bool = False
     refused: str | None = None
 
@@ -98,6 +124,7 @@ CASES = {
     "reward_model": Case(rewards="model"),
     "conversational": Case(data="conversational"),
     "tools": Case(data="conversational", tools=True),
+    "environment_factory": Case(data="conversational", environment=True),
     "multimodal": Case(data="images", config={"partition_column": "category"}),
     "peft_model": Case(peft="model"),
     "full_model": Case(peft="none", refused="peft_config"),
@@ -135,7 +162,7 @@ def trainer_inputs(case, tiny_model_dir, tiny_vlm_dir, tiny_tokenizer, tool_toke
         dataset = geoqa["train"]
     else:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        processing_class = tool_tokenizer if case.tools else tiny_tokenizer
+        processing_class = tool_tokenizer if case.tools or case.environment else tiny_tokenizer
         dataset = standard_prompts() if case.data == "standard" else conversational_prompts()
     rewards = {
         "length": text_length_reward,
@@ -155,6 +182,8 @@ def trainer_inputs(case, tiny_model_dir, tiny_vlm_dir, tiny_tokenizer, tool_toke
         kwargs["reward_processing_classes"] = [None, tiny_tokenizer]
     if case.tools:
         kwargs["tools"] = [multiply]
+    if case.environment:
+        kwargs["environment_factory"] = CounterEnvironment
     if case.optimizer:
         optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=1e-2)
         kwargs["optimizers"] = (optimizer, None)
@@ -206,6 +235,8 @@ def test_fed_trainer_logs_what_grpo_trainer_logs(build, reference_logs, name):
     logs = reference_logs(name)
     assert len(logs) == 2
     assert step_logs(drop_in) == logs
+    if CASES[name].environment:  # the environment scored every rollout, as a reward source of its own
+        assert "rewards/CounterEnvironment/mean" in logs[0]
     # R̄'s steps are TRL's rewards; a step that reuses a generation batch logs none and is credited with that batch's
     assert drop_in.step_rewards == [entry.get("reward", logs[0]["reward"]) for entry in logs]
 

@@ -125,7 +125,7 @@ def test_federated_makes_one_class_per_trainer_and_refuses_others():
     assert gmpo is federated(GMPOTrainer) and federated(gmpo) is gmpo
     assert issubclass(gmpo, GMPOTrainer) and issubclass(gmpo, FederatedGRPOMixin) and gmpo.__name__ == "FedGMPOTrainer"
     for wrong in (Trainer, SFTTrainer, GRPOConfig, "trl.GRPOTrainer", GRPOTrainer.__init__, [GRPOTrainer]):
-        with pytest.raises(TypeError, match="GRPOTrainer` subclass"):
+        with pytest.raises(TypeError, match="GRPOTrainer` or `trl.RLOOTrainer` subclass"):
             federated(wrong)
 
 
@@ -166,7 +166,7 @@ def test_runner_and_client_app_refuse_a_trainer_that_is_not_grpo(tiny_model, tin
             tiny_model, length_reward, fast_args(), [labelled_dataset(8)], processing_class=tiny_tokenizer,
             trainer_class=SFTTrainer,
         )  # fmt: skip
-    with pytest.raises(TypeError, match="GRPOTrainer` subclass"):
+    with pytest.raises(TypeError, match="GRPOTrainer` or `trl.RLOOTrainer` subclass"):
         make_client_app(lambda context: None, trainer_class=Trainer)
     make_client_app(lambda context: None, trainer_class=GMPOTrainer)  # accepted
 
@@ -216,7 +216,7 @@ def test_federated_config_keeps_the_algorithms_defaults_and_adds_the_federation(
     assert (parsed.epsilon, parsed.num_rounds) == (0.3, 4)
     assert federated_config(FedGRPOConfig) is FedGRPOConfig
     for wrong in (Trainer, GRPOConfig(output_dir="unused", bf16=False), {"epsilon": 0.4}):
-        with pytest.raises(TypeError, match="GRPOConfig` subclass"):
+        with pytest.raises(TypeError, match="GRPOConfig` or `trl.RLOOConfig` subclass"):
             federated_config(wrong)
 
 

@@ -21,7 +21,7 @@ import yaml
 from trl import ModelConfig, TrlParser
 
 from .config import CONFIG_CLASSES, FedGRPOConfig, federated_config
-from .names import closest_key_hint, import_class
+from .names import closest_key_hint, import_object
 from .scoring.rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
 
 
@@ -211,15 +211,16 @@ class BenchmarkArguments:
     trainer_class: str | None = field(
         default=None,
         metadata={
-            "help": "The GRPOTrainer subclass every client trains with, as an import path: 'package.module:Class' or "
-            "'package.module.Class' (e.g. 'trl.experimental.gmpo:GMPOTrainer', or your own trainer's module, "
-            "importable from the working directory). None: TRL's GRPOTrainer."
+            "help": "The GRPOTrainer or RLOOTrainer subclass every client trains with, as an import path: "
+            "'package.module:Class' or 'package.module.Class' (e.g. 'trl.experimental.gmpo:GMPOTrainer', "
+            "'trl:RLOOTrainer', whose config is then RLOOConfig's with the federation's fields, or your own "
+            "trainer's module, importable from the working directory). None: TRL's GRPOTrainer."
         },
     )
     trainer_config_class: str | None = field(
         default=None,
         metadata={
-            "help": "That trainer's own GRPOConfig subclass, as an import path (e.g. "
+            "help": "That trainer's own GRPOConfig or RLOOConfig subclass, as an import path (e.g. "
             "'trl.experimental.gmpo:GMPOConfig'): the run's config is then that class with the federation's fields "
             "(`federated_config`), with its defaults and fields, which `--key value` flags set like any other. It "
             "replaces `algorithm`'s recipe, so it needs algorithm 'grpo'. None: the config `algorithm` names."
@@ -293,16 +294,41 @@ def config_class(argv: list[str]) -> type[FedGRPOConfig]:
     if algorithm not in CONFIG_CLASSES:
         raise ValueError(f"`algorithm` must be one of {list(CONFIG_CLASSES)}, got {algorithm!r}.")
     trainer_config = _setting(argv, "trainer_config_class", None)
+    source = f"`trainer_config_class` ({trainer_config!r})"
     if trainer_config is None:
-        return CONFIG_CLASSES[algorithm]
+        trainer = _setting(argv, "trainer_class", None)
+        family_config = None if trainer is None else _family_config(trainer)
+        if family_config is None:
+            return CONFIG_CLASSES[algorithm]
+        trainer_config = f"{family_config.__module__}:{family_config.__name__}"  # RLOO's: the recipes are GRPO's
+        source = f"`trainer_class` ({trainer!r}, configured by {family_config.__name__})"
     if algorithm != "grpo":
         raise ValueError(
-            f"`trainer_config_class` ({trainer_config!r}) brings its own recipe defaults, which would replace "
+            f"{source} brings its own recipe defaults, which would replace "
             f"`algorithm` {algorithm!r}'s: set the recipe's fields with flags, and leave `algorithm` at 'grpo'."
         )
+    from .config import FEDERABLE_CONFIGS
+
+    config = import_object(trainer_config, "trainer_config_class", kind="Class")
+    try:
+        return federated_config(config)
+    except TypeError:
+        raise ValueError(f"`trainer_config_class` {trainer_config!r} is {config!r}, not a subclass of "
+                         f"{' or '.join(f'`{c.__module__}.{c.__name__}`' for c in FEDERABLE_CONFIGS)}.") from None
+
+
+def _family_config(trainer: str) -> type | None:
+    """The TRL config of the family of the trainer class `trainer` names (`local_trainer.trainer_config_class`), when
+    it is not GRPO's (whose configs `algorithm` names), else None; a class that cannot federate is a ValueError."""
     from trl import GRPOConfig
 
-    return federated_config(import_class(trainer_config, GRPOConfig, "trainer_config_class"))
+    from .local.local_trainer import trainer_config_class
+
+    try:
+        config = trainer_config_class(import_object(trainer, "trainer_class", kind="Class"))
+    except TypeError as refusal:
+        raise ValueError(f"`trainer_class` {trainer!r}: {refusal}") from None
+    return None if config is GRPOConfig else config
 
 
 def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, BenchmarkArguments]:

@@ -16,12 +16,12 @@ from trl import GRPOTrainer
 
 from .adapters import freeze_lora_a, with_federated_adapter
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
-from .config import FedGRPOConfig
+from .config import FederatedConfig, FedGRPOConfig
 from .core.callbacks import IntegrationLog, TrainerLogCallback
 from .core.round_record import RoundRecord
 from .core.server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .local.client import describe_failure, load_reward_models, local_training_args, train_local_round
-from .local.local_trainer import local_trainer
+from .local.local_trainer import local_trainer, require_family_config
 from .reports import server_reports
 from .reports.summary import RunProgress
 from .runtime.distributed import check_deepspeed_precision, check_parameters_unsharded, from_main_process
@@ -103,12 +103,14 @@ class FederatedRunner(ServerStateView):
         report_header: str | None = None,
         trainer_class: type[GRPOTrainer] | None = None,
     ):
-        if not isinstance(args, FedGRPOConfig):
-            raise TypeError(f"`args` must be a FedGRPOConfig, got {type(args).__name__}.")
+        if not isinstance(args, FederatedConfig):
+            raise TypeError(f"`args` must be a FedGRPOConfig (or a `federated_config`), got {type(args).__name__}.")
         args.check_vllm()  # before the model loads
         check_parameters_unsharded(args)
         check_deepspeed_precision(args)
-        self.trainer_class = local_trainer(trainer_class or GRPOTrainer)  # a class that is no GRPOTrainer fails here
+        # A class of no federated family, or `args` of another family, fails here, before the model loads.
+        self.trainer_class = local_trainer(trainer_class or GRPOTrainer)
+        require_family_config(self.trainer_class, args)
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
 

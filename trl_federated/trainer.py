@@ -1,5 +1,5 @@
 """`FedGRPOTrainer`: a drop-in `GRPOTrainer` that also runs a whole federation, and `federated(...)` for any
-`GRPOTrainer` subclass.
+`GRPOTrainer` or `RLOOTrainer` subclass (`local_trainer.FEDERATED_FAMILIES`).
 
 The top of the package's layers: federated `train()` drives `FederatedRunner`, whose clients train with
 `local_trainer.LocalGRPOMixin`; nothing below imports this module.
@@ -17,28 +17,29 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
-from .config import FedGRPOConfig
+from .config import FederatedConfig
 from .data import partition_clients
-from .local.local_trainer import LocalGRPOMixin, mixed_class, require_grpo_trainer, with_speedups
+from .local.local_trainer import LocalGRPOMixin, mixed_class, require_federable_trainer, with_speedups
 from .local.speedups import TrainerMixin
-from .names import import_class
+from .names import import_object
 from .runner import FederatedRunner
 
 
 class FederatedGRPOMixin(LocalGRPOMixin):
-    """FGRPO for any `trl.GRPOTrainer` subclass; put it first among the bases
+    """FGRPO for any `trl.GRPOTrainer` or `trl.RLOOTrainer` subclass; put it first among the bases
     (`class FedMyTrainer(FederatedGRPOMixin, MyTrainer)`), or let `federated(MyTrainer)` do so.
 
-    The trainer keeps its constructor and, with its own config or a `FedGRPOConfig` with `num_clients=1`, trains
+    The trainer keeps its constructor and, with its own config or a federated one with `num_clients=1`, trains
     exactly like the class it extends, with what `LocalGRPOMixin` adds for a client: R̄ in `step_rewards` and
     `window_reward()`, FedProx's proximal term, and the speed-ups of `speedups.FastGRPOMixin` when its config turns
     one on (the instance's class is then `Fast<class>`, with the mixin first; otherwise the mixin is not there).
 
-    With `FedGRPOConfig.num_clients > 1`, `train()` runs the whole federation instead: it partitions
-    `train_dataset` across the clients and hands over to `FederatedRunner`, whose clients train this same class;
-    `train(resume_from_checkpoint=True)` then continues the federation from its latest round checkpoint. There
-    `eval_dataset` is scored with `reward_funcs`, or with `eval_reward_funcs` when given (see `FederatedRunner`); a
-    single-client `train()` evaluates as `GRPOTrainer` does and ignores it. A federation exchanges a LoRA adapter and
+    With a federated config (`FedGRPOConfig`, `config.federated_config(RLOOConfig)`) of `num_clients > 1`, `train()`
+    runs the whole federation instead: it partitions `train_dataset` across the clients and hands over to
+    `FederatedRunner`, whose clients train this same class; `train(resume_from_checkpoint=True)` then continues the
+    federation from its latest round checkpoint. There `eval_dataset` is scored with `reward_funcs`, or with
+    `eval_reward_funcs` when given (see `FederatedRunner`); a single-client `train()` evaluates as the class it extends
+    does and ignores it. A federation exchanges a LoRA adapter and
     builds a fresh optimizer for every client round, so federated mode refuses a model without a PEFT adapter (pass
     `peft_config`) and `optimizers`, by name, when the trainer is built; a vLLM setting that clients cannot share
     (`FedGRPOConfig.check_vllm`: `vllm_mode="colocate"`) is refused before the model loads.
@@ -49,7 +50,7 @@ class FederatedGRPOMixin(LocalGRPOMixin):
         # overrides none of GRPOTrainer's private methods (the instance's class is then `Fast<cls>`). Arguments that
         # do not fit the constructor are left for `__init__` to refuse.
         try:
-            config = _named_arguments(functools.partial(_trainer_init(cls), None), args, kwargs).get("args")
+            config = _named_arguments(cls, args, kwargs).get("args")
         except TypeError:
             config = None
         return super().__new__(with_speedups(cls, config))
@@ -57,7 +58,7 @@ class FederatedGRPOMixin(LocalGRPOMixin):
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
         # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
         # (Named after the constructor of the class the mixins extend: the mixins' `__init__` take anything.)
-        self._init_arguments = _named_arguments(_trainer_init(type(self)).__get__(self), args, kwargs)
+        self._init_arguments = _named_arguments(type(self), args, kwargs)
         self.eval_reward_funcs = eval_reward_funcs
         if _federating(self._init_arguments.get("args")):
             # Before GRPOTrainer's constructor loads a model given by name and starts a colocated vLLM engine.
@@ -151,16 +152,18 @@ _RUNNER_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
-def federated(trainer_class: type[GRPOTrainer]) -> type[FederatedGRPOMixin]:
-    """`trainer_class`, a `trl.GRPOTrainer` subclass (TRL's experimental `GMPOTrainer`, or your own), with
-    `FederatedGRPOMixin` mixed in: it keeps `trainer_class`'s constructor, loss and options, reports R̄ like
-    `FedGRPOTrainer`, and federates when its config is a `FedGRPOConfig` with `num_clients > 1` (for a trainer with
-    its own config class, use `config.federated_config(ThatConfig)`).
+def federated(trainer_class: type) -> type[FederatedGRPOMixin]:
+    """`trainer_class`, a `trl.GRPOTrainer` or `trl.RLOOTrainer` subclass (TRL's experimental `GMPOTrainer`, or your
+    own), with `FederatedGRPOMixin` mixed in: it keeps `trainer_class`'s constructor, loss and options, reports R̄
+    like `FedGRPOTrainer`, and federates when its config is a federated one with `num_clients > 1`: a
+    `FedGRPOConfig`, or for a trainer with its own config class `config.federated_config(ThatConfig)`
+    (`federated_config(RLOOConfig)` for RLOO). TRL's other online trainers are refused by name, with the reason
+    (`local_trainer.UNFEDERABLE_TRAINERS`).
 
     The class is made once per `trainer_class`; `federated(GRPOTrainer)` is `FedGRPOTrainer`, and a class that
     already has the mixin is returned as it is.
     """
-    require_grpo_trainer(trainer_class)
+    require_federable_trainer(trainer_class)
     if issubclass(trainer_class, FederatedGRPOMixin):
         return trainer_class
     if trainer_class is GRPOTrainer:
@@ -173,18 +176,19 @@ def _trainer_init(cls: type):
     return next(klass for klass in cls.__mro__ if not issubclass(klass, TrainerMixin)).__init__
 
 
-def _named_arguments(init, args: tuple, kwargs: dict) -> dict:
-    """The arguments given to `init` (a bound `__init__`), by parameter name. Those a `**kwargs` collects are
-    flattened in, and those a `*args` collects are named after `GRPOTrainer.__init__`'s parameters, in order: a
-    subclass's catch-all parameters forward GRPOTrainer's arguments (TRL's experimental trainers do)."""
-    signature = inspect.signature(init)
+def _named_arguments(cls: type, args: tuple, kwargs: dict) -> dict:
+    """The arguments given to the constructor of `cls` (`_trainer_init`'s), by parameter name. Those a `**kwargs`
+    collects are flattened in, and those a `*args` collects are named after the parameters of the first constructor
+    of `cls`'s MRO that has no catch-all (`GRPOTrainer.__init__`'s, `RLOOTrainer.__init__`'s), in order: a subclass's
+    catch-all parameters forward its base's arguments (TRL's experimental trainers do)."""
+    signature = inspect.signature(functools.partial(_trainer_init(cls), None))  # after `self`
     named = {}
     for name, value in signature.bind(*args, **kwargs).arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
             named.update(value)
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            named.update(zip(_GRPO_PARAMETERS, value))
+            named.update(zip(_explicit_parameters(cls), value))
         else:
             named[name] = value
     return named
@@ -192,15 +196,27 @@ def _named_arguments(init, args: tuple, kwargs: dict) -> dict:
 
 def _federating(args) -> bool:
     """Whether a trainer with `args` runs a federation."""
-    return isinstance(args, FedGRPOConfig) and args.num_clients > 1
+    return isinstance(args, FederatedConfig) and args.num_clients > 1
 
 
-_GRPO_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # after `self`
+def _explicit_parameters(cls: type) -> list[str]:
+    """The parameters, after `self`, of the first `__init__` in `cls`'s MRO without a catch-all (`*args`,
+    `**kwargs`)."""
+    catch_alls = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for klass in cls.__mro__:
+        parameters = inspect.signature(klass.__init__).parameters
+        if not any(item.kind in catch_alls for item in parameters.values()):
+            return list(parameters)[1:]
+    raise TypeError(f"{cls.__qualname__} names no constructor parameters.")
 
 
 def trainer_class(data_args):
     """The federated trainer class `data_args.trainer_class` names (`trainer.federated`); `FedGRPOTrainer` by
-    default."""
+    default. A class that cannot be federated is a ValueError that names it and says why."""
     if data_args.trainer_class is None:
         return federated(GRPOTrainer)
-    return federated(import_class(data_args.trainer_class, GRPOTrainer, "trainer_class"))
+    cls = import_object(data_args.trainer_class, "trainer_class", kind="Class")
+    try:
+        return federated(cls)
+    except TypeError as refusal:
+        raise ValueError(f"`trainer_class` {data_args.trainer_class!r}: {refusal}") from None

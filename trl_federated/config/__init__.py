@@ -20,8 +20,8 @@ from ..choices import (  # the choice lists, as the config module named them bef
 )
 from .building import DEFAULT_FEDPROX_MU, BuildsConfig, has_native_bf16
 from .checks import ConfigChecks
-from .fields import FedGRPOConfig
-from .recipes import CONFIG_CLASSES, FedDAPOConfig, FedGSPOConfig, federated_config
+from .fields import FederatedConfig, FedGRPOConfig
+from .recipes import CONFIG_CLASSES, FEDERABLE_CONFIGS, FedDAPOConfig, FedGSPOConfig, federated_config
 from .results import (
     _NOTICED,
     TRL_RESULT_FIELDS,
@@ -44,6 +44,7 @@ __all__ = [
     "SERVER_OPTIMIZERS",
     "TRANSFER_DTYPES",
     "CONFIG_CLASSES",
+    "FEDERABLE_CONFIGS",
     "DEFAULT_FEDPROX_MU",
     "PAPER_SERVER_EPSILON",
     "SERVER_ADAM_SCALE",
@@ -53,6 +54,7 @@ __all__ = [
     "_NOTICED",
     "ConfigChecks",
     "FedDAPOConfig",
+    "FederatedConfig",
     "FedGRPOConfig",
     "FedGSPOConfig",
     "ResultHelp",

@@ -37,8 +37,9 @@ def _is_of_type(value, type_name: str) -> bool:
 
 
 def _own_fields_class(config_class: type) -> type:
-    """The class that declares the federation's fields (`FedGRPOConfig`): the one whose bases name `ConfigChecks`."""
-    return next(cls for cls in config_class.__mro__ if ConfigChecks in cls.__bases__)
+    """The class that declares the federation's fields (`FedGRPOConfig`, or the class `federated_config` makes of an
+    `RLOOConfig`): the one whose bases name `fields.FederatedConfig`, the class whose bases name `ConfigChecks`."""
+    return next(cls for cls in config_class.__mro__ if any(ConfigChecks in base.__bases__ for base in cls.__bases__))
 
 
 class ConfigChecks:

@@ -34,8 +34,13 @@ from .results import ResultHelp
 from .server_step import ServerStep
 
 
+class FederatedConfig(BuildsConfig, ServerStep, ConfigChecks):
+    """What makes a TRL config a federation's: `FedGRPOConfig`, its recipes, and the class `recipes.federated_config`
+    makes of another TRL config (`GMPOConfig`, `RLOOConfig`), each with the federation's fields of `FedGRPOConfig`."""
+
+
 @dataclass
-class FedGRPOConfig(BuildsConfig, ServerStep, ConfigChecks, GRPOConfig):
+class FedGRPOConfig(FederatedConfig, GRPOConfig):
     r"""
     Configuration class for [`FedGRPOTrainer`] and [`FederatedRunner`]: a [`~trl.GRPOConfig`] plus the federation.
 

@@ -1,14 +1,15 @@
 """The local algorithms' recipes: `FedDAPOConfig` and `FedGSPOConfig` (`CONFIG_CLASSES`, by name), and
-`federated_config`, which adds the federation's fields to any other `GRPOConfig` subclass."""
+`federated_config`, which adds the federation's fields to the config of any other trainer a federation trains (a
+`GRPOConfig` or `RLOOConfig` subclass)."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig
+from trl import GRPOConfig, RLOOConfig
 
-from .fields import FedGRPOConfig
+from .fields import FederatedConfig, FedGRPOConfig
 
 
 @dataclass
@@ -82,54 +83,76 @@ class FedGSPOConfig(FedGRPOConfig):
 CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
 
 
-def federated_config(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
-    """`config_class` (a `GRPOConfig` subclass, such as TRL's `GMPOConfig`) with the federation's fields: a dataclass
-    that is both a `FedGRPOConfig` and a `config_class`, for the trainer `federated(...)` makes of the trainer that
-    `config_class` configures.
+# The configs of the TRL trainer families a federation trains (`local_trainer.FEDERATED_FAMILIES`).
+FEDERABLE_CONFIGS = (GRPOConfig, RLOOConfig)
+
+
+def federated_config(config_class: type[GRPOConfig] | type[RLOOConfig]) -> type[FederatedConfig]:
+    """`config_class` (a `GRPOConfig` subclass, such as TRL's `GMPOConfig`, or `RLOOConfig` or a subclass of it) with
+    the federation's fields: a dataclass that is both a `FederatedConfig` and a `config_class` (and a `FedGRPOConfig`
+    when `config_class` is a `GRPOConfig`), for the trainer `federated(...)` makes of the trainer that `config_class`
+    configures.
 
     Its defaults are `config_class`'s for every field `config_class` (or a class between it and `GRPOConfig`)
     declares itself, the algorithm's recipe, as `FedDAPOConfig` overrides `FedGRPOConfig`; `FedGRPOConfig`'s for
-    every other field, the federation's and Algorithm 1's (`loss_type`, `lr_scheduler_type`, `beta`). Both
-    `__post_init__` validations run. The class is made once per `config_class` and parses like any TRL config
-    (`TrlParser`, YAML); its instances pickle as long as `config_class` does. A `FedGRPOConfig` subclass is
-    returned as it is.
+    every other field, the federation's and Algorithm 1's (`loss_type`, `lr_scheduler_type`, `beta`). An
+    `RLOOConfig` gets the federation's fields and those of Algorithm 1's defaults that it has (`lr_scheduler_type`;
+    its own `beta`), and no GRPO field it lacks. Both `__post_init__` validations run. The class is made once per
+    `config_class` and parses like any TRL config (`TrlParser`, YAML); its instances pickle as long as `config_class`
+    does. A federated config class is returned as it is.
     """
-    if not (isinstance(config_class, type) and issubclass(config_class, GRPOConfig)):
-        raise TypeError(f"`federated_config` needs a `trl.GRPOConfig` subclass, got {config_class!r}.")
-    if issubclass(config_class, FedGRPOConfig):
+    if not (isinstance(config_class, type) and issubclass(config_class, FEDERABLE_CONFIGS)):
+        raise TypeError(
+            f"`federated_config` needs a `trl.GRPOConfig` or `trl.RLOOConfig` subclass, got {config_class!r}."
+        )
+    if issubclass(config_class, FederatedConfig):
         return config_class
     return _federated_config_class(config_class)
 
 
 @functools.cache
-def _federated_config_class(config_class: type[GRPOConfig]) -> type[FedGRPOConfig]:
+def _federated_config_class(config_class: type) -> type[FederatedConfig]:
     # Dataclasses take each base's complete field table, inherited fields included, so whichever base comes last in
     # the MRO would reset the other's own defaults to GRPOConfig's: the algorithm's own fields are declared again.
     grpo_fields = GRPOConfig.__dataclass_fields__
     own = [f for name, f in config_class.__dataclass_fields__.items() if grpo_fields.get(name) is not f]
+    if issubclass(config_class, GRPOConfig):
+        bases, declared = (FedGRPOConfig, config_class), own
+    else:
+        # Not a GRPOConfig: the class declares the federation's fields itself, with Algorithm 1's defaults of the
+        # fields `config_class` inherits from TRL's base config, and none of the GRPO fields it lacks (its trainer
+        # would ignore them). Its own fields keep their defaults: `FederatedConfig` has no field table to reset them.
+        bases = (FederatedConfig, config_class)
+        declared = [
+            f for name, f in FedGRPOConfig.__dataclass_fields__.items()
+            if grpo_fields.get(name) is not f and (name not in grpo_fields or name in config_class.__dataclass_fields__)
+            and name not in {f.name for f in own}
+        ]  # fmt: skip
     namespace = {
         "__module__": __name__,
         "__qualname__": f"Fed{config_class.__name__}",
         "__doc__": f"`{config_class.__module__}.{config_class.__qualname__}` with the fields of `FedGRPOConfig` "
         "(see `federated_config`).",
-        "__annotations__": {f.name: f.type for f in own},
+        # The federation's fields as `FedGRPOConfig` annotates them (strings, which its type checks read): a parser
+        # may have replaced a field's `type` with the type the string names.
+        "__annotations__": {f.name: vars(FedGRPOConfig)["__annotations__"].get(f.name, f.type) for f in declared},
         "__reduce__": _reduce_federated_config,
         "algorithm_config_class": config_class,
     }
-    for f in own:
+    for f in declared:
         namespace[f.name] = field(
             default=f.default, default_factory=f.default_factory, init=f.init, repr=f.repr, metadata=f.metadata
         )
-    return dataclass(type(f"Fed{config_class.__name__}", (FedGRPOConfig, config_class), namespace))
+    return dataclass(type(f"Fed{config_class.__name__}", bases, namespace))
 
 
-def _reduce_federated_config(config: FedGRPOConfig):
+def _reduce_federated_config(config: FederatedConfig):
     # The class is made at run time, so pickle refers to it through the class it federates (Trainer saves its
     # arguments with torch.save in every checkpoint).
     return _rebuild_federated_config, (type(config).algorithm_config_class, config.__dict__)
 
 
-def _rebuild_federated_config(config_class: type[GRPOConfig], state: dict) -> FedGRPOConfig:
+def _rebuild_federated_config(config_class: type, state: dict) -> FederatedConfig:
     cls = federated_config(config_class)
     config = cls.__new__(cls)
     config.__dict__.update(state)

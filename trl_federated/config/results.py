@@ -18,9 +18,9 @@ class ResultHelp(str):
     every metadata key on to argparse, which accepts no key of ours."""
 
 
-# The fields TRL declares (`GRPOConfig` and `TrainingArguments`) that change what a run computes: the local
-# optimizer and its schedule, the batch, sampling and the loss. `FedGRPOConfig` and its recipes redeclare some of
-# them with other defaults (`loss_type`, `beta`, ...); the rest of TRL's fields (logging, saving, devices) do not
+# The fields TRL declares (`GRPOConfig`, `RLOOConfig` and `TrainingArguments`) that change what a run computes: the
+# local optimizer and its schedule, the batch, sampling and the loss. `FedGRPOConfig` and its recipes redeclare some
+# of them with other defaults (`loss_type`, `beta`, ...); the rest of TRL's fields (logging, saving, devices) do not
 # change the result.
 TRL_RESULT_FIELDS = (
     "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "optim", "weight_decay",
@@ -28,6 +28,7 @@ TRL_RESULT_FIELDS = (
     "gradient_accumulation_steps", "num_generations", "steps_per_generation", "num_iterations",
     "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon", "epsilon_high", "loss_type",
     "importance_sampling_level", "scale_rewards", "reward_weights", "mask_truncated_completions",
+    "normalize_advantages", "reward_clip_range",
 )  # fmt: skip
 
 
@@ -63,6 +64,8 @@ def notice_changed_trl_defaults(args: GRPOConfig) -> None:
 def result_fields(config: GRPOConfig | type[GRPOConfig]) -> tuple[str, ...]:
     """The fields of `config` (an instance or a class) that change what a run computes from a checkpoint on, which a
     resumed run must keep unless `resume_allow_changes` names them: the federation's, whose help is a `ResultHelp`,
-    then TRL's (`TRL_RESULT_FIELDS`)."""
-    federation = [f.name for f in dataclasses.fields(config) if isinstance(f.metadata.get("help"), ResultHelp)]
-    return (*federation, *TRL_RESULT_FIELDS)
+    then those of TRL's (`TRL_RESULT_FIELDS`) that `config` has (an `RLOOConfig` has no `loss_type`)."""
+    fields = dataclasses.fields(config)
+    federation = [f.name for f in fields if isinstance(f.metadata.get("help"), ResultHelp)]
+    names = {f.name for f in fields}
+    return (*federation, *(name for name in TRL_RESULT_FIELDS if name in names))

@@ -1,8 +1,9 @@
-"""The client side of FGRPO (Algorithm 1, lines 4-18) on any `trl.GRPOTrainer` subclass: what one client's trainer
-adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate schedule, the
-loss terms of its callbacks) and the callbacks a client round attaches (FedProx, the round deadline; SCAFFOLD's
-correction is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared prefix, gated-MLP
-recomputation) are any GRPO trainer's: `speedups.py`.
+"""The client side of FGRPO (Algorithm 1, lines 4-18) on any trainer of a federated family (`FEDERATED_FAMILIES`:
+`trl.GRPOTrainer` and `trl.RLOOTrainer` subclasses; TRL's other online trainers are refused by name): what one
+client's trainer adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate
+schedule, the loss terms of its callbacks) and the callbacks a client round attaches (FedProx, the round deadline;
+SCAFFOLD's correction is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared
+prefix, gated-MLP recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
 on `LocalGRPOMixin` and adds federated `train()`, which drives `FederatedRunner`. The modules import downwards only:
@@ -19,11 +20,11 @@ from collections import defaultdict
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ..runtime.distributed import from_main_process
 from ..runtime.master_weights import linear_term, read_master
-from .speedups import FastGRPOMixin, TrainerMixin, base_name, wants_speedups
+from .speedups import SPEEDUP_FIELDS, FastGRPOMixin, TrainerMixin, base_name, wants_speedups
 
 
 class LocalGRPOMixin(TrainerMixin):
@@ -133,11 +134,14 @@ class LocalGRPOMixin(TrainerMixin):
 
 
 
-def local_trainer(trainer_class: type[GRPOTrainer], args=None) -> type[LocalGRPOMixin]:
-    """`trainer_class`, a `trl.GRPOTrainer` subclass, with `LocalGRPOMixin` mixed in (a class that has it already,
-    such as `FedGRPOTrainer` or `federated(...)`'s, keeps its own), and `speedups.FastGRPOMixin` first when `args`
-    turns a speed-up on (`speedups.wants_speedups`); made once per class."""
-    require_grpo_trainer(trainer_class)
+def local_trainer(trainer_class: type, args=None) -> type[LocalGRPOMixin]:
+    """`trainer_class`, a trainer of a federated family (`FEDERATED_FAMILIES`: a `trl.GRPOTrainer` or
+    `trl.RLOOTrainer` subclass), with `LocalGRPOMixin` mixed in (a class that has it already, such as `FedGRPOTrainer`
+    or `federated(...)`'s, keeps its own), and `speedups.FastGRPOMixin` first when `args` turns a speed-up on
+    (`speedups.wants_speedups`); made once per class."""
+    require_federable_trainer(trainer_class)
+    if args is not None:
+        require_family_config(trainer_class, args)
     local = trainer_class if issubclass(trainer_class, LocalGRPOMixin) else mixed_class(
         LocalGRPOMixin, trainer_class, "Local"
     )
@@ -146,14 +150,21 @@ def local_trainer(trainer_class: type[GRPOTrainer], args=None) -> type[LocalGRPO
 
 def with_speedups(trainer_class: type, args) -> type:
     """`trainer_class` with `speedups.FastGRPOMixin` first among its bases when `args` turns a speed-up on, else as
-    it is: a trainer overrides GRPOTrainer's private methods only for a speed-up it uses."""
+    it is: a trainer overrides GRPOTrainer's private methods only for a speed-up it uses. The speed-ups are
+    GRPOTrainer's: for a trainer of another family they are refused by name."""
     if not wants_speedups(args) or issubclass(trainer_class, FastGRPOMixin):
         return trainer_class
+    if not issubclass(trainer_class, GRPOTrainer):
+        switched_on = [name for name in SPEEDUP_FIELDS if getattr(args, name, False)]
+        raise ValueError(
+            f"{', '.join(f'`{name}`' for name in switched_on)} speed up `trl.GRPOTrainer`'s private methods, which "
+            f"{base_name(trainer_class)} does not have: turn it off."
+        )
     return mixed_class(FastGRPOMixin, trainer_class, "Fast")
 
 
 @functools.cache
-def mixed_class(mixin: type, trainer_class: type[GRPOTrainer], prefix: str) -> type:
+def mixed_class(mixin: type, trainer_class: type, prefix: str) -> type:
     """`trainer_class` with `mixin` first among its bases, named `<prefix><TrainerClass>`; one class per arguments."""
     return type(
         f"{prefix}{trainer_class.__name__}",
@@ -162,12 +173,64 @@ def mixed_class(mixin: type, trainer_class: type[GRPOTrainer], prefix: str) -> t
     )
 
 
-def require_grpo_trainer(trainer_class) -> None:
-    """Raise `TypeError` unless `trainer_class` is a `trl.GRPOTrainer` subclass."""
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, GRPOTrainer)):
+# TRL's online RL trainer families a federation trains, each one's root class with the TRL config that configures it
+# (`config.federated_config` adds the federation's fields to it). What a client round relies on, every class of a
+# family has: `reward_funcs` that score completions it generates from a prompt dataset, the mean `reward` it logs
+# every step (R̄), `compute_loss` (FedProx's and SCAFFOLD's loss terms), a `peft_config` or `PeftModel` whose LoRA
+# adapter it trains (the update), and the KL reference adapter `ref` (which the client keeps at θ^{[0]}).
+FEDERATED_FAMILIES = {GRPOTrainer: GRPOConfig, RLOOTrainer: RLOOConfig}
+
+# TRL 1.16's other trainers that generate online, each with why a federation cannot train it (`tests/test_family.py`).
+UNFEDERABLE_TRAINERS = {
+    "trl.experimental.async_grpo.async_grpo_trainer.AsyncGRPOTrainer": "it takes the model by name only (a loaded "
+    "`PeftModel` has no `.split`) and generates in a rollout worker process against a vLLM server "
+    "(`vllm_server_base_url`) that it streams its weights to, while a federation builds every client round's trainer "
+    "in process on the loaded global adapter",
+    "trl.experimental.a2po.a2po_trainer.A2POTrainer": "it takes no `peft_config` and its config no `beta`, "
+    "`num_iterations`, `steps_per_generation` or `use_vllm`, and it estimates V*(x) for every training prompt from "
+    "its frozen reference before training: a federation trains a LoRA adapter and builds a fresh trainer every client "
+    "round, which would re-estimate V* from the round's global model each round",
+    "trl.experimental.sdpo.sdpo_trainer.SDPOTrainer": "its self-teacher is state of one trainer across its steps (by "
+    "default an EMA teacher adapter, `teacher_model_kind='ema'`), which a federation, building a fresh trainer every "
+    "client round and exchanging one adapter, would restart from the round's global adapter every round",
+    "trl.experimental.online_dpo.online_dpo_trainer.OnlineDPOTrainer": "it logs no mean `reward` per step (it scores "
+    "a pair of completions per prompt, `objective/scores`), from which a client's R̄ is read",
+    "trl.experimental.iw_opd.iw_opd_trainer.IWOPDTrainer": "it distils a `teacher_model` and takes no `reward_funcs`: "
+    "a client has no reward R̄ to report",
+    "trl.experimental.tpo.tpo_trainer.TPOTrainer": "it trains offline on preference triples and takes no "
+    "`reward_funcs`: a client has no reward R̄ to report",
+}
+
+
+def require_federable_trainer(trainer_class) -> None:
+    """Raise `TypeError` unless `trainer_class` is a class of a federated family (`FEDERATED_FAMILIES`); a TRL
+    trainer that cannot federate is refused by name with the reason (`UNFEDERABLE_TRAINERS`)."""
+    if isinstance(trainer_class, type) and issubclass(trainer_class, tuple(FEDERATED_FAMILIES)):
+        return
+    for klass in getattr(trainer_class, "__mro__", ()):
+        reason = UNFEDERABLE_TRAINERS.get(f"{klass.__module__}.{klass.__qualname__}")
+        if reason is not None:
+            raise TypeError(f"`{klass.__qualname__}` cannot be federated: {reason}.")
+    raise TypeError(
+        f"Only a `trl.GRPOTrainer` or `trl.RLOOTrainer` subclass can be federated, got {trainer_class!r}: the "
+        "federation reads R̄ from their logs and builds one such trainer per client round."
+    )
+
+
+def trainer_config_class(trainer_class: type) -> type:
+    """The TRL config class of `trainer_class`'s family (`FEDERATED_FAMILIES`): `GRPOConfig` or `RLOOConfig`."""
+    require_federable_trainer(trainer_class)
+    return next(config for root, config in FEDERATED_FAMILIES.items() if issubclass(trainer_class, root))
+
+
+def require_family_config(trainer_class: type, args) -> None:
+    """Raise `TypeError` unless `args` is a config of `trainer_class`'s family (`trainer_config_class`): an
+    `RLOOTrainer` reads RLOO's fields, which a `FedGRPOConfig` lacks."""
+    config_class = trainer_config_class(trainer_class)
+    if not isinstance(args, config_class):
         raise TypeError(
-            f"Only a `trl.GRPOTrainer` subclass can be federated, got {trainer_class!r}: the federation reads R̄ from "
-            "GRPOTrainer's logs and builds one such trainer per client round."
+            f"{base_name(trainer_class)} trains with a `{config_class.__name__}`, got a `{type(args).__name__}`: "
+            f"give it `trl_federated.config.federated_config({config_class.__name__})`."
         )
 
 

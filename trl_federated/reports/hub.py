@@ -88,7 +88,9 @@ def federation_section(
     rows = [
         ("Method", f"{method_name(args)}: aggregation `{args.aggregation}`, server optimizer `{args.server_optimizer}` "
                    f"(lr {args.server_learning_rate}), LoRA aggregation `{args.lora_aggregation}`"),
-        ("Local algorithm", f"`{type(args).__name__}` (loss `{args.loss_type}`, β={args.beta})"),
+        # An RLOO config has no `loss_type`: RLOO's loss is its own.
+        ("Local algorithm", f"`{type(args).__name__}` ("
+                            + (f"loss `{args.loss_type}`, " if hasattr(args, "loss_type") else "") + f"β={args.beta})"),
         ("Clients", f"{num_clients}, {split_description(args)}"),
         ("Rounds", f"{args.num_rounds}, {args.local_steps} local steps per client and round"),
         ("Reward window W", str(args.reward_window)),
