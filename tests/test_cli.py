@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,22 @@ def test_cli_names_a_misspelled_yaml_key_and_the_closest_valid_one_in_one_line(t
     with pytest.raises(SystemExit):
         parse_run_args(["--config", str(config), *CPU_FLAGS])
     assert "cannot stream the dataset" in capsys.readouterr().err
+
+
+def test_the_names_checked_before_trl_imports_are_the_parsers(tmp_path, monkeypatch):
+    from trl_federated.arguments import flags, known_flags, parsing
+
+    assert Path(known_flags.__file__).read_text(encoding="utf-8") == parsing.known_flags_source(), (
+        "rewrite it: python -m trl_federated.arguments.parsing"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text("num_round: 2\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        flags.check_before_import(["--config", str(config)])
+    # other versions of TRL or transformers, or a trainer's own config class: the parser names the fields
+    flags.check_before_import(["--config", str(config), "--trainer_config_class", "my_lib:MyConfig"])
+    monkeypatch.setattr(flags, "installed_versions", lambda: ("0.0", "0.0"))
+    flags.check_before_import(["--config", str(config)])
 
 
 def test_the_flower_run_config_and_the_yaml_share_one_hint():
