@@ -76,7 +76,7 @@ def test_drop_in_evaluates_a_trl_style_eval_set_with_the_training_reward(
     trainer.train()
     evaluations = [line for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                    if line["event"] == "evaluation"]
-    assert [line["round"] for line in evaluations] == [-1, 0]
+    assert [line["round_idx"] for line in evaluations] == [-1, 0]
     for line in evaluations:
         assert list(line["accuracy"]) == ["Total"] and line["count"] == {"Total": 3}
         assert line["accuracy"]["Total"] > 0  # scored by solution_reward, not by a correctness reward
