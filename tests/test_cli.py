@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -40,14 +41,16 @@ def labelled_dataset(n=24):
     )
 
 
-def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, caplog):
     args = fast_args(num_clients=3, dirichlet_alpha=float("inf"), num_rounds=2, local_steps=1, reward_window=1)
     trainer = FedGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
         train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
     )
     initial = {k: v.clone() for k, v in get_adapter_state(trainer.model).items()}
-    output = trainer.train()
+    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+        output = trainer.train()
+    assert f"The global adapter is in {(tmp_path / 'run').resolve()}" in caplog.text  # where `train()` left it
     assert output.global_step == 3 * 2 * 1  # clients x rounds x local steps
     assert output.metrics["num_rounds"] == 2
     final = get_adapter_state(trainer.model)
@@ -90,6 +93,10 @@ def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, ti
         train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
     )
     with pytest.raises(ValueError, match="'category'"):
+        trainer.train()
+    # without `prompt`: named with the fix, before any client trains (TRL would fail at the first local step)
+    trainer.train_dataset = labelled_dataset().rename_column("prompt", "question")
+    with pytest.raises(ValueError, match=r"no `prompt` column.*rename_column\('question', 'prompt'\)"):
         trainer.train()
 
 
