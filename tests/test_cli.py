@@ -2,7 +2,9 @@
 
 import importlib.util
 import json
+import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,14 +41,16 @@ def labelled_dataset(n=24):
     )
 
 
-def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, caplog):
     args = fast_args(num_clients=3, dirichlet_alpha=float("inf"), num_rounds=2, local_steps=1, reward_window=1)
     trainer = FedGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
         train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
     )
     initial = {k: v.clone() for k, v in get_adapter_state(trainer.model).items()}
-    output = trainer.train()
+    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+        output = trainer.train()
+    assert f"The global adapter is in {(tmp_path / 'run').resolve()}" in caplog.text  # where `train()` left it
     assert output.global_step == 3 * 2 * 1  # clients x rounds x local steps
     assert output.metrics["num_rounds"] == 2
     final = get_adapter_state(trainer.model)
@@ -75,7 +79,7 @@ def test_drop_in_evaluates_a_trl_style_eval_set_with_the_training_reward(
     trainer.train()
     evaluations = [line for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                    if line["event"] == "evaluation"]
-    assert [line["round"] for line in evaluations] == [-1, 0]
+    assert [line["round_idx"] for line in evaluations] == [-1, 0]
     for line in evaluations:
         assert list(line["accuracy"]) == ["Total"] and line["count"] == {"Total": 3}
         assert line["accuracy"]["Total"] > 0  # scored by solution_reward, not by a correctness reward
@@ -89,6 +93,10 @@ def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, ti
         train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
     )
     with pytest.raises(ValueError, match="'category'"):
+        trainer.train()
+    # without `prompt`: named with the fix, before any client trains (TRL would fail at the first local step)
+    trainer.train_dataset = labelled_dataset().rename_column("prompt", "question")
+    with pytest.raises(ValueError, match=r"no `prompt` column.*rename_column\('question', 'prompt'\)"):
         trainer.train()
 
 
@@ -216,6 +224,22 @@ def test_cli_names_a_misspelled_yaml_key_and_the_closest_valid_one_in_one_line(t
     with pytest.raises(SystemExit):
         parse_run_args(["--config", str(config), *CPU_FLAGS])
     assert "cannot stream the dataset" in capsys.readouterr().err
+
+
+def test_the_names_checked_before_trl_imports_are_the_parsers(tmp_path, monkeypatch):
+    from trl_federated.arguments import flags, known_flags, parsing
+
+    assert Path(known_flags.__file__).read_text(encoding="utf-8") == parsing.known_flags_source(), (
+        "rewrite it: python -m trl_federated.arguments.parsing"
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text("num_round: 2\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        flags.check_before_import(["--config", str(config)])
+    # other versions of TRL or transformers, or a trainer's own config class: the parser names the fields
+    flags.check_before_import(["--config", str(config), "--trainer_config_class", "my_lib:MyConfig"])
+    monkeypatch.setattr(flags, "installed_versions", lambda: ("0.0", "0.0"))
+    flags.check_before_import(["--config", str(config)])
 
 
 def test_the_flower_run_config_and_the_yaml_share_one_hint():

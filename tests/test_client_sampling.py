@@ -180,7 +180,7 @@ def test_the_runner_trains_and_records_only_the_sampled_clients(sampled_run):
     # metrics.jsonl says which clients each round sampled, and has a client line for those only
     lines = [json.loads(line) for line in (Path(runner.args.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [line["sampled"] for line in lines if line["event"] == "round"] == SAMPLED
-    clients = [(line["round"], line["client_id"]) for line in lines if line["event"] == "client"]
+    clients = [(line["round_idx"], line["client_id"]) for line in lines if line["event"] == "client"]
     assert clients == [(t, CLIENT_IDS[index]) for t, indices in enumerate(SAMPLED) for index in indices]
 
 
@@ -434,7 +434,7 @@ def test_clients_evaluate_the_round_adapter_on_their_own_held_out_data(tmp_path,
     result = strategy.start(grid)
 
     (line,) = events(tmp_path / "flower", "client_evaluation")
-    assert line["round"] == 0 and line["failed"] == {} and set(line["clients"]) == {"client_0", "client_1"}
+    assert line["round_idx"] == 0 and line["failed"] == {} and set(line["clients"]) == {"client_0", "client_1"}
     # each client scored the global adapter the round made, on its own rows, as the server scores its eval_dataset
     args = loopback_app.federation_args(str(tmp_path / "scratch"), run_config)
     model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
@@ -578,7 +578,7 @@ def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_oth
     with pytest.raises(ServerAppKilled):
         interrupted.start(grid)
     round_0 = copy.deepcopy(interrupted.global_state)
-    recorded = [event["round"] for event in events(tmp_path / "flower", "client_evaluation")]
+    recorded = [event["round_idx"] for event in events(tmp_path / "flower", "client_evaluation")]
     assert recorded == ([] if crash_on == ("evaluate", "0") else [0])
 
     # The ServerApp restarts; its SuperNodes come back with new node ids, bound to no client yet.
@@ -588,7 +588,7 @@ def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_oth
     redone = "Round 0: redoing its evaluate round after the resume"
     lines = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
     evaluations = [line for line in lines if line["event"] == "client_evaluation"]
-    assert [line["round"] for line in evaluations] == [0, 1]  # each round's once
+    assert [line["round_idx"] for line in evaluations] == [0, 1]  # each round's once
     evaluated = sample_clients(NUM_CLIENTS, fraction, 1, SEED, 0, "evaluate")
     later = len(sample_clients(NUM_CLIENTS, fraction, 1, SEED, 1, "evaluate"))
     assert set(evaluations[0]["clients"]) == sampled_ids(evaluated) and evaluations[0]["failed"] == {}

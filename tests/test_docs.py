@@ -477,3 +477,21 @@ def test_constraints_pin_every_requirement_within_setup_pys_ranges():
     if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():  # the environment `make install` made
         for name, version in pins.items():
             assert metadata.version(name) == version, name
+
+
+def test_the_examples_readmes_links_resolve_to_a_file_and_its_heading():
+    # mkdocs checks the docs' links; the examples' READMEs are read on GitHub, outside the site.
+    import re
+
+    def anchors(page: Path) -> set[str]:  # GitHub's and mkdocs' heading ids, for the headings these pages use
+        headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
+        return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+    for readme in (ROOT / "examples").rglob("README.md"):
+        for target in re.findall(r"\]\(([^)\s]+)\)", readme.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            path, _, anchor = target.partition("#")
+            page = (readme.parent / path).resolve()
+            assert page.exists(), (readme, target)
+            assert not anchor or anchor in anchors(page), (readme, target)

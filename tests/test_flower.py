@@ -250,7 +250,7 @@ def test_strategy_aggregates_exactly_like_the_aggregator_and_drops_faulty_client
             assert metrics[f"site-{index}/reward_window"] == rewards[index][round_idx]
 
     assert strategy.aggregator.state_dict()["baselines"] == reference.state_dict()["baselines"]
-    dropped = sorted((event["round"], event["client_id"], event["kind"])
+    dropped = sorted((event["round_idx"], event["client_id"], event["kind"])
                      for event in events(args.output_dir, "client_dropped"))
     assert dropped == [(0, "site-1", "invalid_update"), (0, "site-2", "error"), (1, "site-2", "error")]
     assert "adapter[" in strategy.history[0].dropped["site-1"] and "holds NaN" in strategy.history[0].dropped["site-1"]
@@ -656,7 +656,7 @@ def test_loopback_supernode_killed_mid_round_is_one_drop_line(tmp_path, tiny_mod
         loopback.stop()
     assert (output_dir / "adapter_model.safetensors").exists(), f"{stream[-3000:]}\n{loopback.logs()}"
     drops = events(output_dir, "client_dropped")
-    assert [(drop["round"], drop["client_id"], drop["kind"]) for drop in drops] == [(0, "client_1", "error")], drops
+    assert [(drop["round_idx"], drop["client_id"], drop["kind"]) for drop in drops] == [(0, "client_1", "error")], drops
     assert re.fullmatch(r"Flower error 5 after \d+ s: Error: Node Unavailable .*", drops[0]["reason"]), drops[0]
     assert [line["weights"] for line in events(output_dir, "round")] == [{"client_0": 1.0}]
     assert "client 'client_1' dropped (error): Flower error 5 after" in stream

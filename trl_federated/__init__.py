@@ -5,16 +5,28 @@ import importlib.abc
 import importlib.util
 import sys
 
-from .aggregation import Aggregator, ClientUpdate, FedAvgAggregator, RPGAggregator, ServerAdam, ServerSGD
-from .config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig, federated_config
-from .core.callbacks import RoundCallback
-from .core.round_record import RoundRecord
-from .local.local_trainer import LocalGRPOMixin, local_trainer
-from .local.speedups import FastGRPOMixin
-from .runner import FederatedRunner
-from .trainer import FederatedGRPOMixin, FedGRPOTrainer, federated
+from .names import lazy_attributes
 
 __version__ = "0.1.0"
+
+# The public names, each with the module it lives in: `from trl_federated import FedGRPOConfig` imports that module
+# (and torch, TRL) when first read, not `import trl_federated`, which the command line's `--version`, `--help` and
+# argument errors run.
+_HOMES = {
+    **dict.fromkeys(
+        ("Aggregator", "ClientUpdate", "FedAvgAggregator", "RPGAggregator", "ServerAdam", "ServerSGD"), ".aggregation"
+    ),
+    **dict.fromkeys(("FedDAPOConfig", "FedGRPOConfig", "FedGSPOConfig", "federated_config"), ".config"),
+    "RoundCallback": ".core.callbacks",
+    "RoundRecord": ".core.round_record",
+    "LocalGRPOMixin": ".local.local_trainer",
+    "local_trainer": ".local.local_trainer",
+    "FastGRPOMixin": ".local.speedups",
+    "FederatedRunner": ".runner",
+    **dict.fromkeys(("FederatedGRPOMixin", "FedGRPOTrainer", "federated"), ".trainer"),
+}
+__getattr__ = lazy_attributes(globals(), _HOMES)
+__all__ = sorted(_HOMES)
 
 # Modules that moved into the layers' folders, by the name they had at the top of the package: importing the old name
 # gives the module itself (the same object, so `mock.patch("trl_federated.server.X")` and pickles that name the old
@@ -54,24 +66,3 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
     sys.meta_path.insert(0, _MovedModules())
 
-__all__ = [
-    "Aggregator",
-    "ClientUpdate",
-    "FastGRPOMixin",
-    "FedAvgAggregator",
-    "FedDAPOConfig",
-    "FedGRPOConfig",
-    "FedGSPOConfig",
-    "FedGRPOTrainer",
-    "FederatedGRPOMixin",
-    "FederatedRunner",
-    "LocalGRPOMixin",
-    "RPGAggregator",
-    "RoundCallback",
-    "RoundRecord",
-    "ServerAdam",
-    "ServerSGD",
-    "federated",
-    "federated_config",
-    "local_trainer",
-]

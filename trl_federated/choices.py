@@ -4,6 +4,7 @@ package, so the configuration imports no implementation to know its own choices.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, replace
 
@@ -13,11 +14,53 @@ class Registry(dict):
     implements it: one registry per kind of name, filled by one registration line per name in the package that
     implements it (`aggregation.register_aggregation`, `aggregation.register_server_optimizer`). The config's checks
     and the command line's choices read it when they run (a field's `choices` is the registry itself), so a name
-    registered after import is a valid choice."""
+    registered after import is a valid choice.
 
-    def __init__(self, kind: str, entries=()):
+    The package that registers the built-in names (`filled_by`) is imported when the registry is first read, not
+    when this package is: `import trl_federated` and the command line's `--help` and typos need neither it nor the
+    torch it imports. A name, not an import: the configuration, a leaf, knows no implementation (tests/
+    test_architecture.py), and the registry reads whatever that package registers."""
+
+    def __init__(self, kind: str, entries=(), filled_by: str = "trl_federated.aggregation"):
         super().__init__(entries)
-        self.kind = kind
+        self.kind, self.filled_by = kind, filled_by
+
+    def _fill(self) -> None:
+        if self.filled_by is not None:
+            filled_by, self.filled_by = self.filled_by, None  # once, and not again while it registers
+            importlib.import_module(filled_by)
+
+    def __getitem__(self, name):
+        self._fill()
+        return super().__getitem__(name)
+
+    def __contains__(self, name) -> bool:
+        self._fill()
+        return super().__contains__(name)
+
+    def __iter__(self):
+        self._fill()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._fill()
+        return super().__len__()
+
+    def get(self, name, default=None):
+        self._fill()
+        return super().get(name, default)
+
+    def items(self):
+        self._fill()
+        return super().items()
+
+    def keys(self):
+        self._fill()
+        return super().keys()
+
+    def values(self):
+        self._fill()
+        return super().values()
 
 
 class _Column(MutableMapping):

@@ -12,36 +12,33 @@ import logging
 import sys
 import warnings
 
+from .names import closest_key_hint, lazy_attributes
+
 # What `trl-federated run` parses, loads and trains with, each in its concept's module; named here too, where the
-# README's examples import them from.
-from .arguments import (  # noqa: F401
-    ArgumentParser,
-    BenchmarkArguments,
-    check_model_path,
-    choice_hint,
-    config_class,
-    parse_run_args,
-    read_yaml_config,
-    usage_error,
-)
-from .data.loading import hub_dataset_id, load_benchmark  # noqa: F401
-from .names import closest_key_hint, import_class, import_object  # noqa: F401
-from .runtime.models import changed_fields, load_model, lora_config  # noqa: F401
-from .scoring.rewards import (  # noqa: F401
-    REWARD_FUNCTIONS,
-    TRL_REWARD_FUNCTIONS,
-    check_reward_columns,
-    reward_functions,
-    training_rewards,
-)
-from .trainer import trainer_class  # noqa: F401
+# README's examples import them from. They import when first read: `--version`, `--help` and an argument error need
+# neither torch nor TRL.
+__getattr__ = lazy_attributes(globals(), {
+    **dict.fromkeys(("ArgumentParser", "BenchmarkArguments", "check_model_path", "choice_hint", "config_class",
+                     "parse_run_args", "read_yaml_config", "usage_error"), ".arguments"),
+    **dict.fromkeys(("hub_dataset_id", "load_benchmark"), ".data.loading"),
+    **dict.fromkeys(("import_class", "import_object"), ".names"),
+    **dict.fromkeys(("changed_fields", "load_model", "lora_config"), ".runtime.models"),
+    **dict.fromkeys(("REWARD_FUNCTIONS", "TRL_REWARD_FUNCTIONS", "check_reward_columns", "reward_functions",
+                     "training_rewards"), ".scoring.rewards"),
+    "trainer_class": ".trainer",
+})  # fmt: skip
 
 logger = logging.getLogger("trl_federated")
 
 
 def run(argv: list[str]) -> int:
     """Federate GRPO on the configured model and benchmark (`federation.run_federation`); write adapters, metrics,
-    summary and plots."""
+    summary and plots. The `--config` YAML and the names of its keys and of the flags are checked before TRL and torch
+    import (`arguments.flags`)."""
+    from .arguments.flags import check_before_import
+
+    check_before_import(argv)
+    from .arguments import parse_run_args
     from .federation import run_federation
 
     return run_federation(*parse_run_args(argv))

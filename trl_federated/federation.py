@@ -41,9 +41,9 @@ def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: Benc
     train, test = load_benchmark(data_args)
     try:  # a reward reading a column the data lacks would fail only at the first training step; a partition that
         # cannot be drawn, before anything is written
+        clients = partition_clients(train, args)  # first: it names a missing `prompt` column
         check_reward_columns(rewards, train)
         check_reward_columns(eval_rewards, test, "eval_reward_funcs")
-        clients = partition_clients(train, args)
     except ValueError as fault:
         usage_error(str(fault))
     # A taken output_dir or a missing checkpoint fails here, before the model loads; after every check of the

@@ -1,7 +1,8 @@
 """The names a user writes: an import path (`package.module:name`), and, for a name that is not among its
 choices, the closest one (or, for an argument of TRL's scripts that this package does not take, what to use instead).
 One helper for the YAML keys and flags of `trl-federated run`, a Flower app's run-config keys, the reward functions and
-the trainer and config classes named by import path."""
+the trainer and config classes named by import path. And the names a module offers from elsewhere, imported when first
+used (`lazy_attributes`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 # Arguments of TRL's scripts (`ScriptArguments`, `DatasetMixtureConfig`) that this package does not take, with what to
 # use instead: an unknown key or flag of that name gets this advice rather than the closest spelling.
@@ -62,3 +64,19 @@ def import_class(path: str, base: type, field_name: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ValueError(f"`{field_name}` {path!r} is {cls!r}, not a subclass of `{base.__module__}.{base.__name__}`.")
     return cls
+
+
+def lazy_attributes(namespace: dict[str, Any], homes: dict[str, str]):
+    """A module's `__getattr__` (PEP 562) for the names it offers from other modules, `homes` (name -> module, relative
+    to the module's package): each name imports its module when first read, then stays in `namespace` (the module's
+    `globals()`). Importing the module then imports none of them: `import trl_federated` and `trl-federated --version`
+    take no time for torch, transformers and TRL, which a command-line typo or `--help` never needs."""
+
+    def __getattr__(name: str):
+        if name not in homes:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(homes[name], namespace["__package__"]), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__

@@ -252,20 +252,18 @@ class FederatedRunner(ServerStateView):
         args, server = self.args, self.server
         with server.session() as first_round:  # closed however the run ends
             client_ids = list(self.client_datasets)
-            self.progress = RunProgress(
-                server.num_rounds, server.clients_per_round, args.local_steps, first_round,
-                disable=not self.is_main_process,
-            )
-            for round_idx in range(first_round, server.num_rounds):  # fewer than configured under a privacy budget
-                for client_index in server.begin_round(round_idx):
-                    client_id = client_ids[client_index]
-                    self.progress.start_client(round_idx, client_id)
-                    update = self._collect(round_idx, client_index, client_id)
-                    self.progress.end_client()
-                    if update is not None:
-                        server.accept(update)
-                server.end_round()
-            self.progress.close()
+            progress = RunProgress(server.num_rounds, server.clients_per_round, args.local_steps, first_round,
+                                   disable=not self.is_main_process)
+            with progress as self.progress:
+                for round_idx in range(first_round, server.num_rounds):  # fewer than configured under a privacy budget
+                    for client_index in server.begin_round(round_idx):
+                        client_id = client_ids[client_index]
+                        self.progress.start_client(round_idx, client_id)
+                        update = self._collect(round_idx, client_index, client_id)
+                        self.progress.end_client()
+                        if update is not None:
+                            server.accept(update)
+                    server.end_round()
             self.progress = None
             server.finish_run()
         return self.history

@@ -274,6 +274,12 @@ def read_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
             yield event
 
 
+def line_round(event: dict[str, Any]):
+    """The round of a metrics.jsonl line: `round_idx` on every line (-1: the evaluation before training), or `round`,
+    which a version before 2026-11-28 wrote on client, drop and evaluation lines; None for a line of no round."""
+    return event.get("round_idx", event.get("round"))
+
+
 def _round_of(line: str) -> float:
     """The round a metrics line belongs to: -inf for a line of no round, +inf for a line the crash tore (or whose
     round is no number: a client's metric named `round`, which a version before this one wrote into its line)."""
@@ -283,7 +289,7 @@ def _round_of(line: str) -> float:
         return math.inf
     if not isinstance(event, dict):
         return math.inf
-    value = event.get("round", event.get("round_idx"))
+    value = line_round(event)
     if value is None:
         return -math.inf
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.inf
@@ -291,7 +297,8 @@ def _round_of(line: str) -> float:
 
 class MetricsLoggerCallback(RoundCallback):
     """Appends one JSON line per client report (its metrics under "metrics"), dropped client, round, evaluation and
-    clients' evaluation (Flower's evaluate round) to `output_dir/metrics.jsonl`.
+    clients' evaluation (Flower's evaluate round) to `output_dir/metrics.jsonl`, each naming its round `round_idx`
+    (-1: the evaluation before training), as the round lines (`RoundRecord.to_dict`) do.
 
     On resume it first removes the lines of the rounds after the checkpoint, which the interrupted run may have
     begun and the resumed run repeats, so the log reads like an uninterrupted run's plus a `resumed` line.
@@ -310,7 +317,7 @@ class MetricsLoggerCallback(RoundCallback):
         self._write(
             "client",
             {
-                "round": round_idx,
+                "round_idx": round_idx,
                 "client_id": update.client_id,
                 "reward": update.reward,
                 "num_samples": update.num_samples,
@@ -319,7 +326,7 @@ class MetricsLoggerCallback(RoundCallback):
         )
 
     def on_client_dropped(self, args, round_idx, client_id, kind, reason, **kwargs):
-        self._write("client_dropped", {"round": round_idx, "client_id": client_id, "kind": kind, "reason": reason})
+        self._write("client_dropped", {"round_idx": round_idx, "client_id": client_id, "kind": kind, "reason": reason})
 
     def on_round_end(self, args, record, **kwargs):
         self._write("round", record.to_dict())
@@ -334,11 +341,11 @@ class MetricsLoggerCallback(RoundCallback):
         self._write("resumed", {"checkpoint_round": round_idx})
 
     def on_evaluate_round(self, args, round_idx, results, **kwargs):
-        self._write("evaluation", {"round": round_idx, **results})
+        self._write("evaluation", {"round_idx": round_idx, **results})
 
     def has_line(self, event: str, round_idx: int) -> bool:
         """Whether metrics.jsonl holds a whole `event` line of round `round_idx` (a torn line is none)."""
-        return any(entry.get("event") == event and entry.get("round") == round_idx for entry in read_metrics(self.path))
+        return any(entry.get("event") == event and line_round(entry) == round_idx for entry in read_metrics(self.path))
 
     def on_client_evaluation(self, args, round_idx, results, **kwargs):
-        self._write("client_evaluation", {"round": round_idx, **results})
+        self._write("client_evaluation", {"round_idx": round_idx, **results})

@@ -277,6 +277,9 @@ class FederatedServer:
                        evaluations=self.evaluations, privacy=None if privacy is None else privacy.describe())
             if self.writes_result:
                 self.write_result(output_dir / "result.json", time.perf_counter() - self.started)
+            # Said by every driver: a drop-in `trainer.train()` otherwise ends without a word of where it went.
+            logger.info("The global adapter is in %s (PEFT layout: `PeftModel.from_pretrained(base_model, %r)` "
+                        "loads it).", output_dir.resolve(), str(output_dir))
         set_adapter_state(self.model, self.global_state)
         wait_for_everyone()
         self._fire("on_run_end")  # the Hub push, last, so that a Hub failure loses nothing

@@ -170,8 +170,16 @@ def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
     split the data here, the same way.
 
     Raises:
-        ValueError: for a partition that cannot be drawn, or a client left with fewer than `min_partition_size` rows.
+        ValueError: for data without a `prompt` column, a partition that cannot be drawn, or a client left with fewer
+            than `min_partition_size` rows.
     """
+    if "prompt" not in dataset.column_names:  # TRL's GRPOTrainer would fail on it only at the first local step
+        raise ValueError(
+            f"The training data has no `prompt` column, which GRPO generates the completions from (columns: "
+            f"{dataset.column_names}). Rename the column that holds the prompts, e.g. "
+            "`dataset.rename_column('question', 'prompt')`; a prompt is a string or a conversation (a list of "
+            "`{'role': ..., 'content': ...}` messages), as TRL's GRPOTrainer takes it."
+        )
     column = args.partition_column
     if args.labels_per_client is not None:
         partitions = label_partition(dataset, args.num_clients, column, args.labels_per_client, seed=args.seed)

@@ -23,7 +23,7 @@ from ..config import CONFIG_CLASSES, FedGRPOConfig
 from ..core.callbacks import RoundCallback
 from ..data.partition import split_description
 from ..methods import METHODS
-from ..runtime.models import base_model_hub_id
+from ..runtime.models import DEFAULT_MODEL_PROVENANCE, base_model_hub_id, is_default_model
 from .summary import ROUND_NUMBERING, format_evaluations
 
 TAG_NAMES = ["trl", "grpo", "trl-federated", "federated-learning", "fgrpo"]
@@ -122,7 +122,8 @@ def federated_model_card(
 ) -> ModelCard:
     """TRL's model card for the run's global adapter, tagged and cited as FGRPO, with the federation's section
     (`privacy`: the differential-privacy guarantee the run reached, `ClientLevelPrivacy.describe`; None: none)."""
-    base_model = base_model_hub_id(get_config_model_id(model.config))
+    model_id = get_config_model_id(model.config)
+    base_model = base_model_hub_id(model_id)
     repo_id = hub_model_id(args)
     card = generate_model_card(
         base_model=base_model,
@@ -139,6 +140,9 @@ def federated_model_card(
     )
     if base_model is None:  # TRL's template would link "huggingface.co/None"
         card.text = card.text.replace("[None](https://huggingface.co/None)", "a local model", 1)
+    if is_default_model(model_id):  # `base_model` names the original; the weights trained on are a 4-bit build of it
+        card.text = card.text.replace("### Framework versions", f"{DEFAULT_MODEL_PROVENANCE}\n\n### Framework versions",
+                                      1)
     card.data.library_name = "peft"  # the repository holds an adapter: the Hub then offers to load it with PEFT
     peft_config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
     section = federation_section(args, num_clients, peft_config, evaluations, privacy)

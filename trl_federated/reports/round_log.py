@@ -23,6 +23,11 @@ SERVER_STEP_RATIO_WARNING = 5.0
 ZERO_DELTA_RELATIVE = 1e-6
 
 
+# Per-client metrics that flag a client (1) or not (0), such as `idle` (its weight held at its data share): said by
+# their label, and only of the clients they flag, not as "idle = 0" on every other client's line.
+FLAG_METRICS = frozenset({"idle"})
+
+
 # What the large-ratio warning advises, per `server_optimizer`: what makes that step outgrow Δ.
 SERVER_STEP_ADVICE = {
     "adam": "The paper's server Adam moves every coordinate by about the server learning rate whatever Δ's size: "
@@ -61,9 +66,13 @@ def format_round_log(record: RoundRecord, num_rounds: int, num_clients: int, del
     for client_id, reward in record.rewards.items():
         cosine = record.update_cosines.get(client_id)
         values = [(metric, (metric.value or {}).get(client_id)) for metric in per_client]
+        shown_values = [
+            metric.label if metric.name in FLAG_METRICS else metric.show(value)
+            for metric, value in values if value is not None and (value or metric.name not in FLAG_METRICS)
+        ]
         lines.append(
             f"  {client_id}: R̄ = {reward:.4f}"
-            + "".join(f", {metric.show(value)}" for metric, value in values if value is not None)
+            + "".join(f", {value}" for value in shown_values)
             + f", ω = {record.weights[client_id]:.4f}, ‖u‖ = {record.update_norms[client_id]:.3g}"
             + ("" if cosine is None else f", cos(u, Δ) = {cosine:+.3f}")
             + f", sent {record.bytes_sent[client_id]:,} B, "

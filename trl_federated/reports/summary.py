@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import TrainerCallback
 
 from ..core.admission import bounded_text
@@ -226,7 +227,9 @@ class RunProgress(TrainerCallback):
     """The runner's progress bar, counted in local steps (rounds x clients sampled a round x `local_steps`), so that
     it moves while a client trains and its rate and time left are those of training. The postfix names the round, the
     client, its local step, its last logged reward and its seconds per step. Passed to every client's trainer; the
-    runner calls `start_client`/`end_client` around each client's round."""
+    runner calls `start_client`/`end_client` around each client's round. A context manager: while it is open, the
+    console's log lines (the package's and transformers') are written above the bar (`logging_redirect_tqdm`), not
+    glued onto it."""
 
     def __init__(self, num_rounds: int, clients_per_round: int, local_steps: int, first_round: int, disable: bool):
         self.num_rounds, self.num_clients, self.local_steps = num_rounds, clients_per_round, local_steps
@@ -237,6 +240,15 @@ class RunProgress(TrainerCallback):
             unit="step",
             disable=disable,
         )
+        self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger(), logging.getLogger("transformers")])
+
+    def __enter__(self) -> RunProgress:
+        self._redirect.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.bar.close()
+        self._redirect.__exit__(*exc_info)
 
     def start_client(self, round_idx: int, client_id: str) -> None:
         self.round_idx, self.client_id = round_idx, client_id
@@ -256,9 +268,6 @@ class RunProgress(TrainerCallback):
         if logs and logs.get("reward") is not None:
             self.reward = logs["reward"]
         self._show()
-
-    def close(self) -> None:
-        self.bar.close()
 
     def _show(self) -> None:
         parts = [

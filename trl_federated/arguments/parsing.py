@@ -1,5 +1,5 @@
-"""The arguments of `trl-federated run`: `ArgumentParser`, `BenchmarkArguments`, `config_class` and
-`parse_run_args`, importable without the command line (the Flower app and the benchmarks parse with them).
+"""The parsing of `trl-federated run`: `ArgumentParser`, `BenchmarkArguments`, `config_class`, `run_parser` and
+`parse_run_args`.
 
 Arguments parse like TRL's own scripts (`TrlParser`): a YAML file, overridden by `--key value` flags, filling a
 `FedGRPOConfig` (training and federation), a `ModelConfig` (model and LoRA) and `BenchmarkArguments` (data).
@@ -12,46 +12,23 @@ import dataclasses
 import difflib
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from trl import ModelConfig, TrlParser
 
-from .config import CONFIG_CLASSES, FedGRPOConfig, federated_config
-from .names import closest_key_hint, import_object
-from .scoring.rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
-
-
-def read_yaml_config(path: str, error: Callable[[str], Any]) -> dict[str, Any]:
-    """The mapping a `--config` YAML file holds; `error(message)` for a file that is missing, not YAML, or not a
-    mapping."""
-    try:
-        with open(path, encoding="utf-8") as stream:
-            values = yaml.safe_load(stream)
-    except OSError as fault:
-        return error(f"cannot read --config {path}: {fault.strerror or fault}.")
-    except yaml.YAMLError as fault:
-        return error(f"--config {path} is not valid YAML: {' '.join(str(fault).split())}")
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        return error(f"--config {path} must hold `key: value` lines, got a {type(values).__name__}.")
-    return values
-
-
-def usage_error(message: str, prog: str = "trl-federated run"):
-    """Stop with `prog: error: message` on one line and exit status 2, as argparse does."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+from ..config import CONFIG_CLASSES, FedGRPOConfig, federated_config
+from ..names import closest_key_hint, import_object
+from ..scoring.rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
+from .flags import check_names, installed_versions, read_yaml_config, split_config, usage_error
 
 
 def choice_hint(key: str, value: str, choices: Iterable[Any]) -> str:
     """What to say after a value outside a field's choices: a named method (`trl-federated compare --methods`) given
     as an `aggregation` gets the settings that make it; else the closest choice."""
-    from .methods import METHODS
+    from ..methods import METHODS
 
     if key == "aggregation" and value in METHODS:
         method = METHODS[value]
@@ -67,8 +44,10 @@ INTERNAL_FIELDS = frozenset({"federation_round"})
 class ArgumentParser(TrlParser):
     """TRL's `TrlParser` (a YAML `--config`, then `--key value` flags, never abbreviated) as a newcomer needs it:
 
-    - `--help` lists the flags in one argument group per dataclass, as `HfArgumentParser` groups a dataclass that
-      names one (`_argument_group_name`); a federated config's own fields form a group apart from the TRL config's.
+    - `--help` lists `--config` among the options, then the flags in one argument group per dataclass, titled by
+      the dataclass and what its flags set (`GROUP_SUBJECTS`); a federated config's own fields form a group apart
+      from the TRL config's. Shorter groups come first and TRL's after this package's, so that the data, the
+      algorithm, the rewards and the federation come before TRL's hundreds of training flags.
     - A YAML key or flag that no dataclass has is refused in one line that names it and the closest valid one (or
       TRL's equivalent, `closest_key_hint`), before any dataclass is built; TRL raises "Unknown arguments" after a
       traceback, and argparse would print the whole usage (hundreds of flags) before its error line.
@@ -76,6 +55,11 @@ class ArgumentParser(TrlParser):
 
     def __init__(self, dataclass_types, **kwargs):
         super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+        # TrlParser takes `--config` out of the arguments before parsing: declared for --help, it never reaches the
+        # dataclasses (no default, so no `config` in the namespace).
+        self.add_argument("--config", metavar="CONFIG.yaml", default=argparse.SUPPRESS,
+                          help="a YAML file of `field: value` lines (the fields below); flags override it")
+        self._action_groups.sort(key=lambda group: ("(TRL)" in (group.title or ""), len(group._group_actions)))
 
     @staticmethod
     def _groups(dtype) -> list[tuple[str, str, list[dataclasses.Field]]]:
@@ -85,14 +69,17 @@ class ArgumentParser(TrlParser):
 
         fields = [item for item in dataclasses.fields(dtype) if item.init]
         if not issubclass(dtype, FedGRPOConfig):
-            return [(dtype.__name__, _first_line(dtype), fields)]
+            title = f"{dtype.__name__}{' (TRL)' if dtype.__module__.startswith('trl.') else ''}"
+            subject = GROUP_SUBJECTS.get(dtype.__name__)
+            return [(f"{title}: {subject}" if subject else title, _first_line(dtype), fields)]
         trl_config = next(c for c in dtype.__mro__ if issubclass(c, GRPOConfig) and not issubclass(c, FedGRPOConfig))
         federation = {item.name for item in dataclasses.fields(FedGRPOConfig)} - {
             item.name for item in dataclasses.fields(GRPOConfig)
         }
-        return [  # the federation's own fields first: they are what a user of this command comes to set
+        return [
             (f"{dtype.__name__}: the federation", _first_line(dtype), [f for f in fields if f.name in federation]),
-            (f"{trl_config.__name__} (TRL)", _first_line(trl_config), [f for f in fields if f.name not in federation]),
+            (f"{trl_config.__name__} (TRL): local training", _first_line(trl_config),
+             [f for f in fields if f.name not in federation]),
         ]
 
     def _add_dataclass_arguments(self, dtype):
@@ -116,24 +103,17 @@ class ArgumentParser(TrlParser):
         key or flag, a value outside a field's choices (argparse checks a flag's, never a YAML default's), a missing
         `--config` file, and what the configs' own checks refuse (`__post_init__`)."""
         args = list(sys.argv[1:] if args is None else args)
-        flags = args
+        values, path, flags = split_config(args, self.error)
+        fields = [action.dest for action in self._actions if action.option_strings and action.dest != "config"]
+        options = [option for action in self._actions for option in action.option_strings if option != "--config"]
+        check_names(values, path, flags, fields, options, self.error)
         choices = {action.dest: action.choices for action in self._actions if action.choices is not None}
-        if "--config" in args[:-1]:
-            at = args.index("--config")
-            path, flags = args[at + 1], args[:at] + args[at + 2 :]
-            values = read_yaml_config(path, self.error)
-            fields = [action.dest for action in self._actions if action.option_strings] + ["env"]
-            for key, value in values.items():
-                if key not in fields:
-                    self.error(f"unknown key `{key}` in {path}.{closest_key_hint(key, fields)}")
-                if key in choices and value is not None and str(value) not in map(str, choices[key]):
-                    self.error(f"`{key}: {value}` in {path} is not one of {list(choices[key])}."
-                               f"{choice_hint(key, str(value), choices[key])}")
-        options = [option for action in self._actions for option in action.option_strings]
+        for key, value in values.items():
+            if key in choices and value is not None and str(value) not in map(str, choices[key]):
+                self.error(f"`{key}: {value}` in {path} is not one of {list(choices[key])}."
+                           f"{choice_hint(key, str(value), choices[key])}")
         for index, token in enumerate(flags):
             flag, _, value = token.partition("=")
-            if flag.startswith("--") and flag not in options:
-                self.error(f"unknown flag `{flag}`.{closest_key_hint(flag, options)}")
             key = flag[2:]
             if key in choices and not value and index + 1 < len(flags):
                 value = flags[index + 1]
@@ -147,6 +127,13 @@ class ArgumentParser(TrlParser):
             self.error(str(fault).strip().replace("\n", " "))
 
 
+# What the flags of a dataclass that is not a config set, in its --help group's title.
+GROUP_SUBJECTS = {
+    "ModelConfig": "the model and its LoRA adapter",
+    "BenchmarkArguments": "the data, the local algorithm, the rewards and the trainer class",
+}
+
+
 def _first_line(cls) -> str:
     """The first line of a class's docstring, without the doc markup of cross references ([`~trl.GRPOConfig`])."""
     return re.sub(r"\[`~?([\w.]+)`\]", r"\1", (cls.__doc__ or "").strip().split("\n", 1)[0])
@@ -154,7 +141,7 @@ def _first_line(cls) -> str:
 
 @dataclass
 class BenchmarkArguments:
-    """Which data the clients hold. The default is the embedded reasoning-gym benchmark."""
+    """The clients' data (by default the embedded reasoning-gym benchmark), the local algorithm, rewards and trainer."""
 
     dataset_name: str = field(
         default="reasoning_gym",
@@ -251,7 +238,7 @@ class BenchmarkArguments:
     )
 
     def __post_init__(self):
-        from .data.paper import check_max_pixels
+        from ..data.paper import check_max_pixels
 
         check_max_pixels(self.max_pixels)
         builders = ("reasoning_gym", "open_r1", "geoqa")
@@ -307,7 +294,7 @@ def config_class(argv: list[str]) -> type[FedGRPOConfig]:
             f"{source} brings its own recipe defaults, which would replace "
             f"`algorithm` {algorithm!r}'s: set the recipe's fields with flags, and leave `algorithm` at 'grpo'."
         )
-    from .config import FEDERABLE_CONFIGS
+    from ..config import FEDERABLE_CONFIGS
 
     config = import_object(trainer_config, "trainer_config_class", kind="Class")
     try:
@@ -322,7 +309,7 @@ def _family_config(trainer: str) -> type | None:
     it is not GRPO's (whose configs `algorithm` names), else None; a class that cannot federate is a ValueError."""
     from trl import GRPOConfig
 
-    from .local.local_trainer import trainer_config_class
+    from ..local.local_trainer import trainer_config_class
 
     try:
         config = trainer_config_class(import_object(trainer, "trainer_class", kind="Class"))
@@ -339,12 +326,18 @@ def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, Benchma
     `use_peft` is on and ModelConfig's LoRA fields default to `default_lora_config()`'s values: `--lora_r 4` alone
     changes the adapter.
     """
-    from .adapters import default_lora_config
-
     try:
         dtype = config_class(argv)
     except ValueError as fault:
         usage_error(str(fault))
+    return run_parser(dtype).parse_args_and_config(argv)
+
+
+def run_parser(dtype: type[FedGRPOConfig]) -> ArgumentParser:
+    """The parser of `trl-federated run` for the config class `dtype`, with `ModelConfig`'s LoRA defaults set to
+    `default_lora_config()`'s and `use_peft` on."""
+    from ..adapters import default_lora_config
+
     parser = ArgumentParser((dtype, ModelConfig, BenchmarkArguments), prog="trl-federated run",
                             usage="%(prog)s [-h] [--config CONFIG.yaml] [--FIELD VALUE ...]",
                             description=RUN_DESCRIPTION)
@@ -353,10 +346,35 @@ def parse_run_args(argv: list[str]) -> tuple[FedGRPOConfig, ModelConfig, Benchma
         use_peft=True, lora_r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
         lora_target_modules=[lora.target_modules], lora_task_type=lora.task_type,
     )  # fmt: skip
-    return parser.parse_args_and_config(argv)
+    return parser
 
 
 RUN_DESCRIPTION = (
     "Federated GRPO-family RL fine-tuning of a LoRA adapter. Arguments parse like TRL's scripts: a YAML `--config`, "
     "then `--key value` flags, which override it. The groups below are the dataclasses they fill."
 )
+
+
+def known_flags_source() -> str:
+    """The source of `known_flags` for the installed TRL and transformers: every algorithm's run parser's fields and
+    option strings (the recipes change defaults, not fields)."""
+    fields, options = set(), set()
+    for config in CONFIG_CLASSES.values():
+        actions = [action for action in run_parser(config)._actions if action.option_strings]
+        fields.update(action.dest for action in actions if action.dest != "config")
+        options.update(option for action in actions for option in action.option_strings)
+
+    def lines(names):
+        return "".join(f"    {name!r},\n" for name in sorted(names))
+
+    return (
+        '"""The fields and option strings of `trl-federated run`\'s parser, for `flags.check_before_import`.\n'
+        'Written by `python -m trl_federated.arguments.parsing`; tests/test_cli.py checks it against the parser."""\n\n'
+        f"VERSIONS = {installed_versions()!r}  # TRL's and transformers'\n"
+        f"FIELDS = (\n{lines(fields)})\n"
+        f"OPTIONS = (\n{lines(options)})\n"
+    )
+
+
+if __name__ == "__main__":
+    Path(__file__).with_name("known_flags.py").write_text(known_flags_source(), encoding="utf-8")
