@@ -503,7 +503,6 @@ def test_the_server_sets_adaptive_clipping_up_from_the_config_for_both_transport
     # 3 of 10 clients a round at σ = 1: σ_b = max(3/20, 2σ) = 2; C starts at dp_clip_norm U. The Flower strategy
     # runs the same server core.
     from test_untrusted import make_server, unit
-
     from trl_federated.flower import FederatedStrategy
 
     server = make_server(tiny_model_dir, fast_args, num_clients=10, fraction_train=0.3, min_clients_per_round=1,

@@ -70,9 +70,10 @@ def load_dp_accounting():
 
 
 class AdaptiveClipping:
-    """The clip norm as a private estimate of the γ-quantile of the clients' update norms (Andrew et al., "Differentially
-    Private Learning with Adaptive Clipping", NeurIPS 2021, Algorithm 1 with the clipping on the server), with the
-    parameters of Flower's `DifferentialPrivacyServerSideAdaptiveClipping` (`flwr.server.strategy.dp_adaptive_clipping`).
+    """The clip norm as a private estimate of the γ-quantile of the clients' update norms (Andrew et al.,
+    "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021, Algorithm 1 with the clipping on the
+    server), with the parameters of Flower's `DifferentialPrivacyServerSideAdaptiveClipping`
+    (`flwr.server.strategy.dp_adaptive_clipping`).
 
     In round t, over the n clients aggregated, their updates u_i clipped at C^t:
 
