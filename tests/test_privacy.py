@@ -518,3 +518,29 @@ def test_the_server_sets_adaptive_clipping_up_from_the_config_for_both_transport
                                  report_header=None)
     flower_mechanism = strategy.server.aggregator.privacy
     assert (flower_mechanism.adaptive.count_stddev, flower_mechanism.adaptive.target_quantile) == (4.0, 0.8)
+
+
+def test_a_run_resumed_from_its_checkpoint_goes_on_with_the_adapted_clip_norm(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                               fast_args):
+    # The runner end to end: FedAvg under DP with adaptive clipping, 2 of 3 clients a round; a budget ends run B after
+    # round 0, and B resumed from its checkpoint clips, counts and spends as the uninterrupted run A.
+    datasets = [Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(4)]})
+                for c in range(3)]
+    settings = dict(num_rounds=2, local_steps=1, reward_window=1, fraction_train=0.67, aggregation="fedavg",
+                    dp_noise_multiplier=1.0, dp_adaptive_clipping=True, dp_noise_seed=7, eval_initial=False)
+
+    def run(output_dir, **overrides):
+        args = fast_args(**{**settings, "output_dir": str(tmp_path / output_dir), **overrides})
+        runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), bounded_length_reward, args,
+                                 datasets, processing_class=tiny_tokenizer, report_header="")
+        return runner.run()
+
+    whole = run("a")
+    clip_norms = [record.dp_clip_norm for record in whole]
+    assert clip_norms[0] != clip_norms[1]
+    run("b", dp_max_epsilon=(whole[0].dp_epsilon + whole[1].dp_epsilon) / 2)
+    resumed = run("b", resume_from_checkpoint="true")
+    assert [record.dp_clip_norm for record in resumed] == clip_norms
+    assert [record.dp_unclipped_share for record in resumed] == [record.dp_unclipped_share for record in whole]
+    assert [record.dp_epsilon for record in resumed] == [record.dp_epsilon for record in whole]
+    assert "| C | b̃ |" in (tmp_path / "b" / "summary.md").read_text()
