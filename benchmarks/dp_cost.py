@@ -80,6 +80,14 @@ def cell_row(directory: Path) -> dict[str, object]:
     }
 
 
+def update_norm_quartiles(directories: list[Path]) -> tuple[int, list[float]]:
+    """How many client-rounds the finished cells `directories` hold, and their update norms ‖θ_i − θ‖ at 0, ¼, ½, ¾
+    and 1 (in cells without DP, as the clients sent them: what a clip norm would be set against)."""
+    norms = [norm for directory in directories for record in read_metrics(directory / "metrics.jsonl")
+             if record.get("event") == "round" for norm in record["update_norms"].values()]
+    return len(norms), [min(norms), *statistics.quantiles(norms, n=4, method="inclusive"), max(norms)]
+
+
 def recorded_noise_multiplier(folder: Path) -> float | None:
     """The σ a cell folder's cells ran with, from the flags its `budget.json` records (None: no DP)."""
     flags = json.loads((folder / BUDGET_FILE).read_text(encoding="utf-8"))["flags"]
@@ -99,12 +107,14 @@ def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -
         "| method | target ε | σ | base % | accuracy % | ε reached | noise std | mean ‖ū‖ | mean ‖Δ‖ | R̄ per round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    curves = {}
+    curves, without_dp = {}, []
     for (method, level), cell in cells.items():
         folder = root / f"{method}-eps{level}"
         directory = cell.directory(folder)
         if not (directory / "result.json").exists():
             continue
+        if level == "inf":
+            without_dp.append(directory)
         row, sigma = cell_row(directory), recorded_noise_multiplier(folder)
         epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
         noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
@@ -115,6 +125,10 @@ def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -
             f"{' '.join(f'{r:.2f}' for r in row['rewards'])} |"
         )
         curves[f"{method}, ε = {target}"] = row["rewards"]
+    if without_dp:  # what `dp_clip_norm`'s default is set against (docs/privacy.md)
+        count, quartiles = update_norm_quartiles(without_dp)
+        lines += ["", f"Update norms ‖θ_i − θ‖ of the {count} client-rounds without DP (before any clipping): min, "
+                  f"quartiles, max {', '.join(f'{norm:.3g}' for norm in quartiles)}."]
     text = "\n".join(lines) + "\n"
     (root / REPORT_FILE).write_text(text, encoding="utf-8")
     if curves:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_federated import ClientUpdate, FedAvgAggregator, FederatedRunner, FedGRPOConfig, RPGAggregator, ServerSGD
 from trl_federated.aggregation import ScaffoldAggregator
-from trl_federated.aggregation.privacy import ClientLevelPrivacy, privacy_from_config
+from trl_federated.aggregation.privacy import AdaptiveClipping, ClientLevelPrivacy, privacy_from_config
 from trl_federated.callbacks import read_metrics
 
 # A global adapter of 2 × 2^18 coordinates in two tensors (more than one block of the aggregation).
@@ -132,7 +132,7 @@ def test_the_accountant_matches_dp_accounting_computed_directly(reward_noise):
     mechanism = privacy(noise_multiplier=1.1, num_clients=20, sample_size=5,
                         reward_range=None if reward_noise is None else (0.0, 1.0), reward_noise_multiplier=reward_noise)
     for _ in range(7):
-        mechanism.compose_round(noise_std=1.0)
+        mechanism.compose_round(noise_std=1.0, round_idx=0)
     effective = 1.1 if reward_noise is None else (1.1**-2 + reward_noise**-2) ** -0.5
     direct = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
     direct.compose(dp_event.SampledWithoutReplacementDpEvent(20, 5, dp_event.GaussianDpEvent(effective)), 7)
@@ -146,7 +146,7 @@ def test_the_budget_allows_the_rounds_whose_epsilon_stays_within_it():
     mechanism.max_epsilon = (epsilons[3] + epsilons[4]) / 2
     assert mechanism.affordable_rounds(8) == 4
     assert mechanism.affordable_rounds(3) == 3
-    mechanism.compose_round(noise_std=1.0)
+    mechanism.compose_round(noise_std=1.0, round_idx=0)
     assert mechanism.affordable_rounds(8) == 3
 
 
@@ -178,6 +178,11 @@ def test_the_noise_leaves_every_other_random_stream_alone():
         ({"dp_noise_multiplier": 1.0, "dp_clip_norm": 0.0}, "`dp_clip_norm` must be > 0"),
         ({"dp_noise_multiplier": 1.0, "dp_target_delta": 1.0}, "`dp_target_delta` must lie in"),
         ({"dp_noise_multiplier": 1.0, "dp_reward_noise_multiplier": 0.0}, "`dp_reward_noise_multiplier` must be"),
+        ({"dp_noise_multiplier": 1.0, "dp_target_quantile": 1.5}, "`dp_target_quantile` must lie in \\[0, 1\\]"),
+        ({"dp_noise_multiplier": 1.0, "dp_clip_norm_lr": -0.1}, "`dp_clip_norm_lr` must be > 0"),
+        ({"dp_noise_multiplier": 1.0, "dp_clipped_count_stddev": -1.0}, "`dp_clipped_count_stddev` must be > 0"),
+        ({"dp_noise_multiplier": 2.0, "dp_adaptive_clipping": True, "dp_clipped_count_stddev": 1.5},
+         "`dp_clipped_count_stddev` \\(1.5\\) must exceed `dp_noise_multiplier` \\(2.0\\)"),
         ({"dp_noise_multiplier": 1.0, "aggregation": "scaffold"}, "`aggregation='scaffold'` cannot run under"),
         ({"dp_noise_multiplier": 1.0, "robust_aggregation": "median"}, "`robust_aggregation='median'` cannot"),
     ],
@@ -307,7 +312,7 @@ def test_a_round_redone_after_its_release_draws_fresh_noise_and_is_counted_again
 def test_a_torn_last_line_of_the_release_ledger_is_not_counted(tmp_path):
     log = tmp_path / "dp-releases.jsonl"
     mechanism = privacy(release_log=log)
-    mechanism.compose_round(1.0)
+    mechanism.compose_round(1.0, 0)
     with open(log, "a") as stream:
         stream.write('{"event": {"noise')
     resumed = privacy(release_log=log)
@@ -338,12 +343,15 @@ def test_under_dp_the_clients_sample_is_drawn_from_a_server_secret(tiny_model_di
     assert [resumed.begin_round(t) for t in range(6)] == [sample_clients(10, 0.3, 1, secret, t) for t in range(6)]
 
 
-def test_under_dp_report_to_receives_no_clients_raw_values():
+@pytest.mark.parametrize("adaptive_clipping", [False, True])
+def test_under_dp_report_to_receives_no_clients_raw_values(adaptive_clipping):
+    # With adaptive clipping, the released C and b̃ are logged, and no client's bit b_i
     from trl_federated.callbacks import round_logs
     from trl_federated.round_record import RoundRecord
 
-    aggregator = with_privacy(RPGAggregator(server_optimizer=ServerSGD(1.0)), privacy(reward_range=(0.0, 1.0),
-                                                                     reward_noise_multiplier=1.0))
+    aggregator = with_privacy(RPGAggregator(server_optimizer=ServerSGD(1.0)), privacy(
+        reward_range=(0.0, 1.0), reward_noise_multiplier=1.0,
+        adaptive_clipping=AdaptiveClipping(2.0) if adaptive_clipping else None))
     reference = global_state()
     updates = [ClientUpdate(f"c{i}", moved(reference, i, 0.1), 1, 0.2 * i,
                             metrics={"loss": 0.5, "kl": 0.01, "step_rewards": [0.1, 0.3]}) for i in range(3)]
@@ -361,3 +369,178 @@ def test_under_dp_report_to_receives_no_clients_raw_values():
               ("reward_window", "update_norm", "update_cosine", "loss", "kl", "reward_stderr", "zero_signal_share")
               or name == "reward"]
     assert leaked == []
+    assert ({"dp_clip_norm", "dp_unclipped_share"} <= set(logs)) == adaptive_clipping
+    assert not [name for name in logs if "/" in name and "clip" in name]
+
+
+# Adaptive clipping (Andrew et al., NeurIPS 2021) -------------------------------------------------------------------
+
+
+def adaptive(count_stddev=2.0, target_quantile=0.5, learning_rate=0.2):
+    return AdaptiveClipping(count_stddev, target_quantile, learning_rate)
+
+
+def count_noise(mechanism, round_idx):
+    """The standard normal the next release of round `round_idx` adds to the count (σ_b times it)."""
+    return float(torch.randn(1, generator=mechanism.generator(round_idx, "clipped_count"), dtype=torch.float64))
+
+
+def test_adaptive_clipping_moves_the_clip_norm_by_the_geometric_update_of_the_released_count():
+    # C⁰ = 0.5, γ = 0.5, η_C = 0.2, σ_b = 2: each round C^{t+1} = C^t exp(−η_C ((Σ b_i + σ_b ξ)/n − γ)), ξ the
+    # round's count noise; Δ's noise is calibrated to the C^t that clipped the round, at σ_Δ = (σ⁻² − σ_b⁻²)^(-1/2).
+    mechanism = privacy(noise_multiplier=0.7, clip_norm=0.5, adaptive_clipping=adaptive(2.0))
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), mechanism)
+    sigma_update = (0.7**-2 - 2.0**-2) ** -0.5
+    clip_norm = 0.5
+    for round_idx, norms in enumerate([(0.1, 0.2, 0.3), (0.1, 0.9, 2.0), (1.0, 1.5, 3.0), (0.2, 0.3, 5.0)]):
+        updates = [ClientUpdate(f"c{i}", moved(global_state(), i, norm), 1, 0.0) for i, norm in enumerate(norms)]
+        unclipped = sum(norm <= clip_norm for norm in norms)
+        released = (unclipped + 2.0 * count_noise(mechanism, round_idx)) / 3
+        aggregator.aggregate(global_state(), updates, round_idx)
+        assert mechanism.last_noise_std == pytest.approx(sigma_update * 2 * clip_norm / 3)
+        assert mechanism.last_clip_norm == pytest.approx(clip_norm)
+        assert mechanism.last_unclipped_share == pytest.approx(released)
+        clip_norm *= math.exp(-0.2 * (released - 0.5))
+        assert mechanism.clip_norm == pytest.approx(clip_norm)
+    metrics = {metric.name: metric.value for metric in aggregator.round_metrics()}
+    assert metrics["dp_clip_norm"] == mechanism.last_clip_norm and metrics["dp_unclipped_share"] == released
+
+
+def test_adaptive_clipping_tracks_the_target_quantile_of_the_update_norms():
+    # 400 clients a round with norms spread over [0.1, 2] and σ_b = 1 (b̃'s noise std 0.0025): from C = 5, C settles
+    # at the 0.3-quantile of the norms, however far it started; with the count of clipped updates in place of
+    # Andrew et al.'s unclipped one (as Flower 1.42's wrapper counts), it would run away (to 607 from 5).
+    norms = torch.linspace(0.1, 2.0, 400).tolist()
+    reference = {"w": torch.zeros(8)}
+    updates = [ClientUpdate(f"c{i}", moved(reference, i, norm), 1, 0.0) for i, norm in enumerate(norms)]
+    mechanism = privacy(noise_multiplier=0.5, clip_norm=5.0, num_clients=400, sample_size=400,
+                        adaptive_clipping=adaptive(1.0, target_quantile=0.3))
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), mechanism)
+    for round_idx in range(80):
+        aggregator.aggregate(reference, updates, round_idx)
+    quantile = float(torch.quantile(torch.tensor(norms), 0.3))
+    assert mechanism.clip_norm == pytest.approx(quantile, rel=0.05)
+    assert sum(norm <= mechanism.clip_norm for norm in norms) / 400 == pytest.approx(0.3, abs=0.03)
+
+
+def test_the_raised_noise_multiplier_is_theorem_1s_under_replace_one_and_flowers_under_add_or_remove():
+    # Replace-one moves the count by 1, add-or-remove the centred count by ½: Flower's (z⁻² − (2σ_b)⁻²)^(-1/2)
+    # at σ_b/2 is this σ_Δ; the pair (σ_Δ, σ_b) is one Gaussian of σ.
+    from flwr.supercore.differential_privacy import compute_adaptive_noise_params
+
+    sigma_update = adaptive(3.0).update_noise_multiplier(1.2)
+    assert sigma_update == pytest.approx((1.2**-2 - 3.0**-2) ** -0.5)
+    assert sigma_update**-2 + 3.0**-2 == pytest.approx(1.2**-2)
+    assert compute_adaptive_noise_params(1.2, 8, 3.0 / 2)[1] == pytest.approx(sigma_update)
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), privacy(noise_multiplier=1.2,
+                                                                         adaptive_clipping=adaptive(3.0)))
+    noise = noise_of(aggregator, [ClientUpdate(f"c{i}", global_state(), 1, 0.0) for i in range(3)])
+    assert float(noise.std()) == pytest.approx(sigma_update * 2 * 0.5 / 3, rel=0.01)
+    with pytest.raises(ValueError, match="`dp_clipped_count_stddev` \\(1.0\\) must exceed `dp_noise_multiplier`"):
+        privacy(noise_multiplier=1.2, adaptive_clipping=adaptive(1.0))
+
+
+@pytest.mark.parametrize("reward_noise", [None, 2.0])
+def test_with_adaptive_clipping_the_accountant_spends_the_epsilon_of_sigma_alone(reward_noise):
+    # 5 of 20 clients, 7 rounds, σ = 1.1: Δ's σ_Δ and the count's σ_b compose to one Gaussian of σ (and R̄'s, under RPG)
+    rewards = None if reward_noise is None else (0.0, 1.0)
+    mechanism = privacy(noise_multiplier=1.1, num_clients=20, sample_size=5, reward_range=rewards,
+                        reward_noise_multiplier=reward_noise, adaptive_clipping=adaptive(2.5))
+    aggregator = with_privacy(FedAvgAggregator(ServerSGD(1.0)), mechanism)
+    updates = [ClientUpdate(f"c{i}", moved(global_state(), i, 0.3 + 0.2 * i), 1, 0.5) for i in range(5)]
+    for round_idx in range(7):
+        aggregator.aggregate(global_state(), updates, round_idx)
+    effective = 1.1 if reward_noise is None else (1.1**-2 + reward_noise**-2) ** -0.5
+    direct = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    direct.compose(dp_event.SampledWithoutReplacementDpEvent(20, 5, dp_event.GaussianDpEvent(effective)), 7)
+    assert mechanism.last_epsilon == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    fixed = privacy(noise_multiplier=1.1, num_clients=20, sample_size=5, reward_range=rewards,
+                    reward_noise_multiplier=reward_noise)
+    assert mechanism.last_epsilon == pytest.approx(fixed.epsilon_after(7), rel=1e-9)
+    assert mechanism.ledger == [(mechanism.round_event(), 7)]
+    assert mechanism.round_event()["clipped_count_noise_multiplier"] == 2.5
+
+
+def test_a_resume_continues_the_adapted_clip_norm_and_a_redone_round_draws_fresh_count_noise(tmp_path):
+    log = tmp_path / "dp-releases.jsonl"
+
+    def mechanism(clip_norm=0.5):
+        return with_privacy(FedAvgAggregator(ServerSGD(1.0)),
+                            privacy(clip_norm=clip_norm, release_log=log, adaptive_clipping=adaptive()))
+
+    updates = [ClientUpdate(f"c{i}", moved(global_state(), i, norm), 1, 0.0) for i, norm in enumerate((0.1, 0.4, 2))]
+    first = mechanism()
+    noise_of(first, updates, 0)
+    checkpoint_0 = json.loads(json.dumps(first.state_dict()))
+    noise_of(first, updates, 1)
+    clip_norm_1, released_1 = first.privacy.last_clip_norm, first.privacy.last_unclipped_share
+    clip_norm_2 = first.privacy.clip_norm
+    checkpoint_1 = json.loads(json.dumps(first.state_dict()))
+    assert checkpoint_1["privacy"]["clip_norm"] == clip_norm_2 != 0.5
+    noise_of(first, updates, 2)
+
+    # From the last checkpoint, nothing released after it: round 2 clips at the C the run had reached and draws the
+    # uninterrupted run's count noise, whatever C the resumed run was configured with.
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:2]))
+    resumed = mechanism(clip_norm=9.0)
+    resumed.load_state_dict(checkpoint_1)
+    assert resumed.privacy.clip_norm == clip_norm_2
+    noise_of(resumed, updates, 2)
+    assert resumed.privacy.last_unclipped_share == first.privacy.last_unclipped_share
+    assert resumed.privacy.clip_norm == first.privacy.clip_norm
+
+    # Redoing round 1 after its release: the same C and the same count, fresh noise on it, and counted again in ε.
+    redo = mechanism()
+    redo.load_state_dict(checkpoint_0)
+    assert redo.privacy.releases == 3
+    noise_of(redo, updates, 1)
+    assert redo.privacy.last_clip_norm == clip_norm_1
+    assert redo.privacy.last_unclipped_share != released_1
+    assert redo.privacy.last_epsilon == pytest.approx(privacy(adaptive_clipping=adaptive()).epsilon_after(4))
+
+
+def test_the_server_sets_adaptive_clipping_up_from_the_config_for_both_transports(tiny_model_dir, fast_args):
+    # 3 of 10 clients a round at σ = 1: σ_b = max(3/20, 2σ) = 2; C starts at dp_clip_norm U. The Flower strategy
+    # runs the same server core.
+    from test_untrusted import make_server, unit
+    from trl_federated.flower import FederatedStrategy
+
+    server = make_server(tiny_model_dir, fast_args, num_clients=10, fraction_train=0.3, min_clients_per_round=1,
+                         dp_noise_multiplier=1.0, dp_adaptive_clipping=True)
+    mechanism = server.aggregator.privacy
+    assert mechanism.adaptive.count_stddev == 2.0
+    assert mechanism.update_noise_multiplier == pytest.approx((1 - 0.25) ** -0.5)
+    assert mechanism.clip_norm == pytest.approx(0.6 * unit(server))
+    strategy = FederatedStrategy(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                 fast_args(num_clients=2, aggregation="fedavg", dp_noise_multiplier=1.0,
+                                           dp_adaptive_clipping=True,
+                                           dp_clipped_count_stddev=4.0, dp_target_quantile=0.8),
+                                 report_header=None)
+    flower_mechanism = strategy.server.aggregator.privacy
+    assert (flower_mechanism.adaptive.count_stddev, flower_mechanism.adaptive.target_quantile) == (4.0, 0.8)
+
+
+def test_a_run_resumed_from_its_checkpoint_goes_on_with_the_adapted_clip_norm(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                               fast_args):
+    # The runner end to end: FedAvg under DP with adaptive clipping, 2 of 3 clients a round; a budget ends run B after
+    # round 0, and B resumed from its checkpoint clips, counts and spends as the uninterrupted run A.
+    datasets = [Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(4)]})
+                for c in range(3)]
+    settings = dict(num_rounds=2, local_steps=1, reward_window=1, fraction_train=0.67, aggregation="fedavg",
+                    dp_noise_multiplier=1.0, dp_adaptive_clipping=True, dp_noise_seed=7, eval_initial=False)
+
+    def run(output_dir, **overrides):
+        args = fast_args(**{**settings, "output_dir": str(tmp_path / output_dir), **overrides})
+        runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), bounded_length_reward, args,
+                                 datasets, processing_class=tiny_tokenizer, report_header="")
+        return runner.run()
+
+    whole = run("a")
+    clip_norms = [record.dp_clip_norm for record in whole]
+    assert clip_norms[0] != clip_norms[1]
+    run("b", dp_max_epsilon=(whole[0].dp_epsilon + whole[1].dp_epsilon) / 2)
+    resumed = run("b", resume_from_checkpoint="true")
+    assert [record.dp_clip_norm for record in resumed] == clip_norms
+    assert [record.dp_unclipped_share for record in resumed] == [record.dp_unclipped_share for record in whole]
+    assert [record.dp_epsilon for record in resumed] == [record.dp_epsilon for record in whole]
+    assert "| C | b̃ |" in (tmp_path / "b" / "summary.md").read_text()

@@ -132,3 +132,22 @@ def test_a_checkpoint_from_before_a_field_existed_resumes_when_it_is_left_at_its
     sampled["training"]["fraction_train"] = 0.5
     with pytest.raises(CheckpointMismatchError, match=r"fraction_train \(checkpoint: 1.0, now: 0.5\)"):
         check_identity(older, sampled, tmp_path)
+
+
+def test_without_dp_a_checkpoint_resumes_whatever_the_dp_mechanisms_settings(tmp_path, tiny_model_dir):
+    """The DP mechanism's settings (`dp_clip_norm`, adaptive clipping, ...) change nothing without
+    `dp_noise_multiplier`: a checkpoint of a run that recorded another `dp_clip_norm` (1.0, the former default)
+    resumes; under DP a changed clip norm is refused by name."""
+    from trl_federated.run_identity import check_identity, run_identity
+
+    runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1)
+    current = run_identity(runner.model, runner.client_datasets, runner.aggregator, runner.args)
+    assert not [name for name in current["training"] if name.startswith("dp_") and name != "dp_noise_multiplier"]
+    older = copy.deepcopy(current)
+    older["training"].update(dp_clip_norm=1.0, dp_target_delta=1e-5)
+    check_identity(older, current, tmp_path)
+    runner.args.dp_noise_multiplier = 1.0  # the identity only: this runner never aggregates
+    private = run_identity(runner.model, runner.client_datasets, runner.aggregator, runner.args)
+    older["training"]["dp_noise_multiplier"] = 1.0
+    with pytest.raises(CheckpointMismatchError, match=r"dp_clip_norm \(checkpoint: 1.0, now: 0.6\)"):
+        check_identity(older, private, tmp_path)

@@ -312,7 +312,7 @@ class Aggregator(ABC):
         self.last_step = geometry.result([update.client_id for update in updates])
         self.last_server_steps = geometry.steps
         if privacy is not None:
-            privacy.compose_round(noise_std)
+            privacy.compose_round(noise_std, round_idx)
         return new_state
 
     def check_updates(

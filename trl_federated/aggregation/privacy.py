@@ -9,7 +9,9 @@ updates it aggregates:
     ω   = the method's weights, from R̃ (RPG) or the sample counts (FedAvg, FedProx)
     Δ̃   = Σ_i ω_i ū_i + N(0, (σ S)² I),   S = 2 C max_i ω_i                          (the weighted sum's release)
 
-and the server optimizer steps on Δ̃: Adam's normalisation is post-processing of a private release.
+and the server optimizer steps on Δ̃: Adam's normalisation is post-processing of a private release. With adaptive
+clipping (`AdaptiveClipping`), C itself follows a noised count of the updates it left unclipped, released and
+accounted with the round.
 
 Sensitivity, under the replace-one relation the accountant uses for sampling without replacement (N public): the
 weights are fixed by what is already released (R̃, through its own mechanism) or public (sample counts, who replied),
@@ -45,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..adapters import AdapterState, scaled_update, state_distance
+from ..config.checks import adaptive_clipping_errors
 from .base import RoundMetric
 
 if TYPE_CHECKING:
@@ -66,12 +69,70 @@ def load_dp_accounting():
     return dp_event, privacy_accountant, rdp
 
 
+class AdaptiveClipping:
+    """The clip norm as a private estimate of the γ-quantile of the clients' update norms (Andrew et al.,
+    "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021, Algorithm 1 with the clipping on the
+    server), with the parameters of Flower's `DifferentialPrivacyServerSideAdaptiveClipping`
+    (`flwr.server.strategy.dp_adaptive_clipping`).
+
+    In round t, over the n clients aggregated, their updates u_i clipped at C^t:
+
+        b_i     = 1[‖u_i‖ ≤ C^t]                                  the update was left unclipped
+        b̃       = (Σ_i b_i + N(0, σ_b²)) / n                      the count's release
+        C^{t+1} = C^t · exp(−η_C (b̃ − γ))                         the geometric update (Algorithm 1)
+
+    so that C falls while more than a share γ of updates fit under it, and rises while fewer do. Replacing one client
+    moves Σ_i b_i by at most 1 (one b_i from 0 to 1), so the count is a Gaussian mechanism of noise multiplier σ_b on
+    the round's sample, as Δ̃ is of σ_Δ; the pair costs what one Gaussian of (σ_Δ⁻² + σ_b⁻²)^(-1/2) would (Theorem 1),
+    so that Δ's noise multiplier is raised for the round to cost what the configured σ alone would:
+
+        σ_Δ = (σ⁻² − σ_b⁻²)^(-1/2)                                 (Theorem 1, for σ_b > σ)
+
+    Andrew et al. and Flower's `compute_adaptive_noise_params` write (2σ_b)⁻²: under add-or-remove, the centred bit
+    b_i − ½ moves the count by ½; under replace-one, the relation this accountant uses, it moves by 1. Two departures
+    from Flower 1.42's wrapper, both for the paper's algorithm: b_i counts the updates left unclipped (Flower's counts
+    those clipped, `adaptive_clip_inputs_inplace`, then applies the paper's update to it, which moves C away from the
+    target), and Δ's noise is calibrated to the C^t that clipped the round (Flower's to C^{t+1}).
+
+    Args:
+        count_stddev: σ_b (Flower's `clipped_count_stddev`; `default_count_stddev`).
+        target_quantile: γ, the share of updates to leave unclipped (Flower's `target_clipped_quantile`).
+        learning_rate: η_C (Flower's `clip_norm_lr`).
+    """
+
+    def __init__(self, count_stddev: float, target_quantile: float = 0.5, learning_rate: float = 0.2):
+        if errors := list(adaptive_clipping_errors(target_quantile, learning_rate, count_stddev, None)):
+            raise ValueError(" ".join(errors))
+        self.target_quantile, self.learning_rate, self.count_stddev = target_quantile, learning_rate, count_stddev
+
+    @staticmethod
+    def default_count_stddev(sample_size: int, noise_multiplier: float) -> float:
+        """σ_b when none is set: Andrew et al.'s m / 20 (Flower's default: b̃ then has std 0.05), or where that is
+        not above σ, as in a federation of a few clients a round, 2σ, which raises Δ's noise multiplier by
+        (1 − ¼)^(-1/2) ≈ 1.15 and leaves b̃ a std of 2σ / n."""
+        return max(sample_size / 20, 2 * noise_multiplier)
+
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        """σ_Δ for a round that costs what a Gaussian of `noise_multiplier` σ would (Theorem 1, above)."""
+        if errors := list(adaptive_clipping_errors(self.target_quantile, self.learning_rate, self.count_stddev,
+                                                   noise_multiplier)):
+            raise ValueError(" ".join(errors))
+        return (noise_multiplier**-2 - self.count_stddev**-2) ** -0.5
+
+    def step(self, clip_norm: float, unclipped: int, count: int, noise: float) -> tuple[float, float]:
+        """(b̃, C^{t+1}) after a round that left `unclipped` of `count` updates under `clip_norm`, the count's noise
+        drawn as the standard normal `noise`."""
+        released = (unclipped + self.count_stddev * noise) / count
+        return released, clip_norm * math.exp(-self.learning_rate * (released - self.target_quantile))
+
+
 class ClientLevelPrivacy:
     """The Gaussian mechanisms of one federation (see the module docstring) and their accountant.
 
     Args:
-        noise_multiplier: σ, the std of Δ's noise in units of its sensitivity S.
-        clip_norm: C, the largest ‖θ_i − θ‖ that enters Δ.
+        noise_multiplier: σ, the std of Δ's noise in units of its sensitivity S; with `adaptive_clipping`, that of
+            the round's releases together (Δ's own is then `update_noise_multiplier`, higher).
+        clip_norm: C, the largest ‖θ_i − θ‖ that enters Δ; with `adaptive_clipping`, the first round's.
         num_clients: N, the population the rounds sample from.
         sample_size: m, the clients each round samples.
         reward_range: (R_min, R_max) for an aggregation that weighs by R̄ (RPG), whose R̄ is then released through its
@@ -84,6 +145,7 @@ class ClientLevelPrivacy:
             noise-to-signal floor counts the coordinates without them.
         release_log: The append-only ledger of every release (a JSON line each), outside the checkpoints; None keeps
             the releases in memory only (a caller that never resumes).
+        adaptive_clipping: C's adaptation to the update norms (`AdaptiveClipping`); None keeps C fixed.
     """
 
     def __init__(
@@ -99,6 +161,7 @@ class ClientLevelPrivacy:
         noise_seed: int | None = None,
         frozen_keys: frozenset[str] = frozenset(),
         release_log: str | Path | None = None,
+        adaptive_clipping: AdaptiveClipping | None = None,
     ):
         if not noise_multiplier > 0 or not clip_norm > 0:
             raise ValueError(f"DP needs a noise multiplier and a clip norm > 0, got {noise_multiplier}, {clip_norm}.")
@@ -109,6 +172,9 @@ class ClientLevelPrivacy:
         self.dp_event, privacy_accountant, self.rdp = load_dp_accounting()
         self.replace_one = privacy_accountant.NeighboringRelation.REPLACE_ONE
         self.noise_multiplier, self.clip_norm = noise_multiplier, clip_norm
+        self.adaptive = adaptive_clipping
+        self.update_noise_multiplier = (noise_multiplier if adaptive_clipping is None
+                                        else adaptive_clipping.update_noise_multiplier(noise_multiplier))
         self.num_clients, self.sample_size = num_clients, sample_size
         self.reward_range = reward_range
         self.reward_noise_multiplier = reward_noise_multiplier if reward_range is not None else None
@@ -123,6 +189,10 @@ class ClientLevelPrivacy:
         self.last_epsilon: float | None = None
         self.last_noise_std: float | None = None
         self.last_rewards: dict[str, float] = {}
+        # The round's count of updates left unclipped and of updates, kept for the count's release (never reported)
+        self.unclipped: tuple[int, int] | None = None
+        self.last_clip_norm: float | None = None  # the C that clipped the last round
+        self.last_unclipped_share: float | None = None  # b̃, its released share of updates left unclipped
 
     # The mechanisms ------------------------------------------------------------------------------------------
 
@@ -156,16 +226,19 @@ class ClientLevelPrivacy:
         return released
 
     def clipped(self, global_state: AdapterState, client_states: list[AdapterState]) -> list[AdapterState]:
-        """Each client's adapter with its update θ_i − θ scaled onto ‖·‖ ≤ C where it is longer."""
+        """Each client's adapter with its update θ_i − θ scaled onto ‖·‖ ≤ C where it is longer; how many were not
+        is kept for adaptive clipping's count (`unclipped`)."""
         norms = [state_distance(state, global_state) for state in client_states]
+        self.unclipped = (sum(norm <= self.clip_norm for norm in norms), len(norms))
         return [
             state if norm <= self.clip_norm else scaled_update(state, global_state, self.clip_norm / norm)
             for state, norm in zip(client_states, norms)
         ]
 
     def noise_std(self, weights: list[float]) -> float:
-        """σ S: S = 2 C max_i ω_i, the most one client's replacement moves Σ_i ω_i ū_i."""
-        return self.noise_multiplier * 2 * self.clip_norm * max(weights)
+        """σ_Δ S: S = 2 C max_i ω_i, the most one client's replacement moves Σ_i ω_i ū_i (σ_Δ = σ without adaptive
+        clipping)."""
+        return self.update_noise_multiplier * 2 * self.clip_norm * max(weights)
 
     def add_noise(self, delta: AdapterState, std: float, round_idx: int) -> None:
         """Add N(0, std²) to every coordinate of `delta` (a block of Δ in round `round_idx`), in place."""
@@ -178,28 +251,39 @@ class ClientLevelPrivacy:
     # Accounting ----------------------------------------------------------------------------------------------
 
     def round_event(self) -> dict[str, Any]:
-        """The release of one round, as the ledger records it."""
-        return {
-            "noise_multiplier": self.noise_multiplier, "reward_noise_multiplier": self.reward_noise_multiplier,
+        """The release of one round, as the ledger records it (Δ's noise multiplier, and with adaptive clipping the
+        count's, σ_b: the count's sensitivity is 1)."""
+        event = {
+            "noise_multiplier": self.update_noise_multiplier, "reward_noise_multiplier": self.reward_noise_multiplier,
             "sample_size": self.sample_size, "num_clients": self.num_clients,
         }
+        if self.adaptive is not None:
+            event["clipped_count_noise_multiplier"] = self.adaptive.count_stddev
+        return event
 
     def dp_event_of(self, spec: dict[str, Any]):
-        """`spec` (`round_event`) as a `dp_accounting` event: the Gaussian of Δ, composed with R̄'s when there is one,
-        on a sample of m of N drawn without replacement."""
+        """`spec` (`round_event`) as a `dp_accounting` event: the Gaussian of Δ, composed with R̄'s and the clipped
+        count's when there are, on a sample of m of N drawn without replacement."""
         gaussians = [self.dp_event.GaussianDpEvent(spec["noise_multiplier"])]
-        if spec["reward_noise_multiplier"] is not None:
-            gaussians.append(self.dp_event.GaussianDpEvent(spec["reward_noise_multiplier"]))
+        for name in ("reward_noise_multiplier", "clipped_count_noise_multiplier"):
+            if spec.get(name) is not None:
+                gaussians.append(self.dp_event.GaussianDpEvent(spec[name]))
         return self.dp_event.SampledWithoutReplacementDpEvent(
             spec["num_clients"], spec["sample_size"], self.dp_event.ComposedDpEvent(gaussians)
         )
 
-    def compose_round(self, noise_std: float) -> None:
-        """Account one released round, whose Δ took noise of std `noise_std`; `last_epsilon` is then ε at δ over every
-        round so far."""
-        self.last_noise_std = noise_std
-        event = self.round_event()
-        self.append_release(event)
+    def compose_round(self, noise_std: float, round_idx: int) -> None:
+        """Account one released round, `round_idx`, whose Δ took noise of std `noise_std`; `last_epsilon` is then ε at
+        δ over every round so far. With adaptive clipping the round also releases its count of updates left
+        unclipped, whose noise is drawn like Δ's (this release's ordinal), and C moves for the next round."""
+        self.last_noise_std, self.last_clip_norm = noise_std, self.clip_norm
+        if self.adaptive is not None:
+            noise = torch.randn(1, generator=self.generator(round_idx, "clipped_count"), dtype=torch.float64)
+            self.last_unclipped_share, next_clip_norm = self.adaptive.step(self.clip_norm, *self.unclipped,
+                                                                           float(noise))
+        self.append_release(self.round_event())
+        if self.adaptive is not None:
+            self.clip_norm = next_clip_norm
         self.last_epsilon = self.epsilon_after(0)
 
     def append_release(self, event: dict[str, Any]) -> None:
@@ -252,8 +336,9 @@ class ClientLevelPrivacy:
         return low
 
     def round_metrics(self) -> list[RoundMetric]:
-        """ε at δ after the round (`dp_epsilon`), the std of Δ's noise (`dp_noise_std`) and, when R̄ is released,
-        each client's R̃ (`dp_reward`)."""
+        """ε at δ after the round (`dp_epsilon`), the std of Δ's noise (`dp_noise_std`), when R̄ is released each
+        client's R̃ (`dp_reward`), and with adaptive clipping the C that clipped the round (`dp_clip_norm`, in the
+        update norms' own unit) and the released share b̃ of updates it left unclipped (`dp_unclipped_share`)."""
         metrics = [
             RoundMetric("dp_epsilon", "ε", self.last_epsilon, format=".3f"),
             RoundMetric("dp_noise_std", "σ_Δ", self.last_noise_std, format=".3g"),
@@ -261,13 +346,16 @@ class ClientLevelPrivacy:
         if self.reward_range is not None:
             metrics.append(RoundMetric("dp_rewards", "R̃", dict(self.last_rewards), per_client=True, format=".3f",
                                        log_name="dp_reward"))
+        if self.adaptive is not None:  # released values: C follows b̃ alone
+            metrics += [RoundMetric("dp_clip_norm", "C", self.last_clip_norm, format=".3g"),
+                        RoundMetric("dp_unclipped_share", "b̃", self.last_unclipped_share, format=".2f")]
         return metrics
 
     def noise_to_signal_floor(self, num_coordinates: int) -> float:
         """The least ‖noise‖ / ‖Δ‖ any round can have, for an adapter of d = `num_coordinates`: the noise's norm is
-        about σ S √d with S = 2 C ω_max ≥ 2 C / m (the largest of at most m weights summing to 1), while
+        about σ_Δ S √d with S = 2 C ω_max ≥ 2 C / m (the largest of at most m weights summing to 1), while
         ‖Δ‖ = ‖Σ_i ω_i ū_i‖ ≤ C. Above 1, the noise outweighs every Δ the clients can send, however they agree."""
-        return 2 * self.noise_multiplier * math.sqrt(num_coordinates) / self.sample_size
+        return 2 * self.update_noise_multiplier * math.sqrt(num_coordinates) / self.sample_size
 
     def warn_of_noise_floor(self, num_coordinates: int) -> None:
         """Warn when DP's noise will outweigh whatever the clients send (`noise_to_signal_floor` above 1): then the
@@ -280,7 +368,7 @@ class ClientLevelPrivacy:
                 "clients can make (‖noise‖ ≈ σ·2C·ω_max·√d ≥ 2σ√d/m with σ = %g, m = %d clients a round and d = %s "
                 "adapter coordinates, against ‖Δ‖ ≤ C): this run cannot learn. The noise falls to the longest Δ's size "
                 "only from %s clients a round at this σ, or with a smaller adapter (docs/privacy.md, 'What it "
-                "costs').", floor, self.noise_multiplier, self.sample_size, f"{num_coordinates:,}",
+                "costs').", floor, self.update_noise_multiplier, self.sample_size, f"{num_coordinates:,}",
                 f"{math.ceil(floor * self.sample_size):,}",
             )
 
@@ -288,22 +376,31 @@ class ClientLevelPrivacy:
         """One line on the guarantee so far, for the model card."""
         epsilon = "no round released yet" if self.last_epsilon is None else f"ε = {self.last_epsilon:.3f}"
         rewards = "" if self.reward_range is None else f", R̄ released with σ_R = {self.reward_noise_multiplier:g}"
+        clipping = f"clip norm {self.clip_norm:.4g}" if self.adaptive is None else (
+            f"clip norm adapted to the {self.adaptive.target_quantile:g}-quantile of the update norms, "
+            f"{self.clip_norm:.4g} after the last round, its count released with σ_b = {self.adaptive.count_stddev:g}")
         return (f"client-level, {epsilon} at δ = {self.target_delta:g} (replace-one, RDP accountant of "
-                f"dp-accounting; {self.sample_size} of {self.num_clients} clients sampled a round, clip norm "
-                f"{self.clip_norm:.4g}, noise multiplier {self.noise_multiplier:g}{rewards})")
+                f"dp-accounting; {self.sample_size} of {self.num_clients} clients sampled a round, {clipping}, "
+                f"noise multiplier {self.noise_multiplier:g}{rewards})")
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "noise_seed": self.noise_seed,
             "ledger": [{"event": dict(event), "rounds": count} for event, count in self.ledger],
         }
+        if self.adaptive is not None:  # the C the next round clips at
+            state["clip_norm"] = self.clip_norm
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the noise seed and the ledger. With a `release_log`, the ledger is every release it holds, those
-        made after the checkpoint included (a round redone on resume is then a further release, with fresh noise);
-        else the checkpoint's, whose ε is that of the run that saved it."""
+        """Restore the noise seed, the ledger and, with adaptive clipping, C (a checkpoint of a run without it keeps
+        the configured C). With a `release_log`, the ledger is every release it holds, those made after the checkpoint
+        included (a round redone on resume is then a further release, with fresh noise); else the checkpoint's, whose
+        ε is that of the run that saved it."""
         checkpointed = [(dict(entry["event"]), int(entry["rounds"])) for entry in state["ledger"]]
         self.noise_seed = int(state["noise_seed"])
+        if self.adaptive is not None and "clip_norm" in state:
+            self.clip_norm = float(state["clip_norm"])
         logged = self.read_release_log()
         if len(logged) < sum(count for _, count in checkpointed):
             # a ledger shorter than the checkpoint's (deleted, or another folder's): count the checkpoint's releases
@@ -349,7 +446,8 @@ def privacy_from_config(
     release_log: str | Path | None = None,
 ) -> ClientLevelPrivacy | None:
     """The mechanism `args` asks for (None without `dp_noise_multiplier`) around `aggregator`, for N = `num_clients`,
-    m = `sample_size`, the absolute clip norm C and the reward functions' declared range; `ValueError` naming the
+    m = `sample_size`, the absolute clip norm C (the first round's under `dp_adaptive_clipping`) and the reward
+    functions' declared range; `ValueError` naming the
     setting for an aggregation it does not cover, or an RPG run whose rewards declare no range."""
     if args.dp_noise_multiplier is None:
         return None
@@ -361,6 +459,12 @@ def privacy_from_config(
             "reward functions' declared range; they declare none: give every reward function a `reward_range`."
         )
     reward_noise = args.dp_reward_noise_multiplier
+    count_stddev = args.dp_clipped_count_stddev
+    if count_stddev is None:
+        count_stddev = AdaptiveClipping.default_count_stddev(sample_size, args.dp_noise_multiplier)
+    adaptive = None if not args.dp_adaptive_clipping else AdaptiveClipping(
+        count_stddev, args.dp_target_quantile, args.dp_clip_norm_lr
+    )
     return ClientLevelPrivacy(
         noise_multiplier=args.dp_noise_multiplier,
         clip_norm=clip_norm,
@@ -373,5 +477,6 @@ def privacy_from_config(
         noise_seed=args.dp_noise_seed,
         frozen_keys=frozen_keys,
         release_log=release_log,
+        adaptive_clipping=adaptive,
     )
 

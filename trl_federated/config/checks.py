@@ -3,7 +3,9 @@
 `FedGRPOConfig.__post_init__` raises), what makes a federation learn something other than the user likely means
 (`federation_warnings`), and the vLLM settings federated clients cannot generate with (`check_vllm`). The chosen
 aggregation's and server optimizer's own fields are checked by their implementations (`config_errors`, through the
-registries of `choices`): RPG's `rpg_*` ranges by `aggregation.RPGAggregator.config_errors`."""
+registries of `choices`): RPG's `rpg_*` ranges by `aggregation.RPGAggregator.config_errors`. Adaptive clipping's
+ranges (`adaptive_clipping_errors`) are the one rule for the config's `dp_*` fields and
+`aggregation.privacy.AdaptiveClipping`'s arguments."""
 
 from __future__ import annotations
 
@@ -34,6 +36,28 @@ def _is_of_type(value, type_name: str) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, {"int": int, "float": (int, float), "str": str, "dict": dict}[type_name])
+
+
+def adaptive_clipping_errors(target_quantile, clip_norm_lr, clipped_count_stddev, noise_multiplier):
+    """One message per adaptive-clipping setting out of its range, named as `FedGRPOConfig`'s `dp_*` field: the one
+    rule for the config's fields and `aggregation.privacy.AdaptiveClipping`'s arguments. The ranges are those Flower's
+    `DifferentialPrivacyServerSideAdaptiveClipping` checks; the count's noise against σ is this library's: its
+    accountant's replace-one relation makes the count a Gaussian of noise multiplier σ_b (see `AdaptiveClipping`)."""
+    if not 0 <= target_quantile <= 1:
+        yield f"`dp_target_quantile` must lie in [0, 1], got {target_quantile}."
+    if not clip_norm_lr > 0:
+        yield f"`dp_clip_norm_lr` must be > 0, got {clip_norm_lr}."
+    if clipped_count_stddev is None:
+        return
+    if not clipped_count_stddev > 0:
+        yield f"`dp_clipped_count_stddev` must be > 0 or None, got {clipped_count_stddev}."
+    elif noise_multiplier is not None and noise_multiplier > 0 and not clipped_count_stddev > noise_multiplier:
+        yield (
+            f"`dp_clipped_count_stddev` ({clipped_count_stddev}) must exceed `dp_noise_multiplier` "
+            f"({noise_multiplier}): for the round to cost what σ alone would, Δ's noise multiplier rises to "
+            "(σ⁻² − σ_b⁻²)^(-1/2), which exists only for σ_b > σ (and is large near it). Raise it, or leave it None "
+            "(max(m/20, 2σ))."
+        )
 
 
 def _own_fields_class(config_class: type) -> type:
@@ -257,6 +281,8 @@ class ConfigChecks:
             yield f"`dp_clip_norm` must be > 0, got {self.dp_clip_norm}."
         if not 0 < self.dp_target_delta < 1:
             yield f"`dp_target_delta` must lie in (0, 1), got {self.dp_target_delta}."
+        yield from adaptive_clipping_errors(self.dp_target_quantile, self.dp_clip_norm_lr,
+                                            self.dp_clipped_count_stddev, self.dp_noise_multiplier)
         if self.dp_noise_multiplier is None:
             return
         if self.aggregation == "scaffold":

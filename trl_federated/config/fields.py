@@ -364,10 +364,29 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
             with the sampling the run does (`fraction_train`) and reports ε at `dp_target_delta`. SCAFFOLD (its
             controls are per-client state the noise does not cover) and `robust_aggregation` are refused. `None`: no
             DP, and the server draws no random number.
-        dp_clip_norm (`float`, *optional*, defaults to `1.0`):
+        dp_clip_norm (`float`, *optional*, defaults to `0.6`):
             Clip norm C of each client's update under DP, in the unit of `update_norm_bound` (`local_steps` ×
             `learning_rate` × √d), near which honest Adam-family updates stay: a lower C clips more updates and
-            needs less noise for the same σ.
+            needs less noise for the same σ. The default is about the median update norm measured on the
+            quickstart's model and data (docs/privacy.md), so that about half the updates are clipped; with
+            `dp_adaptive_clipping`, the clip norm the first round starts from.
+        dp_adaptive_clipping (`bool`, *optional*, defaults to `False`):
+            Adapt C every round toward the `dp_target_quantile` of the clients' update norms (Andrew et al., NeurIPS
+            2021, as Flower's `DifferentialPrivacyServerSideAdaptiveClipping`): the count of updates C left
+            unclipped is released with Gaussian noise (`dp_clipped_count_stddev`) and C moves geometrically by
+            `dp_clip_norm_lr`. The count's release is accounted: Δ's noise multiplier rises so that the round costs
+            what `dp_noise_multiplier` alone would, and ε is unchanged.
+        dp_target_quantile (`float`, *optional*, defaults to `0.5`):
+            γ, the share of the clients' updates that adaptive clipping aims to leave unclipped (Flower's
+            `target_clipped_quantile`): C tracks the γ-quantile of their norms. 0.5, the median, as Andrew et al.
+        dp_clip_norm_lr (`float`, *optional*, defaults to `0.2`):
+            η_C, the learning rate of adaptive clipping's geometric update C ← C · exp(−η_C (b̃ − γ)), as Andrew et
+            al. and Flower's `clip_norm_lr`.
+        dp_clipped_count_stddev (`float` or `None`, *optional*):
+            σ_b, the std of the Gaussian noise on the count of unclipped updates (Flower's `clipped_count_stddev`);
+            it must exceed `dp_noise_multiplier`. `None`: max(m / 20, 2σ) for m clients sampled a round: Andrew et
+            al.'s m / 20 (Flower's default), or where a small federation cannot afford it, 2σ, which raises Δ's
+            noise by 15%.
         dp_reward_noise_multiplier (`float` or `None`, *optional*):
             Noise multiplier σ_R of R̄'s release under DP with `aggregation="rpg"`: each client's R̄, clamped to the
             reward functions' declared range B, gets Gaussian noise of std σ_R × B before RPG weighs it; the
@@ -851,11 +870,50 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
         },
     )
     dp_clip_norm: float = field(
-        default=1.0,
+        default=0.6,
         metadata={
             "help": ResultHelp(
                 "Clip norm C of each client's update under DP, in the unit of `update_norm_bound` (local_steps x "
-                "learning_rate x sqrt(d)), near which honest Adam-family updates stay."
+                "learning_rate x sqrt(d)), near which honest Adam-family updates stay; the first round's C with "
+                "dp_adaptive_clipping. 0.6: about the median update norm measured on the quickstart, so that "
+                "clipping bites on about half the updates."
+            )
+        },
+    )
+    dp_adaptive_clipping: bool = field(
+        default=False,
+        metadata={
+            "help": ResultHelp(
+                "Adapt the clip norm each round toward the dp_target_quantile of the clients' update norms (Andrew "
+                "et al., 2021, as Flower's adaptive-clipping wrapper), from dp_clip_norm: the count of unclipped "
+                "updates is released with noise and accounted, at the same ε for the same dp_noise_multiplier."
+            )
+        },
+    )
+    dp_target_quantile: float = field(
+        default=0.5,
+        metadata={
+            "help": ResultHelp(
+                "γ, the share of updates adaptive clipping aims to leave unclipped: C tracks the γ-quantile of the "
+                "update norms (Flower's target_clipped_quantile)."
+            )
+        },
+    )
+    dp_clip_norm_lr: float = field(
+        default=0.2,
+        metadata={
+            "help": ResultHelp(
+                "η_C, the learning rate of adaptive clipping's geometric update C <- C exp(−η_C (b̃ − γ)) "
+                "(Flower's clip_norm_lr; Andrew et al.'s 0.2)."
+            )
+        },
+    )
+    dp_clipped_count_stddev: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "σ_b, the std of the noise on adaptive clipping's count of unclipped updates (Flower's "
+                "clipped_count_stddev); above dp_noise_multiplier. None: max(m/20, 2σ) for m clients a round."
             )
         },
     )

@@ -59,7 +59,12 @@ def run_identity(
     }
     if args is not None:
         identity["wire"] = {"lora_aggregation": args.lora_aggregation, "transfer_dtype": args.transfer_dtype}
-        identity["training"] = _jsonable({name: getattr(args, name) for name in result_fields(args)})
+        training = {name: getattr(args, name) for name in result_fields(args)}
+        if args.dp_noise_multiplier is None:  # without DP its mechanism's settings compute nothing: a run resumes
+            # whatever they were (a checkpoint of `dp_clip_norm`'s former default, 1.0, included)
+            training = {name: value for name, value in training.items() if name == "dp_noise_multiplier"
+                        or not name.startswith("dp_")}
+        identity["training"] = _jsonable(training)
     return identity
 
 
