@@ -206,7 +206,9 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
             f"{row['idle_client_rounds']} | {_num(row['weight_spread'], '.2f')} | {_num(row['last_entropy'], '.2f')} | "
             f"{row['cpu_seconds'] / 3600:.2f} |")
     lines += ["", "`paper's h` and `noise-aware h`: RPG's gain formula applied to the R̄ this cell's clients reported, "
-              "whatever weighed them; `own`: the run's own RPG (empty for FedAvg).", ""]
+              "whatever weighed them; `own`: the run's own RPG (empty for FedAvg). `CPU h`: the attempts that recorded "
+              "their cost (cost.json); an attempt stopped with its machine records none, so a resumed cell's figure "
+              "is a lower bound.", ""]
     floors = constant_floors(root)
     if floors:
         lines += ["Constant-answer floors (the accuracy of answering every item of a task with its most common gold "

@@ -199,7 +199,10 @@ def test_partition_clients_reads_the_federation_settings(labelled):
     args = SimpleNamespace(num_clients=3, partition_column="label", dirichlet_alpha=0.5, min_partition_size=2, seed=7,
                            labels_per_client=None, equal_partition_sizes=False)
     expected = dirichlet_partition(labelled, 3, "label", 0.5, seed=7, min_partition_size=2)
-    assert _ids(partition_clients(labelled, args)) == _ids(expected)
+    training_data = labelled.add_column("prompt", ["q"] * len(labelled))  # GRPO generates from a `prompt` column
+    assert _ids(partition_clients(training_data, args)) == _ids(expected)
+    with pytest.raises(ValueError, match="no `prompt` column"):
+        partition_clients(labelled, args)
 
 
 def test_label_histogram(labelled):

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import re
 import sys
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,15 +365,15 @@ def known_flags_source() -> str:
         fields.update(action.dest for action in actions if action.dest != "config")
         options.update(option for action in actions for option in action.option_strings)
 
-    def lines(names):
-        return "".join(f"    {name!r},\n" for name in sorted(names))
+    def names(values):  # whitespace-separated, wrapped: a few lines of data rather than a line per name
+        return textwrap.fill(" ".join(sorted(values)), 116, break_on_hyphens=False, break_long_words=False)
 
     return (
         '"""The fields and option strings of `trl-federated run`\'s parser, for `flags.check_before_import`.\n'
         'Written by `python -m trl_federated.arguments.parsing`; tests/test_cli.py checks it against the parser."""\n\n'
         f"VERSIONS = {installed_versions()!r}  # TRL's and transformers'\n"
-        f"FIELDS = (\n{lines(fields)})\n"
-        f"OPTIONS = (\n{lines(options)})\n"
+        f'FIELDS = tuple("""\n{names(fields)}\n""".split())\n'
+        f'OPTIONS = tuple("""\n{names(options)}\n""".split())\n'
     )
 
 
