@@ -356,9 +356,10 @@ def test_a_round_that_samples_a_missing_supernodes_client_waits_then_goes_on_nam
         messages = strategy.configure_train(round_idx + 1, None, None, grid)
     assert sum(clock.sleeps) == 3600  # the whole node_wait_timeout, then the round goes on with the others
     assert partition_ids(grid, messages) == [index for index in sampled if index != absent]
-    assert (f"Round {round_idx}: no connected SuperNode serves the sampled client indices [{absent}] yet; waiting up "
+    label = f"{round_idx} ({round_idx + 1}/{strategy.args.num_rounds})"  # as the round's other lines name it
+    assert (f"Round {label}: no connected SuperNode serves the sampled client indices [{absent}] yet; waiting up "
             "to 3600 s more (node_wait_timeout=3600 s)") in caplog.text
-    assert (f"Round {round_idx}: no connected SuperNode serves the sampled client indices [{absent}] after 3600 s; "
+    assert (f"Round {label}: no connected SuperNode serves the sampled client indices [{absent}] after 3600 s; "
             "the round goes on without them") in caplog.text
     strategy.aggregate_train(round_idx + 1, grid.send_and_receive(messages))
     record = strategy.history[-1]
@@ -585,7 +586,7 @@ def test_a_resumed_run_redoes_the_evaluate_round_its_checkpoint_lacks_and_no_oth
     resumed, grid = federation(200, resume_from_checkpoint=True)
     with caplog.at_level(logging.INFO, logger="trl_federated"):
         result = resumed.start(grid)
-    redone = "Round 0: redoing its evaluate round after the resume"
+    redone = f"Round 0 (1/{resumed.args.num_rounds}): redoing its evaluate round after the resume"
     lines = [json.loads(line) for line in (tmp_path / "flower" / "metrics.jsonl").read_text().splitlines()]
     evaluations = [line for line in lines if line["event"] == "client_evaluation"]
     assert [line["round_idx"] for line in evaluations] == [0, 1]  # each round's once

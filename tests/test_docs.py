@@ -299,7 +299,7 @@ def check_script_flags(script: Path, argv: list[str]) -> list[str]:
 
 
 def check_flwr(argv: list[str]) -> list[str]:
-    if argv[:1] == ["supernode"]:
+    if argv[:1] in (["supernode"], ["stop"], ["ls"]):
         return []  # Flower's own commands: checked against `flwr --help` in test_flower_commands_in_the_docs_exist
     assert argv[0] == "run", argv
     if len(argv) == 1:
@@ -413,7 +413,10 @@ def test_flower_commands_in_the_docs_exist():
         program = words[0]
         if program == "flwr" and words[1] == "supernode":
             program, words = "flwr supernode " + words[2], [words[0], *words[1:3], *words[3:]]
-        if program not in ("flower-superlink", "flower-supernode") and not program.startswith("flwr supernode"):
+        if program == "flwr" and words[1] in ("stop", "ls"):
+            program, words = f"flwr {words[1]}", [words[0], *words[2:]]
+        if (program not in ("flower-superlink", "flower-supernode", "flwr stop", "flwr ls")
+                and not program.startswith("flwr supernode")):
             continue
         if program not in helps:
             result = subprocess.run([str(bin_dir / program.split()[0]), *program.split()[1:], "--help"],

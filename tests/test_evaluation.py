@@ -2,6 +2,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_federated.evaluation import evaluate_accuracy, format_accuracy_table
@@ -247,3 +248,13 @@ def test_evaluation_shows_its_progress_over_the_items(model_and_tokenizer, eval_
     assert "Evaluating:   0%" in bar and f"0/{len(eval_dataset)} [" in bar  # a bar over the items, cleared at the end
     evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=2, max_new_tokens=4, show_progress=False)
     assert "Evaluating" not in capsys.readouterr().err
+
+
+def test_evaluation_under_the_runners_bar_writes_no_cursor_moves_into_a_log(model_and_tokenizer, eval_dataset, capsys):
+    """The runner's "Federated rounds" bar is open while it evaluates: a nested bar would clear itself by moving the
+    cursor up (ESC [A), which a log file (stderr here, no terminal) keeps as text."""
+    model, tokenizer = model_and_tokenizer
+    with tqdm(total=1, desc="Federated rounds"):
+        evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=2, max_new_tokens=4)
+    log = capsys.readouterr().err
+    assert "Federated rounds" in log and "\x1b[A" not in log and "Evaluating" not in log

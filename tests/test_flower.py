@@ -633,7 +633,9 @@ def test_loopback_superlink_and_two_supernodes_end_where_the_runner_ends(tmp_pat
     for index in (0, 1):
         log = loopback.log(f"supernode-{index}")
         for round_idx in (0, 1):
-            assert f"Round {round_idx}, client 'client_{index}': 2 local steps on 6 rows, R̄ = " in log, log[-3000:]
+            # Numbered as the server's lines number it, beside Flower's [ROUND k/T].
+            assert (f"Round {round_idx} ({round_idx + 1}/2), client 'client_{index}': 2 local steps on 6 rows, R̄ = "
+                    in log), log[-3000:]
 
 
 @pytest.mark.slow  # ~2 min: the SuperLink declares a silent SuperNode unavailable after 2 heartbeat intervals (60 s)

@@ -18,6 +18,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 from trl_federated.cli import parse_run_args, training_rewards  # noqa: E402
 from trl_federated.flower import flwr_run  # noqa: E402
 from trl_federated.flower.run_config import FederationSizeError, federation_arguments  # noqa: E402
+from trl_federated.runtime.models import DEFAULT_MODEL  # noqa: E402
 
 APP_DIR = Path(__file__).parents[1] / "examples" / "flower"
 APP_KEYS = ("resume", "clients-file")
@@ -52,11 +53,14 @@ def test_the_example_app_runs_the_quickstart_but_for_its_deliberate_differences(
     app = parse(example_run_config())
     quickstart = parse_run_args(["--config", str(APP_DIR.parents[1] / "examples" / "configs" / "quickstart.yaml")])
     assert training_rewards(app[2]) == training_rewards(quickstart[2])  # "accuracy" written out, the default
+    # The embedded model by its name, which the quickstart leaves unset (`None` means the same).
+    assert (app[1].model_name_or_path, quickstart[1].model_name_or_path) == (DEFAULT_MODEL, None)
     differing = {
         item.name
         for app_group, quickstart_group in zip(app, quickstart, strict=True)
         for item in dataclasses.fields(app_group)
-        if item.name != "reward_funcs" and getattr(app_group, item.name) != getattr(quickstart_group, item.name)
+        if item.name not in ("reward_funcs", "model_name_or_path")
+        and getattr(app_group, item.name) != getattr(quickstart_group, item.name)
     }
     assert differing - DEVICE_FIELDS == DELIBERATE_DIFFERENCES
     args, model_args, data_args = app
@@ -69,7 +73,7 @@ def test_the_example_app_runs_the_quickstart_but_for_its_deliberate_differences(
 def test_the_example_declares_real_values_and_leaves_unset_only_what_is_chosen_at_launch():
     config = example_run_config()
     unset = {key for key, value in config.items() if value == ""}
-    assert unset == {"clients-file", "model-name-or-path", "num-clients"}  # none, the embedded model, the federation's
+    assert unset == {"clients-file", "num-clients"}  # no registry; the federation's size
     assert {"num-server-rounds", "local-steps", "learning-rate", "lora-r", "aggregation", "num-clients",
             "model-name-or-path", "reward-funcs", "seed", "fraction-train", "fraction-evaluate"} <= set(config)
 

@@ -1,14 +1,17 @@
 """`flwr run examples/flower` on Flower's Simulation Engine, as `docs/flower.md`'s quick-try runs it (a managed local
-SuperLink, no runtime dependency installation), on the tiny model: the number of clients follows the simulated
-SuperNodes, run-config keys override the app's values on the server and on every client, and a `num-clients` that
-differs from the federation is refused before anything trains, in the `flwr run` output and its exit status (through
-`trl_federated.flower.flwr_run`). With one CPU per client, two
-workers train a round's clients at the same time, each loading the model once, and the federation ends where the
-sequential in-process runner ends (tests/flower_app, whose reward gives the tiny model a gradient)."""
+SuperLink, which installs the app's dependencies per run as Flower does by default), on the tiny model: the number of
+clients follows the simulated SuperNodes, run-config keys override the app's values on the server and on every
+client, and a `num-clients` that differs from the federation is refused before anything trains, in the `flwr run`
+output and its exit status (through `trl_federated.flower.flwr_run`). With one CPU per client, two workers train a
+round's clients at the same time, each loading the model once, and the federation ends where the sequential
+in-process runner ends (tests/flower_app, whose reward gives the tiny model a gradient). Ctrl-C stops the run and
+leaves no process of it behind."""
 
+import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("flwr")
@@ -28,6 +32,7 @@ from test_flower import assert_states_equal, prompt_datasets, runner_result  # n
 from trl_federated import FedGRPOConfig  # noqa: E402
 from trl_federated.cli import BenchmarkArguments, load_benchmark  # noqa: E402
 from trl_federated.data import partition_clients  # noqa: E402
+from trl_federated.flower import flwr_run as flwr_run_module  # noqa: E402
 from trl_federated.flower import make_client_app  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
@@ -58,25 +63,27 @@ def managed_superlinks(flwr_home: Path) -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="module")
-def flwr_env(tmp_path_factory):
-    """The environment of the docs' quick-try, with its own FLWR_HOME and ports; the SuperLink that `flwr run`
-    starts (detached, as Flower does) is stopped afterwards."""
-    flwr_home = tmp_path_factory.mktemp("flwr-home")
+def quick_try_env(flwr_home: Path) -> dict[str, str]:
+    """The environment of the docs' quick-try, with its own FLWR_HOME and ports."""
     bin_dir = Path(sys.executable).parent
-    env = {
+    return {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "FLWR_HOME": str(flwr_home),
         "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
         "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_TELEMETRY_ENABLED": "0",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
-    yield env
+
+
+@pytest.fixture(scope="module")
+def flwr_env(tmp_path_factory):
+    """`quick_try_env`; the SuperLink that `flwr run` starts (detached, as Flower does) is stopped afterwards."""
+    flwr_home = tmp_path_factory.mktemp("flwr-home")
+    yield quick_try_env(flwr_home)
     for pid in managed_superlinks(flwr_home):
         os.killpg(pid, signal.SIGTERM)  # its own session: the SuperLink and the processes it started
     deadline = time.monotonic() + 10
@@ -188,3 +195,75 @@ def test_simulation_refuses_num_clients_other_than_its_supernodes(flwr_env, tmp_
     assert result.returncode == 1 and "is finished:failed" in result.stderr  # where `flwr run` itself exits 0
     assert "run-config key `num-clients` asks for 3 clients" in output
     assert not (output_dir / "metrics.jsonl").exists()
+
+
+def processes_of(flwr_home: Path) -> list[psutil.Process]:
+    """Every live process started for `flwr_home`: the local SuperLink and all that its runs started (SuperExec, the
+    simulation, Ray's daemons, agents and workers), found by the FLWR_HOME they inherit or the Ray session of such a
+    process that their command line names, since Ray's daemons leave the process tree."""
+    def alive(process):
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+
+    processes = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess):
+            if alive(process):
+                processes.append((process, process.environ().get("FLWR_HOME"), " ".join(process.cmdline())))
+    sessions = {session for _, home, command in processes if home == str(flwr_home)
+                for session in re.findall(r"--session-dir=(\S+)", command)}
+    return [process for process, home, command in processes
+            if home == str(flwr_home) or any(session in command for session in sessions)]
+
+
+def command_lines(processes) -> list[str]:
+    lines = []
+    for process in processes:
+        try:
+            lines.append(" ".join(process.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(lines)
+
+
+def is_local_superlink(command_line: str) -> bool:
+    """The managed local SuperLink and the SuperExec it keeps, which `flwr run` leaves for later runs."""
+    return any(part.endswith(("/flower-superlink", "/flower-superexec")) for part in command_line.split()[:2])
+
+
+@pytest.mark.slow  # about a minute on 2 CPU cores: the SuperLink, Ray, and the first round's start
+def test_ctrl_c_stops_the_run_and_leaves_no_process_of_it(tmp_path_factory, tmp_path, tiny_model_dir):
+    """Ctrl-C on `python -m trl_federated.flower.flwr_run ... --stream` mid-round stops the run: the simulation,
+    its Ray daemons and its ClientApp actors exit, and only the local SuperLink with its SuperExec stays, as Flower
+    keeps it for later runs."""
+    flwr_home = tmp_path_factory.mktemp("flwr-home-stopped")
+    log_file = tmp_path / "flwr-run.log"
+    run_config = tiny_run_config(tiny_model_dir, tmp_path / "outputs", **{"num-server-rounds": 100})
+    try:
+        with log_file.open("w") as log:
+            wrapper = subprocess.Popen(
+                [sys.executable, "-m", "trl_federated.flower.flwr_run", str(APP_DIR), "--stream",
+                 "--federation-config", f"num-supernodes=2 {TWO_WORKERS}", "--run-config", run_config],
+                env=quick_try_env(flwr_home), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # a terminal of its own, whose Ctrl-C reaches the whole process group
+            )
+        deadline = time.monotonic() + 300
+        while not ("sent the global adapter" in log_file.read_text()
+                   and any("ray::ClientAppActor" in line for line in command_lines(processes_of(flwr_home)))):
+            assert wrapper.poll() is None and time.monotonic() < deadline, log_file.read_text()[-5000:]
+            time.sleep(1)
+        running = command_lines(processes_of(flwr_home))
+
+        os.killpg(wrapper.pid, signal.SIGINT)  # Ctrl-C
+        assert wrapper.wait(timeout=120) == 130, log_file.read_text()[-5000:]
+        run_id = flwr_run_module.STARTED.search(log_file.read_text()).group(1)
+        assert f"Interrupted: run {run_id} stopped." in log_file.read_text()
+        deadline = time.monotonic() + 120
+        while not all(map(is_local_superlink, left := command_lines(processes_of(flwr_home)))):
+            assert time.monotonic() < deadline, "left running:\n" + "\n".join(left)
+            time.sleep(1)
+        print("running before Ctrl-C:\n" + "\n".join(running) + "\nafter:\n" + "\n".join(left))
+        assert len(left) == 2 and len(running) > len(left)
+    finally:
+        for process in processes_of(flwr_home):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()

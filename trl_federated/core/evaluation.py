@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -224,8 +225,12 @@ def evaluate_accuracy(
             logger.warning("Evaluation generates without fast_generation: %s.", reason)
     tokenizer.padding_side = "left"
     # Minutes of greedy decoding on CPU: a bar over the items, as `Trainer` shows one over its steps (main process).
+    # Under a bar already open (the runner's "Federated rounds") it takes the line below, and tqdm moves the cursor
+    # back up (ESC [A) as it clears it: where stderr is no terminal that lands in the log as text, so there it is none.
+    nested_in_a_log = bool(tqdm._instances) and not sys.stderr.isatty()
     progress = tqdm(total=sum(map(len, own_batches)), desc="Evaluating", unit="item", leave=False,
-                    disable=not show_progress or (distributed and not PartialState().is_main_process))
+                    disable=not show_progress or nested_in_a_log
+                    or (distributed and not PartialState().is_main_process))
     try:
         for indices in own_batches:
             batch = dataset[indices]

@@ -27,6 +27,7 @@ from ..config import FedGRPOConfig
 from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local.client import describe_failure, local_training_args, train_local_round
 from ..local.local_trainer import local_trainer
+from ..reports.summary import round_label
 from .records import CLIENT, TrainInstruction, client_identity_record, evaluation_to_content, update_to_content
 from .run_config import NUM_PARTITIONS, FederationSizeError
 from .strategy import FederatedStrategy
@@ -177,8 +178,9 @@ def make_client_app(
                 wire=wire,  # the reply in the server's wire format
             )
             logger.info(
-                "Round %d, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
-                instruction.round_idx, client_id, len(update.metrics["step_rewards"]), update.num_samples,
+                "Round %s, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
+                round_label(instruction.round_idx, site.args.num_rounds), client_id,
+                len(update.metrics["step_rewards"]), update.num_samples,
                 update.reward, update.metrics["train_loss"], update.metrics["train_seconds"],
             )
         except Exception as error:  # reported to the server, which drops this client from the round

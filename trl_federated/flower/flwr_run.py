@@ -8,6 +8,8 @@
 - With `--stream`, the exit status is the run's: 1 unless `flwr ls --run-id` reports it `finished:completed`.
   `flwr run --stream` exits 0 however the run ended: a ServerApp that raised, or a SuperLink that failed to install
   the app's dependencies (Flower's exit code 608 in the log).
+- Ctrl-C stops the run (`flwr stop`), with its ServerApp, ClientApps and a simulation's Ray processes, and exits 130;
+  Ctrl-C on `flwr run --stream` stops only its log stream, and the run goes on.
 
 Every argument goes to `flwr run` unchanged.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -32,6 +35,8 @@ from .run_config import run_config_keys
 STARTED = re.compile(r"Successfully started run (\d+)")
 # `flwr ls`'s status of a run that finished without error.
 COMPLETED = "finished:completed"
+# The exit status of a command that Ctrl-C (SIGINT) ended, as shells report it.
+INTERRUPTED = 128 + signal.SIGINT
 
 
 def check_run_config(app: Path, overrides: list[str] | None) -> None:
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trl_federated.flower.flwr_run",
         description="`flwr run` with its arguments, refusing an undeclared --run-config key by name and, with "
-        "--stream, exiting 1 unless the run completed.",
+        "--stream, exiting 1 unless the run completed; Ctrl-C stops the run.",
     )
     # `flwr run`'s arguments, declared so that their values are not taken for the positional ones.
     parser.add_argument("app", nargs="?", default=".")
@@ -90,12 +95,23 @@ def main(argv: list[str] | None = None) -> int:
 
     process = subprocess.Popen([flwr, "run", *argv], stdout=subprocess.PIPE, text=True)
     run_id = None
-    for line in process.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        started = STARTED.search(line)
-        run_id = run_id or (started and started.group(1))
-    returncode = process.wait()
+    try:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            started = STARTED.search(line)
+            run_id = run_id or (started and started.group(1))
+        returncode = process.wait()
+    except KeyboardInterrupt:
+        if run_id is not None:
+            # Ctrl-C ends `flwr run`'s log stream only: the run goes on on the SuperLink (a Simulation Engine's Ray
+            # workers with it) until stopped.
+            stop = subprocess.run([flwr, "stop", run_id, *([args.superlink] if args.superlink else [])], check=False)
+            print(f"Interrupted: run {run_id} " + ("stopped." if stop.returncode == 0 else "could not be stopped."),
+                  file=sys.stderr)
+        process.send_signal(signal.SIGINT)  # where the interrupt reached this process alone, not its group
+        process.wait()
+        return INTERRUPTED
     if returncode or not args.stream or run_id is None:
         return returncode
     status, details = run_status(flwr, args.superlink, run_id)

@@ -25,6 +25,7 @@ from ..core.evaluation import TOTAL
 from ..core.round_record import RoundRecord
 from ..core.server import FederatedServer, NotEnoughClientsError, ServerStateView
 from ..reports import server_reports
+from ..reports.summary import round_label
 from .identity import Claim, ClientRegistry, NodeBinder
 from .records import (
     ACCURACY,
@@ -239,8 +240,8 @@ class FederatedStrategy(ServerStateView, Strategy):
         sampled = self.server.evaluation_clients(round_idx) if round_idx >= 0 else []
         if not sampled or self.server.client_evaluation_recorded(round_idx):
             return None
-        logger.info("Round %d: redoing its evaluate round after the resume: the interrupted run checkpointed the round "
-                    "but recorded no clients' evaluation of it.", round_idx)
+        logger.info("Round %s: redoing its evaluate round after the resume: the interrupted run checkpointed the round "
+                    "but recorded no clients' evaluation of it.", self._round_label(round_idx))
         self._wait_for_nodes(grid, round_idx, sampled, training=False)
         messages = self.configure_evaluate(0, state_to_array_record(self.global_state), config, grid)
         return self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=timeout))
@@ -290,6 +291,10 @@ class FederatedStrategy(ServerStateView, Strategy):
 
     # Training ----------------------------------------------------------------------------------------------
 
+    def _round_label(self, round_idx: int) -> str:
+        """The round as the server's round lines and the ClientApps' lines name it, beside Flower's `[ROUND k/T]`."""
+        return round_label(round_idx, self.args.num_rounds)
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -311,7 +316,7 @@ class FederatedStrategy(ServerStateView, Strategy):
             ).to_content(dict(config or {}))
             message = Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN, group_id=str(round_idx))
             self._sent.append(_Sent(message, node_id, client_id, client_index, time.time()))
-        logger.info("Round %d: sent the global adapter to %s.", round_idx,
+        logger.info("Round %s: sent the global adapter to %s.", self._round_label(round_idx),
                     ", ".join(sent.client_id for sent in self._sent) or "no client")
         return [sent.message for sent in self._sent]
 
@@ -449,8 +454,8 @@ class FederatedStrategy(ServerStateView, Strategy):
                 break
             if now >= next_log:
                 logger.info(
-                    "Round %d: no connected SuperNode serves the sampled client indices %s yet; waiting up to %.0f s "
-                    "more (node_wait_timeout=%.0f s).", round_idx, missing, deadline - now,
+                    "Round %s: no connected SuperNode serves the sampled client indices %s yet; waiting up to %.0f s "
+                    "more (node_wait_timeout=%.0f s).", self._round_label(round_idx), missing, deadline - now,
                     self.args.node_wait_timeout,
                 )
                 next_log = now + WAIT_LOG_INTERVAL
@@ -459,12 +464,13 @@ class FederatedStrategy(ServerStateView, Strategy):
             if training:
                 self.server.refuse(f"node-{node_id}", reason)
             else:
-                logger.warning("Round %d: node-%d is sent no evaluate message: %s.", round_idx, node_id, reason)
+                logger.warning("Round %s: node-%d is sent no evaluate message: %s.", self._round_label(round_idx),
+                               node_id, reason)
         if not missing:
             return node_ids
         waited = time.monotonic() - started
-        logger.warning("Round %d: no connected SuperNode serves the sampled client indices %s after %.0f s; the round "
-                       "goes on without them.", round_idx, missing, waited)
+        logger.warning("Round %s: no connected SuperNode serves the sampled client indices %s after %.0f s; the round "
+                       "goes on without them.", self._round_label(round_idx), missing, waited)
         if training and len(sampled) - len(missing) < self.args.min_clients_per_round:
             refusals = "; ".join(f"node-{node_id}: {reason}" for node_id, reason in refused.items())
             raise NotEnoughClientsError(
@@ -532,8 +538,8 @@ class FederatedStrategy(ServerStateView, Strategy):
             message = Message(content, dst_node_id=node_id, message_type=MessageType.EVALUATE, group_id=str(round_idx))
             self._evaluating.append(_Sent(message, node_id, client_id, client_index, time.time()))
         if missing := [index for index in sampled if index not in serving]:
-            logger.warning("Round %d: no connected SuperNode serves the client indices %s sampled to evaluate.",
-                           round_idx, missing)
+            logger.warning("Round %s: no connected SuperNode serves the client indices %s sampled to evaluate.",
+                           self._round_label(round_idx), missing)
         return [sent.message for sent in self._evaluating]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
