@@ -19,6 +19,7 @@ from trl_federated.adapters import (
     InvalidUpdateError,
     WireFormat,
     is_lora_a,
+    state_distance,
     state_nbytes,
     with_federated_adapter,
 )
@@ -158,9 +159,10 @@ QUANTIZED = list(QUANTIZED_LEVELS)
 def adapter_pair(seed=0):
     """A reference adapter and one a round moved, with entries whose sizes are no multiple of a block or of 2."""
     generator = torch.Generator().manual_seed(seed)
-    reference = {"m.lora_A.weight": torch.randn(16, 40, generator=generator),
-                 "m.lora_B.weight": torch.randn(40, 16, generator=generator), "odd": torch.randn(7, 3, generator=generator)}
-    return reference, {key: value + 1e-3 * torch.randn(value.shape, generator=generator) for key, value in reference.items()}
+    shapes = {"m.lora_A.weight": (16, 40), "m.lora_B.weight": (40, 16), "odd": (7, 3)}
+    reference = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    moved = {key: value + 1e-3 * torch.randn(value.shape, generator=generator) for key, value in reference.items()}
+    return reference, moved
 
 
 @pytest.mark.parametrize("precision", QUANTIZED)
@@ -198,7 +200,8 @@ def test_error_feedback_sends_each_rounds_rounding_in_the_next(precision):
                                        for _ in range(3))
     for _ in range(30):
         state = {key: value + 1e-3 * torch.randn(value.shape, generator=generator) for key, value in reference.items()}
-        for total, sent in ((with_feedback, wire.encode(state, reference, residual)), (without, wire.encode(state, reference))):
+        payloads = {"feedback": wire.encode(state, reference, residual), "none": wire.encode(state, reference)}
+        for total, sent in ((with_feedback, payloads["feedback"]), (without, payloads["none"])):
             decoded = wire.decode(sent, reference)
             for key in reference:
                 total[key] += decoded[key] - reference[key]
@@ -272,12 +275,16 @@ def test_differential_privacy_clips_the_decoded_update(tmp_path, tiny_model_dir,
         payload = server.wire.encode(moved, server.global_state)
         decoded.append(server.wire.decode(payload, server.global_state))
         server.accept(server.admit(client_id, ClientUpdate(client_id, payload, 4, 0.5)))
-    with mock.patch.object(ClientLevelPrivacy, "clipped", autospec=True, side_effect=ClientLevelPrivacy.clipped) as clip:
+    clipped = ClientLevelPrivacy.clipped
+    with mock.patch.object(ClientLevelPrivacy, "clipped", autospec=True, side_effect=clipped) as clip:
         server.end_round()
     (_, global_state, client_states), _ = clip.call_args
     for state, expected in zip(client_states, decoded):  # the server clips what the wire delivered, decoded
         assert all(torch.equal(state[key], expected[key]) for key in expected)
-    assert all(state[key].dtype == torch.float32 for state in client_states for key in state)
+    privacy = server.aggregator.privacy
+    for state in clipped(privacy, global_state, client_states):  # onto the clip norm, which both updates exceed
+        assert state_distance(state, global_state) <= privacy.clip_norm * (1 + 1e-6)
+    assert min(state_distance(state, global_state) for state in decoded) > privacy.clip_norm
 
 
 @pytest.mark.parametrize("precision", QUANTIZED)
@@ -288,7 +295,8 @@ def test_a_quantized_round_cuts_the_bytes_and_keeps_each_clients_residual(tiny_m
                                             overwrite_output_dir=True)
     full = state_nbytes(initial)
     blocks = sum(math.ceil(value.numel() / BLOCK_SIZE) for value in initial.values())
-    code_bytes = sum(value.numel() if precision == "int8" else math.ceil(value.numel() / 2) for value in initial.values())
+    code_bytes = sum(value.numel() if precision == "int8" else math.ceil(value.numel() / 2)
+                     for value in initial.values())
     assert all(sent == code_bytes + 4 * blocks for sent in record.bytes_sent.values())
     assert all(sent < full / 3 for sent in record.bytes_sent.values())
     assert record.bytes_received == exact_record.bytes_received  # the broadcast stays float32

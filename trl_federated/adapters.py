@@ -295,7 +295,9 @@ class WireFormat:
         adapter itself, which no client could round against a copy of its own)."""
         return {key: value for key, value in state.items() if key not in self.frozen_keys}
 
-    def encode(self, state: AdapterState, reference: AdapterState, residual: AdapterState | None = None) -> AdapterState:
+    def encode(
+        self, state: AdapterState, reference: AdapterState, residual: AdapterState | None = None
+    ) -> AdapterState:
         """The payload of a client whose round started from `reference` and ended at `state`.
 
         `residual`: the client's error-feedback memory for a quantized precision, which this call updates: the
