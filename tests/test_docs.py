@@ -53,6 +53,39 @@ def test_the_docs_install_from_a_clone_and_say_which_torch_build_pip_takes():
     assert "docs/getting-started.md" in README
 
 
+@pytest.mark.slow  # pip resolves vLLM's ~100 requirements against PyPI: minutes, and the network
+def test_the_vllm_extra_resolves_with_the_package_to_its_one_vllm_release(tmp_path):
+    """`pip install ".[vllm]"` resolves: a dry run of the package's requirements and its `vllm` extra, against PyPI
+    alone (`--isolated`: no machine-wide constraints or local indexes), picks a vLLM inside the extra's range. TRL's
+    own range (0.22 to 0.31) holds releases that cannot install beside the package's transformers; a new release
+    in the extra's range that cannot fails here."""
+    import ast
+    import socket
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=10).close()
+    except OSError:
+        pytest.skip("PyPI is not reachable")
+    values = setup_assignments()
+    extras = values["EXTRAS"]
+    vllm_extra = next(ast.literal_eval(value) for key, value in zip(extras.keys, extras.values)
+                      if ast.literal_eval(key) == "vllm")
+    requirements = [*ast.literal_eval(values["INSTALL_REQUIRES"]), *vllm_extra]
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
+                    "--quiet", "--report", str(report), *requirements], check=True, timeout=1800)
+    installed = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+                 for item in json.loads(report.read_text(encoding="utf-8"))["install"]}
+    (vllm_range,) = [Requirement(text) for text in vllm_extra if Requirement(text).name == "vllm"]
+    assert vllm_range.specifier.contains(installed["vllm"]), (vllm_range, installed["vllm"])
+    for text in requirements:
+        requirement = Requirement(text)
+        assert requirement.specifier.contains(installed[canonicalize_name(requirement.name)], prereleases=True), text
+
+
 def test_install_steps_are_stated_once():
     """The pip install from a clone is on one page; every other page links to it."""
     pages = [path.name for path in PAGES if "pip install \"torch==" in path.read_text(encoding="utf-8")]
@@ -486,35 +519,3 @@ def test_constraints_pin_every_requirement_within_setup_pys_ranges():
         for name, version in pins.items():
             assert metadata.version(name) == version, name
 
-
-@pytest.mark.slow  # pip resolves vLLM's ~100 requirements against PyPI: minutes, and the network
-def test_the_vllm_extra_resolves_with_the_package_to_its_one_vllm_release(tmp_path):
-    """`pip install ".[vllm]"` resolves: a dry run of the package's requirements and its `vllm` extra, against PyPI
-    alone (`--isolated`: no machine-wide constraints or local indexes), picks a vLLM inside the extra's range. TRL's
-    own range (0.22 to 0.31) holds releases that cannot install beside the package's transformers; a new release
-    in the extra's range that cannot fails here."""
-    import ast
-    import socket
-
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=10).close()
-    except OSError:
-        pytest.skip("PyPI is not reachable")
-    values = setup_assignments()
-    extras = values["EXTRAS"]
-    vllm_extra = next(ast.literal_eval(value) for key, value in zip(extras.keys, extras.values)
-                      if ast.literal_eval(key) == "vllm")
-    requirements = [*ast.literal_eval(values["INSTALL_REQUIRES"]), *vllm_extra]
-    report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
-                    "--quiet", "--report", str(report), *requirements], check=True, timeout=1800)
-    installed = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
-                 for item in json.loads(report.read_text(encoding="utf-8"))["install"]}
-    (vllm_range,) = [Requirement(text) for text in vllm_extra if Requirement(text).name == "vllm"]
-    assert vllm_range.specifier.contains(installed["vllm"]), (vllm_range, installed["vllm"])
-    for text in requirements:
-        requirement = Requirement(text)
-        assert requirement.specifier.contains(installed[canonicalize_name(requirement.name)], prereleases=True), text
