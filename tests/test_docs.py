@@ -518,4 +518,3 @@ def test_constraints_pin_every_requirement_within_setup_pys_ranges():
     if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():  # the environment `make install` made
         for name, version in pins.items():
             assert metadata.version(name) == version, name
-
