@@ -44,8 +44,9 @@ EXTRAS = {
     "deepspeed": ["deepspeed>=0.18.6,<0.20"],
     "docs": DOCS,
     # TRL's own vLLM extra (vllm>=0.22,<=0.31, requests, aiohttp), for `use_vllm` with `vllm_mode: server`: the GPU
-    # machine that runs `trl vllm-serve`, and every training process (TRL's VLLMClient imports vLLM)
-    "vllm": ["trl[vllm]==1.16.0"],
+    # machine that runs `trl vllm-serve`, and every training process (TRL's VLLMClient imports vLLM). Of TRL's range
+    # only 0.30 resolves with transformers>=5.23 (0.31 caps it below 5.18); tests/test_docs.py resolves it (slow)
+    "vllm": ["trl[vllm]==1.16.0", "vllm>=0.30,<0.31"],
     "flower": ["flwr[simulation]>=1.41,<2"],
     "vlm": ["Pillow>=10", "num2words==0.5.14"],
     "notebooks": ["nbmake>=1.5", "ipykernel>=6"],

@@ -178,7 +178,7 @@ def sent(runner, update):
 
 def test_fuzz_every_field_of_an_in_process_update(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
     clients = {f"site-{c}": Dataset.from_dict({"prompt": [f"q{i}" for i in range(4)]}) for c in range(3)}
-    for settings in ({}, {"transfer_dtype": "bfloat16"}, {"lora_aggregation": "freeze_a"}):
+    for settings in ({}, {"transfer_dtype": "bfloat16"}, {"transfer_dtype": "nf4"}, {"lora_aggregation": "freeze_a"}):
         runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), length_reward,
                                  fast_args(**settings), clients, processing_class=tiny_tokenizer)
         reference = {key: value.clone() for key, value in runner.global_state.items()}

@@ -6,7 +6,7 @@ from transformers import HfArgumentParser
 from trl import GRPOConfig, TrlParser
 
 from trl_federated import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
-from trl_federated.adapters import DTYPES
+from trl_federated.adapters import DTYPES, QUANTIZED_LEVELS
 from trl_federated.choices import NORM_ACTIONS
 from trl_federated.config import TRL_RESULT_FIELDS, ResultHelp, result_fields
 
@@ -181,7 +181,7 @@ def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
             with pytest.raises(ValueError, match=f"`{name}` must be"):
                 make(tmp_path, **{name: "no-such-choice"})
     assert FedGRPOConfig.__dataclass_fields__["update_norm_action"].metadata["choices"] == list(NORM_ACTIONS)
-    assert FedGRPOConfig.__dataclass_fields__["transfer_dtype"].metadata["choices"] == list(DTYPES)
+    assert FedGRPOConfig.__dataclass_fields__["transfer_dtype"].metadata["choices"] == [*DTYPES, *QUANTIZED_LEVELS]
     with pytest.raises(ValueError, match="`scaffold_correction` must be 'decoupled' or 'gradient', got 'x'"):
         make(tmp_path, scaffold_correction="x")
     with pytest.raises(ValueError, match="`robust_aggregation` must be 'none', 'trimmed_mean', 'krum', 'multi_krum', "

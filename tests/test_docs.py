@@ -47,10 +47,43 @@ def test_the_first_screen_has_exactly_the_two_set_up_commands():
 def test_the_docs_install_from_a_clone_and_say_which_torch_build_pip_takes():
     for page in (README, *(path.read_text(encoding="utf-8") for path in PAGES)):
         assert 'pip install "trl-federated' not in page  # the package is not on PyPI
-    assert 'pip install -e ".[deepspeed,flower]"' in GETTING_STARTED and ".[deepspeed,flower,vllm]" in GETTING_STARTED
+    assert 'pip install -e ".[deepspeed,flower]"' in GETTING_STARTED and ".[deepspeed,vllm]" in GETTING_STARTED
     assert "make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu" in GETTING_STARTED
     assert "the CUDA one, several GB" in " ".join(GETTING_STARTED.split())
     assert "docs/getting-started.md" in README
+
+
+@pytest.mark.slow  # pip resolves ~230 packages against PyPI: 523 s on one shared core (2026-11-27); needs the network
+def test_the_vllm_extra_resolves_with_the_package_to_its_one_vllm_release(tmp_path):
+    """`pip install ".[vllm]"` resolves: a dry run of the package's requirements and its `vllm` extra, against PyPI
+    alone (`--isolated`: no machine-wide constraints or local indexes), picks a vLLM inside the extra's range. TRL's
+    own range (0.22 to 0.31) holds releases that cannot install beside the package's transformers; a new release
+    in the extra's range that cannot fails here."""
+    import ast
+    import socket
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=10).close()
+    except OSError:
+        pytest.skip("PyPI is not reachable")
+    values = setup_assignments()
+    extras = values["EXTRAS"]
+    vllm_extra = next(ast.literal_eval(value) for key, value in zip(extras.keys, extras.values)
+                      if ast.literal_eval(key) == "vllm")
+    requirements = [*ast.literal_eval(values["INSTALL_REQUIRES"]), *vllm_extra]
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
+                    "--quiet", "--report", str(report), *requirements], check=True, timeout=1800)
+    installed = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+                 for item in json.loads(report.read_text(encoding="utf-8"))["install"]}
+    (vllm_range,) = [Requirement(text) for text in vllm_extra if Requirement(text).name == "vllm"]
+    assert vllm_range.specifier.contains(installed["vllm"]), (vllm_range, installed["vllm"])
+    for text in requirements:
+        requirement = Requirement(text)
+        assert requirement.specifier.contains(installed[canonicalize_name(requirement.name)], prereleases=True), text
 
 
 def test_install_steps_are_stated_once():
@@ -443,6 +476,16 @@ def test_every_repository_path_in_the_docs_exists():
     assert not missing, missing
 
 
+def setup_assignments() -> dict:
+    """setup.py's top-level assignments (`INSTALL_REQUIRES`, `DOCS`, `EXTRAS`, ...) as AST nodes, read without
+    running it."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    return {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
 def test_constraints_pin_every_requirement_within_setup_pys_ranges():
     """constraints.txt is the exact set CI installs (`make install` passes it with -c): one version per package,
     every requirement of setup.py that CI installs (the package's and the test, Flower and DeepSpeed extras') pinned
@@ -460,9 +503,7 @@ def test_constraints_pin_every_requirement_within_setup_pys_ranges():
             name, _, version = line.partition("==")
             assert version and canonicalize_name(name) not in pins, line
             pins[canonicalize_name(name)] = version.strip()
-    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
-    values = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-              for target in node.targets if isinstance(target, ast.Name)}
+    values = setup_assignments()
     requirements = [*ast.literal_eval(values["INSTALL_REQUIRES"]), *ast.literal_eval(values["DOCS"])]
     extras = values["EXTRAS"]
     for key, value in zip(extras.keys, extras.values):

@@ -322,6 +322,9 @@ def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11
     ("scaffold", {}),
     ("fedavg", {"lora-aggregation": "freeze_a"}),  # A never travels: each side keeps its seeded copy
     ("rpg", {"transfer-dtype": "bfloat16"}),  # the clients send θ_i − θ in bfloat16
+    # θ_i − θ in 4-bit codes and block scales; round 1's updates carry round 0's rounding, which each node keeps in
+    # its context.state as the runner keeps it per client: the same bits either way
+    ("fedavg", {"transfer-dtype": "nf4"}),
 ])
 def test_flower_apps_in_one_process_end_where_the_runner_ends(
     tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation, wire

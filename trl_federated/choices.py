@@ -141,8 +141,9 @@ def min_robust_clients(robust_aggregation: str, num_malicious: int) -> int:
 # (`aggregation.scaffold.ScaffoldCorrection`).
 SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
 
-# `FedGRPOConfig.transfer_dtype`: the precision of a client's update on the wire (`adapters.WireFormat`).
-TRANSFER_DTYPES = ("float32", "bfloat16")
+# `FedGRPOConfig.transfer_dtype`: the precision of a client's update on the wire (`adapters.WireFormat`): a dtype, or a
+# blockwise quantization (`adapters.quantize`).
+TRANSFER_DTYPES = ("float32", "bfloat16", "int8", "nf4", "fp4")
 # `FedGRPOConfig.lora_aggregation`: "freeze_a" freezes and never sends LoRA A (`adapters.WireFormat`).
 LORA_AGGREGATIONS = ("separate", "freeze_a")
 

@@ -14,7 +14,7 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl import GRPOTrainer
 
-from .adapters import freeze_lora_a, with_federated_adapter
+from .adapters import AdapterState, freeze_lora_a, with_federated_adapter
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from .config import FederatedConfig, FedGRPOConfig
 from .core.callbacks import IntegrationLog, TrainerLogCallback
@@ -50,7 +50,9 @@ class FederatedRunner(ServerStateView):
     round (a `client_dropped` line in metrics.jsonl) and the round aggregates the others, if at least
     `min_clients_per_round` are left; the run stops with `NotEnoughClientsError` otherwise.
     After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
-    `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted.
+    `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted (under a
+    quantized `transfer_dtype`, but for the clients' error-feedback residuals, `self.wire_residuals`, which are client
+    memory, not server state, and start again from zero: a round's rounding is lost, nothing more).
 
     Besides its callbacks and `output_dir/metrics.jsonl`, the runner reports every round to the `report_to`
     integrations as a `Trainer` would (`callbacks.TrainerLogCallback`): through `log_to`'s state and callbacks,
@@ -141,6 +143,9 @@ class FederatedRunner(ServerStateView):
             freeze_lora_a(model)
         check_float32_adapter(model)
         self.progress: RunProgress | None = None  # the progress bar, while `run()` runs
+        # Each client's error-feedback memory under a quantized wire (`WireFormat.encode`), by client id: the client
+        # side of the simulation keeps it, as a Flower client keeps its own.
+        self.wire_residuals: dict[str, AdapterState] = {}
         self._check_clients()
         if args.fraction_evaluate > 0:  # the same config file serves both paths: not refused, but said
             logger.warning(
@@ -212,6 +217,7 @@ class FederatedRunner(ServerStateView):
             reference_state=self.reference_state,
             trainer_class=self.trainer_class,
             wire=self.server.wire,
+            wire_residual=self.wire_residuals.setdefault(client_id, {}),
         )
 
     # Rounds ------------------------------------------------------------------------------------------------

@@ -28,7 +28,15 @@ from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local.client import describe_failure, local_training_args, train_local_round
 from ..local.local_trainer import local_trainer
 from ..reports.summary import round_label
-from .records import CLIENT, TrainInstruction, client_identity_record, evaluation_to_content, update_to_content
+from .records import (
+    CLIENT,
+    TrainInstruction,
+    array_record_to_state,
+    client_identity_record,
+    evaluation_to_content,
+    state_to_array_record,
+    update_to_content,
+)
 from .run_config import NUM_PARTITIONS, FederationSizeError
 from .strategy import FederatedStrategy
 from .stream import show_package_logs
@@ -171,12 +179,15 @@ def make_client_app(
                 site.args, instruction.round_idx, client_index, instruction.num_clients or site.args.num_clients,
                 client_id,
             )
+            residual = read_wire_residual(context)
             update = train_local_round(
                 model, global_state, client_id, site.train_dataset, args, site.reward_funcs,
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
                 extras=instruction.extras, reference_state=reference_adapter(model), trainer_class=trainer_class,
-                wire=wire,  # the reply in the server's wire format
+                wire=wire, wire_residual=residual,  # the reply in the server's wire format
             )
+            if residual:
+                context.state[WIRE_RESIDUAL] = state_to_array_record(residual)
             logger.info(
                 "Round %s, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
                 round_label(instruction.round_idx, site.args.num_rounds), client_id,
@@ -250,6 +261,17 @@ def simulated_federation_size(grid: Grid, timeout: float = 60.0) -> int | None:
         previous = count
         time.sleep(0.5)
     return None
+
+
+# The node's error-feedback memory under a quantized wire (`WireFormat.encode`), in its `context.state`, which Flower
+# keeps for the node across the messages of a run: it never travels, and a restarted SuperNode starts it from zero.
+WIRE_RESIDUAL = "wire-residual"
+
+
+def read_wire_residual(context: Context) -> AdapterState:
+    """The node's error-feedback residual (empty before its first quantized reply)."""
+    record = context.state.array_records.get(WIRE_RESIDUAL)
+    return {} if record is None else array_record_to_state(record)
 
 
 def _prepare_site_model(site: ClientSite, instruction: TrainInstruction) -> tuple[PeftModel, AdapterState, WireFormat]:

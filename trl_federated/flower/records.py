@@ -16,7 +16,9 @@ Server → client, a "train" message (`TrainInstruction`):
 
 Client → server, the reply:
     "arrays"          ArrayRecord   the client's update as the wire format encodes it (`adapters.WireFormat`):
-                                    θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16; without A under freeze_a
+                                    θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16, or quantized blockwise
+                                    (int8, nf4, fp4: per entry its uint8 codes, and its float32 block scales under
+                                    "<key>#scales"); without A under freeze_a
     "metrics"         MetricRecord  "num-examples" (D_i), "reward" (R̄_i^{[t]}) and the update's other metrics
                                     ("step_rewards", "train_loss", "train_seconds", "wall_clock", TRL's
                                     per-step means), of which the server keeps only finite numbers and those two

@@ -104,6 +104,7 @@ def train_local_round(
     reference_state: AdapterState | None = None,
     trainer_class: type[GRPOTrainer] | None = None,
     wire: WireFormat | None = None,
+    wire_residual: AdapterState | None = None,
 ) -> ClientUpdate:
     """Run one client's local round from `global_state` and return its update as the client sends it: its adapter
     encoded for the wire, and its extras.
@@ -125,6 +126,8 @@ def train_local_round(
         trainer_class: The `GRPOTrainer` subclass that trains the round, with `local_trainer.LocalGRPOMixin`
             (default: `FedGRPOTrainer`).
         wire: The wire format the adapter is sent in (`adapters.WireFormat.encode`; default: all of it, in float32).
+        wire_residual: The client's own error-feedback memory for a quantized `wire` (`WireFormat.encode`), which the
+            round updates; it never leaves the client. None: none kept (each round's rounding is then lost).
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
@@ -177,7 +180,7 @@ def train_local_round(
             )
         update = ClientUpdate(
             client_id=client_id,
-            state=(wire or WireFormat()).encode(read_master_state(model), global_state),
+            state=(wire or WireFormat()).encode(read_master_state(model), global_state, wire_residual),
             num_samples=len(train_dataset),
             reward=trainer.window_reward(),
             metrics={
