@@ -35,8 +35,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from scipy import stats
-
 from harness.cells import (
     BUDGET_FILE,
     base_evaluation,
@@ -48,7 +46,7 @@ from harness.cells import (
     round_records,
 )
 from harness.grid import add_run_arguments, grid_cells, grid_main, report_files
-from harness.significance import holm, t_interval
+from harness.significance import holm, paired_p, t_interval
 from trl_federated.aggregation.base import ClientUpdate
 from trl_federated.aggregation.rpg import RPGAggregator
 from trl_federated.compare import Cell
@@ -117,14 +115,9 @@ def _or_nan(value: float | None) -> float:
 
 
 def paired(differences: list[float]) -> dict[str, float]:
-    """The t-interval of paired differences and the two-sided p-value of their mean being 0."""
-    interval = t_interval(differences)
-    p = math.nan
-    if len(differences) >= 2 and interval["sd"] > 0:
-        p = float(stats.ttest_1samp(differences, 0.0).pvalue)
-    elif len(differences) >= 2:  # identical differences: 0 exactly, or no spread around a non-zero value
-        p = 1.0 if interval["mean"] == 0 else 0.0
-    return {**interval, "p": p}
+    """The t-interval of paired differences and the two-sided p-value of their mean being 0 (`paired_p`: none where
+    the differences do not spread, as identical differences over 2 seeds: a t-test cannot read them)."""
+    return {**t_interval(differences), "p": paired_p(differences)}
 
 
 def summarize(results: dict[Cell, dict], root: Path) -> dict:
@@ -224,6 +217,10 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
                 verdict = f"{side} 0 so far: {gate['seeds']} of {PILOT_SEEDS} seeds"
             lines.append(f"- {method}: mean `gain_predictiveness_run` over the pilot's seeds {gate['value']:+.3f} "
                          f"({verdict})")
+        complete = all(gate["seeds"] >= PILOT_SEEDS for gate in summary["gate"].values())
+        if complete and not any(gate["value"] > 0 for gate in summary["gate"].values()):
+            lines += ["", "No RPG variant passes the gate: the 6-seed comparison does not run. The paired comparisons "
+                      "below are the pilot's 2 seeds, too few to resolve a difference of a few points."]
     else:
         lines.append("- no RPG cell of the pilot has finished")
     lines += ["", "## Paired comparisons (method − FedAvg, points)", ""]

@@ -159,6 +159,20 @@ def test_the_readme_states_the_verdict_and_links_every_page():
     assert linked == {path.name for path in PAGES} | {"config-reference.md"}
 
 
+def test_the_readme_and_the_verdict_state_the_premise_grids_result():
+    """Both pages read as benchmarks/results/grid-premise/premise.json does: the gate's mean predictiveness of each RPG
+    variant, and FGRPO − FedAvg with its interval; a failed gate is said as such."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "grid-premise" / "premise.json").read_text(encoding="utf-8"))
+    paired = report["comparisons"]["fgrpo"]["endpoints"]["Total"]
+    figure = f"FGRPO − FedAvg {paired['mean']:+.2f} [{paired['low']:+.2f}, {paired['high']:+.2f}]".replace("-", "−")
+    failed = not any(gate["value"] > 0 for gate in report["gate"].values())
+    for text in (" ".join(README.split()), " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())):
+        for method in ("fgrpo", "fgrpo-noise-aware"):
+            assert f"{report['gate'][method]['value']:+.3f}".replace("-", "−") in text, method
+        assert figure in text
+        assert ("gate failed" in text) == failed and ("No RPG beats FedAvg" in text) == failed
+
+
 # The site: MkDocs, strict, with the configuration reference generated on every build.
 
 
