@@ -2,6 +2,7 @@
 blockwise-quantized updates (int8, nf4, fp4) with error feedback, refused by name when malformed."""
 
 import math
+import re
 from unittest import mock
 
 import pytest
@@ -262,6 +263,17 @@ def test_malformed_codes_or_scales_are_refused_by_name(tmp_path, tiny_model_dir,
         server.admit("site-0", ClientUpdate("site-0", tamper(payload, key, drop=key + SCALES), 4, 0.5))
     admitted = server.admit("site-0", ClientUpdate("site-0", payload, 4, 0.5))  # the untampered payload
     assert admitted.wire_bytes == state_nbytes(payload) < state_nbytes(server.global_state) / 3
+
+
+def test_a_bfloat16_change_of_another_shape_is_refused_not_broadcast(tiny_model_dir, fast_args):
+    server = quantized_server(tiny_model_dir, fast_args, "bfloat16")
+    moved = {key: value + 1e-3 for key, value in server.global_state.items()}
+    payload = server.wire.encode(moved, server.global_state)
+    key = next(iter(server.global_state))
+    forged = {**payload, key: payload[key].flatten()[:1]}  # one value, which addition would spread over the tensor
+    with pytest.raises(InvalidUpdateError, match=rf"unreadable reply.*{re.escape(key)}.*shape \(1,\), expected"):
+        server.admit("site-0", ClientUpdate("site-0", forged, 4, 0.5))
+    server.admit("site-0", ClientUpdate("site-0", payload, 4, 0.5))  # the untampered payload
 
 
 def test_differential_privacy_clips_the_decoded_update(tmp_path, tiny_model_dir, fast_args):

@@ -338,6 +338,9 @@ class WireFormat:
             received = {}
             for key, value in sent.items():
                 if levels is None:
+                    if tuple(payload[key].shape) != tuple(value.shape):  # a smaller change would broadcast
+                        raise ValueError(f"payload entry {key!r}: shape {tuple(payload[key].shape)}, expected "
+                                         f"{tuple(value.shape)}")
                     change = payload[key].float()
                 else:
                     try:
