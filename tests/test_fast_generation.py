@@ -23,6 +23,7 @@ from trl import GRPOTrainer
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
+from trl_federated.devices import has_native_bf16
 from trl_federated.evaluation import evaluate_accuracy
 from trl_federated.fast_generation import (
     FastGenerationStats,
@@ -153,7 +154,9 @@ def test_packed_projections_compute_the_dense_products(tiny_model_dir, dtype):
 
 def test_generation_dtype_auto_follows_the_device():
     assert resolve_generation_dtype("float32", torch.device("cpu")) == torch.float32
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    # "auto" is bf16 exactly where `has_native_bf16` (the CPU's flags and oneDNN's bf16 path, which an imitated AVX2
+    # CPU, ONEDNN_MAX_CPU_ISA=AVX2, lacks though cpuid still lists AVX512-BF16) says so
+    native = has_native_bf16(torch.device("cpu"))
     assert resolve_generation_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
     with pytest.raises(ValueError, match="generation_dtype"):
         resolve_generation_dtype("float16", torch.device("cpu"))
