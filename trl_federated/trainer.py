@@ -19,9 +19,14 @@ from trl import GRPOTrainer
 
 from .config import FederatedConfig
 from .data import partition_clients
-from .local.local_trainer import LocalGRPOMixin, mixed_class, require_federable_trainer, with_speedups
+from .local.local_trainer import (
+    LocalGRPOMixin,
+    mixed_class,
+    named_trainer_class,
+    require_federable_trainer,
+    with_speedups,
+)
 from .local.speedups import TrainerMixin
-from .names import import_object
 from .runner import FederatedRunner
 
 
@@ -215,8 +220,4 @@ def trainer_class(data_args):
     default. A class that cannot be federated is a ValueError that names it and says why."""
     if data_args.trainer_class is None:
         return federated(GRPOTrainer)
-    cls = import_object(data_args.trainer_class, "trainer_class", kind="Class")
-    try:
-        return federated(cls)
-    except TypeError as refusal:
-        raise ValueError(f"`trainer_class` {data_args.trainer_class!r}: {refusal}") from None
+    return federated(named_trainer_class(data_args.trainer_class))

@@ -310,12 +310,9 @@ def _family_config(trainer: str) -> type | None:
     it is not GRPO's (whose configs `algorithm` names), else None; a class that cannot federate is a ValueError."""
     from trl import GRPOConfig
 
-    from ..local.local_trainer import trainer_config_class
+    from ..local.local_trainer import named_trainer_class, trainer_config_class
 
-    try:
-        config = trainer_config_class(import_object(trainer, "trainer_class", kind="Class"))
-    except TypeError as refusal:
-        raise ValueError(f"`trainer_class` {trainer!r}: {refusal}") from None
+    config = trainer_config_class(named_trainer_class(trainer))
     return None if config is GRPOConfig else config
 
 

@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+from ..names import import_object
 from ..runtime.distributed import from_main_process
 from ..runtime.master_weights import linear_term, read_master
 from .speedups import SPEEDUP_FIELDS, FastGRPOMixin, TrainerMixin, base_name, wants_speedups
@@ -215,6 +216,17 @@ def require_federable_trainer(trainer_class) -> None:
         f"Only a `trl.GRPOTrainer` or `trl.RLOOTrainer` subclass can be federated, got {trainer_class!r}: the "
         "federation reads R̄ from their logs and builds one such trainer per client round."
     )
+
+
+def named_trainer_class(path: str) -> type:
+    """The trainer class the import path `path` names (`trainer_class` on the command line), checked to federate
+    (`require_federable_trainer`); a ValueError that names the path and says why for one that does not."""
+    trainer_class = import_object(path, "trainer_class", kind="Class")
+    try:
+        require_federable_trainer(trainer_class)
+    except TypeError as refusal:
+        raise ValueError(f"`trainer_class` {path!r}: {refusal}") from None
+    return trainer_class
 
 
 def trainer_config_class(trainer_class: type) -> type:
