@@ -26,10 +26,9 @@ from pathlib import Path
 
 from scipy import optimize
 
-from harness.cells import BUDGET_FILE
+from harness.cells import BUDGET_FILE, round_records
 from harness.grid import check_budget, commit, committed_files, run_cells
 from trl_federated.aggregation.privacy import ClientLevelPrivacy
-from trl_federated.callbacks import read_metrics
 from trl_federated.compare import Cell, cell_command, final_accuracy, load_result
 from trl_federated.methods import METHODS
 from trl_federated.sampling import clients_per_round
@@ -66,7 +65,7 @@ def cell_row(directory: Path) -> dict[str, object]:
     """A finished cell's figures: base and final test accuracy (%), the last round's ε and noise std, R̄ per round,
     and over the rounds the mean ‖ū_i‖ (each client's update as aggregated: clipped under DP) and the mean ‖Δ‖ the
     server stepped on (under DP Δ̃, noise included): their ratio is how far the noise outgrew the clients' signal."""
-    rounds = [record for record in read_metrics(directory / "metrics.jsonl") if record.get("event") == "round"]
+    rounds = round_records(directory)
     last = rounds[-1] if rounds else {}
     result = load_result(directory)
     return {
@@ -83,8 +82,8 @@ def cell_row(directory: Path) -> dict[str, object]:
 def update_norm_quartiles(directories: list[Path]) -> tuple[int, list[float]]:
     """How many client-rounds the finished cells `directories` hold, and their update norms ‖θ_i − θ‖ at 0, ¼, ½, ¾
     and 1 (in cells without DP, as the clients sent them: what a clip norm would be set against)."""
-    norms = [norm for directory in directories for record in read_metrics(directory / "metrics.jsonl")
-             if record.get("event") == "round" for norm in record["update_norms"].values()]
+    norms = [norm for directory in directories for record in round_records(directory)
+             for norm in record["update_norms"].values()]
     return len(norms), [min(norms), *statistics.quantiles(norms, n=4, method="inclusive"), max(norms)]
 
 

@@ -282,7 +282,8 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
 def test_dp_cost_reads_the_update_norms_a_clip_norm_is_set_against(tmp_path):
     # norms 0, 0.2, ..., 1 over 3 rounds of 2 clients: quartiles by linear interpolation (statistics' "inclusive")
     dp_cost = load("dp_cost")
-    rounds = [{"event": "round", "update_norms": {"a": a, "b": b}} for a, b in [(0.0, 0.4), (0.2, 0.8), (0.6, 1.0)]]
+    rounds = [{"event": "round", "round_idx": index, "update_norms": {"a": a, "b": b}}
+              for index, (a, b) in enumerate([(0.0, 0.4), (0.2, 0.8), (0.6, 1.0)])]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
     count, quartiles = dp_cost.update_norm_quartiles([tmp_path])
     assert count == 6 and quartiles == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
