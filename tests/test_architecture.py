@@ -31,7 +31,7 @@ LAYERS = {
     },
     "local training": {
         "local", "local.shared_prefix", "local.gated_mlp", "local.fast_generation", "local.speedups",
-        "local.local_trainer", "local.client",
+        "local.record_privacy", "local.local_trainer", "local.client",
     },
     "server core": {
         "core", "core.round_record", "core.callbacks", "core.evaluation", "core.admission", "core.checkpoint",

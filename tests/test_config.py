@@ -133,7 +133,8 @@ HAND_KEPT_RESULT_FIELDS = (
     "robust_num_malicious", "robust_num_selected",
     # differential privacy (its budget, δ and noise seed do not change what a round computes)
     "dp_noise_multiplier", "dp_clip_norm", "dp_reward_noise_multiplier", "dp_adaptive_clipping", "dp_target_quantile",
-    "dp_clip_norm_lr", "dp_clipped_count_stddev",
+    "dp_clip_norm_lr", "dp_clipped_count_stddev", "dp_record_noise_multiplier", "dp_record_epsilon",
+    "dp_record_clip_norm", "dp_record_reward_noise_multiplier",
     # local training
     "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "optim", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",

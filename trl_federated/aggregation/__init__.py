@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..choices import AGGREGATION_SERVER_OPTIMIZERS, AGGREGATIONS, SERVER_OPTIMIZERS, Aggregation, check_choice
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
+from .privacy import RecordPrivacyReports, wants_record_privacy
 from .robust import Bulyan, CoordinateMedian, Krum, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
@@ -74,6 +75,8 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
     aggregator = aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
     aggregator.reward_window = args.reward_window
+    if wants_record_privacy(args):
+        aggregator.record_privacy = RecordPrivacyReports()
     return aggregator
 
 

@@ -216,6 +216,7 @@ class Aggregator(ABC):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.privacy = None  # a `privacy.ClientLevelPrivacy` under differential privacy
+        self.record_privacy = None  # a `privacy.RecordPrivacyReports` under record-level DP
         # W, the local steps R̄ averages (`FedGRPOConfig.reward_window`, set by `aggregator_from_config`); None: all
         # the step rewards a client sends
         self.reward_window: int | None = None
@@ -313,6 +314,8 @@ class Aggregator(ABC):
         self.last_server_steps = geometry.steps
         if privacy is not None:
             privacy.compose_round(noise_std, round_idx)
+        if self.record_privacy is not None:
+            self.record_privacy.observe(updates)
         return new_state
 
     def check_updates(
@@ -329,7 +332,8 @@ class Aggregator(ABC):
         round has been aggregated yet (then without values). Every strategy reports each client's standard error
         of R̄ (`reward_stderr`), its share of zero-signal groups (`zero_signal_share`) and whether it was idle
         (`idle`, 1: its weight held at its data share, `cap_idle_weights`); under differential privacy its ε, noise
-        and released R̄ (`privacy.ClientLevelPrivacy.round_metrics`); RPG reports its gains h and τ first."""
+        and released R̄ (`privacy.ClientLevelPrivacy.round_metrics`), under record-level DP the worst ε a client
+        reported (`privacy.RecordPrivacyReports`); RPG reports its gains h and τ first."""
         diagnostics = [
             RoundMetric("reward_stderr", "se(R̄)", dict(self.last_reward_stderr), per_client=True, format=".4f"),
             RoundMetric("zero_signal_share", "zero-signal", dict(self.last_zero_signal), per_client=True,
@@ -337,7 +341,10 @@ class Aggregator(ABC):
             RoundMetric("idle", "idle", {key: int(value) for key, value in self.last_idle.items()}, per_client=True,
                         format="d"),
         ]
-        return diagnostics if self.privacy is None else [*diagnostics, *self.privacy.round_metrics()]
+        for mechanism in (self.privacy, self.record_privacy):
+            if mechanism is not None:
+                diagnostics += mechanism.round_metrics()
+        return diagnostics
 
     def reward_stderr(self, update: ClientUpdate) -> float | None:
         """The standard error of the client's R̄: the sample standard deviation of the window's step rewards (its
@@ -401,12 +408,16 @@ class Aggregator(ABC):
         state = {"server_optimizer": self.server_optimizer.state_dict()}
         if self.privacy is not None:  # the noise seed and the accountant's ledger
             state["privacy"] = self.privacy.state_dict()
+        if self.record_privacy is not None:
+            state["record_privacy"] = self.record_privacy.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server_optimizer.load_state_dict(state["server_optimizer"])
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])
+        if self.record_privacy is not None and "record_privacy" in state:
+            self.record_privacy.load_state_dict(state["record_privacy"])
 
 
 def window_stderr(step_rewards, window: int | None) -> float | None:

@@ -415,6 +415,42 @@ class ClientLevelPrivacy:
         self.last_epsilon = self.epsilon_after(0) if self.ledger else None
 
 
+# The metric under which a client reports ε of its records under record-level DP (`local.record_privacy`); not
+# `dp_...`, the prefix of the server's own privacy metrics, which no client may send (`callbacks.is_reserved_metric`).
+RECORD_EPSILON = "record_epsilon"
+
+
+def wants_record_privacy(args) -> bool:
+    """Whether `args` (any config) turns record-level DP on (`local.record_privacy`)."""
+    return getattr(args, "dp_record_noise_multiplier", None) is not None or (
+        getattr(args, "dp_record_epsilon", None) is not None
+    )
+
+
+class RecordPrivacyReports:
+    """The server's side of record-level DP, which the clients run (`local.record_privacy`): the ε each client last
+    reported for its records (a client's own account: the server cannot check it), and the worst, which the run
+    reports every round (`dp_record_epsilon_worst`)."""
+
+    def __init__(self):
+        self.epsilons: dict[str, float] = {}
+
+    def observe(self, updates: list[ClientUpdate]) -> None:
+        for update in updates:
+            if RECORD_EPSILON in update.metrics:
+                self.epsilons[update.client_id] = float(update.metrics[RECORD_EPSILON])
+
+    def round_metrics(self) -> list[RoundMetric]:
+        worst = max(self.epsilons.values(), default=None)
+        return [RoundMetric("dp_record_epsilon_worst", "worst ε_rec", worst, format=".3f")]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epsilons": dict(self.epsilons)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epsilons = {str(key): float(value) for key, value in state["epsilons"].items()}
+
+
 def privacy_errors(aggregator: Aggregator) -> list[str]:
     """Why `aggregator` cannot run under DP: per-client state the mechanism neither clips nor noises (SCAFFOLD's
     controls), or a robust combiner, whose sensitivity is not ω_max C."""

@@ -12,7 +12,8 @@ dataloader_persistent_workers dataloader_pin_memory dataloader_prefetch_factor d
 dataset_test_split dataset_train_split ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
 ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed delta dirichlet_alpha disable_dropout
 disable_tqdm do_eval do_predict do_train dp_adaptive_clipping dp_clip_norm dp_clip_norm_lr dp_clipped_count_stddev
-dp_max_epsilon dp_noise_multiplier dp_noise_seed dp_reward_noise_multiplier dp_target_delta dp_target_quantile
+dp_max_epsilon dp_noise_multiplier dp_noise_seed dp_record_clip_norm dp_record_epsilon dp_record_noise_multiplier
+dp_record_reward_noise_multiplier dp_reward_noise_multiplier dp_target_delta dp_target_quantile
 ds3_gather_for_generation dtype enable_jit_checkpoint entropy_coef entropy_coef_delta entropy_coef_max
 entropy_coef_min entropy_target epsilon epsilon_high equal_partition_sizes eval_accumulation_steps eval_delay
 eval_do_concat_batches eval_every eval_initial eval_on_start eval_reward_funcs eval_steps eval_strategy
@@ -72,9 +73,11 @@ OPTIONS = tuple("""
 --ddp_timeout --debug --deepspeed --delta --dirichlet-alpha --dirichlet_alpha --disable-dropout --disable-tqdm
 --disable_dropout --disable_tqdm --do-eval --do-predict --do-train --do_eval --do_predict --do_train
 --dp-adaptive-clipping --dp-clip-norm --dp-clip-norm-lr --dp-clipped-count-stddev --dp-max-epsilon
---dp-noise-multiplier --dp-noise-seed --dp-reward-noise-multiplier --dp-target-delta --dp-target-quantile
+--dp-noise-multiplier --dp-noise-seed --dp-record-clip-norm --dp-record-epsilon --dp-record-noise-multiplier
+--dp-record-reward-noise-multiplier --dp-reward-noise-multiplier --dp-target-delta --dp-target-quantile
 --dp_adaptive_clipping --dp_clip_norm --dp_clip_norm_lr --dp_clipped_count_stddev --dp_max_epsilon
---dp_noise_multiplier --dp_noise_seed --dp_reward_noise_multiplier --dp_target_delta --dp_target_quantile
+--dp_noise_multiplier --dp_noise_seed --dp_record_clip_norm --dp_record_epsilon --dp_record_noise_multiplier
+--dp_record_reward_noise_multiplier --dp_reward_noise_multiplier --dp_target_delta --dp_target_quantile
 --ds3-gather-for-generation --ds3_gather_for_generation --dtype --enable-jit-checkpoint --enable_jit_checkpoint
 --entropy-coef --entropy-coef-delta --entropy-coef-max --entropy-coef-min --entropy-target --entropy_coef
 --entropy_coef_delta --entropy_coef_max --entropy_coef_min --entropy_target --epsilon --epsilon-high --epsilon_high

@@ -56,7 +56,7 @@ class BuildsConfig:
             raise ValueError(message)
         for message in self._robustness_errors():
             raise ValueError(message)
-        for message in self._privacy_errors():
+        for message in (*self._privacy_errors(), *self._record_privacy_errors()):
             raise ValueError(message)
         if self.num_clients > 1:
             self.check_vllm()

@@ -271,6 +271,40 @@ class ConfigChecks:
             yield f"`max_client_samples` must be a positive integer or None, got {self.max_client_samples!r}."
 
 
+    def _record_privacy_errors(self):
+        """Yield one message per invalid field of record-level DP, and per setting whose loss couples the records
+        (`local.record_privacy` clips each record's gradient of its own loss)."""
+        for name in ("dp_record_noise_multiplier", "dp_record_epsilon", "dp_record_reward_noise_multiplier"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                yield f"`{name}` must be > 0 or None, got {value}."
+        if not self.dp_record_clip_norm > 0:
+            yield f"`dp_record_clip_norm` must be > 0, got {self.dp_record_clip_norm}."
+        if self.dp_record_noise_multiplier is None and self.dp_record_epsilon is None:
+            return
+        if self.dp_record_noise_multiplier is not None and self.dp_record_epsilon is not None:
+            yield ("Set one of `dp_record_noise_multiplier` (σ) and `dp_record_epsilon` (a budget σ is calibrated "
+                   "to), not both.")
+        coupled = {
+            "steps_per_generation": (self.steps_per_generation != self.gradient_accumulation_steps,
+                                     "must equal `gradient_accumulation_steps`, so that a record's completions "
+                                     "train in one optimizer step"),
+            "scale_rewards": (getattr(self, "scale_rewards", None) == "batch",
+                              "'batch' scales every advantage by the whole batch's spread; use 'group' or 'none'"),
+            "normalize_advantages": (getattr(self, "normalize_advantages", False),
+                                     "normalises every advantage over the whole batch; turn it off"),
+            "top_entropy_quantile": (getattr(self, "top_entropy_quantile", 1.0) < 1.0,
+                                     "masks tokens by a threshold of the whole batch's entropies; set it to 1.0"),
+            "use_adaptive_entropy": (getattr(self, "use_adaptive_entropy", False),
+                                     "moves the entropy coefficient with the whole batch's entropy; turn it off"),
+        }
+        for name, (refused, why) in coupled.items():
+            if refused:
+                yield f"Under record-level DP `{name}` {why}: each record's gradient must depend on that record alone."
+        if self.aggregation == "rpg" and self.rpg_gain == "noise-aware":
+            yield ("`rpg_gain='noise-aware'` cannot run under record-level DP: it reads each client's step rewards, "
+                   "which stay on the client (R̄ alone is released, noised). Use `rpg_gain: paper`.")
+
     def _privacy_errors(self):
         """Yield one message per invalid field of the "Differential privacy" block, and per setting DP cannot cover."""
         for name in ("dp_noise_multiplier", "dp_reward_noise_multiplier", "dp_max_epsilon"):

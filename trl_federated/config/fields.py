@@ -404,6 +404,25 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
             Seed of the DP noise, whose generators are the server's own (no other random stream moves). Whoever knows
             it can remove the noise: leave it `None` (a seed drawn from the operating system, kept in the
             checkpoints so that a resumed run draws the same noise) except for tests and reproducible experiments.
+            It also seeds record-level DP's noise and sampling on the clients (with the round and client).
+
+        > Differential privacy: record-level, of each client's prompts, in its local steps (docs/privacy.md)
+
+        dp_record_noise_multiplier (`float` or `None`, *optional*):
+            Noise multiplier σ of record-level DP-SGD in every client's local steps, a record being one prompt with
+            its group of completions: each record's gradient is clipped to `dp_record_clip_norm` C, their sum gets
+            Gaussian noise of std 2σC, prompts are sampled without replacement from a secret generator, and R̄ is
+            released with noise; each client accounts its own ε and reports it. `None`: off, unless
+            `dp_record_epsilon` is set. Composes with client-level DP (`dp_noise_multiplier`).
+        dp_record_epsilon (`float` or `None`, *optional*):
+            Record-level privacy budget ε at `dp_target_delta` of each client over the run: each client calibrates σ
+            to its own data size so that `num_rounds` rounds stay within it. Exclusive with
+            `dp_record_noise_multiplier`.
+        dp_record_clip_norm (`float`, *optional*, defaults to `1.0`):
+            C, the norm each record's gradient is clipped to.
+        dp_record_reward_noise_multiplier (`float` or `None`, *optional*):
+            σ_R of R̄'s release under record-level DP: noise of std σ_R × B / b on R̄ clamped to the reward functions'
+            declared range B, b prompts a step. `None`: the noise multiplier σ.
 
         > Resuming
 
@@ -949,6 +968,39 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
         metadata={
             "help": "Seed of the DP noise's own generators. Whoever knows it can remove the noise: None draws one "
             "from the operating system and keeps it in the checkpoints; set it only for tests and experiments."
+        },
+    )
+
+    # Differential privacy, record-level (`local.record_privacy`)
+    dp_record_noise_multiplier: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "σ of record-level DP-SGD in the clients' local steps (a record: one prompt with its completions): "
+                "per-record clipping to dp_record_clip_norm, noise of std 2σC, secret sampling, R̄ noised, ε per "
+                "client. None: off, unless dp_record_epsilon."
+            )
+        },
+    )
+    dp_record_epsilon: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "Record-level budget ε at dp_target_delta of each client over the run: each client calibrates σ to "
+                "its own data size. Exclusive with dp_record_noise_multiplier."
+            )
+        },
+    )
+    dp_record_clip_norm: float = field(
+        default=1.0,
+        metadata={"help": ResultHelp("C, the norm each record's gradient is clipped to under record-level DP.")},
+    )
+    dp_record_reward_noise_multiplier: float | None = field(
+        default=None,
+        metadata={
+            "help": ResultHelp(
+                "σ_R of R̄'s release under record-level DP (noise std σ_R x reward range / prompts a step). None: σ."
+            )
         },
     )
 

@@ -29,7 +29,9 @@ from ..config import FedGRPOConfig
 from ..runtime.master_weights import read_master_state, write_master_state
 from ..runtime.memory import ReleaseFreeMemory, release_free_memory
 from ..runtime.vllm_server import reuse_vllm_client
+from ..scoring.rewards import combined_reward_range
 from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
+from .record_privacy import RecordPrivacyMixin, private_update
 
 
 class ClientTimeoutError(TimeoutError):
@@ -195,6 +197,8 @@ def train_local_round(
         )
         if hook is not None:
             update.extras = hook.reply()
+        if isinstance(trainer, RecordPrivacyMixin):
+            update = private_update(update, trainer, combined_reward_range(reward_funcs, args.reward_weights))
     finally:
         release_trainer(model, trainer, drop_reference=args.beta != 0)
         restore_module_patches(model, patches)

@@ -22,9 +22,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+from ..aggregation.privacy import wants_record_privacy
 from ..names import import_object
 from ..runtime.distributed import from_main_process
 from ..runtime.master_weights import linear_term, read_master
+from .record_privacy import RecordPrivacyMixin
 from .speedups import SPEEDUP_FIELDS, FastGRPOMixin, TrainerMixin, base_name, wants_speedups
 
 
@@ -56,13 +58,20 @@ class LocalGRPOMixin(TrainerMixin):
         DeepSpeed (which steps inside `backward`, where a gradient edited before `optimizer.step()` comes too late).
         """
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if not model.training:
-            return loss
+        return loss + self.callback_loss_terms() if model.training else loss
+
+    def data_loss(self, model, inputs):
+        """The loss of the class this mixin extends on `inputs`, without the callbacks' terms: what record-level DP
+        (`record_privacy.RecordPrivacyMixin`) computes per record."""
+        return super().compute_loss(model, inputs)
+
+    def callback_loss_terms(self) -> torch.Tensor | float:
+        """The sum of the `loss_term()`s of the callbacks that have one, scaled for one micro-batch (0 without)."""
         terms = [callback.loss_term() for callback in self.callback_handler.callbacks if hasattr(callback, "loss_term")]
-        if terms:
-            term = sum(terms)
-            loss = loss + (term / self.current_gradient_accumulation_steps if self.loss_is_scaled_for_ga else term)
-        return loss
+        if not terms:
+            return 0.0
+        term = sum(terms)
+        return term / self.current_gradient_accumulation_steps if self.loss_is_scaled_for_ga else term
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """As `Trainer`'s, except for a client of a federation (`args.federation_round` set): the schedule spans
@@ -146,7 +155,10 @@ def local_trainer(trainer_class: type, args=None) -> type[LocalGRPOMixin]:
     local = trainer_class if issubclass(trainer_class, LocalGRPOMixin) else mixed_class(
         LocalGRPOMixin, trainer_class, "Local"
     )
-    return with_speedups(local, args)
+    local = with_speedups(local, args)
+    if args is not None and wants_record_privacy(args) and not issubclass(local, RecordPrivacyMixin):
+        local = mixed_class(RecordPrivacyMixin, local, "Private")
+    return local
 
 
 def with_speedups(trainer_class: type, args) -> type:

@@ -1,0 +1,338 @@
+"""Record-level differential privacy of a client's local steps: DP-SGD (Abadi et al., CCS 2016) on the trainable
+(LoRA) parameters, where a record is one prompt of the client's data with its group of G completions.
+
+In every optimizer step of a client round, over the b prompts of its generation batch:
+
+    records   b of the client's N prompts, uniformly without replacement, from a generator only the client seeds
+              (`RecordSampler`; TRL's own sampler shuffles with the run's `seed`, which the server and the others know)
+    g_r  = ∇ℓ_r(θ)                      ℓ_r: the trainer's own loss on record r's G completions alone
+    ḡ_r  = g_r · min(1, C / ‖g_r‖)      (per-record clipping, over every trainable parameter together)
+    g̃    = (Σ_r ḡ_r + N(0, (2σC)² I)) / b
+
+and the optimizer steps on g̃: `max_grad_norm` and Adam's normalisation are post-processing of it. Replacing one record
+moves Σ_r ḡ_r by at most 2C, so σ is the noise multiplier of that replace-one sensitivity, as client-level DP's is
+(`aggregation.privacy`). The client's report R̄ is a mean of step rewards, each the mean of b records' group means: one
+record moves it by at most B/b (B = R_max − R_min, the reward functions' declared range), and it is released as
+
+    R̃ = clamp(clamp(R̄, R_min, R_max) + N(0, (σ_R B / b)²), R_min, R_max)
+
+while no other number computed from the data leaves the client (step rewards, loss and TRL's per-step metrics stay in
+its own logs). FedProx's and SCAFFOLD's loss terms do not read the data: they join g̃ after the noise.
+
+Accounting, per client, with `dp_accounting`'s RDP accountant under replace-one (N is public): each generation batch is
+a `SampledWithoutReplacementDpEvent(N, b, ·)` of the Gaussians its `num_iterations` optimizer steps release, each R̄ a
+Gaussian of σ_R. The client appends every round's releases to its own ledger (`RECORD_LEDGER`, in its output folder)
+before the update leaves it and reports ε at `dp_target_delta` over the whole ledger (`RECORD_EPSILON` in its
+metrics); the server reports the worst (`dp_record_epsilon_worst`). With the budget `dp_record_epsilon`, each client
+calibrates σ to its own N so that `num_rounds` rounds, every one of them with this client, stay within it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from ..aggregation import ClientUpdate
+from ..aggregation.privacy import RECORD_EPSILON, load_dp_accounting
+from ..runtime.master_weights import linear_term
+from .speedups import TrainerMixin
+
+# The file, in a client's output folder, that holds one JSON line per round of record-level releases.
+RECORD_LEDGER = "record-dp-releases.jsonl"
+# The column that `RecordPrivacyMixin` adds to a generation batch: the record (prompt group) of every row.
+RECORD_INDEX = "record_index"
+
+
+class RecordSampler(Sampler[int]):
+    """TRL's `RepeatSampler` layout (each prompt `mini_repeat_count` times in a row, each batch `repeat_count` times),
+    except that every batch of `batch_size` prompts is a fresh uniform sample without replacement of the
+    `num_records`, drawn from `generator`: the sampling the accountant's amplification assumes, secret to the
+    client. An epoch is `num_records // batch_size` batches, as TRL's."""
+
+    def __init__(self, num_records: int, batch_size: int, mini_repeat_count: int, repeat_count: int,
+                 generator: torch.Generator):
+        if not 0 < batch_size <= num_records:
+            raise ValueError(f"Record-level DP samples {batch_size} prompts a generation batch from a client's "
+                             f"{num_records}: a client needs at least as many prompts as a batch holds.")
+        self.num_records, self.batch_size = num_records, batch_size
+        self.mini_repeat_count, self.repeat_count = mini_repeat_count, repeat_count
+        self.generator = generator
+
+    def __iter__(self):
+        for _ in range(self.num_records // self.batch_size):
+            batch = torch.randperm(self.num_records, generator=self.generator)[: self.batch_size].tolist()
+            for _ in range(self.repeat_count):
+                for index in batch:
+                    yield from [index] * self.mini_repeat_count
+
+    def __len__(self) -> int:
+        return (self.num_records // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+def secret_generator(args, stream: str, ordinal: int) -> torch.Generator:
+    """A generator for one stream of a client round's draws ("noise", "sampling"). Seeded from the operating system,
+    unless `dp_noise_seed` is set (tests, experiments): then from it, the round's seed (`args.seed`, a function of the
+    round and the client) and `ordinal`, the count of rounds this client's ledger holds, so that a redone round draws
+    afresh."""
+    noise_seed = getattr(args, "dp_noise_seed", None)
+    if noise_seed is None:
+        return torch.Generator().manual_seed(secrets.randbits(63))
+    seed = random.Random(f"dp-record/{stream}/{noise_seed}/{args.seed}/{ordinal}").getrandbits(63)
+    return torch.Generator().manual_seed(seed)
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    """The rounds a client's ledger holds, in order; [] without one. A torn last line (a crash while appending)
+    counts as nothing was released then: the update it would have accounted never left the client."""
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return entries
+
+
+def round_releases(batches: int, dataset_size: int, sample_size: int, steps_per_batch: int, noise_multiplier: float,
+                   reward_noise_multiplier: float | None) -> dict[str, Any]:
+    """One client round's releases as its ledger keeps them."""
+    return {
+        "generation_batches": batches, "dataset_size": dataset_size, "sample_size": sample_size,
+        "steps_per_batch": steps_per_batch, "noise_multiplier": noise_multiplier,
+        "reward_noise_multiplier": reward_noise_multiplier,
+    }
+
+
+def ledger_event(entries: list[dict[str, Any]]):
+    """The `dp_accounting` event of every round of `entries` (`round_releases`): each generation batch a Gaussian of
+    its `steps_per_batch` steps on a sample of b of N drawn without replacement, each R̄ a Gaussian."""
+    dp_event, _, _ = load_dp_accounting()
+    events = []
+    for entry in entries:
+        steps = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(entry["noise_multiplier"]),
+                                             entry["steps_per_batch"])
+        batch = dp_event.SampledWithoutReplacementDpEvent(entry["dataset_size"], entry["sample_size"], steps)
+        events.append(dp_event.SelfComposedDpEvent(batch, entry["generation_batches"]))
+        if entry["reward_noise_multiplier"] is not None:
+            events.append(dp_event.GaussianDpEvent(entry["reward_noise_multiplier"]))
+    return dp_event.ComposedDpEvent(events)
+
+
+def record_accountant():
+    """A fresh RDP accountant under replace-one, the relation of sampling without replacement (N public)."""
+    _, privacy_accountant, rdp = load_dp_accounting()
+    return rdp.RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+
+
+def ledger_epsilon(entries: list[dict[str, Any]], delta: float) -> float:
+    """ε at δ of a client's records over every round of `entries`; 0 before any."""
+    if not entries:
+        return 0.0
+    return record_accountant().compose(ledger_event(entries)).get_epsilon(delta)
+
+
+@functools.cache
+def calibrated_noise_multiplier(target_epsilon: float, delta: float, num_rounds: int, batches_per_round: int,
+                                dataset_size: int, sample_size: int, steps_per_batch: int,
+                                reward_noise_multiplier: float | None) -> float:
+    """The least σ (dp_accounting's calibration) whose `num_rounds` rounds of releases (`round_releases`) stay within
+    ε = `target_epsilon` at δ, R̄ released with σ_R = `reward_noise_multiplier`, or with σ itself when that is None."""
+    from dp_accounting import mechanism_calibration
+
+    def run_event(sigma: float):
+        entry = round_releases(batches_per_round, dataset_size, sample_size, steps_per_batch, sigma,
+                               reward_noise_multiplier or sigma)
+        return ledger_event([entry] * num_rounds)
+
+    try:
+        return float(mechanism_calibration.calibrate_dp_mechanism(
+            record_accountant, run_event, target_epsilon, delta,
+            mechanism_calibration.LowerEndpointAndGuess(1e-2, 1.0),
+        ))
+    except mechanism_calibration.NoBracketIntervalFoundError as error:
+        raise ValueError(
+            f"No noise multiplier keeps the records' ε within dp_record_epsilon={target_epsilon:g} at δ = {delta:g} "
+            f"over {num_rounds} rounds: R̄'s releases alone exceed it (dp_record_reward_noise_multiplier="
+            f"{reward_noise_multiplier:g}); raise that or the budget."
+        ) from error
+
+
+def record_noise_multiplier(args, dataset_size: int, sample_size: int) -> float:
+    """σ of a client with `dataset_size` prompts sampled `sample_size` a generation batch: `dp_record_noise_multiplier`,
+    or calibrated to `dp_record_epsilon` over the run's `num_rounds` rounds of `local_steps` steps."""
+    if args.dp_record_noise_multiplier is not None:
+        return args.dp_record_noise_multiplier
+    return calibrated_noise_multiplier(
+        args.dp_record_epsilon, args.dp_target_delta, args.num_rounds,
+        math.ceil(args.local_steps / args.num_iterations), dataset_size, sample_size, args.num_iterations,
+        args.dp_record_reward_noise_multiplier,
+    )
+
+
+class RecordPrivacyMixin(TrainerMixin):
+    """DP-SGD with one record per prompt group for a client's trainer (see the module's docstring); first among the
+    bases, before `local_trainer.LocalGRPOMixin`, which `local_trainer(trainer_class, args)` arranges when `args`
+    turns record-level DP on. It relies on TRL's `_get_train_sampler` (replaced by `RecordSampler`) and
+    `_generate_and_score_completions` (whose rows it labels with their record before TRL shuffles them), and computes
+    each record's loss with `LocalGRPOMixin.data_loss`, the loss of the class it extends, and adds the federation's loss
+    terms (`LocalGRPOMixin.callback_loss_terms`: FedProx, SCAFFOLD), which read no data, after the noise."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled:
+            raise ValueError(
+                "Record-level DP (dp_record_noise_multiplier, dp_record_epsilon) clips each record's gradient in one "
+                "process: run each client on one device, without DeepSpeed."
+            )
+        self.ledger_path = Path(self.args.output_dir) / RECORD_LEDGER
+        self.rounds_before = len(read_ledger(self.ledger_path))
+        self.records_per_batch = self.args.generation_batch_size // self.num_generations
+        self.record_noise_multiplier = record_noise_multiplier(self.args, len(self.train_dataset),
+                                                               self.records_per_batch)
+        self.record_clip_norm = self.args.dp_record_clip_norm
+        self.noise_generator = secret_generator(self.args, "noise", self.rounds_before)
+        self.generation_batches = 0  # sampled generation batches trained on this round, the ledger's count
+        self.record_gradients: dict[int, list[torch.Tensor]] = {}
+        self.micro_batches = 0
+        self.clipped_share: list[float] = []  # per optimizer step: the share of records whose gradient was clipped
+
+    def _get_train_sampler(self, dataset=None) -> Sampler:
+        return RecordSampler(
+            len(self.train_dataset if dataset is None else dataset), self.records_per_batch, self.num_generations,
+            self.num_iterations * self.args.steps_per_generation,
+            secret_generator(self.args, "sampling", self.rounds_before),
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            rows = output["completion_ids"].size(0)
+            output[RECORD_INDEX] = torch.arange(rows) // self.num_generations
+            self.generation_batches += 1
+        return output
+
+    @property
+    def private_parameters(self) -> list[torch.Tensor]:
+        return [param for param in self.model.parameters() if param.requires_grad]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """In training: each record's gradient of the extended class's loss on its rows alone, summed over the
+        micro-batches of the optimizer step; at the step's last micro-batch, g̃ from their clipped sum, as a loss
+        term whose gradient it is (`master_weights.linear_term`), with the federation's loss terms. The value is the
+        mean record loss, as the trainer logs it."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        record_index = inputs.pop(RECORD_INDEX)
+        params = self.private_parameters
+        accumulation = self.current_gradient_accumulation_steps
+        kept = [param.grad for param in params]
+        losses = []
+        for record in record_index.unique().tolist():
+            rows = record_index == record
+            record_inputs = {key: rows_of(value, rows) for key, value in inputs.items()}
+            if "num_items_in_batch" in record_inputs:  # DAPO-style losses normalise by the tokens of their batch
+                tokens = inputs["completion_mask"][rows].sum()
+                record_inputs["num_items_in_batch"] = tokens * self.args.steps_per_generation
+            for param in params:
+                param.grad = None
+            # The class's loss is scaled for gradient accumulation: × accumulation, ℓ_r is the record's own mean.
+            loss = self.data_loss(model, record_inputs) * accumulation
+            loss.backward()
+            gradient = [torch.zeros_like(param) if param.grad is None else param.grad for param in params]
+            partial = self.record_gradients.get(record)
+            self.record_gradients[record] = gradient if partial is None else torch._foreach_add(partial, gradient)
+            losses.append(loss.detach())
+        for param, grad in zip(params, kept):
+            param.grad = grad
+        self.micro_batches += 1
+        value = torch.stack(losses).mean() / (accumulation if self.loss_is_scaled_for_ga else 1)
+        if self.micro_batches < accumulation:  # no gradient yet: the step's records may have rows still to come
+            return value + sum(param.sum() for param in params) * 0.0 + self.callback_loss_terms()
+        private = self.private_gradient()
+        # The trainer divides an unscaled loss by the accumulation steps; g̃ is the whole step's gradient.
+        term = linear_term(params, private if self.loss_is_scaled_for_ga else torch._foreach_mul(private, accumulation))
+        return value + term + self.callback_loss_terms()
+
+    def private_gradient(self) -> list[torch.Tensor]:
+        """g̃ = (Σ_r ḡ_r + N(0, (2σC)² I)) / b over the records of the step now ending; resets for the next."""
+        if len(self.record_gradients) != self.records_per_batch:
+            raise RuntimeError(f"An optimizer step held {len(self.record_gradients)} records, not the "
+                               f"{self.records_per_batch} of a generation batch: record-level DP needs "
+                               "steps_per_generation = gradient_accumulation_steps.")
+        clip, total, clipped = self.record_clip_norm, None, 0
+        for gradient in self.record_gradients.values():
+            norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gradient))))
+            scale = min(1.0, clip / norm) if norm > 0 else 1.0
+            clipped += scale < 1.0
+            scaled = torch._foreach_mul(gradient, scale)
+            total = scaled if total is None else torch._foreach_add(total, scaled)
+        std = 2 * self.record_noise_multiplier * clip
+        for value in total:
+            value.add_(torch.randn(value.shape, generator=self.noise_generator, dtype=value.dtype), alpha=std)
+        self.clipped_share.append(clipped / len(self.record_gradients))
+        self.record_gradients, self.micro_batches = {}, 0
+        return torch._foreach_div(total, self.records_per_batch)
+
+    def round_releases(self, reward_noise_multiplier: float | None) -> dict[str, Any]:
+        """This round's releases (`round_releases`), R̄ released with `reward_noise_multiplier` (None: not at all)."""
+        return round_releases(self.generation_batches, len(self.train_dataset), self.records_per_batch,
+                              self.num_iterations, self.record_noise_multiplier, reward_noise_multiplier)
+
+
+def rows_of(value, rows: torch.Tensor):
+    """The rows `rows` (a boolean mask) of a per-row value of a generation batch; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.size(0) == rows.numel():
+        return value[rows]
+    if isinstance(value, list) and len(value) == rows.numel():
+        return [item for item, keep in zip(value, rows.tolist()) if keep]
+    return value
+
+
+# What a client sends in its metrics under record-level DP besides its ε: when it trained, which reads no record.
+PUBLIC_METRICS = ("train_seconds", "wall_clock")
+
+
+def append_to_ledger(path: Path, entry: dict[str, Any]) -> None:
+    """Append one round's releases to a client's ledger, flushed to disk before its update may leave."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as stream:
+        stream.write(json.dumps(entry, sort_keys=True) + "\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
+                   reward_range: tuple[float, float] | None) -> ClientUpdate:
+    """`update` as it leaves a client under record-level DP: R̃ for R̄, no metric computed from the data, and the
+    client's ε over its ledger, to which this round's releases are appended first."""
+    if reward_range is None:
+        raise ValueError(
+            "Record-level DP releases R̄ clamped to the reward functions' declared range, and they declare none: give "
+            "every reward function a `reward_range` attribute (`trl_federated.scoring.rewards`)."
+        )
+    args = trainer.args
+    reward_noise_multiplier = args.dp_record_reward_noise_multiplier or trainer.record_noise_multiplier
+    low, high = reward_range
+    noise = torch.randn(1, generator=secret_generator(args, "reward", trainer.rounds_before), dtype=torch.float64)
+    scale = reward_noise_multiplier * (high - low) / trainer.records_per_batch
+    # Clamped again after the noise (post-processing): the server refuses an R̄ outside the declared range.
+    reward = min(max(min(max(float(update.reward), low), high) + scale * float(noise), low), high)
+    entry = trainer.round_releases(reward_noise_multiplier)
+    entries = [*read_ledger(trainer.ledger_path), entry]
+    append_to_ledger(trainer.ledger_path, entry)
+    metrics = {name: update.metrics[name] for name in PUBLIC_METRICS if name in update.metrics}
+    metrics[RECORD_EPSILON] = ledger_epsilon(entries, args.dp_target_delta)
+    return dataclasses.replace(update, reward=reward, metrics=metrics)
