@@ -1,4 +1,4 @@
-"""What client-level differential privacy costs (`docs/privacy.md`): FedAvg and FGRPO at ε = ∞, 8 and 1.
+"""What differential privacy costs (`docs/privacy.md`): FedAvg and FGRPO at ε = ∞, 8 and 1, client- or record-level.
 
 Each (method, ε) is a cell (`compare.Cell`: seed 0, `--num_clients` clients, Dirichlet `--dirichlet_alpha`) of the
 quickstart's model and data (`examples/configs/quickstart.yaml`) with `--fraction_train` of the clients sampled a
@@ -7,10 +7,18 @@ is the one the run's own accountant (`aggregation.privacy.ClientLevelPrivacy`: r
 replacement, R̄'s release composed with Δ's under RPG, σ_R = σ) spends exactly ε at δ = 1e-5 over those rounds
 (`noise_multiplier_for`); ε = ∞ runs without DP. Cells resume and, with `--commit`, are committed as they finish
 (`harness.grid`: `run_cells`, `commit`); `report.md` tabulates each cell's base and final test accuracy, the ε its
-last round reported, σ, the std of Δ's noise, the clients' update norms against the noised Δ, and the clients' mean R̄
-per round, which `curves.png` plots.
+last round reported, σ, the std of Δ's noise, the clients' update norms against the noised Δ, the seconds a client's
+local step took, and the clients' mean R̄ per round, which `curves.png` plots.
+
+With `--level record`, DP is record-level instead (`local.record_privacy`): each cell runs with `--dp_record_epsilon ε`,
+every client calibrating its own σ to its data size over the run, in `benchmarks/results/dp-record-<N>/` for N
+clients; ε reached is the worst a client reported. The committed cells (the quickstart's budget):
 
     python benchmarks/dp_cost.py [--methods fedavg fgrpo] [--epsilons inf 8 1] [--commit] [--report_only]
+    python benchmarks/dp_cost.py --level record --num_clients 3 --dirichlet_alpha 0.05 --fraction_train 1.0 \
+        --num_rounds 3 [--commit]
+    python benchmarks/dp_cost.py --level record --num_clients 16 --dirichlet_alpha 1.0 --fraction_train 1.0 \
+        --num_rounds 3 [--commit]
 
 Run it with one thread per cell (`OMP_NUM_THREADS=1`, as the grid's cells): the cells are then reproducible.
 """
@@ -39,6 +47,7 @@ TARGET_DELTA = 1e-5  # `FedGRPOConfig.dp_target_delta`'s default
 REPORT_FILE = "report.md"
 CURVES_FILE = "curves.png"
 SIGMA_FLAG = "--dp_noise_multiplier"  # the flag that carries σ, recorded in each cell folder's budget.json
+RECORD_EPSILON_FLAG = "--dp_record_epsilon"  # record-level: each client calibrates its σ to this budget
 
 
 def noise_multiplier_for(epsilon: float, rounds: int, num_clients: int, sample_size: int, releases_rewards: bool,
@@ -61,21 +70,24 @@ def level_name(epsilon: float) -> str:
     return "inf" if math.isinf(epsilon) else f"{epsilon:g}"
 
 
-def cell_row(directory: Path) -> dict[str, object]:
-    """A finished cell's figures: base and final test accuracy (%), the last round's ε and noise std, R̄ per round,
-    and over the rounds the mean ‖ū_i‖ (each client's update as aggregated: clipped under DP) and the mean ‖Δ‖ the
-    server stepped on (under DP Δ̃, noise included): their ratio is how far the noise outgrew the clients' signal."""
+def cell_row(directory: Path, local_steps: int) -> dict[str, object]:
+    """A finished cell's figures: base and final test accuracy (%), the last round's ε (client-level, or the worst a
+    client reported for its records) and noise std, R̄ per round, over the rounds the mean ‖ū_i‖ (each client's update
+    as aggregated: clipped under DP) and the mean ‖Δ‖ the server stepped on (under DP Δ̃, noise included): their ratio
+    is how far the noise outgrew the clients' signal; and the mean seconds of a client's local step."""
     rounds = round_records(directory)
     last = rounds[-1] if rounds else {}
     result = load_result(directory)
     return {
         "base": 100 * result["evaluations"]["-1"]["accuracy"]["Total"],
         "accuracy": 100 * final_accuracy(result)["Total"],
-        "epsilon": last.get("dp_epsilon"),
+        "epsilon": last.get("dp_epsilon", last.get("dp_record_epsilon_worst")),
         "noise_std": last.get("dp_noise_std"),
         "rewards": [statistics.fmean(record["rewards"].values()) for record in rounds],
         "update_norm": statistics.fmean(statistics.fmean(record["update_norms"].values()) for record in rounds),
         "delta_norm": statistics.fmean(record["delta_norm"] for record in rounds),
+        "step_seconds": statistics.fmean(metrics["train_seconds"] / local_steps
+                                         for record in rounds for metrics in record["client_metrics"].values()),
     }
 
 
@@ -93,18 +105,22 @@ def recorded_noise_multiplier(folder: Path) -> float | None:
     return float(flags[flags.index(SIGMA_FLAG) + 1]) if SIGMA_FLAG in flags else None
 
 
-def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -> str:
-    """`report.md` and `curves.png` (R̄ per round, one line per cell) of the finished cells."""
+def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str, kind: str = "client") -> str:
+    """`report.md` and `curves.png` (R̄ per round, one line per cell) of the finished cells; `kind`: the level of DP,
+    "client" or "record"."""
+    reached = "the worst ε a client reported for its records" if kind == "record" else "the ε"
     lines = [
-        "# What client-level DP costs",
+        f"# What {kind}-level DP costs",
         "",
         f"`{command}`; cells in `{root}/<method>-eps<ε>/`. Per cell: test accuracy of the base model and of the final "
-        f"adapter, the ε at δ = {TARGET_DELTA:g} its last round reported, σ, the std of Δ's noise in that round, the "
+        f"adapter, {reached} at δ = {TARGET_DELTA:g} after its last round, σ, the std of Δ's noise in that round, the "
         "mean over rounds of the clients' update norm ‖ū‖ (clipped under DP) and of the ‖Δ‖ the server stepped on "
-        "(noise included under DP), and the clients' mean R̄ per round (`curves.png`).",
+        "(noise included under DP), the mean seconds of a client's local step, and the clients' mean R̄ per round "
+        "(`curves.png`).",
         "",
-        "| method | target ε | σ | base % | accuracy % | ε reached | noise std | mean ‖ū‖ | mean ‖Δ‖ | R̄ per round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | target ε | σ | base % | accuracy % | ε reached | noise std | mean ‖ū‖ | mean ‖Δ‖ | s/step "
+        "| R̄ per round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     curves, without_dp = {}, []
     for (method, level), cell in cells.items():
@@ -114,13 +130,16 @@ def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str) -
             continue
         if level == "inf":
             without_dp.append(directory)
-        row, sigma = cell_row(directory), recorded_noise_multiplier(folder)
+        local_steps = json.loads((folder / BUDGET_FILE).read_text(encoding="utf-8"))["config"]["local_steps"]
+        row, sigma = cell_row(directory, local_steps), recorded_noise_multiplier(folder)
+        sigma_text = ("per client" if kind == "record" and level != "inf" else "–") if sigma is None else (
+            f"{sigma:.3g}")
         epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
         noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
         target = "∞" if level == "inf" else level
         lines.append(
-            f"| {method} | {target} | {'–' if sigma is None else f'{sigma:.3g}'} | {row['base']:.1f} | "
-            f"{row['accuracy']:.1f} | {epsilon} | {noise} | {row['update_norm']:.3g} | {row['delta_norm']:.3g} | "
+            f"| {method} | {target} | {sigma_text} | {row['base']:.1f} | {row['accuracy']:.1f} | {epsilon} | {noise} | "
+            f"{row['update_norm']:.3g} | {row['delta_norm']:.3g} | {row['step_seconds']:.1f} | "
             f"{' '.join(f'{r:.2f}' for r in row['rewards'])} |"
         )
         curves[f"{method}, ε = {target}"] = row["rewards"]
@@ -156,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR)
+    parser.add_argument("--level", choices=["client", "record"], default="client")
+    parser.add_argument("--output_dir", default=None,
+                        help=f"Default: {DEFAULT_OUTPUT_DIR}, or {DEFAULT_OUTPUT_DIR}-record-<num_clients>.")
     parser.add_argument("--methods", nargs="+", default=["fedavg", "fgrpo"], choices=list(METHODS))
     parser.add_argument("--epsilons", nargs="+", type=float, default=[math.inf, 8.0, 1.0])
     parser.add_argument("--num_clients", type=int, default=16)
@@ -167,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", action="store_true", help="Commit each finished cell's files and the report.")
     parser.add_argument("--report_only", action="store_true")
     args = parser.parse_args(argv)
-    root = Path(args.output_dir)
+    root = Path(args.output_dir or (DEFAULT_OUTPUT_DIR if args.level == "client"
+                                    else f"{DEFAULT_OUTPUT_DIR}-record-{args.num_clients}"))
     root.mkdir(parents=True, exist_ok=True)
     sample_size = clients_per_round(args.num_clients, args.fraction_train, 1)
     cells = {(method, level_name(epsilon)): Cell(method, 0, args.num_clients, args.dirichlet_alpha)
@@ -180,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             if (cell.directory(folder) / "result.json").exists():
                 continue  # finished: its σ is the one its budget.json records
             extra = ["--fraction_train", str(args.fraction_train), "--num_rounds", str(args.num_rounds)]
-            if not math.isinf(epsilon):  # calibrated only for a cell that still runs: minutes of accounting
+            if not math.isinf(epsilon) and args.level == "record":  # each client calibrates its own σ
+                extra += [RECORD_EPSILON_FLAG, f"{epsilon:g}"]
+            elif not math.isinf(epsilon):  # calibrated only for a cell that still runs: minutes of accounting
                 sigma = noise_multiplier_for(epsilon, args.num_rounds, args.num_clients, sample_size,
                                              METHODS[method].aggregation == "rpg")
                 extra += [SIGMA_FLAG, f"{sigma:.6g}"]
@@ -188,12 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             if run_cells([cell], folder, lambda cell, folder=folder, extra=extra: cell_command(
                     cell, args.config, folder, extra)):
                 return 1
-            write_report(root, cells, command.strip())
+            write_report(root, cells, command.strip(), args.level)
             if args.commit:
                 files = [*committed_files(cell.directory(folder)), folder / BUDGET_FILE,
                          root / REPORT_FILE, root / CURVES_FILE]
                 commit(files, f"dp cost: {method} at ε = {level} finished")
-    print(write_report(root, cells, command.strip()))
+    print(write_report(root, cells, command.strip(), args.level))
     return 0
 
 

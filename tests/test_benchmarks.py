@@ -263,17 +263,27 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
     cell = Cell("fedavg", 0, 4, "1.0")
     directory = cell.directory(tmp_path / "fedavg-eps4")
     directory.mkdir(parents=True)
-    budget = {"config": {}, "flags": ["--num_rounds", "2", "--dp_noise_multiplier", f"{sigma:.6g}"]}
+    budget = {"config": {"local_steps": 2}, "flags": ["--num_rounds", "2", "--dp_noise_multiplier", f"{sigma:.6g}"]}
     (tmp_path / "fedavg-eps4" / "budget.json").write_text(json.dumps(budget))  # σ as the cell ran with it
     (directory / "result.json").write_text(json.dumps({"evaluations": {"-1": {"accuracy": {"Total": 0.1}},
                                                                        "1": {"accuracy": {"Total": 0.25}}}}))
     rounds = [{"event": "round", "round_idx": t, "rewards": {"a": r, "b": 0.0}, "dp_epsilon": e, "dp_noise_std": 0.5,
-               "update_norms": {"a": 1.0, "b": u}, "delta_norm": d}
-              for t, (r, e, u, d) in enumerate([(0.5, 2.5, 0.5, 30.0), (1.0, 3.99, 1.5, 50.0)])]
+               "update_norms": {"a": 1.0, "b": u}, "delta_norm": d,
+               "client_metrics": {"a": {"train_seconds": 10.0}, "b": {"train_seconds": s}}}
+              for t, (r, e, u, d, s) in enumerate([(0.5, 2.5, 0.5, 30.0, 20.0), (1.0, 3.99, 1.5, 50.0, 30.0)])]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
     report = dp_cost.write_report(tmp_path, {("fedavg", "4"): cell, ("fgrpo", "4"): cell}, "cmd")
-    # base and final accuracy; mean ‖ū‖ over clients then rounds (0.75, 1.25 -> 1), mean ‖Δ‖ over rounds (40)
-    assert f"| fedavg | 4 | {sigma:.3g} | 10.0 | 25.0 | 3.99 | 0.5 | 1 | 40 | 0.25 0.50 |" in report
+    # base and final accuracy; mean ‖ū‖ over clients then rounds (0.75, 1.25 -> 1), mean ‖Δ‖ over rounds (40), a
+    # client's seconds per step (train_seconds / 2 local steps: 5, 10, 5, 15 -> 8.75)
+    assert f"| fedavg | 4 | {sigma:.3g} | 10.0 | 25.0 | 3.99 | 0.5 | 1 | 40 | 8.8 | 0.25 0.50 |" in report
+    # record-level: ε reached is the worst a client reported, σ each client's own
+    budget["flags"] = ["--num_rounds", "2", "--dp_record_epsilon", "4"]
+    (tmp_path / "fedavg-eps4" / "budget.json").write_text(json.dumps(budget))
+    for record in rounds:
+        record["dp_record_epsilon_worst"] = record.pop("dp_epsilon")
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
+    report = dp_cost.write_report(tmp_path, {("fedavg", "4"): cell}, "cmd", kind="record")
+    assert "# What record-level DP costs" in report and "| fedavg | 4 | per client | 10.0 | 25.0 | 3.99 |" in report
     assert "| fgrpo |" not in report  # not run: no folder
     assert (tmp_path / dp_cost.CURVES_FILE).stat().st_size > 0
     assert "Update norms" not in report  # no cell without DP

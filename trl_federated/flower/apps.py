@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOTrainer
 
 from ..adapters import AdapterState, WireFormat, freeze_lora_a, get_adapter_state, with_federated_adapter
+from ..aggregation.privacy import RECORD_EPSILON
 from ..config import FedGRPOConfig
 from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local.client import describe_failure, local_training_args, train_local_round
@@ -188,12 +189,19 @@ def make_client_app(
             )
             if residual:
                 context.state[WIRE_RESIDUAL] = state_to_array_record(residual)
-            logger.info(
-                "Round %s, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
-                round_label(instruction.round_idx, site.args.num_rounds), client_id,
-                len(update.metrics["step_rewards"]), update.num_samples,
-                update.reward, update.metrics["train_loss"], update.metrics["train_seconds"],
-            )
+            if "step_rewards" in update.metrics:
+                logger.info(
+                    "Round %s, client %r: %d local steps on %d rows, R̄ = %.4f, loss %.4f, %.1f s.",
+                    round_label(instruction.round_idx, site.args.num_rounds), client_id,
+                    len(update.metrics["step_rewards"]), update.num_samples,
+                    update.reward, update.metrics["train_loss"], update.metrics["train_seconds"],
+                )
+            else:  # record-level DP: what the update carries is released, its step rewards and loss are not
+                logger.info(
+                    "Round %s, client %r: %d rows, R̃ = %.4f released, record-level ε = %.3f, %.1f s.",
+                    round_label(instruction.round_idx, site.args.num_rounds), client_id, update.num_samples,
+                    update.reward, update.metrics[RECORD_EPSILON], update.metrics["train_seconds"],
+                )
         except Exception as error:  # reported to the server, which drops this client from the round
             return failure_reply(message, client_id, error, "its local round")
         return Message(update_to_content(update, client_index), reply_to=message)

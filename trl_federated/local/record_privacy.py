@@ -206,7 +206,7 @@ class RecordPrivacyMixin(TrainerMixin):
         self.generation_batches = 0  # sampled generation batches trained on this round, the ledger's count
         self.record_gradients: dict[int, list[torch.Tensor]] = {}
         self.micro_batches = 0
-        self.clipped_share: list[float] = []  # per optimizer step: the share of records whose gradient was clipped
+        self.record_norms: list[list[float]] = []  # per optimizer step: ‖g_r‖ of its records, before clipping
 
     def _get_train_sampler(self, dataset=None) -> Sampler:
         return RecordSampler(
@@ -272,17 +272,16 @@ class RecordPrivacyMixin(TrainerMixin):
             raise RuntimeError(f"An optimizer step held {len(self.record_gradients)} records, not the "
                                f"{self.records_per_batch} of a generation batch: record-level DP needs "
                                "steps_per_generation = gradient_accumulation_steps.")
-        clip, total, clipped = self.record_clip_norm, None, 0
+        clip, total, norms = self.record_clip_norm, None, []
         for gradient in self.record_gradients.values():
             norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gradient))))
-            scale = min(1.0, clip / norm) if norm > 0 else 1.0
-            clipped += scale < 1.0
-            scaled = torch._foreach_mul(gradient, scale)
+            norms.append(norm)
+            scaled = torch._foreach_mul(gradient, min(1.0, clip / norm) if norm > 0 else 1.0)
             total = scaled if total is None else torch._foreach_add(total, scaled)
         std = 2 * self.record_noise_multiplier * clip
         for value in total:
             value.add_(torch.randn(value.shape, generator=self.noise_generator, dtype=value.dtype), alpha=std)
-        self.clipped_share.append(clipped / len(self.record_gradients))
+        self.record_norms.append(norms)
         self.record_gradients, self.micro_batches = {}, 0
         return torch._foreach_div(total, self.records_per_batch)
 
