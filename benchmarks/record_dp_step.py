@@ -23,7 +23,8 @@ from harness.trainers import Bench
 
 
 def run_steps(bench: Bench, private: bool, steps: int, norms: list[float]) -> float:
-    """Seconds per local step of a fresh trainer (record-level DP with `private`); a private run's ‖g_r‖ join `norms`."""
+    """Seconds per local step of a fresh trainer (record-level DP with `private`); a private run's ‖g_r‖ join
+    `norms`."""
     from accelerate.state import AcceleratorState
 
     from trl_federated.adapters import set_adapter_state
@@ -60,11 +61,17 @@ def main(argv: list[str] | None = None) -> int:
                            for private in (False, True)}, own.repeats)
     plain, private = (statistics.median(runs[side]) for side in (False, True))
     quartiles = [min(norms), *statistics.quantiles(norms, n=4, method="inclusive"), max(norms)]
-    print(f"client of {len(bench.client_data)} prompts, {bench.args.generation_batch_size // bench.args.num_generations}"
-          f" records a step, {own.steps} steps x {own.repeats} repeats")
-    print(f"seconds per local step: non-private {plain:.2f}, record-level DP {private:.2f}, ratio {private / plain:.2f}")
+    records = bench.args.generation_batch_size // bench.args.num_generations
+    print(f"client of {len(bench.client_data)} prompts, {records} records a step, {own.steps} steps x {own.repeats} "
+          "repeats")
+    print(f"seconds per local step: non-private {plain:.2f}, record-level DP {private:.2f}, "
+          f"ratio {private / plain:.2f}")
     print(f"per-record gradient norms ‖g_r‖ over {len(norms)} records: min, quartiles, max "
           f"{', '.join(f'{norm:.3g}' for norm in quartiles)}")
+    nonzero = [norm for norm in norms if norm > 0]  # a group whose completions all scored alike has no gradient
+    if len(nonzero) > 1:
+        quartiles = [min(nonzero), *statistics.quantiles(nonzero, n=4, method="inclusive"), max(nonzero)]
+        print(f"the {len(nonzero)} non-zero ones: min, quartiles, max {', '.join(f'{norm:.3g}' for norm in quartiles)}")
     return 0
 
 

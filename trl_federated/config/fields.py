@@ -418,8 +418,10 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
             Record-level privacy budget ε at `dp_target_delta` of each client over the run: each client calibrates σ
             to its own data size so that `num_rounds` rounds stay within it. Exclusive with
             `dp_record_noise_multiplier`.
-        dp_record_clip_norm (`float`, *optional*, defaults to `1.0`):
-            C, the norm each record's gradient is clipped to.
+        dp_record_clip_norm (`float`, *optional*, defaults to `0.5`):
+            C, the norm each record's gradient is clipped to: about the median of the non-zero per-record gradient
+            norms of the quickstart's LoRA, so that clipping bounds the large ones without shrinking the typical
+            (`benchmarks/record_dp_step.py`). The noise-to-signal ratio does not depend on it.
         dp_record_reward_noise_multiplier (`float` or `None`, *optional*):
             σ_R of R̄'s release under record-level DP: noise of std σ_R × B / b on R̄ clamped to the reward functions'
             declared range B, b prompts a step. `None`: the noise multiplier σ.
@@ -992,8 +994,13 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
         },
     )
     dp_record_clip_norm: float = field(
-        default=1.0,
-        metadata={"help": ResultHelp("C, the norm each record's gradient is clipped to under record-level DP.")},
+        default=0.5,
+        metadata={
+            "help": ResultHelp(
+                "C, the norm each record's gradient is clipped to under record-level DP: about the median of the "
+                "non-zero per-record norms of the quickstart's LoRA, so that it clips the large ones only."
+            )
+        },
     )
     dp_record_reward_noise_multiplier: float | None = field(
         default=None,
