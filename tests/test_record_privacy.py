@@ -11,10 +11,12 @@ from dp_accounting import dp_event
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
 from transformers import AutoModelForCausalLM, TrainerCallback
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
+from conftest import FAST_GRPO
 from trl_federated import FederatedRunner
 from trl_federated.callbacks import read_metrics
+from trl_federated.config import federated_config
 from trl_federated.local.local_trainer import local_trainer
 from trl_federated.local.record_privacy import (
     RECORD_LEDGER,
@@ -66,10 +68,14 @@ class StepGradient(TrainerCallback):
         self.expected = total / trainer.records_per_batch
 
 
-def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, **overrides):
-    args = fast_args(num_clients=1, local_steps=1, reward_window=1, max_steps=1, gradient_accumulation_steps=2,
-                     max_grad_norm=1e9, dp_noise_seed=3, output_dir=str(tmp_path / "client"), **overrides)
-    trainer_class = local_trainer(GRPOTrainer, args)
+def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class=GRPOTrainer, **overrides):
+    settings = dict(num_clients=1, local_steps=1, reward_window=1, max_steps=1, gradient_accumulation_steps=2,
+                    max_grad_norm=1e9, dp_noise_seed=3, output_dir=str(tmp_path / "client"), **overrides)
+    if trainer_class is RLOOTrainer:
+        args = federated_config(RLOOConfig)(**{**FAST_GRPO, "seed": 0, **settings})
+    else:
+        args = fast_args(**settings)
+    trainer_class = local_trainer(trainer_class, args)
 
     class Recording(trainer_class):
         def _prepare_inputs(self, generation_batch):
@@ -89,11 +95,12 @@ def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, **over
     return trainer, probe
 
 
+@pytest.mark.parametrize("trainer_class", [GRPOTrainer, RLOOTrainer])
 def test_the_step_follows_the_dp_sgd_equation_with_each_record_clipped_over_its_micro_batches(
-        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class):
     # 2 prompts x 4 completions a step, in 2 micro-batches that TRL shuffled: a record's rows span both. A clip norm
-    # far below every record's gradient norm clips them all; σ ≈ 0 leaves the equation's value.
-    trainer, probe = one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args,
+    # far below every record's gradient norm clips them all; σ ≈ 0 leaves the equation's value. RLOO's own loss too.
+    trainer, probe = one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class,
                                       dp_record_noise_multiplier=1e-12, dp_record_clip_norm=1e-4)
     assert trainer.records_per_batch == 2 and len(probe.micro_batches) == 2
     assert len(trainer.record_norms) == 1 and min(trainer.record_norms[0]) > 1e-4  # every record clipped
@@ -176,6 +183,17 @@ def test_a_client_sends_its_noised_reward_and_its_epsilon_alone_and_keeps_a_ledg
     sent = [reward for record in records for reward in record.rewards.values()]
     assert all(0 <= reward <= 1 for reward in sent)
     assert all(reward in (0.0, 1.0) or abs(reward * 256 - round(reward * 256)) > 1e-6 for reward in sent)
+
+
+def test_record_level_dp_composes_with_client_level_dp(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+    args = fast_args(num_clients=2, num_rounds=1, dp_record_noise_multiplier=1.0, dp_noise_multiplier=1.0,
+                     dp_noise_seed=5, eval_initial=False, aggregation="rpg")
+    runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), bounded_length_reward, args,
+                             [prompts(5, client) for client in range(2)], processing_class=tiny_tokenizer,
+                             report_header="")
+    (record,) = runner.run()
+    assert record.dp_epsilon > 0 and record.dp_record_epsilon_worst > 0
+    assert set(record.dp_rewards) == {"client_0", "client_1"}  # R̃ released twice: by each client, then the server
 
 
 def test_a_redone_round_draws_fresh_noise_and_counts_in_the_ledger(tmp_path, tiny_model_dir, tiny_tokenizer,
