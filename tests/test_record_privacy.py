@@ -126,6 +126,16 @@ def test_the_accountant_composes_what_the_docstring_says_with_dp_accounting():
         if reward_sigma is not None:
             accountant.compose(dp_event.GaussianDpEvent(reward_sigma))
     assert ledger_epsilon(entries, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    # equal rounds in a row are composed once with their count (a long run's ledger costs no more): the same ε
+    repeated = [entries[0]] * 3 + [entries[1]]
+    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    for entry in repeated:
+        step = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(entry["noise_multiplier"]),
+                                            entry["steps_per_batch"])
+        accountant.compose(dp_event.SampledWithoutReplacementDpEvent(40, 2, step), entry["generation_batches"])
+        if entry["reward_noise_multiplier"] is not None:
+            accountant.compose(dp_event.GaussianDpEvent(entry["reward_noise_multiplier"]))
+    assert ledger_epsilon(repeated, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
     assert ledger_epsilon([], 1e-5) == 0.0
     # more rounds, more ε; a larger sample of the same data, more ε
     assert ledger_epsilon(entries[:1], 1e-5) < ledger_epsilon(entries, 1e-5)

@@ -119,14 +119,21 @@ def ledger_event(entries: list[dict[str, Any]]):
     """The `dp_accounting` event of every round of `entries` (`round_releases`): each generation batch a Gaussian of
     its `steps_per_batch` steps on a sample of b of N drawn without replacement, each R̄ a Gaussian."""
     dp_event, _, _ = load_dp_accounting()
-    events = []
+    runs: list[tuple[dict[str, Any], int]] = []  # equal rounds in a row, composed once with their count
     for entry in entries:
+        if runs and runs[-1][0] == entry:
+            runs[-1] = (entry, runs[-1][1] + 1)
+        else:
+            runs.append((entry, 1))
+    events = []
+    for entry, rounds in runs:
         steps = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(entry["noise_multiplier"]),
                                              entry["steps_per_batch"])
         batch = dp_event.SampledWithoutReplacementDpEvent(entry["dataset_size"], entry["sample_size"], steps)
-        events.append(dp_event.SelfComposedDpEvent(batch, entry["generation_batches"]))
+        releases = [dp_event.SelfComposedDpEvent(batch, entry["generation_batches"])]
         if entry["reward_noise_multiplier"] is not None:
-            events.append(dp_event.GaussianDpEvent(entry["reward_noise_multiplier"]))
+            releases.append(dp_event.GaussianDpEvent(entry["reward_noise_multiplier"]))
+        events.append(dp_event.SelfComposedDpEvent(dp_event.ComposedDpEvent(releases), rounds))
     return dp_event.ComposedDpEvent(events)
 
 
