@@ -46,8 +46,10 @@ def parameters(cls) -> list[tuple[str, list[tuple[str, str, str]]]]:
 
 
 def declared_fields(cls) -> dict[str, dataclasses.Field]:
-    """The dataclass fields `cls` itself declares (not those it inherits unchanged)."""
-    own = cls.__dict__.get("__annotations__", {})
+    """The dataclass fields `cls` declares, itself or through its field mixins (not those it inherits unchanged)."""
+    from trl_federated.config.declared_fields import declared_annotations
+
+    own = declared_annotations(cls)
     return {f.name: f for f in dataclasses.fields(cls) if f.name in own}
 
 

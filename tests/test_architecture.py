@@ -21,7 +21,7 @@ LAYERS = {
     },
     "configuration, data and rewards": {
         "config", "config.fields", "config.building", "config.checks", "config.server_step", "config.results",
-        "config.recipes",
+        "config.recipes", "config.declared_fields",
         "data", "data.reasoning_gym", "data.paper", "data.partition", "data.loading",
         "scoring", "scoring.answer_check", "scoring.rewards",
     },
@@ -50,6 +50,7 @@ LAYERS = {
 CONFIG_IMPORTS = {
     "choices", "runtime.devices", "sampling",
     "config.fields", "config.building", "config.checks", "config.server_step", "config.results", "config.recipes",
+    "config.declared_fields",
 }
 
 
