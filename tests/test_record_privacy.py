@@ -188,6 +188,9 @@ def test_a_client_sends_its_noised_reward_and_its_epsilon_alone_and_keeps_a_ledg
         assert metrics["record_epsilon"] == pytest.approx(ledger_epsilon(ledger, args.dp_target_delta))
     assert max(records[-1].client_metrics[client]["record_epsilon"] for client in records[-1].client_metrics) \
         == worst[-1]
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "Differential privacy | record-level (DP-SGD in each client's local steps" in card
+    assert f"worst ε reported by a client = {worst[-1]:.3f} at δ = 1e-05" in card
     # R̄ leaves the client noised (std σ B / b = 1 here), then clamped to [0, 1]: at an end, or not a mean of rewards
     # that are multiples of 1/64 over 4 completions (the reward's own grid)
     sent = [reward for record in records for reward in record.rewards.values()]

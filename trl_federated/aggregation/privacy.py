@@ -432,7 +432,8 @@ class RecordPrivacyReports:
     reported for its records (a client's own account: the server cannot check it), and the worst, which the run
     reports every round (`dp_record_epsilon_worst`)."""
 
-    def __init__(self):
+    def __init__(self, target_delta: float, clip_norm: float):
+        self.target_delta, self.clip_norm = target_delta, clip_norm
         self.epsilons: dict[str, float] = {}
 
     def observe(self, updates: list[ClientUpdate]) -> None:
@@ -443,6 +444,14 @@ class RecordPrivacyReports:
     def round_metrics(self) -> list[RoundMetric]:
         worst = max(self.epsilons.values(), default=None)
         return [RoundMetric("dp_record_epsilon_worst", "worst ε_rec", worst, format=".3f")]
+
+    def describe(self) -> str:
+        """One line on the guarantee the clients reported, for the model card."""
+        worst = max(self.epsilons.values(), default=None)
+        epsilon = "no client reported yet" if worst is None else f"worst ε reported by a client = {worst:.3f}"
+        return (f"record-level (DP-SGD in each client's local steps, a record one prompt with its completions, clip "
+                f"norm {self.clip_norm:g}), {epsilon} at δ = {self.target_delta:g} (replace-one, each client's own RDP "
+                "accountant of dp-accounting, its prompts sampled without replacement)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"epsilons": dict(self.epsilons)}
