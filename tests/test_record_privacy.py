@@ -15,6 +15,7 @@ from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from conftest import FAST_GRPO
 from trl_federated import FederatedRunner
+from trl_federated.aggregation.privacy import append_ledger_line
 from trl_federated.callbacks import read_metrics
 from trl_federated.config import federated_config
 from trl_federated.local.local_trainer import local_trainer
@@ -221,6 +222,8 @@ def test_a_redone_round_draws_fresh_noise_and_counts_in_the_ledger(tmp_path, tin
     ledger = tmp_path / RECORD_LEDGER
     ledger.write_text(json.dumps(round_releases(2, 5, 1, 1, 1.0, 1.0)) + "\n" + '{"generation_b')
     assert len(read_ledger(ledger)) == 1  # a torn last line: that update never left the client
+    append_ledger_line(ledger, round_releases(2, 5, 1, 1, 1.0, 1.0))  # cut off, not joined: the new round counts
+    assert len(read_ledger(ledger)) == 2
 
 
 @pytest.mark.parametrize(

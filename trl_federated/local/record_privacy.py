@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import random
 import secrets
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..aggregation import ClientUpdate
-from ..aggregation.privacy import RECORD_EPSILON, load_dp_accounting
+from ..aggregation.privacy import RECORD_EPSILON, append_ledger_line, load_dp_accounting
 from ..runtime.master_weights import linear_term
 from .speedups import TrainerMixin
 
@@ -311,15 +310,6 @@ def rows_of(value, rows: torch.Tensor):
 PUBLIC_METRICS = ("train_seconds", "wall_clock")
 
 
-def append_to_ledger(path: Path, entry: dict[str, Any]) -> None:
-    """Append one round's releases to a client's ledger, flushed to disk before its update may leave."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as stream:
-        stream.write(json.dumps(entry, sort_keys=True) + "\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-
-
 def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
                    reward_range: tuple[float, float] | None) -> ClientUpdate:
     """`update` as it leaves a client under record-level DP: R̃ for R̄, no metric computed from the data, and the
@@ -338,7 +328,7 @@ def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
     reward = min(max(min(max(float(update.reward), low), high) + scale * float(noise), low), high)
     entry = trainer.round_releases(reward_noise_multiplier)
     entries = [*read_ledger(trainer.ledger_path), entry]
-    append_to_ledger(trainer.ledger_path, entry)
+    append_ledger_line(trainer.ledger_path, entry)
     metrics = {name: update.metrics[name] for name in PUBLIC_METRICS if name in update.metrics}
     metrics[RECORD_EPSILON] = ledger_epsilon(entries, args.dp_target_delta)
     return dataclasses.replace(update, reward=reward, metrics=metrics)
