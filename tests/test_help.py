@@ -102,7 +102,8 @@ def test_version_help_and_a_misspelled_key_import_neither_torch_nor_trl(tmp_path
     probe = (
         "import contextlib, io, sys\n"
         "from trl_federated.cli import main\n"
-        "for argv in (['--version'], ['--help'], ['run', '--config', sys.argv[1]], ['run', '--num_round', '2']):\n"
+        "for argv in (['--version'], ['--help'], ['compare', '--help'], ['run', '--config', sys.argv[1]],\n"
+        "             ['run', '--num_round', '2']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv)\n"
         "print(sorted({'torch', 'transformers', 'trl', 'peft'} & set(sys.modules)))\n"
