@@ -104,7 +104,7 @@ def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, ti
         trainer.train()
 
 
-def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
+def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog):
     output_dir = tmp_path / "cli-run"
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -133,7 +133,12 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
             }
         )
     )
-    assert main(["run", "--config", str(config), "--num_rounds", "2", "--aggregation", "rpg"]) == 0
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        assert main(["run", "--config", str(config), "--num_rounds", "2", "--aggregation", "rpg"]) == 0
+    # on the CPU, before the data and the model load: how long `make demo` takes on such a CPU, and why
+    notices = [index for index, record in enumerate(caplog.records) if record.getMessage().startswith("CPU run on ")]
+    assert len(notices) == 1 and "`make demo` took" in caplog.records[notices[0]].getMessage()
+    assert not any(record.name.startswith("trl_federated.data") for record in caplog.records[: notices[0]])
 
     for name in ("metrics.jsonl", "summary.md", "rewards.png", "weights.png", "accuracy.png",
                  "adapter_model.safetensors", "adapter_config.json"):
@@ -154,6 +159,20 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     assert f"{mib} sent ({adapter_bytes:,} bytes, its adapter), {mib} received ({adapter_bytes:,} bytes" in summary
     events = [json.loads(line)["event"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
+
+
+def test_a_cpu_run_says_how_long_the_demo_takes_on_such_a_cpu_and_why():
+    # one line, from docs/getting-started.md's measurements of `make demo`, by whether the CPU computes bf16 natively
+    from trl_federated.federation import cpu_time_notice
+
+    guide = " ".join((ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8").split())
+    native, emulated = cpu_time_notice(2, native_bf16=True), cpu_time_notice(1, native_bf16=False)
+    for notice, figures in ((native, ["4 min 37 s"]), (emulated, ["3 min 49 s", "9 minutes"])):
+        assert "\n" not in notice and "(docs/getting-started.md)" in notice
+        assert all(figure in notice and figure in guide for figure in figures), (notice, figures)
+    assert native.startswith("CPU run on 2 cores with native bf16") and "bfloat16" in native
+    assert emulated.startswith("CPU run on 1 core without native bf16") and "float32" in emulated
+    assert "fewer cores" in emulated and "fewer cores" not in native
 
 
 def test_cli_takes_a_reward_model_by_path(tiny_model_dir):
