@@ -242,3 +242,23 @@ def test_a_redone_round_draws_fresh_noise_and_counts_in_the_ledger(tmp_path, tin
 def test_bad_record_privacy_settings_are_refused_by_name(fast_args, settings, named):
     with pytest.raises(ValueError, match=named):
         fast_args(**settings)
+
+
+def test_a_single_trainer_trains_privately_too_and_says_its_epsilon(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                    fast_args):
+    # The drop-in FedGRPOTrainer with one client: DP-SGD on its own, with its ledger; before, the fields were ignored
+    from peft import LoraConfig
+
+    from trl_federated import FedGRPOTrainer
+    from trl_federated.local.record_privacy import RecordPrivacyMixin
+
+    args = fast_args(num_clients=1, max_steps=2, dp_record_noise_multiplier=1.0, output_dir=str(tmp_path / "one"))
+    trainer = FedGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                             reward_funcs=bounded_length_reward, args=args, train_dataset=prompts(6),
+                             processing_class=tiny_tokenizer, peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    assert isinstance(trainer, RecordPrivacyMixin)
+    output = trainer.train()
+    ledger = read_ledger(tmp_path / "one" / RECORD_LEDGER)
+    assert ledger == [round_releases(2, 6, 1, 1, 1.0, None)]
+    assert output.metrics["record_epsilon"] == pytest.approx(ledger_epsilon(ledger, args.dp_target_delta))
+    assert output.metrics["record_epsilon"] > 0

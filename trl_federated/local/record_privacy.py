@@ -291,10 +291,14 @@ class RecordPrivacyMixin(TrainerMixin):
         self.record_gradients, self.micro_batches = {}, 0
         return torch._foreach_div(total, self.records_per_batch)
 
-    def round_releases(self, reward_noise_multiplier: float | None) -> dict[str, Any]:
-        """This round's releases (`round_releases`), R̄ released with `reward_noise_multiplier` (None: not at all)."""
-        return round_releases(self.generation_batches, len(self.train_dataset), self.records_per_batch,
-                              self.num_iterations, self.record_noise_multiplier, reward_noise_multiplier)
+    def account_round(self, reward_noise_multiplier: float | None) -> float:
+        """Append this round's releases (`round_releases`; R̄ released with `reward_noise_multiplier`, None: not
+        released) to the ledger, flushed before anything leaves, and return ε at `dp_target_delta` over it all."""
+        entry = round_releases(self.generation_batches, len(self.train_dataset), self.records_per_batch,
+                               self.num_iterations, self.record_noise_multiplier, reward_noise_multiplier)
+        entries = [*read_ledger(self.ledger_path), entry]
+        append_ledger_line(self.ledger_path, entry)
+        return ledger_epsilon(entries, self.args.dp_target_delta)
 
 
 def rows_of(value, rows: torch.Tensor):
@@ -326,9 +330,6 @@ def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
     scale = reward_noise_multiplier * (high - low) / trainer.records_per_batch
     # Clamped again after the noise (post-processing): the server refuses an R̄ outside the declared range.
     reward = min(max(min(max(float(update.reward), low), high) + scale * float(noise), low), high)
-    entry = trainer.round_releases(reward_noise_multiplier)
-    entries = [*read_ledger(trainer.ledger_path), entry]
-    append_ledger_line(trainer.ledger_path, entry)
     metrics = {name: update.metrics[name] for name in PUBLIC_METRICS if name in update.metrics}
-    metrics[RECORD_EPSILON] = ledger_epsilon(entries, args.dp_target_delta)
+    metrics[RECORD_EPSILON] = trainer.account_round(reward_noise_multiplier)
     return dataclasses.replace(update, reward=reward, metrics=metrics)
