@@ -96,13 +96,17 @@ def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, traine
     return trainer, probe
 
 
-@pytest.mark.parametrize("trainer_class", [GRPOTrainer, RLOOTrainer])
+@pytest.mark.parametrize(("trainer_class", "options"), [
+    (GRPOTrainer, {}), (RLOOTrainer, {}), (GRPOTrainer, {"gradient_checkpointing": True}),
+    (GRPOTrainer, {"loss_type": "bnpo", "beta": 0.05}),
+])
 def test_the_step_follows_the_dp_sgd_equation_with_each_record_clipped_over_its_micro_batches(
-        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class):
+        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class, options):
     # 2 prompts x 4 completions a step, in 2 micro-batches that TRL shuffled: a record's rows span both. A clip norm
-    # far below every record's gradient norm clips them all; σ ≈ 0 leaves the equation's value. RLOO's own loss too.
+    # far below every record's gradient norm clips them all; σ ≈ 0 leaves the equation's value. RLOO's own loss,
+    # TRL's gradient checkpointing (its default), a token-normalised loss with a KL term too.
     trainer, probe = one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class,
-                                      dp_record_noise_multiplier=1e-12, dp_record_clip_norm=1e-4)
+                                      dp_record_noise_multiplier=1e-12, dp_record_clip_norm=1e-4, **options)
     assert trainer.records_per_batch == 2 and len(probe.micro_batches) == 2
     assert len(trainer.record_norms) == 1 and min(trainer.record_norms[0]) > 1e-4  # every record clipped
     assert torch.allclose(probe.applied, probe.expected, rtol=1e-4, atol=1e-10)
