@@ -122,29 +122,40 @@ def test_the_noise_has_std_two_sigma_c_over_b(tmp_path, tiny_model_dir, tiny_tok
     assert abs(noise.mean().item()) < 4 * noise.std().item() / math.sqrt(noise.numel())
 
 
+def expected_epsilon(entries, delta=1e-5):
+    """ε of `entries` composed as the module's docstring says, round by round, with dp-accounting directly."""
+    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    for entry in entries:
+        step = [dp_event.GaussianDpEvent(entry["noise_multiplier"])]
+        if entry["step_reward_noise_multiplier"] is not None:  # each step's reward, released with its gradient
+            step.append(dp_event.GaussianDpEvent(entry["step_reward_noise_multiplier"]))
+        steps = dp_event.SelfComposedDpEvent(dp_event.ComposedDpEvent(step), entry["steps_per_batch"])
+        batch = dp_event.SampledWithoutReplacementDpEvent(entry["dataset_size"], entry["sample_size"], steps)
+        accountant.compose(batch, entry["generation_batches"])
+    return accountant.get_epsilon(delta)
+
+
 def test_the_accountant_composes_what_the_docstring_says_with_dp_accounting():
     entries = [round_releases(3, 40, 2, 1, 1.1, 1.1), round_releases(2, 40, 2, 2, 0.9, None)]
-    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
-    for batches, steps, sigma, reward_sigma in ((3, 1, 1.1, 1.1), (2, 2, 0.9, None)):
-        step = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(sigma), steps)
-        accountant.compose(dp_event.SampledWithoutReplacementDpEvent(40, 2, step), batches)
-        if reward_sigma is not None:
-            accountant.compose(dp_event.GaussianDpEvent(reward_sigma))
-    assert ledger_epsilon(entries, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert ledger_epsilon(entries, 1e-5) == pytest.approx(expected_epsilon(entries), rel=1e-9)
+    assert ledger_epsilon([], 1e-5) == 0.0
     # equal rounds in a row are composed once with their count (a long run's ledger costs no more): the same ε
     repeated = [entries[0]] * 3 + [entries[1]]
-    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
-    for entry in repeated:
-        step = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(entry["noise_multiplier"]),
-                                            entry["steps_per_batch"])
-        accountant.compose(dp_event.SampledWithoutReplacementDpEvent(40, 2, step), entry["generation_batches"])
-        if entry["reward_noise_multiplier"] is not None:
-            accountant.compose(dp_event.GaussianDpEvent(entry["reward_noise_multiplier"]))
-    assert ledger_epsilon(repeated, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
-    assert ledger_epsilon([], 1e-5) == 0.0
-    # more rounds, more ε; a larger sample of the same data, more ε
+    assert ledger_epsilon(repeated, 1e-5) == pytest.approx(expected_epsilon(repeated), rel=1e-9)
+    # more rounds, more ε; a larger sample of the same data, more ε; R̄'s release costs something
     assert ledger_epsilon(entries[:1], 1e-5) < ledger_epsilon(entries, 1e-5)
     assert ledger_epsilon([round_releases(3, 40, 4, 1, 1.1, 1.1)], 1e-5) > ledger_epsilon(entries[:1], 1e-5)
+    assert ledger_epsilon([round_releases(3, 40, 2, 1, 1.1, None)], 1e-5) < ledger_epsilon(entries[:1], 1e-5)
+
+
+def test_releasing_the_step_rewards_within_the_sampled_steps_is_amplified():
+    # R̄ released once a round outside the sampling (a plain Gaussian of σ_R), against every step's reward released
+    # with its sampled step: at b/N = 2/1000 over 30 rounds, the former alone costs more than everything else
+    dataset, rounds = 1000, 30
+    within = [round_releases(10, dataset, 2, 1, 1.0, 1.0)] * rounds
+    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_event.GaussianDpEvent(1.0), rounds)
+    assert accountant.get_epsilon(1e-5) > 2 * ledger_epsilon(within, 1e-5)
 
 
 def test_the_calibrated_noise_is_the_least_within_the_budget():
