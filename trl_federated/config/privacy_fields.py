@@ -82,8 +82,9 @@ class PrivacyFields:
             norms of the quickstart's LoRA, so that clipping bounds the large ones without shrinking the typical
             (`benchmarks/record_dp_step.py`). The noise-to-signal ratio does not depend on it.
         dp_record_reward_noise_multiplier (`float` or `None`, *optional*):
-            σ_R of R̄'s release under record-level DP: noise of std σ_R × B / b on R̄ clamped to the reward functions'
-            declared range B, b prompts a step. `None`: the noise multiplier σ.
+            σ_R of R̄'s release under record-level DP: each of the last `reward_window` step rewards, clamped to the
+            reward functions' declared range B, gets noise of std σ_R × B / b (b prompts a step) with its sampled
+            step, and R̄ is their mean. `None`: the noise multiplier σ.
     """
 
     dp_noise_multiplier: float | None = field(
@@ -206,7 +207,8 @@ class PrivacyFields:
         default=None,
         metadata={
             "help": ResultHelp(
-                "σ_R of R̄'s release under record-level DP (noise std σ_R x reward range / prompts a step). None: σ."
+                "σ_R of R̄'s release under record-level DP: noise of std σ_R x reward range / prompts a step on each "
+                "step reward of the window, R̄ their mean. None: σ."
             )
         },
     )
