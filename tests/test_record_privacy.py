@@ -186,13 +186,18 @@ def test_every_batch_is_a_fresh_uniform_sample_without_replacement():
         RecordSampler(2, 3, 1, 1, torch.Generator())
 
 
+@pytest.mark.parametrize("client_trainer", [GRPOTrainer, "FedGRPOTrainer"])
 def test_a_client_sends_its_noised_reward_and_its_epsilon_alone_and_keeps_a_ledger(
-        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, client_trainer):
+    # FedGRPOTrainer, the CLI's client trainer, accounts a single trainer's run itself: not a client's round twice
+    from trl_federated import FedGRPOTrainer
+
     args = fast_args(num_clients=2, dp_record_noise_multiplier=1.0, dp_noise_seed=5, eval_initial=False,
                      output_dir=str(tmp_path / "run"))
     runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), bounded_length_reward, args,
                              [prompts(5, client) for client in range(2)], processing_class=tiny_tokenizer,
-                             report_header="")
+                             report_header="",
+                             trainer_class=FedGRPOTrainer if client_trainer == "FedGRPOTrainer" else client_trainer)
     records = runner.run()
     lines = [line for line in read_metrics(tmp_path / "run" / "metrics.jsonl") if line.get("event") == "round"]
     worst = [record.dp_record_epsilon_worst for record in records]

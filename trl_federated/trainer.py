@@ -109,7 +109,9 @@ class FederatedGRPOMixin(LocalGRPOMixin):
                 self.args.resume_from_checkpoint = resume_from_checkpoint
             return self._train_federated()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
-        if isinstance(self, RecordPrivacyMixin):  # a single private trainer: its releases are its adapter alone
+        # A single private trainer: its release is its adapter alone. A federation's client (`federation_round` set)
+        # accounts its round where its update leaves it (`record_privacy.private_update`), R̄ included.
+        if isinstance(self, RecordPrivacyMixin) and getattr(self.args, "federation_round", None) is None:
             epsilon = self.account_round(reward_noise_multiplier=None)
             output.metrics[RECORD_EPSILON] = epsilon
             logger.info("Record-level DP: ε = %.3f at δ = %g over every run in %s (its ledger, %s).", epsilon,
