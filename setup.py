@@ -63,6 +63,9 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["trl_federated", "trl_federated.*"]),
+    # The run parser as recorded for the installed TRL (`arguments.flags.recorded_parser`): `--help` and a bad value
+    # answered before TRL imports
+    package_data={"trl_federated.arguments": ["known_parsers.json"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["trl-federated=trl_federated.cli:main"]},

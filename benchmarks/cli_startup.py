@@ -1,4 +1,5 @@
-"""Wall time of the command line's quick answers: `--version`, `--help`, `run --help` and a misspelled YAML key.
+"""Wall time of the command line's quick answers: `--version`, `--help`, `run --help`, `compare --help`, a misspelled
+YAML key, a value that does not convert (`--num_rounds abc`) and one outside its choices (`--aggregation foo`).
 
     python benchmarks/cli_startup.py [--baseline /path/to/another/checkout] [--repeats 5]
 
@@ -28,7 +29,10 @@ def commands(typo_config: Path) -> dict[str, list[str]]:
         "--version": ["--version"],
         "--help": ["--help"],
         "run --help": ["run", "--help"],
+        "compare --help": ["compare", "--help"],
         "YAML typo": ["run", "--config", str(typo_config)],
+        "--num_rounds abc": ["run", "--num_rounds", "abc"],
+        "--aggregation foo": ["run", "--aggregation", "foo"],
     }
 
 
@@ -57,11 +61,11 @@ def main() -> None:
     print(f"median seconds of {args.repeats} runs" + (f"; baseline {args.baseline}" if args.baseline else ""))
     for index, kind in enumerate(("wall", "CPU")):
         header = "".join(f"{f'{kind} {name}':>16}" for name in checkouts) + ("     ratio" if args.baseline else "")
-        print(f"{'command':<12}{header}")
+        print(f"{'command':<20}{header}")
         for command in commands(Path("typo.yaml")):
             medians = [statistics.median(pair[index] for pair in times[name, command]) for name in checkouts]
             ratio = f"{medians[0] / medians[1]:>10.3f}" if args.baseline else ""
-            print(f"{command:<12}" + "".join(f"{median:>16.2f}" for median in medians) + ratio)
+            print(f"{command:<20}" + "".join(f"{median:>16.2f}" for median in medians) + ratio)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ last round reported, σ, the std of Δ's noise, the clients' update norms agains
 local step took, and the clients' mean R̄ per round, which `curves.png` plots.
 
 With `--level record`, DP is record-level instead (`local.record_privacy`): each cell runs with `--dp_record_epsilon ε`,
-every client calibrating its own σ to its data size over the run, in `benchmarks/results/dp-record-<N>/` for N
-clients; ε reached is the worst a client reported. The committed cells (the quickstart's budget):
+every client calibrating its own σ to its data size over the run (σ: the range over the clients' ledgers, committed
+with the cell), in `benchmarks/results/dp-record-<N>/` for N clients; ε reached is the worst a client reported. The
+committed cells (the quickstart's budget):
 
     python benchmarks/dp_cost.py [--methods fedavg fgrpo] [--epsilons inf 8 1] [--commit] [--report_only]
     python benchmarks/dp_cost.py --level record --num_clients 3 --dirichlet_alpha 0.05 --fraction_train 1.0 \
@@ -38,6 +39,7 @@ from harness.cells import BUDGET_FILE, round_records
 from harness.grid import check_budget, commit, committed_files, run_cells
 from trl_federated.aggregation.privacy import ClientLevelPrivacy
 from trl_federated.compare import Cell, cell_command, final_accuracy, load_result
+from trl_federated.local.record_privacy import RECORD_LEDGER, read_ledger
 from trl_federated.methods import METHODS
 from trl_federated.sampling import clients_per_round
 
@@ -132,8 +134,10 @@ def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str, k
             without_dp.append(directory)
         local_steps = json.loads((folder / BUDGET_FILE).read_text(encoding="utf-8"))["config"]["local_steps"]
         row, sigma = cell_row(directory, local_steps), recorded_noise_multiplier(folder)
-        sigma_text = ("per client" if kind == "record" and level != "inf" else "–") if sigma is None else (
-            f"{sigma:.3g}")
+        client_sigmas = sorted({entry["noise_multiplier"] for path in directory.glob(f"clients/*/{RECORD_LEDGER}")
+                                for entry in read_ledger(path)})
+        sigma_text = "–" if sigma is None and not client_sigmas else f"{sigma:.3g}" if sigma is not None else (
+            "-".join(dict.fromkeys(f"{value:.3g}" for value in (client_sigmas[0], client_sigmas[-1]))))
         epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
         noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
         target = "∞" if level == "inf" else level

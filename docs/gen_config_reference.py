@@ -1,10 +1,10 @@
 """The configuration reference page, generated from the code: never written twice.
 
-`FedGRPOConfig`'s `Parameters:` docstring (sections `> Title`, then `name (`type`, ...):` entries) gives the
-federation's fields and the GRPO defaults it changes; `FedDAPOConfig` and `FedGSPOConfig` the recipes' defaults; the
-field help of `BenchmarkArguments` the data and reward flags. `render()` returns the page; the MkDocs hook
-(`docs/hooks.py`) adds it to the site as `config-reference.md` on every build, and `python docs/gen_config_reference.py`
-prints it.
+`FedGRPOConfig`'s `Parameters:` docstring (sections `> Title`, then `name (`type`, ...):` entries, its field mixins'
+first: `declared_fields.documents_field_mixins`) gives the federation's fields and the GRPO defaults it changes;
+`FedDAPOConfig` and `FedGSPOConfig` the recipes' defaults; the field help of `BenchmarkArguments` the data and reward
+flags. `render()` returns the page; the MkDocs hook (`docs/hooks.py`) adds it to the site as `config-reference.md` on
+every build, and `python docs/gen_config_reference.py` prints it.
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def parameters(cls) -> list[tuple[str, list[tuple[str, str, str]]]]:
 
 
 def declared_fields(cls) -> dict[str, dataclasses.Field]:
-    """The dataclass fields `cls` itself declares (not those it inherits unchanged)."""
-    own = cls.__dict__.get("__annotations__", {})
+    """The dataclass fields `cls` declares, itself or through its field mixins (not those it inherits unchanged)."""
+    from trl_federated.config.declared_fields import declared_annotations
+
+    own = declared_annotations(cls)
     return {f.name: f for f in dataclasses.fields(cls) if f.name in own}
 
 
@@ -85,10 +87,11 @@ def render() -> str:
         "# Configuration reference",
         "",
         "Generated when the docs build (`docs/gen_config_reference.py`) from `FedGRPOConfig`'s `Parameters:`",
-        "docstring, the recipes' docstrings and `BenchmarkArguments`' field help: edit those, not this page. Every",
-        "field is a YAML key of `trl-federated run --config` and a `--flag` of the same name; every other",
-        "`trl.GRPOConfig` field (TRL's documentation) and TRL's `ModelConfig` (`model_name_or_path`, `lora_*`) parse",
-        "the same way. In a Flower app's run config each is the kebab-case key (`num_rounds` is `num-rounds`).",
+        "docstring (and its field mixins', beside it in `trl_federated/config/`), the recipes' docstrings and",
+        "`BenchmarkArguments`' field help: edit those, not this page. Every field is a YAML key of",
+        "`trl-federated run --config` and a `--flag` of the same name; every other `trl.GRPOConfig` field (TRL's",
+        "documentation) and TRL's `ModelConfig` (`model_name_or_path`, `lora_*`) parse the same way. In a Flower app's",
+        "run config each is the kebab-case key (`num_rounds` is `num-rounds`).",
         "",
         plain(intro.strip()),
         "",

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny real model and tokenizer built offline, a tiny vision-language model, the paper's
 datasets as small offline fixtures, and a fast CPU GRPO configuration."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,20 @@ def fast_args(tmp_path):
         return FedGRPOConfig(**values)
 
     return make
+
+
+@pytest.fixture
+def registries_as_recorded(monkeypatch):
+    """The registries of choice names (`choices.AGGREGATIONS`, `SERVER_OPTIMIZERS`) without the names that tests
+    register in this process (`own_methods`, test_stateful_aggregator.py), as a fresh `trl-federated run` sees them:
+    the names `known_parsers.json` records, which tests/test_cli.py checks in a fresh interpreter."""
+    from trl_federated import choices
+    from trl_federated.arguments import flags
+
+    recorded = json.loads(flags.KNOWN_PARSERS.read_text(encoding="utf-8"))["actions"]
+    for record in recorded:
+        registry_name, recorded_choices = record[7], record[6]
+        if registry_name is not None:
+            registry = getattr(choices, registry_name)
+            for name in [name for name in registry if name not in recorded_choices]:
+                monkeypatch.delitem(registry, name)

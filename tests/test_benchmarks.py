@@ -282,8 +282,12 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
     for record in rounds:
         record["dp_record_epsilon_worst"] = record.pop("dp_epsilon")
     (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
+    for client, sigma in (("a", 1.2), ("b", 1.25)):  # each client's ledger, with the σ it calibrated
+        ledger = directory / "clients" / client / "record-dp-releases.jsonl"
+        ledger.parent.mkdir(parents=True)
+        ledger.write_text(json.dumps({"noise_multiplier": sigma}) + "\n")
     report = dp_cost.write_report(tmp_path, {("fedavg", "4"): cell}, "cmd", kind="record")
-    assert "# What record-level DP costs" in report and "| fedavg | 4 | per client | 10.0 | 25.0 | 3.99 |" in report
+    assert "# What record-level DP costs" in report and "| fedavg | 4 | 1.2-1.25 | 10.0 | 25.0 | 3.99 |" in report
     assert "| fgrpo |" not in report  # not run: no folder
     assert (tmp_path / dp_cost.CURVES_FILE).stat().st_size > 0
     assert "Update norms" not in report  # no cell without DP

@@ -4,6 +4,8 @@ import importlib.util
 import json
 import logging
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,8 @@ from trl_federated.cli import (
     reward_functions,
     training_rewards,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def labelled_dataset(n=24):
@@ -100,7 +104,7 @@ def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, ti
         trainer.train()
 
 
-def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
+def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog):
     output_dir = tmp_path / "cli-run"
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -129,7 +133,12 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
             }
         )
     )
-    assert main(["run", "--config", str(config), "--num_rounds", "2", "--aggregation", "rpg"]) == 0
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        assert main(["run", "--config", str(config), "--num_rounds", "2", "--aggregation", "rpg"]) == 0
+    # on the CPU, before the data and the model load: how long `make demo` takes on such a CPU, and why
+    notices = [index for index, record in enumerate(caplog.records) if record.getMessage().startswith("CPU run on ")]
+    assert len(notices) == 1 and "`make demo` took" in caplog.records[notices[0]].getMessage()
+    assert not any(record.name.startswith("trl_federated.data") for record in caplog.records[: notices[0]])
 
     for name in ("metrics.jsonl", "summary.md", "rewards.png", "weights.png", "accuracy.png",
                  "adapter_model.safetensors", "adapter_config.json"):
@@ -150,6 +159,20 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir):
     assert f"{mib} sent ({adapter_bytes:,} bytes, its adapter), {mib} received ({adapter_bytes:,} bytes" in summary
     events = [json.loads(line)["event"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
+
+
+def test_a_cpu_run_says_how_long_the_demo_takes_on_such_a_cpu_and_why():
+    # one line, from docs/getting-started.md's measurements of `make demo`, by whether the CPU computes bf16 natively
+    from trl_federated.federation import cpu_time_notice
+
+    guide = " ".join((ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8").split())
+    native, emulated = cpu_time_notice(2, native_bf16=True), cpu_time_notice(1, native_bf16=False)
+    for notice, figures in ((native, ["4 min 37 s"]), (emulated, ["3 min 49 s", "9 minutes"])):
+        assert "\n" not in notice and "(docs/getting-started.md)" in notice
+        assert all(figure in notice and figure in guide for figure in figures), (notice, figures)
+    assert native.startswith("CPU run on 2 cores with native bf16") and "bfloat16" in native
+    assert emulated.startswith("CPU run on 1 core without native bf16") and "float32" in emulated
+    assert "fewer cores" in emulated and "fewer cores" not in native
 
 
 def test_cli_takes_a_reward_model_by_path(tiny_model_dir):
@@ -232,6 +255,14 @@ def test_the_names_checked_before_trl_imports_are_the_parsers(tmp_path, monkeypa
     assert Path(known_flags.__file__).read_text(encoding="utf-8") == parsing.known_flags_source(), (
         "rewrite it: python -m trl_federated.arguments.parsing"
     )
+    # the parsers, recorded in a fresh interpreter as the command line runs: without the names that tests register
+    probe = "import sys\nfrom trl_federated.arguments import parsing\nsys.stdout.write(parsing.known_parsers_source())"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, encoding="utf-8",
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert flags.KNOWN_PARSERS.read_text(encoding="utf-8") == result.stdout, (
+        "rewrite it: python -m trl_federated.arguments.parsing"
+    )
     config = tmp_path / "run.yaml"
     config.write_text("num_round: 2\n", encoding="utf-8")
     with pytest.raises(SystemExit):
@@ -240,6 +271,56 @@ def test_the_names_checked_before_trl_imports_are_the_parsers(tmp_path, monkeypa
     flags.check_before_import(["--config", str(config), "--trainer_config_class", "my_lib:MyConfig"])
     monkeypatch.setattr(flags, "installed_versions", lambda: ("0.0", "0.0"))
     flags.check_before_import(["--config", str(config)])
+
+
+@pytest.mark.parametrize("columns", ["70", "160"])
+def test_the_recorded_parser_prints_the_parsers_help(monkeypatch, columns, registries_as_recorded):
+    # `run --help` before TRL imports prints the recorded parser's help: the parser's, text for text, whatever the
+    # terminal's width
+    from trl_federated.arguments import flags, parsing
+    from trl_federated.config import CONFIG_CLASSES
+
+    monkeypatch.setenv("COLUMNS", columns)
+    for algorithm, config in CONFIG_CLASSES.items():
+        assert flags.recorded_parser(algorithm).format_help() == parsing.run_parser(config).format_help(), algorithm
+    assert flags.recorded_parser("ppo") is None
+    from trl_federated.choices import AGGREGATIONS, Aggregation
+
+    monkeypatch.setitem(AGGREGATIONS, "own", Aggregation(None))  # registered in this process: the parser's choices
+    assert flags.recorded_parser("grpo") is None
+
+
+def stderr_of(call, capsys) -> str | None:
+    """What `call()` wrote to stderr as it exited with status 2, or None when it returned."""
+    try:
+        call()
+    except SystemExit as stop:
+        assert stop.code == 2
+        return capsys.readouterr().err
+    return None
+
+
+def test_value_errors_answered_before_trl_imports_are_the_parsers(tmp_path, capsys, registries_as_recorded):
+    """A value that does not convert, or is outside its field's choices, is refused from the record in the words the
+    parser refuses it with; a type the record leaves to the parser (TRL's `DebugOption`), a range the config checks
+    (`__post_init__`), and `--help` beside a YAML (its values are the defaults --help shows) are the parser's."""
+    from trl_federated.arguments import flags
+
+    config = tmp_path / "run.yaml"
+    config.write_text("num_rounds: abc\n", encoding="utf-8")
+    refused = [
+        ["--num_rounds", "abc"], ["--learning_rate", "x"], ["--max_eval_samples", "x"], ["--bf16", "maybe"],
+        ["--bf16", "false", "--num_rounds", "abc"], ["--eval_strategy", "steps", "--num_rounds", "abc"],
+        ["--num_rounds"], ["--aggregation", "foo"], ["--algorithm", "dapo", "--epsilon_high", "x"],
+        ["--config", str(config)], ["--config", str(config), "--num_rounds", "2", "--seed", "x"],
+    ]  # fmt: skip
+    for argv in refused:
+        fast = stderr_of(lambda: flags.check_before_import(argv), capsys)
+        assert fast is not None and fast.count("\n") == 1, argv
+        assert fast == stderr_of(lambda: parse_run_args(argv), capsys), argv
+    for argv in (["--num_rounds", "-1"], ["--debug", "foo", "--num_rounds", "abc"], ["--config", str(config), "-h"]):
+        assert stderr_of(lambda: flags.check_before_import(argv), capsys) is None, argv
+    assert "invalid DebugOption value: 'foo'" in stderr_of(lambda: parse_run_args(["--debug", "foo"]), capsys)
 
 
 def test_the_flower_run_config_and_the_yaml_share_one_hint():

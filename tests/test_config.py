@@ -9,6 +9,7 @@ from trl_federated import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 from trl_federated.adapters import DTYPES, QUANTIZED_LEVELS
 from trl_federated.choices import NORM_ACTIONS
 from trl_federated.config import TRL_RESULT_FIELDS, ResultHelp, result_fields
+from trl_federated.config.declared_fields import declared_annotations
 
 
 def make(tmp_path, **kwargs):
@@ -161,7 +162,20 @@ def test_result_fields_are_the_hand_kept_list(tmp_path, config_class):
 
 
 def own_fields(config_class) -> list[str]:
-    return list(vars(config_class)["__annotations__"])
+    """The fields `config_class` declares, in its body or in its field mixins (`declared_fields`)."""
+    return list(declared_annotations(config_class))
+
+
+def test_own_fields_are_every_field_a_config_does_not_inherit_unchanged():
+    # The list the type checks, the docs' reference and the tests above read misses no field of the federation's
+    inherited = {FedGRPOConfig: GRPOConfig, FedDAPOConfig: FedGRPOConfig, FedGSPOConfig: FedGRPOConfig}
+    for config_class, parent in inherited.items():
+        parent_fields = parent.__dataclass_fields__
+        changed = {name for name, f in config_class.__dataclass_fields__.items() if parent_fields.get(name) is not f}
+        assert set(own_fields(config_class)) == changed, config_class
+    assert {"num_rounds", "update_norm_bound", "dp_noise_multiplier", "resume_allow_changes"} <= set(
+        own_fields(FedGRPOConfig)
+    )
 
 
 @pytest.mark.parametrize("config_class", [FedGRPOConfig, FedDAPOConfig, FedGSPOConfig])

@@ -1,6 +1,7 @@
 """Every entry point answers `--help`: exit status 0, its flags on stdout, grouped by argument group as TRL's
 `HfArgumentParser` groups a dataclass, and nothing run."""
 
+import json
 import os
 import subprocess
 import sys
@@ -95,14 +96,16 @@ def test_version_names_the_package_and_what_it_runs_on():
     assert f"trl {trl.__version__}" in result.stdout
 
 
-def test_version_help_and_a_misspelled_key_import_neither_torch_nor_trl(tmp_path):
+def test_version_help_a_misspelled_key_and_a_bad_value_import_neither_torch_nor_trl(tmp_path):
     # Each of those imports seconds before a one-line answer; benchmarks/cli_startup.py times the commands.
     config = tmp_path / "run.yaml"
     config.write_text("lerning_rate: 1.0e-5\n", encoding="utf-8")
     probe = (
         "import contextlib, io, sys\n"
         "from trl_federated.cli import main\n"
-        "for argv in (['--version'], ['--help'], ['run', '--config', sys.argv[1]], ['run', '--num_round', '2']):\n"
+        "for argv in (['--version'], ['--help'], ['compare', '--help'], ['run', '--help'],\n"
+        "             ['run', '--config', sys.argv[1]], ['run', '--num_round', '2'], ['run', '--num_rounds', 'abc'],\n"
+        "             ['run', '--aggregation', 'fgrpo']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv)\n"
         "print(sorted({'torch', 'transformers', 'trl', 'peft'} & set(sys.modules)))\n"
@@ -113,4 +116,31 @@ def test_version_help_and_a_misspelled_key_import_neither_torch_nor_trl(tmp_path
     assert result.stderr.splitlines() == [
         f"trl-federated run: error: unknown key `lerning_rate` in {config}. Did you mean `learning_rate`?",
         "trl-federated run: error: unknown flag `--num_round`. Did you mean `--num_rounds`?",
+        "trl-federated run: error: argument --num_rounds/--num-rounds: invalid int value: 'abc'",
+        "trl-federated run: error: argument --aggregation: invalid choice: 'fgrpo' (choose from 'rpg', 'fedavg', "
+        "'fedprox', 'scaffold'). `fgrpo` names the method FGRPO; `run` takes it as `--aggregation rpg "
+        "--server_optimizer sgd`.",
     ]
+
+
+def test_run_help_printed_before_trl_imports_is_the_parsers(monkeypatch, registries_as_recorded):
+    # `run --help` prints the parser as `known_parsers.json` records it (`flags.recorded_parser`), for the algorithm
+    # the flags name; the text is the parser's (tests/test_cli.py checks the record at other widths)
+    from trl_federated.arguments import run_parser
+    from trl_federated.config import CONFIG_CLASSES
+
+    monkeypatch.setenv("COLUMNS", "100")
+    probe = (
+        "import contextlib, io, json, sys\n"
+        "from trl_federated.cli import main\n"
+        "texts = []\n"
+        "for argv in (['run', '--help'], ['run', '--algorithm', 'dapo', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()) as text:\n"
+        "        main(argv)\n"
+        "    texts.append(text.getvalue())\n"
+        "print(json.dumps([texts, sorted({'torch', 'transformers', 'trl', 'peft'} & set(sys.modules))]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    texts, imported = json.loads(result.stdout)
+    assert imported == [], imported
+    assert texts == [run_parser(CONFIG_CLASSES[name]).format_help() for name in ("grpo", "dapo")]

@@ -81,3 +81,12 @@ def test_a_method_that_sets_another_field_names_only_the_configurations_with_its
     assert method_name(args) == "FGRPO (noise-aware RPG)"
     args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, aggregation="fedavg", rpg_gain="noise-aware")
     assert method_name(args) == "FedAvg"  # rpg_gain is RPG's: FedAvg keeps its name
+
+
+def test_fgrpo_step_is_read_as_declared_and_is_the_registered_one():
+    # `methods` reads FGRPO's step without filling the registry (no torch for `trl-federated compare --help`); the
+    # aggregation package's registration keeps the declared row
+    from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS
+    from trl_federated.methods import FGRPO_STEP
+
+    assert FGRPO_STEP == AGGREGATION_SERVER_OPTIMIZERS["rpg"] == AGGREGATIONS.declared("rpg").server_optimizer

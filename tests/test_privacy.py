@@ -318,6 +318,12 @@ def test_a_torn_last_line_of_the_release_ledger_is_not_counted(tmp_path):
     resumed = privacy(release_log=log)
     resumed.load_state_dict(mechanism.state_dict())
     assert resumed.releases == 1 and resumed.last_epsilon == mechanism.last_epsilon
+    # the next release is not glued onto the torn line: it and every later one count
+    resumed.compose_round(1.0, 1)
+    resumed.compose_round(1.0, 2)
+    again = privacy(release_log=log)  # resumed from the earlier checkpoint: the ledger alone knows of the two
+    again.load_state_dict(mechanism.state_dict())
+    assert again.releases == 3 and again.last_epsilon == resumed.last_epsilon
 
 
 def test_under_dp_the_clients_sample_is_drawn_from_a_server_secret(tiny_model_dir, fast_args):

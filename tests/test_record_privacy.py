@@ -11,10 +11,13 @@ from dp_accounting import dp_event
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
 from transformers import AutoModelForCausalLM, TrainerCallback
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
+from conftest import FAST_GRPO
 from trl_federated import FederatedRunner
+from trl_federated.aggregation.privacy import append_ledger_line
 from trl_federated.callbacks import read_metrics
+from trl_federated.config import federated_config
 from trl_federated.local.local_trainer import local_trainer
 from trl_federated.local.record_privacy import (
     RECORD_LEDGER,
@@ -66,10 +69,14 @@ class StepGradient(TrainerCallback):
         self.expected = total / trainer.records_per_batch
 
 
-def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, **overrides):
-    args = fast_args(num_clients=1, local_steps=1, reward_window=1, max_steps=1, gradient_accumulation_steps=2,
-                     max_grad_norm=1e9, dp_noise_seed=3, output_dir=str(tmp_path / "client"), **overrides)
-    trainer_class = local_trainer(GRPOTrainer, args)
+def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class=GRPOTrainer, **overrides):
+    settings = dict(num_clients=1, local_steps=1, reward_window=1, max_steps=1, gradient_accumulation_steps=2,
+                    max_grad_norm=1e9, dp_noise_seed=3, output_dir=str(tmp_path / "client"), **overrides)
+    if trainer_class is RLOOTrainer:
+        args = federated_config(RLOOConfig)(**{**FAST_GRPO, "seed": 0, **settings})
+    else:
+        args = fast_args(**settings)
+    trainer_class = local_trainer(trainer_class, args)
 
     class Recording(trainer_class):
         def _prepare_inputs(self, generation_batch):
@@ -89,12 +96,17 @@ def one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, **over
     return trainer, probe
 
 
+@pytest.mark.parametrize(("trainer_class", "options"), [
+    (GRPOTrainer, {}), (RLOOTrainer, {}), (GRPOTrainer, {"gradient_checkpointing": True}),
+    (GRPOTrainer, {"loss_type": "bnpo", "beta": 0.05}),
+])
 def test_the_step_follows_the_dp_sgd_equation_with_each_record_clipped_over_its_micro_batches(
-        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+        tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class, options):
     # 2 prompts x 4 completions a step, in 2 micro-batches that TRL shuffled: a record's rows span both. A clip norm
-    # far below every record's gradient norm clips them all; σ ≈ 0 leaves the equation's value.
-    trainer, probe = one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args,
-                                      dp_record_noise_multiplier=1e-12, dp_record_clip_norm=1e-4)
+    # far below every record's gradient norm clips them all; σ ≈ 0 leaves the equation's value. RLOO's own loss,
+    # TRL's gradient checkpointing (its default), a token-normalised loss with a KL term too.
+    trainer, probe = one_private_step(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, trainer_class,
+                                      dp_record_noise_multiplier=1e-12, dp_record_clip_norm=1e-4, **options)
     assert trainer.records_per_batch == 2 and len(probe.micro_batches) == 2
     assert len(trainer.record_norms) == 1 and min(trainer.record_norms[0]) > 1e-4  # every record clipped
     assert torch.allclose(probe.applied, probe.expected, rtol=1e-4, atol=1e-10)
@@ -110,19 +122,40 @@ def test_the_noise_has_std_two_sigma_c_over_b(tmp_path, tiny_model_dir, tiny_tok
     assert abs(noise.mean().item()) < 4 * noise.std().item() / math.sqrt(noise.numel())
 
 
+def expected_epsilon(entries, delta=1e-5):
+    """ε of `entries` composed as the module's docstring says, round by round, with dp-accounting directly."""
+    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    for entry in entries:
+        step = [dp_event.GaussianDpEvent(entry["noise_multiplier"])]
+        if entry["step_reward_noise_multiplier"] is not None:  # each step's reward, released with its gradient
+            step.append(dp_event.GaussianDpEvent(entry["step_reward_noise_multiplier"]))
+        steps = dp_event.SelfComposedDpEvent(dp_event.ComposedDpEvent(step), entry["steps_per_batch"])
+        batch = dp_event.SampledWithoutReplacementDpEvent(entry["dataset_size"], entry["sample_size"], steps)
+        accountant.compose(batch, entry["generation_batches"])
+    return accountant.get_epsilon(delta)
+
+
 def test_the_accountant_composes_what_the_docstring_says_with_dp_accounting():
     entries = [round_releases(3, 40, 2, 1, 1.1, 1.1), round_releases(2, 40, 2, 2, 0.9, None)]
-    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
-    for batches, steps, sigma, reward_sigma in ((3, 1, 1.1, 1.1), (2, 2, 0.9, None)):
-        step = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(sigma), steps)
-        accountant.compose(dp_event.SampledWithoutReplacementDpEvent(40, 2, step), batches)
-        if reward_sigma is not None:
-            accountant.compose(dp_event.GaussianDpEvent(reward_sigma))
-    assert ledger_epsilon(entries, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert ledger_epsilon(entries, 1e-5) == pytest.approx(expected_epsilon(entries), rel=1e-9)
     assert ledger_epsilon([], 1e-5) == 0.0
-    # more rounds, more ε; a larger sample of the same data, more ε
+    # equal rounds in a row are composed once with their count (a long run's ledger costs no more): the same ε
+    repeated = [entries[0]] * 3 + [entries[1]]
+    assert ledger_epsilon(repeated, 1e-5) == pytest.approx(expected_epsilon(repeated), rel=1e-9)
+    # more rounds, more ε; a larger sample of the same data, more ε; R̄'s release costs something
     assert ledger_epsilon(entries[:1], 1e-5) < ledger_epsilon(entries, 1e-5)
     assert ledger_epsilon([round_releases(3, 40, 4, 1, 1.1, 1.1)], 1e-5) > ledger_epsilon(entries[:1], 1e-5)
+    assert ledger_epsilon([round_releases(3, 40, 2, 1, 1.1, None)], 1e-5) < ledger_epsilon(entries[:1], 1e-5)
+
+
+def test_releasing_the_step_rewards_within_the_sampled_steps_is_amplified():
+    # R̄ released once a round outside the sampling (a plain Gaussian of σ_R), against every step's reward released
+    # with its sampled step: at b/N = 2/1000 over 30 rounds, the former alone costs more than everything else
+    dataset, rounds = 1000, 30
+    within = [round_releases(10, dataset, 2, 1, 1.0, 1.0)] * rounds
+    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_event.GaussianDpEvent(1.0), rounds)
+    assert accountant.get_epsilon(1e-5) > 2 * ledger_epsilon(within, 1e-5)
 
 
 def test_the_calibrated_noise_is_the_least_within_the_budget():
@@ -171,11 +204,25 @@ def test_a_client_sends_its_noised_reward_and_its_epsilon_alone_and_keeps_a_ledg
         assert metrics["record_epsilon"] == pytest.approx(ledger_epsilon(ledger, args.dp_target_delta))
     assert max(records[-1].client_metrics[client]["record_epsilon"] for client in records[-1].client_metrics) \
         == worst[-1]
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "Differential privacy | record-level (DP-SGD in each client's local steps" in card
+    assert f"worst ε reported by a client = {worst[-1]:.3f} at δ = 1e-05" in card
     # R̄ leaves the client noised (std σ B / b = 1 here), then clamped to [0, 1]: at an end, or not a mean of rewards
     # that are multiples of 1/64 over 4 completions (the reward's own grid)
     sent = [reward for record in records for reward in record.rewards.values()]
     assert all(0 <= reward <= 1 for reward in sent)
     assert all(reward in (0.0, 1.0) or abs(reward * 256 - round(reward * 256)) > 1e-6 for reward in sent)
+
+
+def test_record_level_dp_composes_with_client_level_dp(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args):
+    args = fast_args(num_clients=2, num_rounds=1, dp_record_noise_multiplier=1.0, dp_noise_multiplier=1.0,
+                     dp_noise_seed=5, eval_initial=False, aggregation="rpg")
+    runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), bounded_length_reward, args,
+                             [prompts(5, client) for client in range(2)], processing_class=tiny_tokenizer,
+                             report_header="")
+    (record,) = runner.run()
+    assert record.dp_epsilon > 0 and record.dp_record_epsilon_worst > 0
+    assert set(record.dp_rewards) == {"client_0", "client_1"}  # R̃ released twice: by each client, then the server
 
 
 def test_a_redone_round_draws_fresh_noise_and_counts_in_the_ledger(tmp_path, tiny_model_dir, tiny_tokenizer,
@@ -190,6 +237,8 @@ def test_a_redone_round_draws_fresh_noise_and_counts_in_the_ledger(tmp_path, tin
     ledger = tmp_path / RECORD_LEDGER
     ledger.write_text(json.dumps(round_releases(2, 5, 1, 1, 1.0, 1.0)) + "\n" + '{"generation_b')
     assert len(read_ledger(ledger)) == 1  # a torn last line: that update never left the client
+    append_ledger_line(ledger, round_releases(2, 5, 1, 1, 1.0, 1.0))  # cut off, not joined: the new round counts
+    assert len(read_ledger(ledger)) == 2
 
 
 @pytest.mark.parametrize(
@@ -208,3 +257,23 @@ def test_a_redone_round_draws_fresh_noise_and_counts_in_the_ledger(tmp_path, tin
 def test_bad_record_privacy_settings_are_refused_by_name(fast_args, settings, named):
     with pytest.raises(ValueError, match=named):
         fast_args(**settings)
+
+
+def test_a_single_trainer_trains_privately_too_and_says_its_epsilon(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                    fast_args):
+    # The drop-in FedGRPOTrainer with one client: DP-SGD on its own, with its ledger; before, the fields were ignored
+    from peft import LoraConfig
+
+    from trl_federated import FedGRPOTrainer
+    from trl_federated.local.record_privacy import RecordPrivacyMixin
+
+    args = fast_args(num_clients=1, max_steps=2, dp_record_noise_multiplier=1.0, output_dir=str(tmp_path / "one"))
+    trainer = FedGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                             reward_funcs=bounded_length_reward, args=args, train_dataset=prompts(6),
+                             processing_class=tiny_tokenizer, peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    assert isinstance(trainer, RecordPrivacyMixin)
+    output = trainer.train()
+    ledger = read_ledger(tmp_path / "one" / RECORD_LEDGER)
+    assert ledger == [round_releases(2, 6, 1, 1, 1.0, None)]
+    assert output.metrics["record_epsilon"] == pytest.approx(ledger_epsilon(ledger, args.dp_target_delta))
+    assert output.metrics["record_epsilon"] > 0

@@ -50,6 +50,18 @@ class Registry(dict):
         self._fill()
         return super().get(name, default)
 
+    def names_so_far(self) -> list[str]:
+        """The names declared or registered so far, without importing the package that fills the registry: beyond
+        the built-in names, those registered in this process (`arguments.flags.recorded_parser`)."""
+        return list(super().keys())
+
+    def declared(self, name):
+        """`name`'s entry as this module declares it, without importing the package that fills the registry: for a
+        value read when a module imports (`methods.FGRPO_STEP`, which `trl-federated compare --help` reads), where
+        that import would cost torch. Registering a declared aggregation keeps its server optimizer
+        (`aggregation.register_aggregation`), so the declared one is the registered one."""
+        return super().__getitem__(name)
+
     def items(self):
         self._fill()
         return super().items()

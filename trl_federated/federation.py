@@ -4,9 +4,12 @@ and hands over to it; a benchmark that runs the command in process calls it with
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from pathlib import Path
 
+import torch
 from trl import ModelConfig
 
 from .arguments import BenchmarkArguments, check_model_path, usage_error
@@ -17,10 +20,30 @@ from .data.loading import hub_dataset_id, load_benchmark
 from .data.partition import split_description
 from .reports.hub import HubPushError
 from .runner import FederatedRunner
+from .runtime.devices import has_native_bf16
 from .runtime.distributed import shut_down
 from .runtime.models import load_model, lora_config
 from .scoring.rewards import check_reward_columns, reward_functions, training_rewards
 from .trainer import trainer_class
+
+logger = logging.getLogger("trl_federated")
+
+
+def cpu_time_notice(cores: int, native_bf16: bool) -> str:
+    """What a run on the CPU says before it starts: how long `make demo` (examples/configs/quickstart.yaml) takes on a
+    CPU like this one, with native bf16 or without, as docs/getting-started.md measured it on 2 cores, and why."""
+    here = f"{cores} core{'s' if cores != 1 else ''}"
+    if native_bf16:
+        expected = (f"CPU run on {here} with native bf16 (AVX512-BF16 or AMX: `bf16` and `generation_dtype: auto` "
+                    "resolve to bfloat16): `make demo` took 4 min 37 s on 2 cores of such a CPU")
+    else:
+        expected = (f"CPU run on {here} without native bf16 (no AVX512-BF16 or AMX in use: `bf16` and "
+                    "`generation_dtype: auto` resolve to float32, bf16 would be emulated): `make demo` took 3 min 49 s "
+                    "on 2 cores of a fast CPU limited to AVX2, and about 9 minutes is the estimate for 2 quiet cores "
+                    "of a slower AVX2-only one, from its float32 speed")
+    fewer = "; fewer cores or busy ones take longer" if cores < 2 else ""
+    return (f"{expected} (docs/getting-started.md){fewer}; a config with more rounds, clients, local steps or "
+            "completions takes longer.")
 
 
 def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: BenchmarkArguments) -> int:
@@ -37,6 +60,9 @@ def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: Benc
         eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     except ValueError as fault:
         usage_error(str(fault))
+    if args.use_cpu and PartialState().is_main_process:  # before the data, the model and the rounds take their time
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        logger.info(cpu_time_notice(cores, has_native_bf16(torch.device("cpu"))))
     start = time.perf_counter()
     train, test = load_benchmark(data_args)
     try:  # a reward reading a column the data lacks would fail only at the first training step; a partition that

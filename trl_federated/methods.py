@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .choices import AGGREGATION_SERVER_OPTIMIZERS
+from .choices import AGGREGATIONS
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,9 @@ class Method:
 
 
 # FGRPO's server step when `server_optimizer` is unset (`choices.AGGREGATION_SERVER_OPTIMIZERS`): the RPG-weighted
-# mean. With it, "FGRPO w/o RPG" (the same step with FedAvg's weights) is FedAvg itself.
-FGRPO_STEP = AGGREGATION_SERVER_OPTIMIZERS["rpg"]
+# mean. With it, "FGRPO w/o RPG" (the same step with FedAvg's weights) is FedAvg itself. Read as declared, so that
+# importing this table (`trl-federated compare --help`) imports neither the aggregation package nor torch.
+FGRPO_STEP = AGGREGATIONS.declared("rpg").server_optimizer
 
 METHODS: dict[str, Method] = {
     method.name: method

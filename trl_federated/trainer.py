@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import time
 
@@ -17,6 +18,7 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
+from .aggregation.privacy import RECORD_EPSILON
 from .config import FederatedConfig
 from .data import partition_clients
 from .local.local_trainer import (
@@ -24,10 +26,14 @@ from .local.local_trainer import (
     mixed_class,
     named_trainer_class,
     require_federable_trainer,
+    with_record_privacy,
     with_speedups,
 )
+from .local.record_privacy import RECORD_LEDGER, RecordPrivacyMixin
 from .local.speedups import TrainerMixin
 from .runner import FederatedRunner
+
+logger = logging.getLogger(__name__)
 
 
 class FederatedGRPOMixin(LocalGRPOMixin):
@@ -58,7 +64,12 @@ class FederatedGRPOMixin(LocalGRPOMixin):
             config = _named_arguments(cls, args, kwargs).get("args")
         except TypeError:
             config = None
-        return super().__new__(with_speedups(cls, config))
+        # Record-level DP trains a single trainer privately too; a federation's clients each get it from their own
+        # `local_trainer`, not the trainer that drives them.
+        trainer_class = with_speedups(cls, config)
+        if config is not None and not _federating(config):
+            trainer_class = with_record_privacy(trainer_class, config)
+        return super().__new__(trainer_class)
 
     def __init__(self, *args, eval_reward_funcs=None, **kwargs):
         # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
@@ -97,7 +108,13 @@ class FederatedGRPOMixin(LocalGRPOMixin):
             if resume_from_checkpoint is not None:  # a federated checkpoint: the runner restores it
                 self.args.resume_from_checkpoint = resume_from_checkpoint
             return self._train_federated()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if isinstance(self, RecordPrivacyMixin):  # a single private trainer: its releases are its adapter alone
+            epsilon = self.account_round(reward_noise_multiplier=None)
+            output.metrics[RECORD_EPSILON] = epsilon
+            logger.info("Record-level DP: ε = %.3f at δ = %g over every run in %s (its ledger, %s).", epsilon,
+                        self.args.dp_target_delta, self.args.output_dir, RECORD_LEDGER)
+        return output
 
     def _train_federated(self) -> TrainOutput:
         """Federated mode: Dirichlet-partition `train_dataset` over `num_clients` clients and run every round.

@@ -219,10 +219,12 @@ def run_timed_cell(cell: Cell, config: str, root: Path, extra: list[str]) -> Non
 
 def committed_files(directory: Path) -> list[Path]:
     """A finished cell's files that `--commit` commits: `CELL_FILES` that exist and are at most
-    `MAX_COMMITTED_BYTES`; never its adapters, round adapters or checkpoints."""
+    `MAX_COMMITTED_BYTES`, and under record-level DP each client's ledger of what it released (σ, N, b, counts);
+    never its adapters, round adapters or checkpoints."""
+    from trl_federated.local.record_privacy import RECORD_LEDGER
+
     files = []
-    for name in CELL_FILES:
-        path = directory / name
+    for path in [*(directory / name for name in CELL_FILES), *sorted(directory.glob(f"clients/*/{RECORD_LEDGER}"))]:
         if not path.is_file():
             continue
         if path.stat().st_size > MAX_COMMITTED_BYTES:

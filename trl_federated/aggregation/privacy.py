@@ -69,6 +69,21 @@ def load_dp_accounting():
     return dp_event, privacy_accountant, rdp
 
 
+def append_ledger_line(path: Path, entry: dict[str, Any]) -> None:
+    """Append `entry` to the JSON-lines ledger at `path`, flushed to disk before it returns. A torn last line (a
+    crash while appending: a release that never left) is cut off first, so that the new line does not join it into
+    one that no reader parses, which would leave this release and every later one uncounted."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as stream:
+        stream.seek(0)
+        content = stream.read()
+        if content and not content.endswith(b"\n"):
+            stream.truncate(content.rfind(b"\n") + 1)
+        stream.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
 class AdaptiveClipping:
     """The clip norm as a private estimate of the γ-quantile of the clients' update norms (Andrew et al.,
     "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021, Algorithm 1 with the clipping on the
@@ -290,10 +305,7 @@ class ClientLevelPrivacy:
         """Count one release in the ledger, and in `release_log` first (flushed to disk), so that a crash after it
         still counts it when the run resumes."""
         if self.release_log is not None:
-            with open(self.release_log, "a", encoding="utf-8") as stream:
-                stream.write(json.dumps({"release": self.releases, "event": event}, sort_keys=True) + "\n")
-                stream.flush()
-                os.fsync(stream.fileno())
+            append_ledger_line(self.release_log, {"release": self.releases, "event": event})
         self.releases += 1
         if self.ledger and self.ledger[-1][0] == event:
             self.ledger[-1] = (event, self.ledger[-1][1] + 1)
@@ -432,7 +444,8 @@ class RecordPrivacyReports:
     reported for its records (a client's own account: the server cannot check it), and the worst, which the run
     reports every round (`dp_record_epsilon_worst`)."""
 
-    def __init__(self):
+    def __init__(self, target_delta: float, clip_norm: float):
+        self.target_delta, self.clip_norm = target_delta, clip_norm
         self.epsilons: dict[str, float] = {}
 
     def observe(self, updates: list[ClientUpdate]) -> None:
@@ -443,6 +456,14 @@ class RecordPrivacyReports:
     def round_metrics(self) -> list[RoundMetric]:
         worst = max(self.epsilons.values(), default=None)
         return [RoundMetric("dp_record_epsilon_worst", "worst ε_rec", worst, format=".3f")]
+
+    def describe(self) -> str:
+        """One line on the guarantee the clients reported, for the model card."""
+        worst = max(self.epsilons.values(), default=None)
+        epsilon = "no client reported yet" if worst is None else f"worst ε reported by a client = {worst:.3f}"
+        return (f"record-level (DP-SGD in each client's local steps, a record one prompt with its completions, clip "
+                f"norm {self.clip_norm:g}), {epsilon} at δ = {self.target_delta:g} (replace-one, each client's own RDP "
+                "accountant of dp-accounting, its prompts sampled without replacement)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"epsilons": dict(self.epsilons)}

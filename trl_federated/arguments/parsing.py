@@ -10,33 +10,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import re
 import sys
 import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from trl import ModelConfig, TrlParser
 
+from .. import choices
 from ..config import CONFIG_CLASSES, FedGRPOConfig, federated_config
-from ..names import closest_key_hint, import_object
+from ..names import import_object
 from ..scoring.rewards import REWARD_FUNCTIONS, TRL_REWARD_FUNCTIONS
-from .flags import check_names, installed_versions, read_yaml_config, split_config, usage_error
-
-
-def choice_hint(key: str, value: str, choices: Iterable[Any]) -> str:
-    """What to say after a value outside a field's choices: a named method (`trl-federated compare --methods`) given
-    as an `aggregation` gets the settings that make it; else the closest choice."""
-    from ..methods import METHODS
-
-    if key == "aggregation" and value in METHODS:
-        method = METHODS[value]
-        settings = " ".join(f"--{name} {setting}" for name, setting in method.overrides().items())
-        return f" `{value}` names the method {method.display_name}; `run` takes it as `{settings}`."
-    return closest_key_hint(value, map(str, choices))
-
+from .flags import (
+    check_choices,
+    check_names,
+    installed_versions,
+    setting,
+    split_config,
+    usage_error,
+)
 
 # Fields the federation sets on each client's configuration, never a user: parsed, but hidden from --help.
 INTERNAL_FIELDS = frozenset({"federation_round"})
@@ -109,19 +104,7 @@ class ArgumentParser(TrlParser):
         options = [option for action in self._actions for option in action.option_strings if option != "--config"]
         check_names(values, path, flags, fields, options, self.error)
         choices = {action.dest: action.choices for action in self._actions if action.choices is not None}
-        for key, value in values.items():
-            if key in choices and value is not None and str(value) not in map(str, choices[key]):
-                self.error(f"`{key}: {value}` in {path} is not one of {list(choices[key])}."
-                           f"{choice_hint(key, str(value), choices[key])}")
-        for index, token in enumerate(flags):
-            flag, _, value = token.partition("=")
-            key = flag[2:]
-            if key in choices and not value and index + 1 < len(flags):
-                value = flags[index + 1]
-            if key in choices and value and value not in map(str, choices[key]):
-                hint = choice_hint(key, value, choices[key])  # argparse's own words, with the hint it lacks
-                self.error(f"argument {flag}: invalid choice: {value!r} (choose from "
-                           f"{', '.join(map(repr, choices[key]))}).{hint}")
+        check_choices(values, path, flags, choices, self.error)
         try:
             return super().parse_args_and_config(args, **kwargs)
         except (ValueError, TypeError) as fault:  # a config's own check (`__post_init__`), already one sentence
@@ -263,28 +246,17 @@ def check_model_path(model_name_or_path: str | None) -> None:
                     "Hub id (`org/name`), or leave it unset for the embedded SmolLM2-135M-Instruct.")
 
 
-def _setting(argv: list[str], name: str, default):
-    """`--name value` from `argv`, else `name:` from the `--config` YAML, else `default`; read before parsing, for the
-    settings that decide which config class parses the rest."""
-    value = default
-    if "--config" in argv[:-1]:
-        value = read_yaml_config(argv[argv.index("--config") + 1], usage_error).get(name, value)
-    if f"--{name}" in argv[:-1]:
-        value = argv[argv.index(f"--{name}") + 1]
-    return value
-
-
 def config_class(argv: list[str]) -> type[FedGRPOConfig]:
     """The config dataclass named by `--algorithm` (or `algorithm:` in the `--config` YAML), or by
     `--trainer_config_class` made federated (`config.federated_config`); read before parsing because the recipe
     decides the defaults of the other fields."""
-    algorithm = _setting(argv, "algorithm", "grpo")
+    algorithm = setting(argv, "algorithm", "grpo")
     if algorithm not in CONFIG_CLASSES:
         raise ValueError(f"`algorithm` must be one of {list(CONFIG_CLASSES)}, got {algorithm!r}.")
-    trainer_config = _setting(argv, "trainer_config_class", None)
+    trainer_config = setting(argv, "trainer_config_class", None)
     source = f"`trainer_config_class` ({trainer_config!r})"
     if trainer_config is None:
-        trainer = _setting(argv, "trainer_class", None)
+        trainer = setting(argv, "trainer_class", None)
         family_config = None if trainer is None else _family_config(trainer)
         if family_config is None:
             return CONFIG_CLASSES[algorithm]
@@ -374,5 +346,89 @@ def known_flags_source() -> str:
     )
 
 
+# The actions a run parser holds, by the name `flags.recorded_parser` adds each with.
+ACTION_KINDS = {
+    argparse._StoreAction: "store", argparse._StoreTrueAction: "store_true",
+    argparse._StoreFalseAction: "store_false", argparse._StoreConstAction: "store_const", argparse._HelpAction: "help",
+}  # fmt: skip
+
+
+def _type_name(action: argparse.Action) -> str | None:
+    """The name `flags.recorded_type` rebuilds the type of `action` from: a builtin, TRL's `string_to_bool`
+    ("bool"), TRL's `_accept_none` around one of those ("int or none": a `T | None` field), TRL's
+    `make_choice_type_function` of the action's choices ("choice": an enum or `Literal` field), None (no conversion),
+    or "other" (a type the record leaves to the parser)."""
+    from trl.scripts import _hf_argparser
+
+    convert = action.type
+    names = {int: "int", float: "float", str: "str", _hf_argparser.string_to_bool: "bool"}
+    if convert is None or convert in names:
+        return names.get(convert)
+    made_by = getattr(convert, "__qualname__", "").partition(".<locals>.")[0]
+    code, cells = getattr(convert, "__code__", None), getattr(convert, "__closure__", None) or ()
+    closure = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells))) if code else {}
+    if made_by == _hf_argparser._accept_none.__name__ and closure.get("inner") in names:
+        return f"{names[closure['inner']]} or none"
+    if made_by == _hf_argparser.make_choice_type_function.__name__ and action.choices is not None and (
+        closure.get("str_to_choice") == {str(choice): choice for choice in action.choices}
+    ):
+        return "choice"
+    return "other"
+
+
+def _action_record(action: argparse.Action, formatter: argparse.HelpFormatter) -> list:
+    """What `flags.recorded_parser` rebuilds `action` from: kind, option strings, dest, nargs, const, type (a name of
+    `flags.recorded_type`), choices and, for choices that are a registry, its name in `choices`, required, the metavar
+    `--help` shows and the help text as `formatter` expands it (None: no help line)."""
+    help_text = action.help
+    if help_text and help_text.strip() and help_text != argparse.SUPPRESS:
+        help_text = formatter._expand_help(action)
+    metavar = None if action.nargs == 0 else formatter._metavar_formatter(action, action.dest.upper())(1)[0]
+    if type(action) not in ACTION_KINDS:
+        raise ValueError(f"`{action.dest}` is a {type(action).__name__}, which `flags.recorded_parser` cannot add")
+    registry = None
+    if isinstance(action.choices, choices.Registry):  # its name in `choices`, read live by `recorded_parser`
+        registry = next(name for name, value in vars(choices).items() if value is action.choices)
+    record = [ACTION_KINDS[type(action)], action.option_strings, action.dest, action.nargs, action.const,
+              _type_name(action), None if action.choices is None else list(action.choices), registry,
+              action.required, metavar, help_text]  # fmt: skip
+    if json.loads(json.dumps(record)) != record:
+        raise ValueError(f"`{action.dest}`'s action does not keep in JSON: {record}")
+    return record
+
+
+def known_parsers_source() -> str:
+    """The text of `known_parsers.json` for the installed TRL and transformers: every algorithm's run parser, group by
+    group and action by action (`_action_record`), for `flags.recorded_parser`. An action shared by several algorithms
+    is written once, one action a line."""
+    records, parsers, texts = {}, {}, set()
+    for algorithm, config in CONFIG_CLASSES.items():
+        parser = run_parser(config)
+        formatter = parser._get_formatter()
+        builtin = {id(parser._positionals): "positionals", id(parser._optionals): "optionals"}
+        groups = [[group.title, group.description, builtin.get(id(group))] for group in parser._action_groups]
+        if set(builtin.values()) - {row[2] for row in groups}:
+            raise ValueError("the run parser lost its positional or optional arguments group")
+        group_of = {id(action): index for index, group in enumerate(parser._action_groups)
+                    for action in group._group_actions}  # fmt: skip
+        actions = []
+        for action in parser._actions:
+            record = json.dumps(_action_record(action, formatter), ensure_ascii=False)
+            actions.append([records.setdefault(record, len(records)), group_of[id(action)]])
+        parsers[algorithm] = {"groups": groups, "actions": actions}
+        texts.add((parser.prog, parser.usage, parser.description, parser.epilog))
+    ((prog, usage, description, epilog),) = texts  # one for every algorithm
+    head = {"about": "trl-federated run's parser of each algorithm, for `flags.recorded_parser`. Written by `python -m "
+                     "trl_federated.arguments.parsing` with known_flags.py, for its VERSIONS; tests/test_cli.py checks "
+                     "it against the parser.",
+            "prog": prog, "usage": usage, "description": description, "epilog": epilog}  # fmt: skip
+    lines = [f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}," for key, value in head.items()]
+    lines += ['"actions": [', ",\n".join(records), "],", '"parsers": {']
+    lines += [",\n".join(f"{json.dumps(name)}: {json.dumps(parser, ensure_ascii=False)}"
+                          for name, parser in parsers.items()), "}"]  # fmt: skip
+    return "{\n" + "\n".join(lines) + "\n}\n"
+
+
 if __name__ == "__main__":
     Path(__file__).with_name("known_flags.py").write_text(known_flags_source(), encoding="utf-8")
+    Path(__file__).with_name("known_parsers.json").write_text(known_parsers_source(), encoding="utf-8")

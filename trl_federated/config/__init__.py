@@ -1,9 +1,10 @@
 """Configuration of federated GRPO runs.
 
 `FedGRPOConfig` (`fields`) is a `trl.GRPOConfig`: every GRPO field keeps its meaning, and the federated fields parse
-the same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Beside its fields: the checks
-(`checks`), the server step's derivation (`server_step`), the fields that change a run's result (`results`), and the
-recipes (`recipes`: `FedDAPOConfig`, `FedGSPOConfig`, `CONFIG_CLASSES`, `federated_config`).
+the same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Beside its fields: those of its
+robustness and its differential privacy (`robustness_fields`, `privacy_fields`: field mixins, which `declared_fields`
+gathers), the checks (`checks`), the server step's derivation (`server_step`), the fields that change a run's result
+(`results`), and the recipes (`recipes`: `FedDAPOConfig`, `FedGSPOConfig`, `CONFIG_CLASSES`, `federated_config`).
 """
 
 from ..choices import (  # the choice lists, as the config module named them before it became a folder

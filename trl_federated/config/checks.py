@@ -27,6 +27,7 @@ from ..choices import (
     min_robust_clients,
 )
 from ..sampling import participation_errors
+from .declared_fields import declared_annotations
 
 
 def _is_of_type(value, type_name: str) -> bool:
@@ -61,8 +62,9 @@ def adaptive_clipping_errors(target_quantile, clip_norm_lr, clipped_count_stddev
 
 
 def _own_fields_class(config_class: type) -> type:
-    """The class that declares the federation's fields (`FedGRPOConfig`, or the class `federated_config` makes of an
-    `RLOOConfig`): the one whose bases name `fields.FederatedConfig`, the class whose bases name `ConfigChecks`."""
+    """The class that declares the federation's fields (`FedGRPOConfig`, with its field mixins, or the class
+    `federated_config` makes of an `RLOOConfig`): the one whose bases name `fields.FederatedConfig`, the class whose
+    bases name `ConfigChecks`."""
     return next(cls for cls in config_class.__mro__ if any(ConfigChecks in base.__bases__ for base in cls.__bases__))
 
 
@@ -152,7 +154,7 @@ class ConfigChecks:
 
     def _type_errors(self):
         """Yield one message per federated field whose value is not of its declared type."""
-        for name, annotation in vars(_own_fields_class(type(self)))["__annotations__"].items():
+        for name, annotation in declared_annotations(_own_fields_class(type(self))).items():
             value, allowed = getattr(self, name), annotation.split(" | ")
             if value is None and "None" in allowed:
                 continue

@@ -4,7 +4,9 @@
 same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Without federation (`num_clients=1`,
 the default) a `FedGRPOConfig` trains exactly like a `GRPOConfig` with the same field values. Its defaults are
 the paper's Algorithm 1 where TRL's differ (`loss_type`, `lr_scheduler_type`); where we keep TRL's (`optim`,
-`max_grad_norm`, `beta`), its Parameters say why. `FedDAPOConfig` and `FedGSPOConfig` carry the DAPO and GSPO
+`max_grad_norm`, `beta`), its Parameters say why. Its fields come by concern from field mixins, each documenting its
+own (`FederationFields` here, `robustness_fields.RobustnessFields`, `privacy_fields.PrivacyFields`), which
+`declared_fields` gathers into its `Parameters:`. `FedDAPOConfig` and `FedGSPOConfig` carry the DAPO and GSPO
 recipes (`recipes.CONFIG_CLASSES`), `recipes.federated_config` adds the federation to any other `GRPOConfig`
 subclass, and `results.result_fields` names the fields a resumed run must keep. What it does when built
 (`building.BuildsConfig`), its checks (`checks.ConfigChecks`) and its server-step derivation (`server_step.ServerStep`)
@@ -21,8 +23,6 @@ from ..choices import (
     AGGREGATIONS,
     GENERATION_DTYPE_CHOICES,
     LORA_AGGREGATIONS,
-    NORM_ACTIONS,
-    ROBUST_AGGREGATIONS,
     RPG_GAINS,
     SCAFFOLD_CORRECTIONS,
     SERVER_OPTIMIZERS,
@@ -30,7 +30,10 @@ from ..choices import (
 )
 from .building import BuildsConfig
 from .checks import ConfigChecks
+from .declared_fields import documents_field_mixins
+from .privacy_fields import PrivacyFields
 from .results import ResultHelp
+from .robustness_fields import RobustnessFields
 from .server_step import ServerStep
 
 
@@ -40,26 +43,10 @@ class FederatedConfig(BuildsConfig, ServerStep, ConfigChecks):
 
 
 @dataclass
-class FedGRPOConfig(FederatedConfig, GRPOConfig):
+class FederationFields:
     r"""
-    Configuration class for [`FedGRPOTrainer`] and [`FederatedRunner`]: a [`~trl.GRPOConfig`] plus the federation.
-
-    Each of `num_rounds` rounds, every client starts from the global LoRA adapter, runs `local_steps` GRPO
-    optimisation steps on its private data and reports the adapter and R̄, the mean step reward over its last
-    `reward_window` steps. The server weights the clients (`aggregation`) and applies the weighted
-    pseudo-gradient with a server optimizer. With `aggregation="rpg"` this is FGRPO; the RPG hyperparameter
-    defaults are the paper's (Section 4.3), and `rpg_iota`, `rpg_eps`, which the paper leaves open, are ours.
-
-    When `num_clients > 1`, `FedGRPOTrainer(..., train_dataset=ds).train()` splits `ds` into `num_clients`
-    partitions with a Dirichlet(`dirichlet_alpha`) distribution over `partition_column` and runs the federation.
-
-    This class lists only the federation's parameters and the GRPO parameters whose defaults it changes; every
-    other parameter is [`~trl.GRPOConfig`]'s, except that an unset `bf16` (TRL: on unless `fp16`) follows the device
-    training runs on: with `use_cpu`, on where the CPU computes bf16 natively (AVX512-BF16 or AMX: matrix products
-    ~2x faster, the quickstart's whole loss ~1.08x; elsewhere bf16 is emulated, slower than float32), and off on a
-    machine without a bf16 accelerator when `use_cpu` is not set, where TRL's default refuses to start. Using
-    [`~transformers.HfArgumentParser`] or [`~trl.TrlParser`] we can turn it into command-line arguments and read it
-    from a YAML file.
+    The federation's fields of [`FedGRPOConfig`] but its robustness, privacy and resuming ones: its rounds, clients
+    and data, evaluation, aggregation, wire format, server step and local speed-ups, and the GRPO defaults it changes.
 
     Parameters:
         > Rounds and local work
@@ -323,116 +310,6 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
             bytes per decode step, else float32. In bfloat16 the completions are sampled from the bf16-rounded
             policy (per-token log-probabilities within ~1e-2 of float32's, as a vLLM sampler's); the loss still
             scores them with the trained weights.
-
-        > Robustness: what the server bounds in every client update, and how it combines them
-
-        update_norm_bound (`float` or `None`, *optional*, defaults to `10.0`):
-            Bound on each client's update norm ‖θ_i − θ‖, in units of U = `local_steps` × `learning_rate` × √d, d
-            the adapter's number of coordinates: the norm of E steps that each move every coordinate by the learning
-            rate. An Adam-family local optimizer (TRL's default) moves a coordinate by about lr per step or less (at
-            most (1 − β1) / √(1 − β2), about 3.2, under extreme gradient sparsity), so honest updates stay near or
-            below 1 U; the default leaves a wide margin. Under SCAFFOLD the correction the server sends a client is
-            allowed on top (`local_steps` × `learning_rate` × ‖c − c_i‖), and the control the server keeps for a
-            client, ‖c_i + Δc_i‖, is bounded by the same number in units of √d, so every c_i and c stay within it
-            over the whole run. Set it explicitly for a non-Adam local optimizer. `None`: no bound.
-        update_norm_action (`str`, *optional*, defaults to `"reject"`):
-            What happens to an update over `update_norm_bound`: `"reject"` drops it from the round (an invalid
-            update), `"clip"` scales θ_i − θ back onto the bound.
-        robust_aggregation (`str`, *optional*, defaults to `"none"`):
-            Coordinate-wise robust combination of the clients' adapters, for every method: `"none"` (the weighted
-            mean Σ_i w_i θ_i), `"trimmed_mean"` (per coordinate, drop the `robust_trim_fraction` largest and smallest
-            client values, then the weighted mean of the rest with their weights renormalised) or `"median"` (the
-            unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).
-        robust_num_malicious (`int`, *optional*, defaults to `1`):
-            f, the arbitrary clients `"krum"`, `"multi_krum"` and `"bulyan"` tolerate: they need `min_clients_per_round`
-            of at least 2f + 3 (Krum, Multi-Krum; Blanchard et al., 2017) or 4f + 3 (Bulyan; El Mhamdi et al., 2018).
-        robust_num_selected (`int` or `None`, *optional*):
-            m, the clients `"multi_krum"` keeps and averages with the method's weights; `None` keeps n − f.
-        robust_trim_fraction (`float`, *optional*, defaults to `0.2`):
-            Fraction of clients trimmed at each end by `robust_aggregation="trimmed_mean"`, in (0, 0.5): the floor of
-            the fraction × the number of clients that reported, as Flower's FedTrimmedAvg, but at least one (so
-            `min_clients_per_round` must be 3 or more).
-        max_client_samples (`int` or `None`, *optional*, defaults to `1000000`):
-            Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), used only
-            where the server does not know the count itself (the runner always does; a Flower deployment does for
-            clients registered with `num-samples`). `None`: no cap.
-
-        > Differential privacy: client-level, of the global adapters the server releases (docs/privacy.md)
-
-        dp_noise_multiplier (`float` or `None`, *optional*):
-            Noise multiplier σ of client-level differential privacy, which it turns on: the server clips each
-            client's update θ_i − θ to `dp_clip_norm`, adds Gaussian noise of std σ × 2 C max_i ω_i to the weighted sum
-            Δ (its sensitivity when one client is replaced, the weights fixed by public or already released values)
-            and steps on the noised Δ; under RPG, each R̄ is released through its own Gaussian mechanism first
-            (`dp_reward_noise_multiplier`). An RDP accountant (`dp-accounting`, as Flower's) composes every round
-            with the sampling the run does (`fraction_train`) and reports ε at `dp_target_delta`. SCAFFOLD (its
-            controls are per-client state the noise does not cover) and `robust_aggregation` are refused. `None`: no
-            DP, and the server draws no random number.
-        dp_clip_norm (`float`, *optional*, defaults to `0.6`):
-            Clip norm C of each client's update under DP, in the unit of `update_norm_bound` (`local_steps` ×
-            `learning_rate` × √d), near which honest Adam-family updates stay: a lower C clips more updates and
-            needs less noise for the same σ. The default is about the median update norm measured on the
-            quickstart's model and data (docs/privacy.md), so that about half the updates are clipped; with
-            `dp_adaptive_clipping`, the clip norm the first round starts from.
-        dp_adaptive_clipping (`bool`, *optional*, defaults to `False`):
-            Adapt C every round toward the `dp_target_quantile` of the clients' update norms (Andrew et al., NeurIPS
-            2021, as Flower's `DifferentialPrivacyServerSideAdaptiveClipping`): the count of updates C left
-            unclipped is released with Gaussian noise (`dp_clipped_count_stddev`) and C moves geometrically by
-            `dp_clip_norm_lr`. The count's release is accounted: Δ's noise multiplier rises so that the round costs
-            what `dp_noise_multiplier` alone would, and ε is unchanged.
-        dp_target_quantile (`float`, *optional*, defaults to `0.5`):
-            γ, the share of the clients' updates that adaptive clipping aims to leave unclipped (Flower's
-            `target_clipped_quantile`): C tracks the γ-quantile of their norms. 0.5, the median, as Andrew et al.
-        dp_clip_norm_lr (`float`, *optional*, defaults to `0.2`):
-            η_C, the learning rate of adaptive clipping's geometric update C ← C · exp(−η_C (b̃ − γ)), as Andrew et
-            al. and Flower's `clip_norm_lr`.
-        dp_clipped_count_stddev (`float` or `None`, *optional*):
-            σ_b, the std of the Gaussian noise on the count of unclipped updates (Flower's `clipped_count_stddev`);
-            it must exceed `dp_noise_multiplier`. `None`: max(m / 20, 2σ) for m clients sampled a round: Andrew et
-            al.'s m / 20 (Flower's default), or where a small federation cannot afford it, 2σ, which raises Δ's
-            noise by 15%.
-        dp_reward_noise_multiplier (`float` or `None`, *optional*):
-            Noise multiplier σ_R of R̄'s release under DP with `aggregation="rpg"`: each client's R̄, clamped to the
-            reward functions' declared range B, gets Gaussian noise of std σ_R × B before RPG weighs it; the
-            accountant composes both releases of a round as one. `None`: `dp_noise_multiplier`.
-        dp_target_delta (`float`, *optional*, defaults to `1e-5`):
-            δ at which ε is reported, well below 1 / `num_clients` as client-level DP needs.
-        dp_max_epsilon (`float` or `None`, *optional*):
-            Privacy budget: the run ends, with its checkpoint, final adapter and model card, after the last round
-            whose ε at `dp_target_delta` stays within it (fewer than `num_rounds` if need be). `None`: no budget.
-        dp_noise_seed (`int` or `None`, *optional*):
-            Seed of the DP noise, whose generators are the server's own (no other random stream moves). Whoever knows
-            it can remove the noise: leave it `None` (a seed drawn from the operating system, kept in the
-            checkpoints so that a resumed run draws the same noise) except for tests and reproducible experiments.
-            It also seeds record-level DP's noise and sampling on the clients (with the round and client).
-
-        > Differential privacy: record-level, of each client's prompts, in its local steps (docs/privacy.md)
-
-        dp_record_noise_multiplier (`float` or `None`, *optional*):
-            Noise multiplier σ of record-level DP-SGD in every client's local steps, a record being one prompt with
-            its group of completions: each record's gradient is clipped to `dp_record_clip_norm` C, their sum gets
-            Gaussian noise of std 2σC, prompts are sampled without replacement from a secret generator, and R̄ is
-            released with noise; each client accounts its own ε and reports it. `None`: off, unless
-            `dp_record_epsilon` is set. Composes with client-level DP (`dp_noise_multiplier`).
-        dp_record_epsilon (`float` or `None`, *optional*):
-            Record-level privacy budget ε at `dp_target_delta` of each client over the run: each client calibrates σ
-            to its own data size so that `num_rounds` rounds stay within it. Exclusive with
-            `dp_record_noise_multiplier`.
-        dp_record_clip_norm (`float`, *optional*, defaults to `0.5`):
-            C, the norm each record's gradient is clipped to: about the median of the non-zero per-record gradient
-            norms of the quickstart's LoRA, so that clipping bounds the large ones without shrinking the typical
-            (`benchmarks/record_dp_step.py`). The noise-to-signal ratio does not depend on it.
-        dp_record_reward_noise_multiplier (`float` or `None`, *optional*):
-            σ_R of R̄'s release under record-level DP: noise of std σ_R × B / b on R̄ clamped to the reward functions'
-            declared range B, b prompts a step. `None`: the noise multiplier σ.
-
-        > Resuming
-
-        resume_allow_changes (`str`, *optional*):
-            Comma-separated fields that a resumed run may change (e.g. `"learning_rate,rpg_tau_min"`), among those
-            that change what a run computes (`result_fields`): any other difference from the checkpoint's run is a
-            `CheckpointMismatchError`. The model, LoRA, clients, aggregation, server optimizer and wire format can
-            never change.
     """
 
     # Rounds and local work
@@ -821,195 +698,42 @@ class FedGRPOConfig(FederatedConfig, GRPOConfig):
         },
     )
 
-    # Robustness: what the server bounds in every client update (see `admission.UpdateGate`), how it combines them
-    update_norm_bound: float | None = field(
-        default=10.0,
-        metadata={
-            "help": ResultHelp(
-                "Bound on each client's update norm ||θ_i − θ||, in units of local_steps x learning_rate x sqrt(d) "
-                "(d: the adapter's coordinates), near which honest Adam-family updates stay (SCAFFOLD: plus the "
-                "correction the server sent); also bounds the control SCAFFOLD keeps for a client, ||c_i + Δc_i||, "
-                "in units of sqrt(d). Set it for a non-Adam local optimizer. None: no bound."
-            )
-        },
-    )
-    update_norm_action: str = field(
-        default="reject",
-        metadata={
-            "help": ResultHelp(
-                "What happens to an update over `update_norm_bound`: 'reject' drops it from the round, 'clip' scales "
-                "θ_i − θ back onto the bound."
-            ),
-            "choices": list(NORM_ACTIONS),
-        },
-    )
-    robust_aggregation: str = field(
-        default="none",
-        metadata={
-            "help": ResultHelp(
-                "Robust combination of the clients' adapters, for every method: 'none' (the weighted mean), "
-                "'trimmed_mean' (drop the `robust_trim_fraction` extremes per coordinate, then the weighted mean), "
-                "'median' (unweighted, as Flower's FedMedian), 'krum' / 'multi_krum' (the client(s) closest to their "
-                "n − f − 2 neighbours) or 'bulyan' (recursive Krum, then a trimmed mean around the median), as "
-                "Flower's strategies of those names, tolerating `robust_num_malicious` clients."
-            ),
-            "choices": list(ROBUST_AGGREGATIONS),
-        },
-    )
-    robust_trim_fraction: float = field(
-        default=0.2,
-        metadata={
-            "help": ResultHelp(
-                "Fraction of the reporting clients trimmed at each end by robust_aggregation='trimmed_mean' "
-                "(rounded down, as Flower's FedTrimmedAvg, but at least one: min_clients_per_round must be 3 or "
-                "more), in (0, 0.5)."
-            )
-        },
-    )
-    robust_num_malicious: int = field(
-        default=1,
-        metadata={"help": ResultHelp("f, the arbitrary clients Krum, Multi-Krum and Bulyan tolerate: they need "
-                                     "min_clients_per_round of 2f + 3 (Krum) or 4f + 3 (Bulyan).")},
-    )
-    robust_num_selected: int | None = field(
-        default=None,
-        metadata={"help": ResultHelp("m, the clients Multi-Krum keeps and averages; None keeps n − f.")},
-    )
-    max_client_samples: int | None = field(
-        default=1_000_000,
-        metadata={
-            "help": ResultHelp(
-                "Cap on a client's self-reported number of training rows (FedAvg's and SCAFFOLD's weights), where "
-                "the server does not know the count itself. None: no cap."
-            )
-        },
-    )
 
-    # Differential privacy (`aggregation.privacy`)
-    dp_noise_multiplier: float | None = field(
-        default=None,
-        metadata={
-            "help": ResultHelp(
-                "Noise multiplier σ of client-level differential privacy, which it turns on: updates clipped to "
-                "`dp_clip_norm`, Gaussian noise of std σ x 2 C max_i ω_i on their weighted sum before the server "
-                "step, R̄ released through its own Gaussian mechanism under RPG, and ε reported every round. Not "
-                "with SCAFFOLD or `robust_aggregation`. None: no DP."
-            )
-        },
-    )
-    dp_clip_norm: float = field(
-        default=0.6,
-        metadata={
-            "help": ResultHelp(
-                "Clip norm C of each client's update under DP, in the unit of `update_norm_bound` (local_steps x "
-                "learning_rate x sqrt(d)), near which honest Adam-family updates stay; the first round's C with "
-                "dp_adaptive_clipping. 0.6: about the median update norm measured on the quickstart, so that "
-                "clipping bites on about half the updates."
-            )
-        },
-    )
-    dp_adaptive_clipping: bool = field(
-        default=False,
-        metadata={
-            "help": ResultHelp(
-                "Adapt the clip norm each round toward the dp_target_quantile of the clients' update norms (Andrew "
-                "et al., 2021, as Flower's adaptive-clipping wrapper), from dp_clip_norm: the count of unclipped "
-                "updates is released with noise and accounted, at the same ε for the same dp_noise_multiplier."
-            )
-        },
-    )
-    dp_target_quantile: float = field(
-        default=0.5,
-        metadata={
-            "help": ResultHelp(
-                "γ, the share of updates adaptive clipping aims to leave unclipped: C tracks the γ-quantile of the "
-                "update norms (Flower's target_clipped_quantile)."
-            )
-        },
-    )
-    dp_clip_norm_lr: float = field(
-        default=0.2,
-        metadata={
-            "help": ResultHelp(
-                "η_C, the learning rate of adaptive clipping's geometric update C <- C exp(−η_C (b̃ − γ)) "
-                "(Flower's clip_norm_lr; Andrew et al.'s 0.2)."
-            )
-        },
-    )
-    dp_clipped_count_stddev: float | None = field(
-        default=None,
-        metadata={
-            "help": ResultHelp(
-                "σ_b, the std of the noise on adaptive clipping's count of unclipped updates (Flower's "
-                "clipped_count_stddev); above dp_noise_multiplier. None: max(m/20, 2σ) for m clients a round."
-            )
-        },
-    )
-    dp_reward_noise_multiplier: float | None = field(
-        default=None,
-        metadata={
-            "help": ResultHelp(
-                "Noise multiplier σ_R of R̄'s release under DP with RPG: Gaussian noise of std σ_R x the reward "
-                "range on each clamped R̄ before RPG weighs it. None: dp_noise_multiplier."
-            )
-        },
-    )
-    dp_target_delta: float = field(
-        default=1e-5,
-        metadata={"help": "δ at which ε is reported under DP; keep it well below 1 / num_clients."},
-    )
-    dp_max_epsilon: float | None = field(
-        default=None,
-        metadata={
-            "help": "Privacy budget under DP: the run ends, checkpointed and saved, after the last round whose ε "
-            "stays within it. None: no budget."
-        },
-    )
-    dp_noise_seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "Seed of the DP noise's own generators. Whoever knows it can remove the noise: None draws one "
-            "from the operating system and keeps it in the checkpoints; set it only for tests and experiments."
-        },
-    )
+# A dataclass takes its bases' fields in reverse MRO order, then its own: the field mixins are listed last concern
+# first, so that `dataclasses.fields`, `--help` and the `Parameters:` list the federation's fields after TRL's, from
+# the rounds to resuming.
+@documents_field_mixins
+@dataclass
+class FedGRPOConfig(FederatedConfig, PrivacyFields, RobustnessFields, FederationFields, GRPOConfig):
+    r"""
+    Configuration class for [`FedGRPOTrainer`] and [`FederatedRunner`]: a [`~trl.GRPOConfig`] plus the federation.
 
-    # Differential privacy, record-level (`local.record_privacy`)
-    dp_record_noise_multiplier: float | None = field(
-        default=None,
-        metadata={
-            "help": ResultHelp(
-                "σ of record-level DP-SGD in the clients' local steps (a record: one prompt with its completions): "
-                "per-record clipping to dp_record_clip_norm, noise of std 2σC, secret sampling, R̄ noised, ε per "
-                "client. None: off, unless dp_record_epsilon."
-            )
-        },
-    )
-    dp_record_epsilon: float | None = field(
-        default=None,
-        metadata={
-            "help": ResultHelp(
-                "Record-level budget ε at dp_target_delta of each client over the run: each client calibrates σ to "
-                "its own data size. Exclusive with dp_record_noise_multiplier."
-            )
-        },
-    )
-    dp_record_clip_norm: float = field(
-        default=0.5,
-        metadata={
-            "help": ResultHelp(
-                "C, the norm each record's gradient is clipped to under record-level DP: about the median of the "
-                "non-zero per-record norms of the quickstart's LoRA, so that it clips the large ones only."
-            )
-        },
-    )
-    dp_record_reward_noise_multiplier: float | None = field(
-        default=None,
-        metadata={
-            "help": ResultHelp(
-                "σ_R of R̄'s release under record-level DP (noise std σ_R x reward range / prompts a step). None: σ."
-            )
-        },
-    )
+    Each of `num_rounds` rounds, every client starts from the global LoRA adapter, runs `local_steps` GRPO
+    optimisation steps on its private data and reports the adapter and R̄, the mean step reward over its last
+    `reward_window` steps. The server weights the clients (`aggregation`) and applies the weighted
+    pseudo-gradient with a server optimizer. With `aggregation="rpg"` this is FGRPO; the RPG hyperparameter
+    defaults are the paper's (Section 4.3), and `rpg_iota`, `rpg_eps`, which the paper leaves open, are ours.
+
+    When `num_clients > 1`, `FedGRPOTrainer(..., train_dataset=ds).train()` splits `ds` into `num_clients`
+    partitions with a Dirichlet(`dirichlet_alpha`) distribution over `partition_column` and runs the federation.
+
+    This class lists only the federation's parameters and the GRPO parameters whose defaults it changes; every
+    other parameter is [`~trl.GRPOConfig`]'s, except that an unset `bf16` (TRL: on unless `fp16`) follows the device
+    training runs on: with `use_cpu`, on where the CPU computes bf16 natively (AVX512-BF16 or AMX: matrix products
+    ~2x faster, the quickstart's whole loss ~1.08x; elsewhere bf16 is emulated, slower than float32), and off on a
+    machine without a bf16 accelerator when `use_cpu` is not set, where TRL's default refuses to start. Using
+    [`~transformers.HfArgumentParser`] or [`~trl.TrlParser`] we can turn it into command-line arguments and read it
+    from a YAML file.
+
+    Parameters:
+        > Resuming
+
+        resume_allow_changes (`str`, *optional*):
+            Comma-separated fields that a resumed run may change (e.g. `"learning_rate,rpg_tau_min"`), among those
+            that change what a run computes (`result_fields`): any other difference from the checkpoint's run is a
+            `CheckpointMismatchError`. The model, LoRA, clients, aggregation, server optimizer and wire format can
+            never change.
+    """
 
     # Resuming
     resume_allow_changes: str | None = field(

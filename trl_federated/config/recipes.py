@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig, RLOOConfig
 
+from .declared_fields import declared_annotations
 from .fields import FederatedConfig, FedGRPOConfig
 
 
@@ -128,14 +129,15 @@ def _federated_config_class(config_class: type) -> type[FederatedConfig]:
             if grpo_fields.get(name) is not f and (name not in grpo_fields or name in config_class.__dataclass_fields__)
             and name not in {f.name for f in own}
         ]  # fmt: skip
+    written = declared_annotations(FedGRPOConfig)
     namespace = {
         "__module__": __name__,
         "__qualname__": f"Fed{config_class.__name__}",
         "__doc__": f"`{config_class.__module__}.{config_class.__qualname__}` with the fields of `FedGRPOConfig` "
         "(see `federated_config`).",
-        # The federation's fields as `FedGRPOConfig` annotates them (strings, which its type checks read): a parser
-        # may have replaced a field's `type` with the type the string names.
-        "__annotations__": {f.name: vars(FedGRPOConfig)["__annotations__"].get(f.name, f.type) for f in declared},
+        # The federation's fields as `FedGRPOConfig` and its field mixins annotate them (strings, which its type
+        # checks read): a parser may have replaced a field's `type` with the type the string names.
+        "__annotations__": {f.name: written.get(f.name, f.type) for f in declared},
         "__reduce__": _reduce_federated_config,
         "algorithm_config_class": config_class,
     }

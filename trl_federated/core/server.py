@@ -272,9 +272,11 @@ class FederatedServer:
         if self.is_main_process:
             save_adapter(self.model, self.global_state, output_dir)
             # What describes the adapter is written beside it (the model card, `reports.hub.ModelCardReport`).
-            privacy = self.aggregator.privacy
+            mechanisms = [mechanism for mechanism in (self.aggregator.privacy, self.aggregator.record_privacy)
+                          if mechanism is not None]
             self._fire("on_adapter_saved", model=self.model, output_dir=output_dir, num_clients=self.num_clients,
-                       evaluations=self.evaluations, privacy=None if privacy is None else privacy.describe())
+                       evaluations=self.evaluations,
+                       privacy="; ".join(mechanism.describe() for mechanism in mechanisms) or None)
             if self.writes_result:
                 self.write_result(output_dir / "result.json", time.perf_counter() - self.started)
             # Said by every driver: a drop-in `trainer.train()` otherwise ends without a word of where it went.

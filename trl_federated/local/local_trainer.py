@@ -155,10 +155,15 @@ def local_trainer(trainer_class: type, args=None) -> type[LocalGRPOMixin]:
     local = trainer_class if issubclass(trainer_class, LocalGRPOMixin) else mixed_class(
         LocalGRPOMixin, trainer_class, "Local"
     )
-    local = with_speedups(local, args)
-    if args is not None and wants_record_privacy(args) and not issubclass(local, RecordPrivacyMixin):
-        local = mixed_class(RecordPrivacyMixin, local, "Private")
-    return local
+    return with_record_privacy(with_speedups(local, args), args)
+
+
+def with_record_privacy(trainer_class: type, args) -> type:
+    """`trainer_class` with `record_privacy.RecordPrivacyMixin` first among its bases when `args` turns record-level
+    DP on (`dp_record_noise_multiplier`, `dp_record_epsilon`), else as it is."""
+    if args is None or not wants_record_privacy(args) or issubclass(trainer_class, RecordPrivacyMixin):
+        return trainer_class
+    return mixed_class(RecordPrivacyMixin, trainer_class, "Private")
 
 
 def with_speedups(trainer_class: type, args) -> type:

@@ -11,17 +11,22 @@ In every optimizer step of a client round, over the b prompts of its generation 
 
 and the optimizer steps on g̃: `max_grad_norm` and Adam's normalisation are post-processing of it. Replacing one record
 moves Σ_r ḡ_r by at most 2C, so σ is the noise multiplier of that replace-one sensitivity, as client-level DP's is
-(`aggregation.privacy`). The client's report R̄ is a mean of step rewards, each the mean of b records' group means: one
-record moves it by at most B/b (B = R_max − R_min, the reward functions' declared range), and it is released as
+(`aggregation.privacy`). The client's report R̄ is the mean of its last W step rewards, each the mean of one batch's b
+records' group means, which one record moves by at most B/b (B = R_max − R_min, the reward functions' declared range).
+Each step's reward is released with that step's gradient, from the same sampled batch, and R̄ is their mean:
 
-    R̃ = clamp(clamp(R̄, R_min, R_max) + N(0, (σ_R B / b)²), R_min, R_max)
+    R̃_e = clamp(R_e, R_min, R_max) + N(0, (σ_R B / b)²)        for each of the last W steps e
+    R̃   = clamp(mean_e R̃_e, R_min, R_max)                       (post-processing: the server refuses R̄ out of range)
 
-while no other number computed from the data leaves the client (step rewards, loss and TRL's per-step metrics stay in
-its own logs). FedProx's and SCAFFOLD's loss terms do not read the data: they join g̃ after the noise.
+so that R̄'s release enjoys the sampling's amplification too (released once a round outside it, it would cost more
+than every step's gradient at small b/N). No other number computed from the data leaves the client (step rewards,
+loss and TRL's per-step metrics stay in its own logs). FedProx's and SCAFFOLD's loss terms do not read the data: they
+join g̃ after the noise.
 
 Accounting, per client, with `dp_accounting`'s RDP accountant under replace-one (N is public): each generation batch is
-a `SampledWithoutReplacementDpEvent(N, b, ·)` of the Gaussians its `num_iterations` optimizer steps release, each R̄ a
-Gaussian of σ_R. The client appends every round's releases to its own ledger (`RECORD_LEDGER`, in its output folder)
+a `SampledWithoutReplacementDpEvent(N, b, ·)` of the Gaussians its `num_iterations` optimizer steps release, with
+theirs of the step reward (σ_R) where R̄ is released: every step is counted as releasing its reward, an upper bound of
+the W that do. The client appends every round's releases to its own ledger (`RECORD_LEDGER`, in its output folder)
 before the update leaves it and reports ε at `dp_target_delta` over the whole ledger (`RECORD_EPSILON` in its
 metrics); the server reports the worst (`dp_record_epsilon_worst`). With the budget `dp_record_epsilon`, each client
 calibrates σ to its own N so that `num_rounds` rounds, every one of them with this client, stay within it.
@@ -33,7 +38,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import random
 import secrets
 from pathlib import Path
@@ -43,7 +47,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..aggregation import ClientUpdate
-from ..aggregation.privacy import RECORD_EPSILON, load_dp_accounting
+from ..aggregation.privacy import RECORD_EPSILON, append_ledger_line, load_dp_accounting
 from ..runtime.master_weights import linear_term
 from .speedups import TrainerMixin
 
@@ -106,27 +110,35 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
 
 
 def round_releases(batches: int, dataset_size: int, sample_size: int, steps_per_batch: int, noise_multiplier: float,
-                   reward_noise_multiplier: float | None) -> dict[str, Any]:
-    """One client round's releases as its ledger keeps them."""
+                   step_reward_noise_multiplier: float | None) -> dict[str, Any]:
+    """One client round's releases as its ledger keeps them (`step_reward_noise_multiplier`: σ_R of every step's
+    reward, released with the step's gradient; None where R̄ is not released)."""
     return {
         "generation_batches": batches, "dataset_size": dataset_size, "sample_size": sample_size,
         "steps_per_batch": steps_per_batch, "noise_multiplier": noise_multiplier,
-        "reward_noise_multiplier": reward_noise_multiplier,
+        "step_reward_noise_multiplier": step_reward_noise_multiplier,
     }
 
 
 def ledger_event(entries: list[dict[str, Any]]):
-    """The `dp_accounting` event of every round of `entries` (`round_releases`): each generation batch a Gaussian of
-    its `steps_per_batch` steps on a sample of b of N drawn without replacement, each R̄ a Gaussian."""
+    """The `dp_accounting` event of every round of `entries` (`round_releases`): each generation batch the Gaussians
+    of its `steps_per_batch` steps (gradient, and step reward where released) on a sample of b of N drawn without
+    replacement."""
     dp_event, _, _ = load_dp_accounting()
-    events = []
+    runs: list[tuple[dict[str, Any], int]] = []  # equal rounds in a row, composed once with their count
     for entry in entries:
-        steps = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(entry["noise_multiplier"]),
-                                             entry["steps_per_batch"])
+        if runs and runs[-1][0] == entry:
+            runs[-1] = (entry, runs[-1][1] + 1)
+        else:
+            runs.append((entry, 1))
+    events = []
+    for entry, rounds in runs:
+        step = [dp_event.GaussianDpEvent(entry["noise_multiplier"])]
+        if entry["step_reward_noise_multiplier"] is not None:
+            step.append(dp_event.GaussianDpEvent(entry["step_reward_noise_multiplier"]))
+        steps = dp_event.SelfComposedDpEvent(dp_event.ComposedDpEvent(step), entry["steps_per_batch"])
         batch = dp_event.SampledWithoutReplacementDpEvent(entry["dataset_size"], entry["sample_size"], steps)
-        events.append(dp_event.SelfComposedDpEvent(batch, entry["generation_batches"]))
-        if entry["reward_noise_multiplier"] is not None:
-            events.append(dp_event.GaussianDpEvent(entry["reward_noise_multiplier"]))
+        events.append(dp_event.SelfComposedDpEvent(batch, entry["generation_batches"] * rounds))
     return dp_event.ComposedDpEvent(events)
 
 
@@ -148,7 +160,7 @@ def calibrated_noise_multiplier(target_epsilon: float, delta: float, num_rounds:
                                 dataset_size: int, sample_size: int, steps_per_batch: int,
                                 reward_noise_multiplier: float | None) -> float:
     """The least σ (dp_accounting's calibration) whose `num_rounds` rounds of releases (`round_releases`) stay within
-    ε = `target_epsilon` at δ, R̄ released with σ_R = `reward_noise_multiplier`, or with σ itself when that is None."""
+    ε = `target_epsilon` at δ, step rewards released with σ_R = `reward_noise_multiplier`, or σ itself when None."""
     from dp_accounting import mechanism_calibration
 
     def run_event(sigma: float):
@@ -164,8 +176,8 @@ def calibrated_noise_multiplier(target_epsilon: float, delta: float, num_rounds:
     except mechanism_calibration.NoBracketIntervalFoundError as error:
         raise ValueError(
             f"No noise multiplier keeps the records' ε within dp_record_epsilon={target_epsilon:g} at δ = {delta:g} "
-            f"over {num_rounds} rounds: R̄'s releases alone exceed it (dp_record_reward_noise_multiplier="
-            f"{reward_noise_multiplier:g}); raise that or the budget."
+            f"over {num_rounds} rounds: the step rewards' releases alone exceed it (dp_record_reward_noise_multiplier"
+            f"={reward_noise_multiplier}); raise that or the budget."
         ) from error
 
 
@@ -285,10 +297,15 @@ class RecordPrivacyMixin(TrainerMixin):
         self.record_gradients, self.micro_batches = {}, 0
         return torch._foreach_div(total, self.records_per_batch)
 
-    def round_releases(self, reward_noise_multiplier: float | None) -> dict[str, Any]:
-        """This round's releases (`round_releases`), R̄ released with `reward_noise_multiplier` (None: not at all)."""
-        return round_releases(self.generation_batches, len(self.train_dataset), self.records_per_batch,
-                              self.num_iterations, self.record_noise_multiplier, reward_noise_multiplier)
+    def account_round(self, reward_noise_multiplier: float | None) -> float:
+        """Append this round's releases (`round_releases`; step rewards released with `reward_noise_multiplier`,
+        None: not released) to the ledger, flushed before anything leaves, and return ε at `dp_target_delta` over
+        it all."""
+        entry = round_releases(self.generation_batches, len(self.train_dataset), self.records_per_batch,
+                               self.num_iterations, self.record_noise_multiplier, reward_noise_multiplier)
+        entries = [*read_ledger(self.ledger_path), entry]
+        append_ledger_line(self.ledger_path, entry)
+        return ledger_epsilon(entries, self.args.dp_target_delta)
 
 
 def rows_of(value, rows: torch.Tensor):
@@ -304,15 +321,6 @@ def rows_of(value, rows: torch.Tensor):
 PUBLIC_METRICS = ("train_seconds", "wall_clock")
 
 
-def append_to_ledger(path: Path, entry: dict[str, Any]) -> None:
-    """Append one round's releases to a client's ledger, flushed to disk before its update may leave."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as stream:
-        stream.write(json.dumps(entry, sort_keys=True) + "\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-
-
 def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
                    reward_range: tuple[float, float] | None) -> ClientUpdate:
     """`update` as it leaves a client under record-level DP: R̃ for R̄, no metric computed from the data, and the
@@ -325,13 +333,14 @@ def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
     args = trainer.args
     reward_noise_multiplier = args.dp_record_reward_noise_multiplier or trainer.record_noise_multiplier
     low, high = reward_range
-    noise = torch.randn(1, generator=secret_generator(args, "reward", trainer.rounds_before), dtype=torch.float64)
+    window = trainer.step_rewards[-(args.reward_window or len(trainer.step_rewards)):]
+    noise = torch.randn(len(window), generator=secret_generator(args, "reward", trainer.rounds_before),
+                        dtype=torch.float64)
     scale = reward_noise_multiplier * (high - low) / trainer.records_per_batch
-    # Clamped again after the noise (post-processing): the server refuses an R̄ outside the declared range.
-    reward = min(max(min(max(float(update.reward), low), high) + scale * float(noise), low), high)
-    entry = trainer.round_releases(reward_noise_multiplier)
-    entries = [*read_ledger(trainer.ledger_path), entry]
-    append_to_ledger(trainer.ledger_path, entry)
+    # A step whose rewards scored nothing (NaN) counts as R_min; clamped again after the noise (post-processing).
+    released = [min(max(reward, low), high) if math.isfinite(reward) else low for reward in window]
+    mean = sum(value + scale * float(draw) for value, draw in zip(released, noise)) / len(window)
+    reward = min(max(mean, low), high)
     metrics = {name: update.metrics[name] for name in PUBLIC_METRICS if name in update.metrics}
-    metrics[RECORD_EPSILON] = ledger_epsilon(entries, args.dp_target_delta)
+    metrics[RECORD_EPSILON] = trainer.account_round(reward_noise_multiplier)
     return dataclasses.replace(update, reward=reward, metrics=metrics)
