@@ -136,8 +136,12 @@ def write_report(root: Path, cells: dict[tuple[str, str], Cell], command: str, k
         row, sigma = cell_row(directory, local_steps), recorded_noise_multiplier(folder)
         client_sigmas = sorted({entry["noise_multiplier"] for path in directory.glob(f"clients/*/{RECORD_LEDGER}")
                                 for entry in read_ledger(path)})
-        sigma_text = "–" if sigma is None and not client_sigmas else f"{sigma:.3g}" if sigma is not None else (
-            "-".join(dict.fromkeys(f"{value:.3g}" for value in (client_sigmas[0], client_sigmas[-1]))))
+        if sigma is not None:  # client-level: the σ the folder's budget records
+            sigma_text = f"{sigma:.3g}"
+        elif client_sigmas:  # record-level: the range of the σ the clients calibrated
+            sigma_text = "-".join(dict.fromkeys(f"{value:.3g}" for value in (client_sigmas[0], client_sigmas[-1])))
+        else:
+            sigma_text = "–"
         epsilon = "∞" if row["epsilon"] is None else f"{row['epsilon']:.2f}"
         noise = "–" if row["noise_std"] is None else f"{row['noise_std']:.3g}"
         target = "∞" if level == "inf" else level

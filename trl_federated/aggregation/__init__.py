@@ -7,9 +7,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..choices import AGGREGATION_SERVER_OPTIMIZERS, AGGREGATIONS, SERVER_OPTIMIZERS, Aggregation, check_choice
+from ..config.checks import wants_record_privacy
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
-from .privacy import RecordPrivacyReports, wants_record_privacy
+from .privacy import RecordPrivacyReports
 from .robust import Bulyan, CoordinateMedian, Krum, TrimmedMean, combiner_from_config
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator

@@ -432,13 +432,6 @@ class ClientLevelPrivacy:
 RECORD_EPSILON = "record_epsilon"
 
 
-def wants_record_privacy(args) -> bool:
-    """Whether `args` (any config) turns record-level DP on (`local.record_privacy`)."""
-    return getattr(args, "dp_record_noise_multiplier", None) is not None or (
-        getattr(args, "dp_record_epsilon", None) is not None
-    )
-
-
 class RecordPrivacyReports:
     """The server's side of record-level DP, which the clients run (`local.record_privacy`): the ε each client last
     reported for its records (a client's own account: the server cannot check it), and the worst, which the run

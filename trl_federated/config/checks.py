@@ -39,6 +39,27 @@ def _is_of_type(value, type_name: str) -> bool:
     return isinstance(value, {"int": int, "float": (int, float), "str": str, "dict": dict}[type_name])
 
 
+def wants_record_privacy(args) -> bool:
+    """Whether `args` (any config: a plain TRL one has none of the fields) turns record-level DP on
+    (`local.record_privacy`)."""
+    return getattr(args, "dp_record_noise_multiplier", None) is not None or (
+        getattr(args, "dp_record_epsilon", None) is not None
+    )
+
+
+def positive_errors(config, optional: tuple[str, ...] = (), required: tuple[str, ...] = ()):
+    """One message per field of `config` named in `optional` that is neither None nor > 0, and in `required` that is
+    not > 0."""
+    for name in optional:
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            yield f"`{name}` must be > 0 or None, got {value}."
+    for name in required:
+        value = getattr(config, name)
+        if not value > 0:
+            yield f"`{name}` must be > 0, got {value}."
+
+
 def adaptive_clipping_errors(target_quantile, clip_norm_lr, clipped_count_stddev, noise_multiplier):
     """One message per adaptive-clipping setting out of its range, named as `FedGRPOConfig`'s `dp_*` field: the one
     rule for the config's fields and `aggregation.privacy.AdaptiveClipping`'s arguments. The ranges are those Flower's
@@ -276,13 +297,11 @@ class ConfigChecks:
     def _record_privacy_errors(self):
         """Yield one message per invalid field of record-level DP, and per setting whose loss couples the records
         (`local.record_privacy` clips each record's gradient of its own loss)."""
-        for name in ("dp_record_noise_multiplier", "dp_record_epsilon", "dp_record_reward_noise_multiplier"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                yield f"`{name}` must be > 0 or None, got {value}."
-        if not self.dp_record_clip_norm > 0:
-            yield f"`dp_record_clip_norm` must be > 0, got {self.dp_record_clip_norm}."
-        if self.dp_record_noise_multiplier is None and self.dp_record_epsilon is None:
+        yield from positive_errors(
+            self, optional=("dp_record_noise_multiplier", "dp_record_epsilon", "dp_record_reward_noise_multiplier"),
+            required=("dp_record_clip_norm",),
+        )
+        if not wants_record_privacy(self):
             return
         if self.dp_record_noise_multiplier is not None and self.dp_record_epsilon is not None:
             yield ("Set one of `dp_record_noise_multiplier` (σ) and `dp_record_epsilon` (a budget σ is calibrated "
@@ -309,12 +328,10 @@ class ConfigChecks:
 
     def _privacy_errors(self):
         """Yield one message per invalid field of the "Differential privacy" block, and per setting DP cannot cover."""
-        for name in ("dp_noise_multiplier", "dp_reward_noise_multiplier", "dp_max_epsilon"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                yield f"`{name}` must be > 0 or None, got {value}."
-        if not self.dp_clip_norm > 0:
-            yield f"`dp_clip_norm` must be > 0, got {self.dp_clip_norm}."
+        yield from positive_errors(
+            self, optional=("dp_noise_multiplier", "dp_reward_noise_multiplier", "dp_max_epsilon"),
+            required=("dp_clip_norm",),
+        )
         if not 0 < self.dp_target_delta < 1:
             yield f"`dp_target_delta` must lie in (0, 1), got {self.dp_target_delta}."
         yield from adaptive_clipping_errors(self.dp_target_quantile, self.dp_clip_norm_lr,

@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from ..aggregation.privacy import wants_record_privacy
+from ..config.checks import wants_record_privacy
 from ..names import import_object
 from ..runtime.distributed import from_main_process
 from ..runtime.master_weights import linear_term, read_master
@@ -131,16 +131,19 @@ class LocalGRPOMixin(TrainerMixin):
                 counts[name] += 1
         return {name: sums[name] / counts[name] for name in sums}
 
-    def window_reward(self, window: int | None = None) -> float:
-        """R̄^{[t]} = mean of the last `window` step rewards (default: `args.reward_window`, else all steps)."""
+    def window_rewards(self, window: int | None = None) -> list[float]:
+        """The last `window` step rewards (default: `args.reward_window`, else all steps), whose mean is R̄^{[t]}."""
         rewards = self.step_rewards
         if not rewards:
             raise RuntimeError(
                 "No logged optimisation step: call train() before window_reward(), with a `logging_strategy` that "
                 "logs steps (R̄ is read from TRL's training logs)."
             )
-        window = window or getattr(self.args, "reward_window", None) or len(rewards)
-        return float(torch.tensor(rewards[-window:], dtype=torch.float64).mean())
+        return rewards[-(window or getattr(self.args, "reward_window", None) or len(rewards)):]
+
+    def window_reward(self, window: int | None = None) -> float:
+        """R̄^{[t]} = mean of the last `window` step rewards (`window_rewards`)."""
+        return float(torch.tensor(self.window_rewards(window), dtype=torch.float64).mean())
 
 
 

@@ -213,6 +213,8 @@ class RecordPrivacyMixin(TrainerMixin):
         self.records_per_batch = self.args.generation_batch_size // self.num_generations
         self.record_noise_multiplier = record_noise_multiplier(self.args, len(self.train_dataset),
                                                                self.records_per_batch)
+        # σ_R of the step rewards' release: its own field, else σ (as the calibration assumes)
+        self.step_reward_noise_multiplier = self.args.dp_record_reward_noise_multiplier or self.record_noise_multiplier
         self.record_clip_norm = self.args.dp_record_clip_norm
         self.noise_generator = secret_generator(self.args, "noise", self.rounds_before)
         self.generation_batches = 0  # sampled generation batches trained on this round, the ledger's count
@@ -331,9 +333,9 @@ def private_update(update: ClientUpdate, trainer: RecordPrivacyMixin,
             "every reward function a `reward_range` attribute (`trl_federated.scoring.rewards`)."
         )
     args = trainer.args
-    reward_noise_multiplier = args.dp_record_reward_noise_multiplier or trainer.record_noise_multiplier
+    reward_noise_multiplier = trainer.step_reward_noise_multiplier
     low, high = reward_range
-    window = trainer.step_rewards[-(args.reward_window or len(trainer.step_rewards)):]
+    window = trainer.window_rewards()
     noise = torch.randn(len(window), generator=secret_generator(args, "reward", trainer.rounds_before),
                         dtype=torch.float64)
     scale = reward_noise_multiplier * (high - low) / trainer.records_per_batch
