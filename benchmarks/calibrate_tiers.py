@@ -31,8 +31,8 @@ from pathlib import Path
 
 from datasets import concatenate_datasets
 
+from trl_federated.core.evaluation import evaluate_accuracy
 from trl_federated.data import DEFAULT_TASKS, build_reasoning_benchmark
-from trl_federated.evaluation import evaluate_accuracy
 from trl_federated.runtime.models import load_model_and_tokenizer
 
 # Candidate settings per task, from easy to hard; each is measured on its own.

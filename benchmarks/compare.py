@@ -6,7 +6,7 @@
 
 import sys
 
-from trl_federated.compare import main
+from trl_federated.reports.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

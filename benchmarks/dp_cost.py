@@ -38,9 +38,9 @@ from scipy import optimize
 from harness.cells import BUDGET_FILE, round_records
 from harness.grid import check_budget, commit, committed_files, run_cells
 from trl_federated.aggregation.privacy import ClientLevelPrivacy
-from trl_federated.compare import Cell, cell_command, final_accuracy, load_result
 from trl_federated.local.record_privacy import RECORD_LEDGER, read_ledger
 from trl_federated.methods import METHODS
+from trl_federated.reports.compare import Cell, cell_command, final_accuracy, load_result
 from trl_federated.sampling import clients_per_round
 
 DEFAULT_CONFIG = "examples/configs/quickstart.yaml"

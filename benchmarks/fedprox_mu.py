@@ -26,7 +26,7 @@ import torch
 
 from trl_federated import RoundCallback
 from trl_federated.adapters import state_distance
-from trl_federated.master_weights import read_master
+from trl_federated.runtime.master_weights import read_master
 
 MU_GRID = (0.001, 0.01, 0.1, 1.0)  # FedProx's own sweep (Li et al., 2020)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from harness.cells import BUDGET_FILE, finished_results
 from harness.grid import BudgetError, add_run_arguments, run_grid
 from harness.significance import paired_gain
-from trl_federated.compare import Cell, markdown
+from trl_federated.reports.compare import Cell, markdown
 
 LEVEL = 0.05  # both tests at 5%: the 95% interval above 0, McNemar's two-sided p below 0.05
 BUDGET_KEYS = (

@@ -29,7 +29,7 @@ from harness.trainers import build_trainer, generation_batch
 
 def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, float, torch.Tensor]:
     """CPU seconds and resident-memory rise (MiB) of one step's forward + backward, and its adapter gradient."""
-    from trl_federated.memory import release_free_memory
+    from trl_federated.runtime.memory import release_free_memory
 
     trainer.args.recompute_gated_mlp = recompute
     trainer.current_gradient_accumulation_steps = len(micro_batches)
@@ -46,7 +46,7 @@ def step(trainer, micro_batches: list[dict], recompute: bool) -> tuple[float, fl
 
 
 def measure(model: str, repeats: int) -> dict:
-    from trl_federated.shared_prefix import micro_batches_by_prompt
+    from trl_federated.local.shared_prefix import micro_batches_by_prompt
 
     with tempfile.TemporaryDirectory() as tmp:
         if model == "tiny":

@@ -54,7 +54,7 @@ def machine_floors(tiny: bool) -> dict[str, float]:
 
 
 def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_rows: int, tiny: bool) -> dict:
-    from trl_federated.fast_generation import resolve_generation_dtype
+    from trl_federated.local.fast_generation import resolve_generation_dtype
 
     results = {"floors": machine_floors(tiny)}
     with tempfile.TemporaryDirectory() as tmp:

@@ -47,13 +47,13 @@ TIMED_FUNCTIONS = {
     "validate_update": "update validation",
     "save_adapter": "adapter writes (round-<t>, final)",
 }
-# Methods of the runner's server (`trl_federated.server.FederatedServer`), wrapped by name when present.
+# Methods of the runner's server (`trl_federated.core.server.FederatedServer`), wrapped by name when present.
 TIMED_SERVER_METHODS = {
     "_fire": "round callbacks",
     "evaluate": "evaluation",
     "save_checkpoint": "checkpoint writes",
 }
-RUNNER_MODULES = ("trl_federated.runner", "trl_federated.client", "trl_federated.server")
+RUNNER_MODULES = ("trl_federated.runner", "trl_federated.local.client", "trl_federated.core.server")
 GC_PHASE = "gc.collect() (Trainer.train, accelerate, runner)"
 
 
@@ -236,7 +236,7 @@ def run_federated(setup: Setup, output_dir: Path) -> PhaseTimer:
     for module_name in RUNNER_MODULES:
         try:
             module = importlib.import_module(module_name)
-        except ImportError:  # trl_federated.client exists only once train_client moved there
+        except ImportError:  # trl_federated.local.client exists only once train_client moved there
             continue
         if hasattr(module, "FedGRPOTrainer"):  # a runner before `trainer_class` imported the trainer by name
             targets.append((module, "FedGRPOTrainer", timed_trainer_class(module.FedGRPOTrainer, timer)))

@@ -36,8 +36,8 @@ import yaml
 from harness.cells import METRICS, cell_metrics, points, with_shared_base
 from harness.grid import run_timed_cell
 from harness.significance import t_interval
-from trl_federated.compare import Cell, load_result, markdown
 from trl_federated.methods import METHODS
+from trl_federated.reports.compare import Cell, load_result, markdown
 
 # Appendix D, Tables 10 (λ_base) and 11 (τ_min); Algorithm 1's defaults are λ_base = 0.8, τ_min = 1.5.
 DEFAULT = "(default)"  # the grid's own FGRPO cells, the reference of every paired difference
@@ -73,7 +73,7 @@ def server_step_ratio(directory: Path) -> float | None:
     rounds of mean|θ^{[t+1]} − θ^{[t]}| / mean|Δ^{[t]}|, from the cell's round checkpoints 0, 1, ...:
     Δ^{[t]} = (m^{[t]} − β1 m^{[t−1]}) / (1 − β1) (Eq. momentum) and θ^{[0]}_B = 0 (LoRA's initialisation). 1 is
     plain averaging; None without Adam moments."""
-    from trl_federated.checkpoint import list_checkpoints, read_checkpoint
+    from trl_federated.core.checkpoint import list_checkpoints, read_checkpoint
 
     ratios, previous_m, previous_b = [], None, None
     for round_idx, path in enumerate(list_checkpoints(directory)):

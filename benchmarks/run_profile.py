@@ -77,21 +77,22 @@ def main(argv: list[str] | None = None) -> NestedPhaseMeter:
     import accelerate
     from trl import GRPOTrainer
 
-    import trl_federated.models
-    import trl_federated.server
+    import trl_federated.core.server
+    import trl_federated.runtime.models
 
     # The command as a user runs it: the `trl-federated` console script (this checkout's, the harness put it first).
     (command,) = entry_points(group="console_scripts", name="trl-federated")
     run_command = command.load()
 
     meter = NestedPhaseMeter()
-    meter.wrap(trl_federated.models, "load_model_and_tokenizer", "model load")  # imported at call time by the CLI
-    meter.wrap(trl_federated.server, "evaluate_adapter", "evaluation")
+    # imported at call time by the CLI
+    meter.wrap(trl_federated.runtime.models, "load_model_and_tokenizer", "model load")
+    meter.wrap(trl_federated.core.server, "evaluate_adapter", "evaluation")
     meter.wrap(GRPOTrainer, "__init__", "trainer construction")
     meter.wrap(GRPOTrainer, "_generate_and_score_completions", "generation + scoring")
     meter.wrap(GRPOTrainer, "compute_loss", "loss forward")
     meter.wrap(accelerate.Accelerator, "backward", "backward")
-    meter.wrap(trl_federated.server.FederatedServer, "end_round", "server round")
+    meter.wrap(trl_federated.core.server.FederatedServer, "end_round", "server round")
     reset_peak_rss()
     start = time.process_time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` also prints the phases run so far

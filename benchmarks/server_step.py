@@ -34,8 +34,8 @@ from pathlib import Path
 
 from harness.cells import BUDGET_FILE
 from harness.grid import DEFAULT_CONFIG, check_budget, commit, committed_files, run_cells
-from trl_federated.callbacks import read_metrics
-from trl_federated.compare import Cell, cell_command
+from trl_federated.core.callbacks import read_metrics
+from trl_federated.reports.compare import Cell, cell_command
 
 DESIGNS = ["fgrpo-adam-norm", "fedavg", "fgrpo-sgd", "fgrpo-fedadam", "fgrpo-nesterov", "fgrpo-paper"]
 VALIDATION_FILE = "validation.json"
@@ -67,8 +67,8 @@ def evaluate_rounds(config: str, directory: Path | None, output: Path, per_group
 
     from trl_federated.adapters import set_adapter_state, with_federated_adapter
     from trl_federated.arguments import parse_run_args
+    from trl_federated.core.evaluation import evaluate_accuracy, to_training_device
     from trl_federated.data.loading import load_benchmark
-    from trl_federated.evaluation import evaluate_accuracy, to_training_device
     from trl_federated.runtime.models import load_model, lora_config
     from trl_federated.scoring.rewards import reward_functions
 

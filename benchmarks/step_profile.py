@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl_federated.adapters import default_lora_config, with_federated_adapter
     from trl_federated.arguments import BenchmarkArguments, config_class
-    from trl_federated.client import local_training_args
+    from trl_federated.core.evaluation import evaluate_accuracy
     from trl_federated.data import partition_clients
     from trl_federated.data.loading import load_benchmark
-    from trl_federated.evaluation import evaluate_accuracy
-    from trl_federated.memory import release_free_memory
+    from trl_federated.local.client import local_training_args
+    from trl_federated.runtime.memory import release_free_memory
     from trl_federated.runtime.models import load_model_and_tokenizer
     from trl_federated.scoring.rewards import training_rewards
     from trl_federated.trainer import FedGRPOTrainer

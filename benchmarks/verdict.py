@@ -4,8 +4,8 @@ Every (method, seed) cell is one `trl-federated run` of the same base config (`e
 embedded SmolLM2-135M, the reasoning-gym benchmark, Dirichlet μ over difficulty; the old grid's was
 `examples/configs/verdict.yaml`), so all methods see the same benchmark, the same partition for a given seed (the
 partition follows `seed`) and the same local budget (rounds × local steps × batch). Cells run through
-`trl_federated.compare.cell_command`: a cell whose `result.json` exists is skipped, an interrupted one resumes from
-its last round checkpoint, so rerunning the same command resumes an interrupted grid. `--parallel 2` runs two cells
+`trl_federated.reports.compare.cell_command`: a cell whose `result.json` exists is skipped, an interrupted one resumes
+from its last round checkpoint, so rerunning the same command resumes an interrupted grid. `--parallel 2` runs two cells
 at a time, each a process limited to its share of the cores (`OMP_NUM_THREADS` and the like); after every cell the
 report is rewritten from the cells finished so far, marked PARTIAL until the grid is complete, and with `--commit`
 the cell's small files (`CELL_FILES`: result, metrics, reports, per-client curves, cost; never adapters or
@@ -54,8 +54,8 @@ from harness.cells import (
 )
 from harness.grid import add_run_arguments, grid_cells, grid_main
 from harness.significance import holm, minimum_detectable, paired_gain, paired_p, seeds_for, t_interval
-from trl_federated.compare import Cell, markdown
 from trl_federated.methods import ABLATIONS, METHODS
+from trl_federated.reports.compare import Cell, markdown
 
 # FGRPO and its baselines (with FGRPO's averaging step, its "w/o RPG" ablation is FedAvg), then the paper's literal
 # step and its ablation, whose committed cells stay as rows of their own

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from conftest import length_reward
 from trl_federated import ClientUpdate, FederatedRunner
 from trl_federated.adapters import InvalidUpdateError
-from trl_federated.admission import UpdateGate, read_reply, state_distance, update_norm_unit
 from trl_federated.aggregation import ScaffoldAggregator
+from trl_federated.core.admission import UpdateGate, read_reply, state_distance, update_norm_unit
 
 GLOBAL = {"a": torch.zeros(2, 3), "b": torch.ones(4)}
 
@@ -259,7 +259,7 @@ def test_a_non_finite_aggregate_stops_the_run_and_keeps_the_last_good_checkpoint
     tmp_path, tiny_model_dir, tiny_tokenizer, fast_args
 ):
     from trl_federated.aggregation import AggregationError
-    from trl_federated.checkpoint import list_checkpoints, read_checkpoint
+    from trl_federated.core.checkpoint import list_checkpoints, read_checkpoint
 
     runner = hostile_runner(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args, huge_values, num_rounds=2,
                             update_norm_bound=None, server_optimizer="adam")  # the poison reaches server Adam

@@ -255,7 +255,7 @@ def test_sigma_bounds_warn_on_a_wider_reward_scale(fast_args):
 
     points.reward_range = (0.0, 10.0)
     args = fast_args()
-    from trl_federated.rewards import combined_reward_range
+    from trl_federated.scoring.rewards import combined_reward_range
 
     (message,) = args.federation_warnings(combined_reward_range([points], None))
     assert "rpg_sigma_min" in message and "rpg_sigma_max" in message and "[0.0, 10.0]" in message

@@ -236,17 +236,34 @@ def test_the_benchmark_scripts_import_the_harness_not_each_other():
     assert not any(found.values()), {name: modules for name, modules in found.items() if modules}
 
 
-def test_every_moved_module_imports_by_its_old_name():
+# The top-level names the folders' modules had before the layers (`core/server.py` was `trl_federated/server.py`): none
+# imports any more, so a reader finds each module at one path.
+OLD_MODULES = (
+    "answer_check", "rewards", "evaluation", "devices", "distributed", "memory", "vllm_server", "models",
+    "master_weights", "shared_prefix", "gated_mlp", "fast_generation", "speedups", "local_trainer", "client", "server",
+    "admission", "round_record", "callbacks", "checkpoint", "run_identity", "reporting", "hub", "compare",
+)  # fmt: skip
+
+
+def test_no_old_module_path_imports():
     import importlib
 
-    import trl_federated
+    for old in OLD_MODULES:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"{ROOT}.{old}")
 
-    for old, new in trl_federated.MOVED_MODULES.items():
-        module = importlib.import_module(f"{ROOT}.{old}")
-        assert module is importlib.import_module(f"{ROOT}.{new}"), old
-        assert module.__spec__.name == f"{ROOT}.{new}"
-    # only the package's own names: a module of one's own named as a moved one (`server`, `models`) is left alone
-    assert all(trl_federated._MovedModules().find_spec(old) is None for old in trl_federated.MOVED_MODULES)
+
+def test_local_trainer_is_the_function_in_every_import_order():
+    # `trl_federated.local_trainer` is the public function; no module of that name at the top of the package hides it,
+    # whether the function or its module (`local/local_trainer.py`) is imported first (each order in a fresh
+    # interpreter, where a module is imported once).
+    import subprocess
+    import sys
+
+    read = "from trl_federated import local_trainer\nassert inspect.isfunction(local_trainer), local_trainer\n"
+    module = "import trl_federated.local.local_trainer\n"
+    for probe in (read + module + read, module + read):
+        subprocess.run([sys.executable, "-c", "import inspect\n" + probe], check=True, cwd=PACKAGE.parent)
 
 
 # The core modules, each with its own test file, tests/test_<name>.py (other tests of it may live where their concern
@@ -265,8 +282,7 @@ def test_the_core_modules_tests_are_found_by_their_names():
 
 
 def test_every_import_path_the_docs_show_still_imports():
-    # The folders moved modules; every `from trl_federated... import name` and `trl_federated.a.b` the README and docs
-    # show still imports (the old module names through `MOVED_MODULES`, the old names through re-exports).
+    # Every `from trl_federated... import name` and `trl_federated.a.b` the README and docs show imports.
     import importlib
     import re
 

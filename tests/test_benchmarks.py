@@ -67,7 +67,7 @@ def test_shared_prefix_benchmark_counts_tokens_and_compares_gradients():
 
 
 def test_rollouts_benchmark_generates_equal_work_and_gives_each_row_its_clients_adapter(tiny_model_dir):
-    from trl_federated.models import load_model_and_tokenizer
+    from trl_federated.runtime.models import load_model_and_tokenizer
 
     rollouts_benchmark = load("rollouts")
     model, tokenizer = load_model_and_tokenizer(str(tiny_model_dir))
@@ -212,7 +212,7 @@ def test_server_step_harness_reads_validation_and_the_step_per_round(tmp_path):
 
     from datasets import Dataset
 
-    from trl_federated.compare import Cell
+    from trl_federated.reports.compare import Cell
 
     server_step = load("server_step")
     train = Dataset.from_dict({
@@ -252,7 +252,7 @@ def test_dp_cost_calibrates_sigma_to_the_runs_own_accountant_and_reports_each_ce
     uses (R̄'s release under RPG costs more noise for the same ε), and the report reads a finished cell's accuracy,
     the ε its last round reported, its rewards and the σ its folder's budget.json recorded."""
     from trl_federated.aggregation.privacy import ClientLevelPrivacy
-    from trl_federated.compare import Cell
+    from trl_federated.reports.compare import Cell
 
     dp_cost = load("dp_cost")
     sigma = dp_cost.noise_multiplier_for(4.0, rounds=2, num_clients=4, sample_size=2, releases_rewards=False)

@@ -3,7 +3,7 @@
 import json
 
 from test_reliability import events
-from trl_federated.callbacks import MetricsLoggerCallback
+from trl_federated.core.callbacks import MetricsLoggerCallback
 
 
 def test_metrics_log_drops_the_interrupted_rounds_on_resume(tmp_path):

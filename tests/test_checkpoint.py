@@ -20,7 +20,7 @@ from test_reliability import (
     rewrite_state,
 )
 from trl_federated import FedGRPOConfig
-from trl_federated.checkpoint import (
+from trl_federated.core.checkpoint import (
     CorruptCheckpointError,
     list_checkpoints,
     prepare_output_dir,
@@ -37,7 +37,7 @@ def test_checkpoint_write_is_atomic_and_rotates(tmp_path, monkeypatch):
     assert loaded.aggregator["m"]["w"].tolist() == [0.5, 1.0]
 
     # a crash while writing checkpoint-1 leaves no checkpoint-1 and checkpoint-0 as it was
-    import trl_federated.checkpoint as checkpoint_module
+    import trl_federated.core.checkpoint as checkpoint_module
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
@@ -140,7 +140,7 @@ def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):
 
 
 def test_round_adapter_is_published_inside_the_atomic_checkpoint_step(tmp_path, monkeypatch):
-    import trl_federated.checkpoint as checkpoint_module
+    import trl_federated.core.checkpoint as checkpoint_module
 
     lora = LoraConfig(r=2, target_modules=["q_proj"])
     real_replace = os.replace

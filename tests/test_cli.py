@@ -52,7 +52,7 @@ def test_drop_in_federates_when_num_clients_above_one(tmp_path, tiny_model_dir, 
         train_dataset=labelled_dataset(), processing_class=tiny_tokenizer, peft_config=default_lora_config(),
     )
     initial = {k: v.clone() for k, v in get_adapter_state(trainer.model).items()}
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+    with caplog.at_level(logging.INFO, logger="trl_federated.core.server"):
         output = trainer.train()
     assert f"The global adapter is in {(tmp_path / 'run').resolve()}" in caplog.text  # where `train()` left it
     assert output.global_step == 3 * 2 * 1  # clients x rounds x local steps
@@ -335,13 +335,13 @@ def test_cli_takes_trl_grpo_reward_names_dotted_paths_and_a_reward_model(tiny_mo
     from trl.rewards import accuracy_reward as trl_accuracy_reward
     from trl.rewards import think_format_reward
 
-    from trl_federated.rewards import answer_accuracy_reward
+    from trl_federated.scoring.rewards import answer_accuracy_reward
 
     assert reward_functions(["accuracy_reward", "think_format_reward"]) == [trl_accuracy_reward, think_format_reward]
-    assert reward_functions(["trl_federated.rewards.answer_accuracy_reward"]) == [answer_accuracy_reward]
+    assert reward_functions(["trl_federated.scoring.rewards.answer_accuracy_reward"]) == [answer_accuracy_reward]
     # The name this reward had before it stopped sharing TRL's: the refusal names the new one.
     with pytest.raises(ValueError, match=r"no attribute 'accuracy_reward'\. Did you mean `answer_accuracy_reward`\?"):
-        reward_functions(["trl_federated.rewards.accuracy_reward"])
+        reward_functions(["trl_federated.scoring.rewards.accuracy_reward"])
     assert callable(reward_functions(["get_soft_overlong_punishment"])[0])
     with pytest.raises(ValueError, match="reward_funcs.*cannot import module 'no_such_pkg.rewards'"):
         reward_functions(["no_such_pkg.rewards.mine"])
@@ -358,7 +358,7 @@ def test_cli_takes_trl_grpo_reward_names_dotted_paths_and_a_reward_model(tiny_mo
 
 
 def test_cli_refuses_a_trl_reward_whose_column_the_data_lacks_naming_the_equivalent():
-    from trl_federated.rewards import answer_accuracy_reward
+    from trl_federated.scoring.rewards import answer_accuracy_reward
 
     rows = Dataset.from_dict({"prompt": ["1+1?"], "answer": ["2"]})
     check_reward_columns([answer_accuracy_reward, "org/reward-model"], rows)
@@ -440,9 +440,9 @@ def test_cli_faults_are_one_line_errors_naming_the_field_and_the_fix(tmp_path, c
          f"cannot read --config {tmp_path / 'absent.yaml'}: No such file or directory."),
         (["--local_steps", "1", "--reward_window", "2"], "`reward_window` (W=2) must not exceed `local_steps` (E=1)."),
         (["--dataset_name", "openr1"], "unknown `dataset_name` 'openr1'. Did you mean `open_r1`?"),
-        (["--reward_funcs", "trl_federated.rewards.accuracy_reward"],
-         "`reward_funcs` 'trl_federated.rewards.accuracy_reward': module 'trl_federated.rewards' has no attribute "
-         "'accuracy_reward'. Did you mean `answer_accuracy_reward`?"),
+        (["--reward_funcs", "trl_federated.scoring.rewards.accuracy_reward"],
+         "`reward_funcs` 'trl_federated.scoring.rewards.accuracy_reward': module 'trl_federated.scoring.rewards' has "
+         "no attribute 'accuracy_reward'. Did you mean `answer_accuracy_reward`?"),
         (["--eval_reward_funcs", "accuracy_rewrd"],
          "Unknown `eval_reward_funcs` 'accuracy_rewrd'; choose among ['accuracy', 'format', 'accuracy_reward', "
          "'reasoning_accuracy_reward', 'think_format_reward', 'get_soft_overlong_punishment'], a function's dotted "

@@ -30,7 +30,7 @@ from test_flower import (  # noqa: F401
 )
 from trl_federated import ClientUpdate, FederatedRunner, FedGRPOConfig, RoundCallback
 from trl_federated.adapters import with_federated_adapter
-from trl_federated.callbacks import round_logs
+from trl_federated.core.callbacks import round_logs
 from trl_federated.flower import FederatedStrategy, TrainInstruction, update_to_content
 from trl_federated.flower.records import CLIENT, client_identity_record
 from trl_federated.flower.strategy import IDENTIFY
@@ -387,7 +387,7 @@ def test_flower_apps_with_client_sampling_end_where_the_runner_ends(tmp_path, ti
 
 
 def test_client_evaluations_pool_into_the_row_weighted_accuracy_per_label():
-    from trl_federated.evaluation import merge_evaluations
+    from trl_federated.core.evaluation import merge_evaluations
     from trl_federated.flower.records import content_to_evaluation, evaluation_to_content
 
     a = {"accuracy": {"hard": 0.0, "simple": 1.0, "Total": 0.75}, "count": {"hard": 1, "simple": 3, "Total": 4}}
@@ -417,7 +417,7 @@ def test_a_malformed_evaluation_reply_is_refused_naming_the_fault(metrics, messa
 
 @pytest.mark.usefixtures("task_identity")
 def test_clients_evaluate_the_round_adapter_on_their_own_held_out_data(tmp_path, tiny_model_dir, client_data_dirs):  # noqa: F811
-    from trl_federated.evaluation import evaluate_adapter
+    from trl_federated.core.evaluation import evaluate_adapter
 
     run_config = {
         "model-dir": str(tiny_model_dir),

@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from trl_federated.compare import main
+from trl_federated.reports.compare import main
 
 
 def test_grid_runs_writes_tables_and_resumes(tmp_path, tiny_model_dir, capsys, monkeypatch):
@@ -58,8 +58,8 @@ def test_an_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     import torch
     from peft import LoraConfig
 
-    from trl_federated import compare
-    from trl_federated.checkpoint import Checkpoint, write_checkpoint
+    from trl_federated.core.checkpoint import Checkpoint, write_checkpoint
+    from trl_federated.reports import compare
 
     commands = []
     monkeypatch.setattr(compare.subprocess, "run", lambda command, check: commands.append(command))
@@ -86,8 +86,8 @@ def test_one_server_learning_rate_for_adam_and_sgd_methods_is_refused(tmp_path, 
 
 
 def test_a_cell_interrupted_under_an_earlier_checkpoint_format_starts_afresh(tmp_path, capsys):
-    from trl_federated.checkpoint import CHECKPOINT_FORMAT, STATE_FILE
-    from trl_federated.compare import Cell, cell_command
+    from trl_federated.core.checkpoint import CHECKPOINT_FORMAT, STATE_FILE
+    from trl_federated.reports.compare import Cell, cell_command
 
     cell = Cell("fedavg", 1, 3, "0.05")
     checkpoint = cell.directory(tmp_path) / "checkpoint-3"

@@ -211,7 +211,7 @@ def test_an_unset_bf16_does_not_stop_a_machine_without_an_accelerator(tmp_path):
     CPU computes it natively."""
     import torch
 
-    from trl_federated.devices import has_native_bf16
+    from trl_federated.runtime.devices import has_native_bf16
 
     if torch.accelerator.is_available():
         pytest.skip("this machine has an accelerator")

@@ -16,7 +16,7 @@ from trl_federated.data import (
     partition_clients,
 )
 from trl_federated.data.partition import split_description
-from trl_federated.rewards import answer_accuracy_reward
+from trl_federated.scoring.rewards import answer_accuracy_reward
 
 SMALL_TASKS = {
     "chain_sum": {

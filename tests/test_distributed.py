@@ -140,7 +140,7 @@ def test_parameter_sharding_in_the_training_arguments_is_refused_by_name(tiny_mo
 
 
 def test_zero_2_is_accepted(monkeypatch):
-    from trl_federated.distributed import check_parameters_unsharded
+    from trl_federated.runtime.distributed import check_parameters_unsharded
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
@@ -154,7 +154,7 @@ def test_a_deepspeed_launch_whose_precision_differs_from_the_run_is_refused_by_n
     """Found rehearsing the GPU check on CPU: the ZeRO-2 launch config's `mixed_precision: bf16` with a run in float32
     dropped every client of round 0 inside TRL's first step. Refused before any work, naming the flag that fixes it;
     with a DeepSpeed config file of the user's (whose "auto" values follow the run) nothing is checked."""
-    from trl_federated.distributed import check_deepspeed_precision
+    from trl_federated.runtime.distributed import check_deepspeed_precision
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)

@@ -13,8 +13,8 @@ from trl_federated import FederatedRunner
 from trl_federated.adapters import get_adapter_state, with_federated_adapter
 from trl_federated.aggregation import FedAvgAggregator, ScaffoldAggregator
 from trl_federated.aggregation.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL
-from trl_federated.client import local_training_args, train_local_round
-from trl_federated.master_weights import MasterWeightsError
+from trl_federated.local.client import local_training_args, train_local_round
+from trl_federated.runtime.master_weights import MasterWeightsError
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
 

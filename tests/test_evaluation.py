@@ -5,7 +5,7 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_federated.evaluation import evaluate_accuracy, format_accuracy_table
+from trl_federated.core.evaluation import evaluate_accuracy, format_accuracy_table
 
 LABELS = ["hard", "simple", "medium", "simple", "other", "medium", "simple"]
 

@@ -17,7 +17,7 @@ from trl_federated.adapters import get_adapter_state
 from trl_federated.cli import config_class, main
 from trl_federated.config import FederatedConfig, federated_config, result_fields
 from trl_federated.local.local_trainer import UNFEDERABLE_TRAINERS, local_trainer
-from trl_federated.rewards import completion_text
+from trl_federated.scoring.rewards import completion_text
 from trl_federated.trainer import federated
 
 FedRLOOConfig = federated_config(RLOOConfig)

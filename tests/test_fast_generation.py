@@ -23,9 +23,8 @@ from trl import GRPOTrainer
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
-from trl_federated.devices import has_native_bf16
-from trl_federated.evaluation import evaluate_accuracy
-from trl_federated.fast_generation import (
+from trl_federated.core.evaluation import evaluate_accuracy
+from trl_federated.local.fast_generation import (
     FastGenerationStats,
     MergedGenerationModel,
     PackedLinear,
@@ -33,6 +32,7 @@ from trl_federated.fast_generation import (
     shared_prefill_generate,
     unsupported_reason,
 )
+from trl_federated.runtime.devices import has_native_bf16
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)  # random B: it matters
@@ -214,7 +214,7 @@ def test_trainer_samples_trls_completions_in_float32(tmp_path, tiny_model_dir, t
 
 def test_unsupported_generation_falls_back_counted_and_logged_once(tmp_path, tiny_model_dir, tiny_tokenizer, caplog):
     trainer = make_trainer(tmp_path, tiny_model_dir, tiny_tokenizer, fast_generation=True, lora_dropout=0.1)
-    with caplog.at_level(logging.WARNING, logger="trl_federated.shared_prefix"):
+    with caplog.at_level(logging.WARNING, logger="trl_federated.local.shared_prefix"):
         trainer.train()
     assert trainer.fast_generation_stats.fallbacks == {"active dropout (the merged copy generates without it)": 2}
     assert trainer.fast_generation_stats.rows == 0
@@ -263,7 +263,7 @@ def test_the_kv_cache_is_passed_under_the_installed_transformers_keyword(tiny_mo
     import inspect
     import warnings
 
-    from trl_federated.shared_prefix import cache_keyword
+    from trl_federated.local.shared_prefix import cache_keyword
 
     model = adapted(tiny_model_dir)
     keyword = "cache" if "cache" in inspect.signature(type(model.get_base_model()).forward).parameters else (
@@ -286,8 +286,8 @@ AVX2_ONLY = """
 import sys, torch
 from transformers import AutoModelForCausalLM
 from peft import LoraConfig, get_peft_model
-from trl_federated.devices import has_native_bf16
-from trl_federated.fast_generation import MergedGenerationModel, PackedLinear, resolve_generation_dtype
+from trl_federated.runtime.devices import has_native_bf16
+from trl_federated.local.fast_generation import MergedGenerationModel, PackedLinear, resolve_generation_dtype
 model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]), LoraConfig(r=4, target_modules="all-linear"))
 ids = torch.randint(0, model.config.vocab_size, (2, 7))
 logits = {}

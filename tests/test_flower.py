@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl_federated import ClientUpdate, FederatedRunner  # noqa: E402
 from trl_federated.adapters import InvalidUpdateError  # noqa: E402
 from trl_federated.aggregation import aggregator_from_config  # noqa: E402
-from trl_federated.checkpoint import list_checkpoints, read_checkpoint  # noqa: E402
+from trl_federated.core.checkpoint import list_checkpoints, read_checkpoint  # noqa: E402
 from trl_federated.flower import (  # noqa: E402
     FederatedStrategy,
     TrainInstruction,
@@ -485,7 +485,7 @@ def test_package_info_logs_reach_flowers_console_in_an_app_process(monkeypatch):
     monkeypatch.setattr(root, "handlers", [])  # an app process: nothing configured
     show_package_logs()
     show_package_logs()  # once only
-    logging.getLogger("trl_federated.server").info("Round 1/2: 2 clients aggregated")
+    logging.getLogger("trl_federated.core.server").info("Round 1/2: 2 clients aggregated")
     logging.getLogger("other").info("not shown")
     assert console.getvalue().count("Round 1/2: 2 clients aggregated") == 1 and "not shown" not in console.getvalue()
 

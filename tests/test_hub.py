@@ -11,8 +11,8 @@ from test_cli import labelled_dataset
 from trl_federated import FedDAPOConfig, FedGRPOTrainer
 from trl_federated.adapters import default_lora_config, with_federated_adapter
 from trl_federated.cli import main
-from trl_federated.hub import PUSHED_FILES, HubPushError, federated_model_card
-from trl_federated.models import DEFAULT_MODEL_HUB_ID
+from trl_federated.reports.hub import PUSHED_FILES, HubPushError, federated_model_card
+from trl_federated.runtime.models import DEFAULT_MODEL_HUB_ID
 
 
 def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_model_dir, fast_args):

@@ -10,7 +10,7 @@ import pytest
 from conftest import length_reward
 from test_reliability import make_runner
 from trl_federated import RoundCallback
-from trl_federated.client import module_patches
+from trl_federated.local.client import module_patches
 
 
 def forward_depth(module) -> int:

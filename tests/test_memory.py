@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_federated.memory import release_free_memory
+from trl_federated.runtime.memory import release_free_memory
 
 
 def resident_mib() -> float:

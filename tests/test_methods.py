@@ -2,16 +2,10 @@
 
 import pytest
 
-from trl_federated.aggregation import AGGREGATIONS
-from trl_federated.config import (
-    CONFIG_CLASSES,
-    SERVER_OPTIMIZERS,
-    FedDAPOConfig,
-    FedGRPOConfig,
-    FedGSPOConfig,
-)
-from trl_federated.hub import method_name
+from trl_federated.choices import AGGREGATIONS, SERVER_OPTIMIZERS
+from trl_federated.config import CONFIG_CLASSES, FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 from trl_federated.methods import ABLATIONS, METHODS
+from trl_federated.reports.hub import method_name
 
 
 def test_every_method_is_a_valid_configuration():
@@ -86,7 +80,6 @@ def test_a_method_that_sets_another_field_names_only_the_configurations_with_its
 def test_fgrpo_step_is_read_as_declared_and_is_the_registered_one():
     # `methods` reads FGRPO's step without filling the registry (no torch for `trl-federated compare --help`); the
     # aggregation package's registration keeps the declared row
-    from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS
     from trl_federated.methods import FGRPO_STEP
 
-    assert FGRPO_STEP == AGGREGATION_SERVER_OPTIMIZERS["rpg"] == AGGREGATIONS.declared("rpg").server_optimizer
+    assert FGRPO_STEP == AGGREGATIONS["rpg"].server_optimizer == AGGREGATIONS.declared("rpg").server_optimizer

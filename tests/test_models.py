@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_federated import models
-from trl_federated.models import DEFAULT_MODEL, default_cache_dir, ensure_default_model, load_model_and_tokenizer
+from trl_federated.runtime import models
+from trl_federated.runtime.models import (
+    DEFAULT_MODEL,
+    default_cache_dir,
+    ensure_default_model,
+    load_model_and_tokenizer,
+)
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ from trl_federated.data import (
     partition_clients,
 )
 from trl_federated.data.paper import VISUAL_SYSTEM_PROMPT, reasoning_trace
-from trl_federated.rewards import answer_accuracy_reward, extract_answer
+from trl_federated.scoring.rewards import answer_accuracy_reward, extract_answer
 
 RECIPE_MAX_PIXELS = 501_760  # the paper recipes' cap (examples/configs/paper/)
 

@@ -17,8 +17,8 @@ from trl.chat_template_utils import qwen2_5_chat_template
 from conftest import FAST_GRPO, GEOQA_FIXTURE
 from trl_federated import FedGRPOConfig, FedGRPOTrainer
 from trl_federated.data import build_geoqa_benchmark
-from trl_federated.models import load_model_and_tokenizer
-from trl_federated.rewards import completion_text
+from trl_federated.runtime.models import load_model_and_tokenizer
+from trl_federated.scoring.rewards import completion_text
 
 
 def lora():

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from trl_federated import ClientUpdate, FedAvgAggregator, FederatedRunner, FedGRPOConfig, RPGAggregator, ServerSGD
 from trl_federated.aggregation import ScaffoldAggregator
 from trl_federated.aggregation.privacy import AdaptiveClipping, ClientLevelPrivacy, privacy_from_config
-from trl_federated.callbacks import read_metrics
+from trl_federated.core.callbacks import read_metrics
 
 # A global adapter of 2 × 2^18 coordinates in two tensors (more than one block of the aggregation).
 SHAPE = (512, 512)
@@ -241,7 +241,7 @@ def test_a_budget_ends_the_run_checkpointed_and_a_resume_continues_its_accountan
                                  datasets, processing_class=tiny_tokenizer, report_header="")
         return runner.run()
 
-    with caplog.at_level(logging.WARNING, logger="trl_federated.server"):
+    with caplog.at_level(logging.WARNING, logger="trl_federated.core.server"):
         whole = run("a")
     # 2 clients a round at σ = 1: the noise is at least √d times the longest Δ, and the start of the run says so
     (floor,) = [r.getMessage() for r in caplog.records if "this run cannot learn" in r.getMessage()]
@@ -352,8 +352,8 @@ def test_under_dp_the_clients_sample_is_drawn_from_a_server_secret(tiny_model_di
 @pytest.mark.parametrize("adaptive_clipping", [False, True])
 def test_under_dp_report_to_receives_no_clients_raw_values(adaptive_clipping):
     # With adaptive clipping, the released C and b̃ are logged, and no client's bit b_i
-    from trl_federated.callbacks import round_logs
-    from trl_federated.round_record import RoundRecord
+    from trl_federated.core.callbacks import round_logs
+    from trl_federated.core.round_record import RoundRecord
 
     aggregator = with_privacy(RPGAggregator(server_optimizer=ServerSGD(1.0)), privacy(
         reward_range=(0.0, 1.0), reward_noise_multiplier=1.0,

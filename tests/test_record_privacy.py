@@ -16,8 +16,8 @@ from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 from conftest import FAST_GRPO
 from trl_federated import FederatedRunner
 from trl_federated.aggregation.privacy import append_ledger_line
-from trl_federated.callbacks import read_metrics
 from trl_federated.config import federated_config
+from trl_federated.core.callbacks import read_metrics
 from trl_federated.local.local_trainer import local_trainer
 from trl_federated.local.record_privacy import (
     RECORD_LEDGER,

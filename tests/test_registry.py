@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from trl_federated.arguments import parse_run_args
-from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS, AGGREGATIONS, SERVER_OPTIMIZERS
+from trl_federated.choices import AGGREGATIONS, SERVER_OPTIMIZERS
 from trl_federated.cli import main
 
 
@@ -22,7 +22,7 @@ def test_a_name_registered_after_import_is_a_choice_of_the_parser_and_the_config
     import own_methods
 
     assert AGGREGATIONS["leader"].aggregator_class is own_methods.Leader
-    assert AGGREGATION_SERVER_OPTIMIZERS["leader"] == "sgd" and SERVER_OPTIMIZERS["half-step"] is own_methods.HalfStep
+    assert AGGREGATIONS["leader"].server_optimizer == "sgd" and SERVER_OPTIMIZERS["half-step"] is own_methods.HalfStep
     args, _, _ = parse_run_args([*argv, "--server_optimizer", "half-step",
                                  "--server_optimizer_args", json.dumps({"scale": 0.25})])
     assert (args.aggregation, args.server_optimizer) == ("leader", "half-step")

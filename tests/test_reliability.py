@@ -22,17 +22,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import FAST_GRPO, length_reward
 from trl_federated import ClientUpdate, FederatedRunner, FedGRPOConfig, FedGRPOTrainer, RoundCallback
 from trl_federated.adapters import InvalidUpdateError, default_lora_config, get_adapter_state
-from trl_federated.admission import UpdateGate
 from trl_federated.aggregation import ScaffoldAggregator
-from trl_federated.checkpoint import (
+from trl_federated.cli import main
+from trl_federated.core.admission import UpdateGate
+from trl_federated.core.checkpoint import (
     Checkpoint,
     list_checkpoints,
     read_checkpoint,
     write_checkpoint,
 )
-from trl_federated.cli import main
-from trl_federated.rewards import answer_accuracy_reward, combined_reward_range, format_reward
 from trl_federated.runner import NotEnoughClientsError
+from trl_federated.scoring.rewards import answer_accuracy_reward, combined_reward_range, format_reward
 
 TESTS_DIR = Path(__file__).parent
 
@@ -183,8 +183,8 @@ def test_checkpoint_holds_the_whole_state_and_resumes_scaffold_exactly(tmp_path,
 def test_checkpoint_with_scaffold_client_controls_beside_the_aggregator_state_is_refused_by_name(tmp_path):
     # Checkpoints written before SCAFFOLD's aggregator kept its c_i held them in a top-level "client_controls" entry,
     # and named no format: such a checkpoint is refused, by name, rather than read in an old layout.
-    import trl_federated.checkpoint as checkpoint_module
-    from trl_federated.checkpoint import OutdatedCheckpointError
+    import trl_federated.core.checkpoint as checkpoint_module
+    from trl_federated.core.checkpoint import OutdatedCheckpointError
 
     controls = {"site-0": {"w": torch.tensor([0.25, -0.5])}, "site-1": {"w": torch.tensor([1.0, 2.0])}}
     aggregator = {"server_optimizer": {}, "control": {"w": torch.tensor([0.5, 0.75])}, "client_controls": controls}
@@ -220,7 +220,7 @@ def flip_byte(path, offset=-8):
 
 def rewrite_consistently(checkpoint_dir, name, text):
     """Replace a checkpoint file and its manifest entry to match: damage that checksums alone cannot see."""
-    import trl_federated.checkpoint as checkpoint_module
+    import trl_federated.core.checkpoint as checkpoint_module
 
     (checkpoint_dir / name).write_text(text)
     manifest = json.loads((checkpoint_dir / "manifest.json").read_text())

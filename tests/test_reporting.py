@@ -2,8 +2,8 @@
 
 import re
 
-from trl_federated.reporting import write_summary
-from trl_federated.round_record import RoundRecord
+from trl_federated.core.round_record import RoundRecord
+from trl_federated.reports.summary import write_summary
 
 
 def test_summary_numbers_rounds_as_the_round_folders(tmp_path):

@@ -8,7 +8,7 @@ import reasoning_gym
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from trl_federated.rewards import answer_accuracy_reward, answers_match, extract_answer, format_reward
+from trl_federated.scoring.rewards import answer_accuracy_reward, answers_match, extract_answer, format_reward
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import logging
 import torch
 
 from trl_federated.config import FedGRPOConfig
-from trl_federated.round_record import RoundRecord
+from trl_federated.core.round_record import RoundRecord
 
 
 def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path, caplog):
@@ -16,15 +16,16 @@ def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path,
     server = RoundLog()  # what `on_round_saved` gives it
     server.args, server.global_state = args, {"w": torch.ones(100)}
     record = RoundRecord(round_idx=3, sampled=[0, 1], delta_norm=1e-3, server_step_norm=1.0, server_step_ratio=1000.0)
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+    with caplog.at_level(logging.INFO, logger="trl_federated.reports.round_log"):
         server.check_server_step(record, server.delta_is_rounding(record))
     # the server's own warnings: FedGRPOConfig's once-per-process notice of TRL defaults may be among the records
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "trl_federated.server"]
+    (warning,) = [r for r in caplog.records
+                  if r.levelno == logging.WARNING and r.name == "trl_federated.reports.round_log"]
     assert "'adam-norm' or 'fedadam'" in warning.getMessage() and "leave it unset" not in warning.getMessage()
     caplog.clear()
     zero = RoundRecord(round_idx=4, sampled=[0, 1], delta_norm=5.9e-7 * 1e-3, server_step_norm=0.4,
                        server_step_ratio=6.8e5)
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+    with caplog.at_level(logging.INFO, logger="trl_federated.reports.round_log"):
         server.check_server_step(zero, server.delta_is_rounding(zero))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "float rounding" in caplog.text and "momentum" in caplog.text
@@ -34,7 +35,7 @@ def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path,
     assert "server step 1000.00x ‖Δ‖" in format_round_log(record, 8, 2, server.delta_is_rounding(record))
     args.server_optimizer = "nesterov"
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+    with caplog.at_level(logging.INFO, logger="trl_federated.reports.round_log"):
         server.check_server_step(record, server.delta_is_rounding(record))
     assert "`server_beta1` (μ)" in caplog.text
 

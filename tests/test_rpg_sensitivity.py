@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_federated.compare import Cell
+from trl_federated.reports.compare import Cell
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("benchmark_rpg_sensitivity", ROOT / "benchmarks" / "rpg_sensitivity.py")
@@ -85,7 +85,7 @@ def test_server_step_ratio_from_round_checkpoints(tmp_path):
     """Adam's moments give Δ back (Δ^t = (m^t − β1 m^{t−1}) / (1 − β1)); the adapters give the step."""
     from peft import LoraConfig
 
-    from trl_federated.checkpoint import Checkpoint, write_checkpoint
+    from trl_federated.core.checkpoint import Checkpoint, write_checkpoint
 
     def checkpoint(round_idx, b, aggregator):
         return Checkpoint(round_idx=round_idx, global_state={key: b.clone()}, aggregator=aggregator,

@@ -3,6 +3,7 @@ from it (`keep_server_step`)."""
 
 import copy
 import re
+from dataclasses import replace
 
 import pytest
 from peft import LoraConfig
@@ -11,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import FAST_GRPO, length_reward
 from test_reliability import events, make_runner, prompt_clients
 from trl_federated import FederatedRunner, FedGRPOConfig
-from trl_federated.choices import AGGREGATION_SERVER_OPTIMIZERS
-from trl_federated.run_identity import CheckpointMismatchError
+from trl_federated.choices import AGGREGATIONS
+from trl_federated.core.run_identity import CheckpointMismatchError
 from trl_federated.testing import save_tiny_model
 
 
@@ -87,11 +88,12 @@ def test_a_resumed_run_that_leaves_the_server_step_unset_keeps_its_checkpoints(t
     """FGRPO's default step changed once: a checkpoint of a run that took the old default resumes on that step, with
     its derived learning rate and ε, and says so; one that named its step keeps it as well when the resumed config
     leaves the field unset."""
-    monkeypatch.setitem(AGGREGATION_SERVER_OPTIMIZERS, "rpg", "adam")  # the default before the experiment chose
+    # the default before the experiment chose
+    monkeypatch.setitem(AGGREGATIONS, "rpg", replace(AGGREGATIONS["rpg"], server_optimizer="adam"))
     first = make_runner(tiny_model_dir, tmp_path / "default", num_rounds=2)
     first.run()  # rounds 0 and 1 under the old default, the paper's Adam
     adam = first.server.aggregator.server_optimizer
-    monkeypatch.setitem(AGGREGATION_SERVER_OPTIMIZERS, "rpg", "sgd")  # today's
+    monkeypatch.setitem(AGGREGATIONS, "rpg", replace(AGGREGATIONS["rpg"], server_optimizer="sgd"))  # today's
     resumed = make_runner(tiny_model_dir, tmp_path / "default", num_rounds=3, resume_from_checkpoint="true")
     assert resumed.args.server_optimizer == "sgd"
     resumed.run()
@@ -122,7 +124,7 @@ def test_resume_allow_changes_lets_named_training_settings_change(tmp_path, tiny
 def test_a_checkpoint_from_before_a_field_existed_resumes_when_it_is_left_at_its_default(tmp_path, tiny_model_dir):
     """A checkpoint made before `fraction_train` existed does not record it; its run sampled every client, which is
     the default: resuming with the default goes on, another value is refused by name."""
-    from trl_federated.run_identity import check_identity, run_identity
+    from trl_federated.core.run_identity import check_identity, run_identity
 
     runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1)
     current = run_identity(runner.model, runner.client_datasets, runner.aggregator, runner.args)
@@ -138,7 +140,7 @@ def test_without_dp_a_checkpoint_resumes_whatever_the_dp_mechanisms_settings(tmp
     """The DP mechanism's settings (`dp_clip_norm`, adaptive clipping, ...) change nothing without
     `dp_noise_multiplier`: a checkpoint of a run that recorded another `dp_clip_norm` (1.0, the former default)
     resumes; under DP a changed clip norm is refused by name."""
-    from trl_federated.run_identity import check_identity, run_identity
+    from trl_federated.core.run_identity import check_identity, run_identity
 
     runner = make_runner(tiny_model_dir, tmp_path, num_rounds=1)
     current = run_identity(runner.model, runner.client_datasets, runner.aggregator, runner.args)

@@ -13,7 +13,7 @@ from trl.trainer.utils import use_adapter
 
 from conftest import FAST_GRPO, length_reward
 from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
-from trl_federated.shared_prefix import micro_batches_by_prompt, unsupported_reason
+from trl_federated.local.shared_prefix import micro_batches_by_prompt, unsupported_reason
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
 TOLERANCE = 1e-5  # relative, float32
@@ -181,7 +181,7 @@ def test_fallback_is_exact_counted_and_logged_once(tmp_path, tiny_model_dir, tin
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     batch = micro_batch(len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
-    with caplog.at_level(logging.WARNING, logger="trl_federated.shared_prefix"):
+    with caplog.at_level(logging.WARNING, logger="trl_federated.local.shared_prefix"):
         shared = [loss_and_gradients(trainer, batch, shared_prefix=True)[0] for _ in range(2)]
     standard, _ = loss_and_gradients(trainer, batch, shared_prefix=False)
     assert shared == [standard, standard]

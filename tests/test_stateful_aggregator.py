@@ -21,8 +21,8 @@ from test_flower import (  # noqa: F401
 from trl_federated import FedAvgAggregator, FederatedRunner
 from trl_federated.adapters import check_state, state_norm
 from trl_federated.aggregation import ClientHook, RoundMetric, register_aggregation
-from trl_federated.callbacks import round_logs
-from trl_federated.checkpoint import list_checkpoints, read_checkpoint
+from trl_federated.core.callbacks import round_logs
+from trl_federated.core.checkpoint import list_checkpoints, read_checkpoint
 
 
 class KeepAverage(TrainerCallback):
@@ -187,7 +187,7 @@ def test_a_registered_aggregations_own_metrics_reach_the_record_the_log_the_repo
         dict(zip(CLIENTS, prompt_datasets())), processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
         report_header="",
     )
-    with caplog.at_level(logging.INFO, logger="trl_federated.server"):
+    with caplog.at_level(logging.INFO, logger="trl_federated.reports.round_log"):
         runner.run()
     expected = {client_id: state_norm(runner.aggregator.averages[client_id]) for client_id in CLIENTS}
 

@@ -18,8 +18,8 @@ from trl_federated.adapters import default_lora_config, get_adapter_state
 from trl_federated.cli import config_class, import_class, main
 from trl_federated.config import federated_config
 from trl_federated.flower import make_client_app
-from trl_federated.local_trainer import local_trainer
-from trl_federated.rewards import completion_text
+from trl_federated.local.local_trainer import local_trainer
+from trl_federated.scoring.rewards import completion_text
 from trl_federated.trainer import FederatedGRPOMixin, federated
 
 

@@ -75,7 +75,7 @@ def test_round_metrics_plot_reads_what_the_rounds_logged(
     """examples/scripts/plot_tensorboard.py reads R̄, h, ω per client and τ back from the event files, per round."""
     import importlib.util
 
-    from trl_federated.rewards import completion_text
+    from trl_federated.scoring.rewards import completion_text
 
     def text_length_reward(completions, **kwargs):
         return [len(completion_text(completion)) / 64 for completion in completions]

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM
 from trl_federated import ClientUpdate
 from trl_federated.adapters import InvalidUpdateError, with_federated_adapter
 from trl_federated.aggregation import aggregator_from_config
-from trl_federated.checkpoint import OutputDirLockedError, _file_digest, read_checkpoint
+from trl_federated.core.checkpoint import OutputDirLockedError, _file_digest, read_checkpoint
+from trl_federated.core.server import FederatedServer
 from trl_federated.reports import server_reports
-from trl_federated.server import FederatedServer
 
 
 def length_reward(completions, **kwargs):
@@ -84,7 +84,7 @@ def test_a_second_writer_of_an_output_folder_is_refused_by_name(tmp_path, tiny_m
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
             from trl_federated import FedGRPOConfig
-            from trl_federated.checkpoint import prepare_output_dir
+            from trl_federated.core.checkpoint import prepare_output_dir
             prepare_output_dir(FedGRPOConfig(output_dir={str(output_dir)!r}, bf16=False, use_cpu=True,
                                              report_to="none"))
             print("started", flush=True)
@@ -165,7 +165,7 @@ def test_client_ids_that_are_not_safe_path_components_are_refused(tmp_path, tiny
 def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or_a_resume(
     tmp_path, tiny_model_dir, fast_args, caplog
 ):
-    from trl_federated.callbacks import round_logs
+    from trl_federated.core.callbacks import round_logs
 
     output_dir = tmp_path / "run"
     server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir))
@@ -212,7 +212,7 @@ def test_client_metrics_are_typed_bounded_namespaced_and_never_break_a_report_or
 
 
 def test_a_client_flooding_metrics_is_refused(tmp_path, tiny_model_dir, fast_args):
-    from trl_federated.admission import MAX_CLIENT_METRICS
+    from trl_federated.core.admission import MAX_CLIENT_METRICS
 
     server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"))
     server.start_run()
@@ -374,7 +374,7 @@ def test_a_clients_text_cannot_forge_a_line_of_the_servers_log(tmp_path, tiny_mo
         server.broadcast(client_id)
         reply(server, client_id)
     forged = "boom\nRound 0 (1/4): 1 clients aggregated\n  c: R̄ = 1.0000, ω = 0.9990\r\u2028\x1b[2J"
-    with caplog.at_level(logging.WARNING, logger="trl_federated.server"):
+    with caplog.at_level(logging.WARNING, logger="trl_federated.core.server"):
         server.drop("c", "error", forged)  # as a Flower error reply's reason, or a client's exception, says it
     record = server.end_round()
     console = format_round_log(record, 4, 3)
@@ -406,7 +406,7 @@ def test_a_report_that_fails_to_draw_neither_stops_the_round_nor_its_checkpoint(
 ):
     import logging
 
-    from trl_federated import reporting
+    from trl_federated.reports import summary as reporting
 
     def broken_plot(*args, **kwargs):
         raise ValueError("matplotlib could not parse the label")
@@ -414,7 +414,7 @@ def test_a_report_that_fails_to_draw_neither_stops_the_round_nor_its_checkpoint(
     monkeypatch.setattr(reporting, "plot_run", broken_plot)
     server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path))
     server.start_run()
-    with caplog.at_level(logging.WARNING, logger="trl_federated.reporting"):
+    with caplog.at_level(logging.WARNING, logger="trl_federated.reports.summary"):
         honest_round(server, 0)
     assert (tmp_path / "checkpoint-0").is_dir() and "the run goes on" in caplog.text
     honest_round(server, 1)
@@ -621,7 +621,7 @@ def test_a_client_id_that_reads_as_a_tensor_marker_cannot_make_a_checkpoint_unre
 ):
     """Issue 48, 5: the id `__tensor__` as a round's only reporter made RPG's baselines (SCAFFOLD's client controls)
     read back as a tensor reference: checkpoint-0 was corrupt and nothing resumed. Keys are now escaped."""
-    from trl_federated.checkpoint import latest_intact_checkpoint
+    from trl_federated.core.checkpoint import latest_intact_checkpoint
 
     output_dir = tmp_path / "run"
     server = make_server(tiny_model_dir, fast_args, output_dir=str(output_dir), aggregation=aggregation)
@@ -671,7 +671,7 @@ def test_a_client_writes_no_other_clients_log_entries_nor_a_privacy_budget(
     without DP. A metric under another client's id (any of the federation's, known from a registry or learned when
     the server first sent it a round) or a reserved name (`dp_*`, any strategy's round metrics) is dropped. The reply
     travels as a Flower reply's records."""
-    from trl_federated.callbacks import round_logs
+    from trl_federated.core.callbacks import round_logs
     from trl_federated.flower.records import content_to_update, update_to_content
 
     args = fast_args(num_clients=3, num_rounds=2, aggregation="fedavg", output_dir=str(tmp_path))

@@ -13,7 +13,7 @@ from conftest import FAST_GRPO, length_reward
 from trl_federated import FederatedRunner, FedGRPOConfig
 from trl_federated.aggregation import FedAvgAggregator, aggregator_from_config
 from trl_federated.config import DEFAULT_FEDPROX_MU, FedDAPOConfig, FedGSPOConfig
-from trl_federated.local_trainer import ProximalTerm
+from trl_federated.local.local_trainer import ProximalTerm
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
 

@@ -20,7 +20,7 @@ from scipy import stats
 import harness.cells
 import harness.grid
 from harness.significance import holm, minimum_detectable, paired_p, seeds_for, t_interval, t_quantile
-from trl_federated.compare import Cell
+from trl_federated.reports.compare import Cell
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("benchmark_verdict", ROOT / "benchmarks" / "verdict.py")
@@ -372,7 +372,7 @@ def test_a_stopped_harness_stops_its_cells(tmp_path):
         "import sys\n"
         "from pathlib import Path\n"
         "from harness.grid import run_cells\n"
-        "from trl_federated.compare import Cell\n"
+        "from trl_federated.reports.compare import Cell\n"
         f"root = Path({str(grid)!r})\n"
         "cells = [Cell('fgrpo', seed, 3, '0.05') for seed in range(3)]\n"
         f"command = lambda cell: [sys.executable, {str(FAKE_CELL)!r}, str(cell.directory(root)), {str(spec)!r}]\n"

@@ -197,7 +197,7 @@ def no_engine(monkeypatch):
 
         return load
 
-    from trl_federated import models
+    from trl_federated.runtime import models
 
     monkeypatch.setattr(grpo_trainer, "VLLMGeneration", engine)
     monkeypatch.setattr(grpo_trainer, "create_model_from_path",

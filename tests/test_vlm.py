@@ -13,8 +13,8 @@ from conftest import GEOQA_FIXTURE
 from trl_federated import FederatedRunner, RoundCallback
 from trl_federated.aggregation import aggregator_from_config
 from trl_federated.data import build_geoqa_benchmark, partition_clients
-from trl_federated.models import load_model_and_tokenizer, load_processing_class
-from trl_federated.rewards import completion_text
+from trl_federated.runtime.models import load_model_and_tokenizer, load_processing_class
+from trl_federated.scoring.rewards import completion_text
 
 REPO = Path(__file__).resolve().parents[1]
 

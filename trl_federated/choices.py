@@ -5,8 +5,7 @@ package, so the configuration imports no implementation to know its own choices.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 class Registry(dict):
@@ -75,38 +74,9 @@ class Registry(dict):
         return super().values()
 
 
-class _Column(MutableMapping):
-    """One attribute of a registry's entries, by name, read (and set) live: an older table kept as a view."""
-
-    def __init__(self, registry: Registry, attribute: str):
-        self.registry, self.attribute = registry, attribute
-
-    def __getitem__(self, name):
-        value = getattr(self.registry[name], self.attribute, None)
-        if value is None:
-            raise KeyError(name)
-        return value
-
-    def __setitem__(self, name, value):
-        self.registry[name] = replace(self.registry[name], **{self.attribute: value})
-
-    def __delitem__(self, name):
-        raise TypeError(f"a {self.registry.kind} leaves its registry, not its {self.attribute} alone")
-
-    def __iter__(self) -> Iterator[str]:
-        return (name for name, entry in self.registry.items() if getattr(entry, self.attribute, None) is not None)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
 # `FedGRPOConfig.server_optimizer`: the server step on the pseudo-gradient Δ, each name with its `ServerOptimizer`
 # class (`aggregation.server_optim`: "adam", "sgd", "fedadam", "adam-norm", "nesterov").
 SERVER_OPTIMIZERS = Registry("server_optimizer")
-# The learning rate each takes when `server_learning_rate` is unset (its class's `default_learning_rate`), but "adam",
-# derived from the local budget (`FedGRPOConfig.derived_server_learning_rate`). Dimensionless multiples of the
-# clients' change: 1 for the steps scaled to Δ (FedAvg's length in their first round), DiLoCo's 0.7 for Nesterov.
-SERVER_LEARNING_RATES = _Column(SERVER_OPTIMIZERS, "default_learning_rate")
 
 
 @dataclass(frozen=True)
@@ -117,17 +87,15 @@ class Aggregation:
     aggregator_class: type | None
     server_optimizer: str = "sgd"
 
-# `FedGRPOConfig.aggregation` → the server optimizer it takes when `server_optimizer` is left unset. FedAvg, FedProx
+# `FedGRPOConfig.aggregation`, each with its strategy and the server optimizer it takes when `server_optimizer` is
+# left unset (`Aggregation`). FedAvg, FedProx
 # and SCAFFOLD as their papers define them: the weighted mean of the client models, i.e. SGD with learning rate 1
 # (SCAFFOLD's global step size η_g = 1). FGRPO: the RPG-weighted mean, the server step chosen by experiment
 # (benchmarks/server_step.py, docs/methods.md): the paper's Adam (Algorithm 1, line 23) with its ε = 1e-8 moves
 # nearly every coordinate by ±lr each round whatever the clients' change, and at the grid's budget it learned less
 # than FedAvg, while the RPG-weighted mean learned as much as FedAvg on the validation slice. `server_optimizer: adam`
-# (the `fgrpo-paper` method) is the paper's step. The aggregations a config may name are this table's keys:
-# `aggregation.register_aggregation` adds a row with its strategy. The one registry of the aggregations' names is
-# `AGGREGATIONS`; this table is its column of server optimizers.
+# (the `fgrpo-paper` method) is the paper's step. `aggregation.register_aggregation` adds a row with its strategy.
 AGGREGATIONS = Registry("aggregation", {name: Aggregation(None) for name in ("rpg", "fedavg", "fedprox", "scaffold")})
-AGGREGATION_SERVER_OPTIMIZERS = _Column(AGGREGATIONS, "server_optimizer")
 
 # `FedGRPOConfig.rpg_gain`: how RPG turns a client's R̄ into its gain h (`aggregation.rpg`): the paper's Eq. rpg, or
 # the same with the gap soft-thresholded at its standard error (`NoiseAwareGain`).

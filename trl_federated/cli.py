@@ -28,7 +28,7 @@ __getattr__ = lazy_attributes(globals(), {
     "trainer_class": ".trainer",
 })  # fmt: skip
 
-logger = logging.getLogger("trl_federated")
+logger = logging.getLogger(__name__)
 
 
 def run(argv: list[str]) -> int:
@@ -45,7 +45,7 @@ def run(argv: list[str]) -> int:
 
 
 def compare(argv: list[str]) -> int:
-    """Methods × seeds grid with resumable cells; see `trl_federated.compare`."""
+    """Methods × seeds grid with resumable cells; see `trl_federated.reports.compare`."""
     from .reports.compare import main as compare_main
 
     return compare_main(argv)

@@ -26,7 +26,7 @@ from .runtime.models import load_model, lora_config
 from .scoring.rewards import check_reward_columns, reward_functions, training_rewards
 from .trainer import trainer_class
 
-logger = logging.getLogger("trl_federated")
+logger = logging.getLogger(__name__)
 
 
 def cpu_time_notice(cores: int, native_bf16: bool) -> str:

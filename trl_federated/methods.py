@@ -31,7 +31,7 @@ class Method:
                 **dict(self.settings)}
 
 
-# FGRPO's server step when `server_optimizer` is unset (`choices.AGGREGATION_SERVER_OPTIMIZERS`): the RPG-weighted
+# FGRPO's server step when `server_optimizer` is unset (`choices.AGGREGATIONS`): the RPG-weighted
 # mean. With it, "FGRPO w/o RPG" (the same step with FedAvg's weights) is FedAvg itself. Read as declared, so that
 # importing this table (`trl-federated compare --help`) imports neither the aggregation package nor torch.
 FGRPO_STEP = AGGREGATIONS.declared("rpg").server_optimizer

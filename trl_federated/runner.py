@@ -49,7 +49,7 @@ class FederatedRunner(ServerStateView):
     `admission.UpdateGate` rejects (malformed, non-finite, out of range, over `update_norm_bound`) is dropped from its
     round (a `client_dropped` line in metrics.jsonl) and the round aggregates the others, if at least
     `min_clients_per_round` are left; the run stops with `NotEnoughClientsError` otherwise.
-    After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.checkpoint`), and
+    After every round `output_dir/checkpoint-<t>` is written atomically (see `trl_federated.core.checkpoint`), and
     `run()` continues from one when `args.resume_from_checkpoint` is set, exactly as if never interrupted (under a
     quantized `transfer_dtype`, but for the clients' error-feedback residuals, `self.wire_residuals`, which are client
     memory, not server state, and start again from zero: a round's rounding is lost, nothing more).
@@ -82,7 +82,7 @@ class FederatedRunner(ServerStateView):
             its config class made federated (`config.federated_config`) when it has one.
         log_to: A `Trainer` whose `state`, `log()` and callbacks report the run (the drop-in `FedGRPOTrainer`
             passes itself).
-        dataset_name: The Hub id of the clients' data, named in the model card (see `trl_federated.hub`).
+        dataset_name: The Hub id of the clients' data, named in the model card (see `trl_federated.reports.hub`).
         report_header: With a header (may be empty), `summary.md` and plots are rewritten after every round and
             `result.json` is written at the end (`trl-federated run` passes its run description); None: neither.
     """

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from trl_federated.callbacks import read_metrics
-from trl_federated.compare import Cell, load_result
+from trl_federated.core.callbacks import read_metrics
+from trl_federated.reports.compare import Cell, load_result
 
 TEST_ITEMS_FILE = "test-items.json"  # per grid folder: the task of every test item, in evaluation order
 COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from trl_federated.compare import Cell, cell_command
+from trl_federated.reports.compare import Cell, cell_command
 
 from .cells import BUDGET_FILE, COST_FILE, TEST_ITEMS_FILE, base_evaluation
 

@@ -76,9 +76,9 @@ class Bench:
 
         from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
         from trl_federated.arguments import BenchmarkArguments, config_class
-        from trl_federated.client import local_training_args
         from trl_federated.data import partition_clients
         from trl_federated.data.loading import load_benchmark
+        from trl_federated.local.client import local_training_args
         from trl_federated.runtime.models import load_model_and_tokenizer
         from trl_federated.scoring.rewards import training_rewards
 
@@ -157,7 +157,7 @@ class Bench:
 
     def evaluation(self, fast: bool, rows: int, dtype: str) -> tuple[float, float]:
         from trl_federated.adapters import set_adapter_state
-        from trl_federated.evaluation import evaluate_accuracy
+        from trl_federated.core.evaluation import evaluate_accuracy
 
         set_adapter_state(self.model, self.adapter)
         result = evaluate_accuracy(

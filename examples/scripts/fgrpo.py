@@ -25,7 +25,7 @@ from trl import ModelConfig, get_peft_config
 
 from trl_federated.arguments import ArgumentParser, BenchmarkArguments, config_class
 from trl_federated.data.loading import load_benchmark
-from trl_federated.reporting import ReportCallback
+from trl_federated.reports.summary import ReportCallback
 from trl_federated.runtime.models import load_model
 from trl_federated.scoring.rewards import check_reward_columns, reward_functions, training_rewards
 from trl_federated.trainer import trainer_class

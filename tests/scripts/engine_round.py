@@ -22,10 +22,10 @@ from trl_federated import FederatedRunner, FedGRPOConfig
 from trl_federated.adapters import get_adapter_state, with_federated_adapter
 from trl_federated.aggregation import FedAvgAggregator, ScaffoldAggregator
 from trl_federated.aggregation.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL
-from trl_federated.callbacks import RoundCallback
-from trl_federated.client import local_training_args, train_local_round
-from trl_federated.distributed import shut_down
-from trl_federated.master_weights import adapter_parameters
+from trl_federated.core.callbacks import RoundCallback
+from trl_federated.local.client import local_training_args, train_local_round
+from trl_federated.runtime.distributed import shut_down
+from trl_federated.runtime.master_weights import adapter_parameters
 
 PROMPTS = Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {i + 3}." for i in range(16)]})
 METHODS = {

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 torch.set_num_threads(1)
 
 from trl_federated import FederatedRunner, FedGRPOConfig  # noqa: E402
-from trl_federated.distributed import shut_down  # noqa: E402
+from trl_federated.runtime.distributed import shut_down  # noqa: E402
 
 NUM_GENERATIONS = 4
 

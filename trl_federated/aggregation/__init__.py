@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ..choices import AGGREGATION_SERVER_OPTIMIZERS, AGGREGATIONS, SERVER_OPTIMIZERS, Aggregation, check_choice
+from ..choices import AGGREGATIONS, SERVER_OPTIMIZERS, Aggregation, check_choice
 from ..config.checks import wants_record_privacy
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
@@ -15,7 +15,6 @@ from .robust import Bulyan, CoordinateMedian, Krum, TrimmedMean, combiner_from_c
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
 from .server_optim import (
-    SERVER_OPTIMIZER_CLASSES,
     ServerAdam,
     ServerFedAdam,
     ServerNesterov,
@@ -34,22 +33,22 @@ logger = logging.getLogger(__name__)
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     """The server step `args.server_optimizer` names (`choices.SERVER_OPTIMIZERS`), with its `server_*`."""
     check_choice("server_optimizer", args.server_optimizer, SERVER_OPTIMIZERS)
-    return SERVER_OPTIMIZER_CLASSES[args.server_optimizer].from_config(args)
+    return SERVER_OPTIMIZERS[args.server_optimizer].from_config(args)
 
 
 def register_aggregation(name: str, aggregator_class: type[Aggregator], server_optimizer: str | None = None) -> None:
     """Make `name` a value of `FedGRPOConfig.aggregation`: `aggregator_from_config` builds `aggregator_class` for it
     (`Aggregator.from_config`), with `server_optimizer` (one of `choices.SERVER_OPTIMIZERS`) unless the config names
-    another; None keeps the method's row of `choices.AGGREGATION_SERVER_OPTIMIZERS` ("sgd" for a new name). The
+    another; None keeps the method's declared one (`choices.AGGREGATIONS`; "sgd" for a new name). The
     config validates `aggregation` against the registry (`choices.AGGREGATIONS`, the one of the aggregations' names),
     which this adds the name to; the command line offers it from then on."""
-    server_optimizer = server_optimizer or AGGREGATION_SERVER_OPTIMIZERS.get(name, "sgd")
+    server_optimizer = server_optimizer or getattr(AGGREGATIONS.get(name), "server_optimizer", "sgd")
     if server_optimizer not in SERVER_OPTIMIZERS:
         raise ValueError(f"`server_optimizer` must be one of {list(SERVER_OPTIMIZERS)}, got {server_optimizer!r}.")
     AGGREGATIONS[name] = Aggregation(aggregator_class, server_optimizer)
 
 
-# Each method's server step is its row of `choices.AGGREGATION_SERVER_OPTIMIZERS` (FGRPO: Adam; the others: SGD with
+# Each method's server step is the one `choices.AGGREGATIONS` declares (FGRPO: Adam; the others: SGD with
 # learning rate 1, model averaging).
 register_aggregation("rpg", RPGAggregator)
 register_aggregation("fedavg", FedAvgAggregator)
@@ -83,7 +82,6 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
 
 __all__ = [
     "AGGREGATIONS",
-    "SERVER_OPTIMIZER_CLASSES",
     "Aggregation",
     "AggregationError",
     "Aggregator",

@@ -350,9 +350,6 @@ def register_server_optimizer(name: str, optimizer_class: type[ServerOptimizer])
     SERVER_OPTIMIZERS[name] = optimizer_class
 
 
-# `FedGRPOConfig.server_optimizer` → its class; a checkpoint records the class, by which a resumed run finds its step
-# again (`run_identity.keep_server_step`).
-SERVER_OPTIMIZER_CLASSES = SERVER_OPTIMIZERS
 register_server_optimizer("adam", ServerAdam)
 register_server_optimizer("sgd", ServerSGD)
 register_server_optimizer("fedadam", ServerFedAdam)

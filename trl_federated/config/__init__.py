@@ -7,18 +7,6 @@ gathers), the checks (`checks`), the server step's derivation (`server_step`), t
 (`results`), and the recipes (`recipes`: `FedDAPOConfig`, `FedGSPOConfig`, `CONFIG_CLASSES`, `federated_config`).
 """
 
-from ..choices import (  # the choice lists, as the config module named them before it became a folder
-    AGGREGATION_SERVER_OPTIMIZERS,
-    GENERATION_DTYPE_CHOICES,
-    LORA_AGGREGATIONS,
-    MIN_TRIMMED_CLIENTS,
-    NORM_ACTIONS,
-    ROBUST_AGGREGATIONS,
-    SCAFFOLD_CORRECTIONS,
-    SERVER_LEARNING_RATES,
-    SERVER_OPTIMIZERS,
-    TRANSFER_DTYPES,
-)
 from .building import DEFAULT_FEDPROX_MU, BuildsConfig, has_native_bf16
 from .checks import ConfigChecks
 from .fields import FederatedConfig, FedGRPOConfig
@@ -34,16 +22,6 @@ from .results import (
 from .server_step import PAPER_SERVER_EPSILON, SERVER_ADAM_SCALE, SERVER_STEP_FIELDS, ServerStep
 
 __all__ = [
-    "AGGREGATION_SERVER_OPTIMIZERS",
-    "GENERATION_DTYPE_CHOICES",
-    "LORA_AGGREGATIONS",
-    "MIN_TRIMMED_CLIENTS",
-    "NORM_ACTIONS",
-    "ROBUST_AGGREGATIONS",
-    "SCAFFOLD_CORRECTIONS",
-    "SERVER_LEARNING_RATES",
-    "SERVER_OPTIMIZERS",
-    "TRANSFER_DTYPES",
     "CONFIG_CLASSES",
     "FEDERABLE_CONFIGS",
     "DEFAULT_FEDPROX_MU",

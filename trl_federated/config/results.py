@@ -10,7 +10,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-logger = logging.getLogger("trl_federated.config")  # the name it had before the config became a folder
+logger = logging.getLogger(__name__)
 
 class ResultHelp(str):
     """The help of a field that changes what a run computes: a resumed run must keep its value unless

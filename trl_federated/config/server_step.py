@@ -4,7 +4,7 @@ takes its checkpoint's instead (`core.run_identity.keep_server_step`)."""
 
 from __future__ import annotations
 
-from ..choices import AGGREGATION_SERVER_OPTIMIZERS, SERVER_LEARNING_RATES, SERVER_OPTIMIZERS
+from ..choices import AGGREGATIONS, SERVER_OPTIMIZERS
 
 # Server Adam's learning rate when `server_learning_rate` is unset: α = SERVER_ADAM_SCALE × E × lr, E the local steps
 # and lr the local (peak) learning rate (`derived_server_learning_rate`). SGD's is 1: the weighted average.
@@ -28,8 +28,8 @@ class ServerStep:
         (`derived_server_learning_rate`) and its ε (the paper's 1e-8 for the Adam steps, FedAdam's derived τ)."""
         if server_optimizer is not None:
             self.server_optimizer = server_optimizer
-        elif "server_optimizer" in self.derived_server_fields and self.aggregation in AGGREGATION_SERVER_OPTIMIZERS:
-            self.server_optimizer = AGGREGATION_SERVER_OPTIMIZERS[self.aggregation]  # the method's own
+        elif "server_optimizer" in self.derived_server_fields and self.aggregation in AGGREGATIONS:
+            self.server_optimizer = AGGREGATIONS[self.aggregation].server_optimizer  # the method's own
         if "server_learning_rate" in self.derived_server_fields and self.server_optimizer in SERVER_OPTIMIZERS:
             self.server_learning_rate = self.derived_server_learning_rate()
         if "server_epsilon" in self.derived_server_fields:  # the step's own (`ServerOptimizer.default_epsilon`)
@@ -44,8 +44,9 @@ class ServerStep:
 
     def derived_server_learning_rate(self) -> float:
         """The server learning rate a config that leaves `server_learning_rate` unset takes (see its help):
-        `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for the paper's server Adam, `SERVER_LEARNING_RATES`
-        for the others."""
+        `SERVER_ADAM_SCALE` × `local_steps` × `learning_rate` for the paper's server Adam, the step's own
+        `default_learning_rate` for the others: dimensionless multiples of the clients' change, 1 for the steps scaled
+        to Δ (FedAvg's length in their first round), DiLoCo's 0.7 for Nesterov."""
         if self.server_optimizer != "adam":
-            return SERVER_LEARNING_RATES[self.server_optimizer]
+            return SERVER_OPTIMIZERS[self.server_optimizer].default_learning_rate
         return float(f"{SERVER_ADAM_SCALE * self.local_steps * self.learning_rate:.6g}")  # 5e-05, not 4.9999e-05

@@ -49,7 +49,7 @@ from ..aggregation.base import RoundMetric, refuse_extras
 from ..choices import NORM_ACTIONS, check_choice
 from .callbacks import is_reserved_metric
 
-logger = logging.getLogger("trl_federated.admission")  # its name before the move
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A client id keys the server's per-client state and names checkpoint tensors, log entries (`<client_id>/weight`)

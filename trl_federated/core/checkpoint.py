@@ -56,7 +56,7 @@ from .round_record import RoundRecord
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
 
-logger = logging.getLogger("trl_federated.checkpoint")  # its name before the move
+logger = logging.getLogger(__name__)
 
 # The layout of `federation.json`, recorded in it as "format": 2 since round records carry the aggregator's
 # `round_metrics`. A checkpoint without it, or of another format, is refused (`OutdatedCheckpointError`).

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from ..config import FedGRPOConfig
 
-logger = logging.getLogger("trl_federated.evaluation")  # its name before the move
+logger = logging.getLogger(__name__)
 
 TOTAL = "Total"
 """The key of the all-rows entry in evaluation results and the last column of accuracy tables."""

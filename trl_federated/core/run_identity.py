@@ -18,10 +18,11 @@ import torch
 from datasets import Dataset
 from peft import PeftModel
 
-from ..aggregation import SERVER_OPTIMIZER_CLASSES, Aggregator, server_optimizer_from_config
+from ..aggregation import Aggregator, server_optimizer_from_config
+from ..choices import SERVER_OPTIMIZERS
 from ..config import SERVER_STEP_FIELDS, FedGRPOConfig, result_fields
 
-logger = logging.getLogger("trl_federated.run_identity")  # its name before the move
+logger = logging.getLogger(__name__)
 
 # Config entries that name or store the model rather than define it.
 _IGNORED_MODEL_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
@@ -200,7 +201,7 @@ def keep_server_step(
     optimizer take the checkpoint's values; the server calls it before `check_identity` as it resumes."""
     derived = args.derived_server_fields
     saved_class, current_class = saved_identity["server_optimizer"], identity["server_optimizer"]
-    names = {optimizer_class.__name__: name for name, optimizer_class in SERVER_OPTIMIZER_CLASSES.items()}
+    names = {optimizer_class.__name__: name for name, optimizer_class in SERVER_OPTIMIZERS.items()}
     if "server_optimizer" in derived and saved_class != current_class and saved_class in names:
         logger.warning(
             "Resuming with the checkpoint's server_optimizer %r, resolved when the run began (left unset, this "

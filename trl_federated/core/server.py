@@ -82,7 +82,7 @@ from .evaluation import check_eval_reward_funcs, client_evaluation_record, descr
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, keep_server_step, run_identity
 
-logger = logging.getLogger("trl_federated.server")  # its name before the move
+logger = logging.getLogger(__name__)
 
 
 class NotEnoughClientsError(RuntimeError):

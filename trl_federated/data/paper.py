@@ -10,7 +10,7 @@ Each output row has:
 - `prompt`: a conversation, a system message asking for reasoning and a tagged final answer, then the problem as
   the user turn. TRL puts the `image` in front of the user text when it builds the model input.
 - `image`: the problem's figure (a PIL image once decoded).
-- `answer`: the gold final answer, scored by `trl_federated.rewards.answer_accuracy_reward` (`answers_match`: units,
+- `answer`: the gold final answer, scored by `scoring.rewards.answer_accuracy_reward` (`answers_match`: units,
   unicode and LaTeX normalised, then complete expressions compared).
 - `question`: the problem text, without the `<image>` placeholder some copies carry (the processor places the image).
 - the label column: `difficulty` (Open-R1) or `category` (GEOQA).

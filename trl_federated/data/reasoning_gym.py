@@ -183,7 +183,7 @@ def build_reasoning_benchmark(
         A `DatasetDict` with `"train"` and `"test"` splits and columns `prompt` (conversational: system,
         worked example, question), `answer` (the reference), `difficulty`, `category` (the task name),
         `question` (the plain question, unique across both splits) and `rg_entry` (the reasoning-gym entry
-        as JSON, which `trl_federated.rewards.answer_accuracy_reward` scores with the task's own scorer). The train
+        as JSON, which `scoring.rewards.answer_accuracy_reward` scores with the task's own scorer). The train
         split is shuffled; the test split is grouped by task and difficulty.
     """
     tasks = DEFAULT_TASKS if tasks is None else tasks

@@ -45,7 +45,7 @@ from .. import choices
 from ..runtime.devices import has_native_bf16
 from .shared_prefix import SharedPrefixStats, cache_keyword, has_full_attention_cache
 
-logger = logging.getLogger("trl_federated.fast_generation")  # its name before the move
+logger = logging.getLogger(__name__)
 
 GENERATION_DTYPES = {name: getattr(torch, name) for name in choices.GENERATION_DTYPES}
 """The weight dtypes fast generation can run in, by the names `generation_dtype` takes ("auto" picks one)."""

@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-logger = logging.getLogger("trl_federated.shared_prefix")  # its name before the move
+logger = logging.getLogger(__name__)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

@@ -13,7 +13,7 @@ from ..core.round_record import RoundRecord
 from .summary import round_label
 
 # The server's round lines, under the logger name they always had.
-logger = logging.getLogger("trl_federated.server")
+logger = logging.getLogger(__name__)
 
 # A round whose server step moves the adapter more than this many times the clients' mean change Δ is warned about.
 SERVER_STEP_RATIO_WARNING = 5.0

@@ -15,7 +15,7 @@ from ..core.admission import bounded_text
 from ..core.callbacks import RoundCallback
 from ..core.round_record import RoundRecord
 
-logger = logging.getLogger("trl_federated.reporting")  # its name before the move
+logger = logging.getLogger(__name__)
 
 # How summary.md numbers rounds: as the files of the run do.
 ROUND_NUMBERING = (

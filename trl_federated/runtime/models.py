@@ -39,7 +39,7 @@ from transformers import (
 )
 from trl import ModelConfig, get_peft_config, get_quantization_config
 
-logger = logging.getLogger("trl_federated.models")  # its name before the move
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias of the embedded default model; `None` means the same."""

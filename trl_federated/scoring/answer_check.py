@@ -23,7 +23,7 @@ from math_verify import verify
 from sympy.core.relational import Relational
 from sympy.logic.boolalg import BooleanFunction
 
-logger = logging.getLogger("trl_federated.answer_check")  # its name before the move
+logger = logging.getLogger(__name__)
 
 _CHARACTERS = str.maketrans(
     {

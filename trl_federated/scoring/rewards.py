@@ -5,7 +5,7 @@ The paper trains with a binary correctness reward: 1.0 when the answer the model
 reasoning-gym entry (column `rg_entry`), and are scored by that task's own scorer, so that "7" and "7.0", or
 "1,000" and "1000", count the same way reasoning-gym counts them. Other rows (e.g. paper math datasets) go
 through `answers_match`, which normalises LaTeX, unicode math, units and answer prefixes and then compares
-complete expressions only (`trl_federated.answer_check`).
+complete expressions only (`trl_federated.scoring.answer_check`).
 
 Every reward here follows TRL's reward-function signature (`completions` plus the dataset columns as keyword
 lists), never raises on malformed model output, and declares the interval its values lie in as a
@@ -27,7 +27,7 @@ import torch
 from ..names import closest_key_hint, import_object
 from .answer_check import answers_match
 
-logger = logging.getLogger("trl_federated.rewards")  # its name before the move
+logger = logging.getLogger(__name__)
 
 _OPEN_RE = re.compile("<answer>", re.IGNORECASE)
 _CLOSE_RE = re.compile("</answer>", re.IGNORECASE)

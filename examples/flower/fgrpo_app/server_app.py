@@ -2,7 +2,7 @@
 
 from flwr.app import Context
 
-from trl_federated.checkpoint import prepare_output_dir
+from trl_federated.core.checkpoint import prepare_output_dir
 from trl_federated.flower import ClientRegistry, FederatedStrategy, make_server_app
 from trl_federated.flower.run_config import run_config_key
 from trl_federated.runtime.models import load_model, lora_config
