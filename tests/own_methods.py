@@ -1,8 +1,20 @@
-"""A server optimizer and an aggregation of one's own, each with a hyperparameter of its own, in one file: each is a
-class and one registration line. Importing this module makes `--server_optimizer half-step` and `--aggregation leader`
-choices of `trl-federated run` (tests/test_registry.py)."""
+"""A server optimizer, an aggregation, a robust combiner and a wire format of one's own, in one file: each is a class
+and one registration line. Importing this module makes `--server_optimizer half-step`, `--aggregation leader`,
+`--robust_aggregation drop_farthest` and `--transfer_dtype float16` choices of `trl-federated run`
+(tests/test_registry.py)."""
 
-from trl_federated.aggregation import Aggregator, ServerOptimizer, register_aggregation, register_server_optimizer
+import torch
+
+from trl_federated.aggregation import (
+    Aggregator,
+    RobustCombiner,
+    ServerOptimizer,
+    pseudo_gradient,
+    register_aggregation,
+    register_robust_aggregation,
+    register_server_optimizer,
+)
+from trl_federated.wire import Cast, register_wire_format
 
 
 class HalfStep(ServerOptimizer):
@@ -55,7 +67,40 @@ class Leader(Aggregator):
         return [self.leader_weight if update.client_id == leader else rest for update in updates]
 
 
+class DropFarthest(RobustCombiner):
+    """The weighted mean of the clients left after dropping the f = `robust_num_malicious` farthest from the plain
+    mean over the whole adapter; it needs f + 1 clients a round (`min_clients`, checked by the config)."""
+
+    name = "drop_farthest"
+
+    def __init__(self, num_malicious: int = 1):
+        self.num_malicious = num_malicious
+        self.selected: list[int] = []
+
+    @classmethod
+    def from_config(cls, args):
+        return cls(args.robust_num_malicious)
+
+    @classmethod
+    def min_clients(cls, num_malicious):
+        return num_malicious + 1
+
+    def prepare(self, global_state, client_states):
+        mean = {key: sum(state[key].float() for state in client_states) / len(client_states) for key in global_state}
+        distances = [sum(float((state[key].float() - mean[key]).square().sum()) for key in mean)
+                     for state in client_states]
+        kept = sorted(range(len(client_states)), key=distances.__getitem__)[: len(client_states) - self.num_malicious]
+        self.selected = sorted(kept)
+
+    def pseudo_gradient(self, global_state, client_states, weights):
+        kept = [weights[i] for i in self.selected]
+        return pseudo_gradient(global_state, [client_states[i] for i in self.selected],
+                               [w / sum(kept) for w in kept])
+
+
 register_server_optimizer("half-step", HalfStep)
 register_aggregation("leader", Leader)
+register_robust_aggregation("drop_farthest", DropFarthest)
+register_wire_format("float16", Cast(torch.float16))  # the round's change in IEEE half precision
 
-__all__ = ["HalfStep", "Leader"]
+__all__ = ["DropFarthest", "HalfStep", "Leader"]

@@ -16,6 +16,7 @@ ROOT = "trl_federated"
 LAYERS = {
     "leaves and the tensor layer": {
         "choices", "names", "sampling", "adapters", "methods", "testing", "flower.stream", "aggregation.blocks",
+        "wire", "wire.codec", "wire.exact", "wire.cast", "wire.blockwise",
         "runtime", "runtime.devices", "runtime.distributed", "runtime.memory", "runtime.vllm_server", "runtime.models",
         "runtime.master_weights",
     },
@@ -26,7 +27,12 @@ LAYERS = {
         "scoring", "scoring.answer_check", "scoring.rewards",
     },
     "aggregation": {
-        "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.robust", "aggregation.fedavg",
+        "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.server_optim.base",
+        "aggregation.server_optim.sgd", "aggregation.server_optim.adam", "aggregation.server_optim.fedadam",
+        "aggregation.server_optim.adam_norm", "aggregation.server_optim.nesterov",
+        "aggregation.robust", "aggregation.robust.base",
+        "aggregation.robust.trimmed_mean", "aggregation.robust.median", "aggregation.robust.krum",
+        "aggregation.robust.bulyan", "aggregation.fedavg",
         "aggregation.rpg", "aggregation.scaffold", "aggregation.privacy",
     },
     "local training": {

@@ -6,8 +6,7 @@ from transformers import HfArgumentParser
 from trl import GRPOConfig, TrlParser
 
 from trl_federated import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
-from trl_federated.adapters import DTYPES, QUANTIZED_LEVELS
-from trl_federated.choices import NORM_ACTIONS
+from trl_federated.choices import NORM_ACTIONS, TRANSFER_DTYPES
 from trl_federated.config import TRL_RESULT_FIELDS, ResultHelp, result_fields
 from trl_federated.config.declared_fields import declared_annotations
 
@@ -189,14 +188,15 @@ def test_help_formats_and_every_own_field_is_documented(config_class):
         assert f"\n        {name} (`" in parameters, name
 
 
-def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path):
+def test_each_choice_list_is_the_fields_choices_and_its_validation(tmp_path, registries_as_recorded):
     for name, f in FedGRPOConfig.__dataclass_fields__.items():
         if "choices" in f.metadata and name in own_fields(FedGRPOConfig):
             assert make(tmp_path, **{name: list(f.metadata["choices"])[-1]})
             with pytest.raises(ValueError, match=f"`{name}` must be"):
                 make(tmp_path, **{name: "no-such-choice"})
     assert FedGRPOConfig.__dataclass_fields__["update_norm_action"].metadata["choices"] == list(NORM_ACTIONS)
-    assert FedGRPOConfig.__dataclass_fields__["transfer_dtype"].metadata["choices"] == [*DTYPES, *QUANTIZED_LEVELS]
+    assert FedGRPOConfig.__dataclass_fields__["transfer_dtype"].metadata["choices"] is TRANSFER_DTYPES  # its registry
+    assert list(TRANSFER_DTYPES)[:5] == ["float32", "bfloat16", "int8", "nf4", "fp4"]
     with pytest.raises(ValueError, match="`scaffold_correction` must be 'decoupled' or 'gradient', got 'x'"):
         make(tmp_path, scaffold_correction="x")
     with pytest.raises(ValueError, match="`robust_aggregation` must be 'none', 'trimmed_mean', 'krum', 'multi_krum', "

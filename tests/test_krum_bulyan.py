@@ -7,7 +7,7 @@ import torch
 from test_untrusted import honest_round, make_server, moved
 from trl_federated import ClientUpdate, FedGRPOConfig
 from trl_federated.aggregation import Bulyan, FedAvgAggregator, Krum, ServerSGD
-from trl_federated.aggregation.robust import krum_scores, squared_distances
+from trl_federated.aggregation.robust.krum import krum_scores, squared_distances
 
 
 def states(vectors):

@@ -1,4 +1,4 @@
-"""Robust aggregation (trl_federated/aggregation/robust.py): the trimmed mean and the median by hand, for every
+"""Robust aggregation (trl_federated/aggregation/robust/): the trimmed mean and the median by hand, for every
 method."""
 
 

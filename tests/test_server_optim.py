@@ -1,4 +1,4 @@
-"""The server step designs (trl_federated/aggregation/server_optim.py), each against its equations by hand, and the
+"""The server step designs (trl_federated/aggregation/server_optim/), each against its equations by hand, and the
 step's diagnostics."""
 
 import math

@@ -14,11 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import length_reward
 from trl_federated import FedAvgAggregator, FederatedRunner, RoundCallback, ServerSGD
 from trl_federated.adapters import (
-    BLOCK_SIZE,
-    QUANTIZED_LEVELS,
-    SCALES,
     InvalidUpdateError,
-    WireFormat,
     is_lora_a,
     state_distance,
     state_nbytes,
@@ -26,7 +22,10 @@ from trl_federated.adapters import (
 )
 from trl_federated.aggregation import ClientUpdate, aggregator_from_config
 from trl_federated.aggregation.privacy import ClientLevelPrivacy
+from trl_federated.choices import TRANSFER_DTYPES
 from trl_federated.core.server import FederatedServer
+from trl_federated.wire import Blockwise, WireFormat
+from trl_federated.wire.blockwise import BLOCK_SIZE, SCALES
 
 CLIENTS = {
     f"site-{c}": Dataset.from_dict({"prompt": [f"Client {c} asks: what is {i} times {c}?" for i in range(8)]})
@@ -154,7 +153,7 @@ def test_bfloat16_transfer_halves_bytes_and_bounds_the_aggregate_error(tiny_mode
     assert worst > 0
 
 
-QUANTIZED = list(QUANTIZED_LEVELS)
+QUANTIZED = [name for name, codec in TRANSFER_DTYPES.items() if isinstance(codec, Blockwise)]
 
 
 def adapter_pair(seed=0):
@@ -172,7 +171,7 @@ def test_a_quantized_update_costs_its_codes_and_scales_and_errs_within_half_a_le
     wire = WireFormat(precision)
     payload = wire.encode(state, reference)
     assert set(payload) == {name for key in state for name in (key, key + SCALES)}
-    levels = QUANTIZED_LEVELS[precision]
+    levels = TRANSFER_DTYPES[precision].levels
     for key, value in state.items():
         code_bytes = value.numel() if len(levels) > 16 else math.ceil(value.numel() / 2)
         assert payload[key].dtype == torch.uint8 and payload[key].numel() == code_bytes

@@ -104,27 +104,18 @@ RPG_GAINS = ("paper", "noise-aware")
 # `FedGRPOConfig.update_norm_action`: what happens to an update over `update_norm_bound` (`admission.UpdateGate`).
 NORM_ACTIONS = ("reject", "clip")
 
-# `FedGRPOConfig.robust_aggregation` (`aggregation.robust`): 'none' is the weighted mean.
-ROBUST_AGGREGATIONS = ("none", "trimmed_mean", "krum", "multi_krum", "bulyan", "median")
-# The fewest clients a trimmed mean combines: one trimmed at each end and one kept.
-MIN_TRIMMED_CLIENTS = 3
-
-
-def min_robust_clients(robust_aggregation: str, num_malicious: int) -> int:
-    """The fewest clients a round must aggregate for `robust_aggregation` to tolerate `num_malicious` of them: Krum
-    and Multi-Krum n ≥ 2f + 3 (Blanchard et al. 2017, Prop. 1), Bulyan n ≥ 4f + 3 (El Mhamdi et al. 2018), the
-    trimmed mean 3; 1 for the others."""
-    return {"krum": 2 * num_malicious + 3, "multi_krum": 2 * num_malicious + 3, "bulyan": 4 * num_malicious + 3,
-            "trimmed_mean": MIN_TRIMMED_CLIENTS}.get(robust_aggregation, 1)
+# `FedGRPOConfig.robust_aggregation`: each name with its combiner class (`aggregation.robust`, one registration line
+# each); 'none' is the weighted mean, no combiner.
+ROBUST_AGGREGATIONS = Registry("robust_aggregation", {"none": None})
 
 # `FedGRPOConfig.scaffold_correction`: where SCAFFOLD's correction c − c_i meets a local Adam
 # (`aggregation.scaffold.ScaffoldCorrection`).
 SCAFFOLD_CORRECTIONS = ("decoupled", "gradient")
 
-# `FedGRPOConfig.transfer_dtype`: the precision of a client's update on the wire (`adapters.WireFormat`): a dtype, or a
-# blockwise quantization (`adapters.quantize`).
-TRANSFER_DTYPES = ("float32", "bfloat16", "int8", "nf4", "fp4")
-# `FedGRPOConfig.lora_aggregation`: "freeze_a" freezes and never sends LoRA A (`adapters.WireFormat`).
+# `FedGRPOConfig.transfer_dtype`: the precision of a client's update on the wire, each name with its codec (`wire`,
+# one registration line each): a dtype, or a blockwise quantization (`wire.blockwise`).
+TRANSFER_DTYPES = Registry("transfer_dtype", filled_by="trl_federated.wire")
+# `FedGRPOConfig.lora_aggregation`: "freeze_a" freezes and never sends LoRA A (`wire.WireFormat`).
 LORA_AGGREGATIONS = ("separate", "freeze_a")
 
 # `FedGRPOConfig.generation_dtype`: the weights dtype of fast generation ("auto" picks one, `fast_generation`).

@@ -11,7 +11,16 @@ from ..config.checks import wants_record_privacy
 from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .privacy import RecordPrivacyReports
-from .robust import Bulyan, CoordinateMedian, Krum, TrimmedMean, combiner_from_config
+from .robust import (
+    Bulyan,
+    CoordinateMedian,
+    Krum,
+    MultiKrum,
+    RobustCombiner,
+    TrimmedMean,
+    combiner_from_config,
+    register_robust_aggregation,
+)
 from .rpg import RPGAggregator
 from .scaffold import ScaffoldAggregator
 from .server_optim import (
@@ -100,10 +109,13 @@ __all__ = [
     "ServerSGD",
     "TrimmedMean",
     "Krum",
+    "MultiKrum",
+    "RobustCombiner",
     "Bulyan",
     "aggregator_from_config",
     "pseudo_gradient",
     "register_aggregation",
+    "register_robust_aggregation",
     "register_server_optimizer",
     "server_optimizer_from_config",
 ]

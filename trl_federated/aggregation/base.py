@@ -37,7 +37,7 @@ class ClientUpdate:
         metrics: Anything else worth logging (step rewards, loss, wall time).
         extras: What a strategy with per-client state takes back from the client besides its adapter
             (`Aggregator.check_extras`), by name, each keyed like `state` (SCAFFOLD: Δc_i as "control_delta").
-        wire_bytes: What the update took on the wire (see `adapters.WireFormat`); None until it was sent.
+        wire_bytes: What the update took on the wire (see `wire.WireFormat`); None until it was sent.
     """
 
     client_id: str

@@ -2,10 +2,10 @@
 (`ConfigChecks._type_errors`, `_federation_errors`, `_robustness_errors`, `_privacy_errors`, which
 `FedGRPOConfig.__post_init__` raises), what makes a federation learn something other than the user likely means
 (`federation_warnings`), and the vLLM settings federated clients cannot generate with (`check_vllm`). The chosen
-aggregation's and server optimizer's own fields are checked by their implementations (`config_errors`, through the
-registries of `choices`): RPG's `rpg_*` ranges by `aggregation.RPGAggregator.config_errors`. Adaptive clipping's
-ranges (`adaptive_clipping_errors`) are the one rule for the config's `dp_*` fields and
-`aggregation.privacy.AdaptiveClipping`'s arguments."""
+aggregation's, server optimizer's and robust combiner's own fields are checked by their implementations
+(`config_errors`, through the registries of `choices`): RPG's `rpg_*` ranges by
+`aggregation.RPGAggregator.config_errors`. Adaptive clipping's ranges (`adaptive_clipping_errors`) are the one rule
+for the config's `dp_*` fields and `aggregation.privacy.AdaptiveClipping`'s arguments."""
 
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from ..choices import (
     AGGREGATIONS,
     GENERATION_DTYPE_CHOICES,
     LORA_AGGREGATIONS,
-    MIN_TRIMMED_CLIENTS,
     NORM_ACTIONS,
     ROBUST_AGGREGATIONS,
     SCAFFOLD_CORRECTIONS,
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
     choice_error,
-    min_robust_clients,
 )
 from ..sampling import participation_errors
 from .declared_fields import declared_annotations
@@ -266,23 +264,11 @@ class ConfigChecks:
                 yield message
         if not 0 < self.robust_trim_fraction < 0.5:
             yield f"`robust_trim_fraction` must lie in (0, 0.5), got {self.robust_trim_fraction}."
-        if self.robust_aggregation == "trimmed_mean" and self.min_clients_per_round < MIN_TRIMMED_CLIENTS:
-            yield (
-                f"`robust_aggregation='trimmed_mean'` trims at least one client at each end of every coordinate, so "
-                f"every round needs at least {MIN_TRIMMED_CLIENTS} clients: set `min_clients_per_round` to "
-                f"{MIN_TRIMMED_CLIENTS} or more (it is {self.min_clients_per_round}), or use 'median' or 'none'."
-            )
+        # The chosen combiner's own checks, with the fewest clients it needs (`RobustCombiner.config_errors`).
+        if (combiner_class := ROBUST_AGGREGATIONS.get(self.robust_aggregation)) is not None:
+            yield from combiner_class.config_errors(self)
         if not isinstance(self.robust_num_malicious, int) or self.robust_num_malicious < 0:
             yield f"`robust_num_malicious` must be an integer >= 0, got {self.robust_num_malicious!r}."
-        elif self.robust_aggregation in ("krum", "multi_krum", "bulyan"):
-            needed = min_robust_clients(self.robust_aggregation, self.robust_num_malicious)
-            if self.min_clients_per_round < needed:
-                yield (
-                    f"`robust_aggregation={self.robust_aggregation!r}` tolerates `robust_num_malicious` = "
-                    f"{self.robust_num_malicious} arbitrary clients only among at least {needed} a round: set "
-                    f"`min_clients_per_round` to {needed} or more (it is {self.min_clients_per_round}), or lower "
-                    "`robust_num_malicious`."
-                )
         if self.robust_num_selected is not None and (
             not isinstance(self.robust_num_selected, int) or self.robust_num_selected < 1
         ):

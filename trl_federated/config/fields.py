@@ -602,7 +602,7 @@ class FederationFields:
             "'int8', 'nf4' and 'fp4' that change quantized in blocks of 64 with a float32 scale each (0.27, 0.14 "
             "and 0.14 of the bytes), what the rounding left out kept by the client for its next round (error "
             "feedback).",
-            "choices": list(TRANSFER_DTYPES),
+            "choices": TRANSFER_DTYPES,  # the registry itself
         },
     )
 

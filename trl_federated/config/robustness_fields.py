@@ -81,7 +81,7 @@ class RobustnessFields:
                 "n − f − 2 neighbours) or 'bulyan' (recursive Krum, then a trimmed mean around the median), as "
                 "Flower's strategies of those names, tolerating `robust_num_malicious` clients."
             ),
-            "choices": list(ROBUST_AGGREGATIONS),
+            "choices": ROBUST_AGGREGATIONS,  # the registry itself
         },
     )
     robust_trim_fraction: float = field(

@@ -8,7 +8,7 @@ server happens here, once:
                             (`sampling.sample_clients`: `fraction_train`, `min_train_clients`, from seed and t)
     broadcast(client_id)    what the server sends a client: the global adapter as the wire format sends it and the
                             aggregator's extras for that client (`Aggregator.client_extras`: SCAFFOLD's c and c_i)
-    admit(client_id, ...)   a reply, as it came off the wire, decoded once (`adapters.WireFormat`), its bytes
+    admit(client_id, ...)   a reply, as it came off the wire, decoded once (`wire.WireFormat`), its bytes
                             counted, then checked and bounded (`admission.UpdateGate.check`)
     accept(update)          an admitted update joins the round
     drop(client_id, ...)    a client leaves the round, with the kind of fault and the reason
@@ -52,7 +52,6 @@ from peft import PeftModel
 
 from ..adapters import (
     AdapterState,
-    WireFormat,
     check_state,
     get_adapter_state,
     save_adapter,
@@ -66,6 +65,7 @@ from ..config import FedGRPOConfig
 from ..runtime.distributed import from_main_process, wait_for_everyone
 from ..sampling import clients_per_round, participation_errors, sample_clients
 from ..scoring.rewards import combined_reward_range
+from ..wire import WireFormat
 from .admission import UpdateGate, bounded_text, check_client_id, read_reply, update_norm_unit
 from .callbacks import MetricsLoggerCallback, fire_round_callbacks
 from .checkpoint import (
@@ -330,7 +330,7 @@ class FederatedServer:
         self, client_id: str, client_index: int | None = None
     ) -> tuple[AdapterState, dict[str, AdapterState]]:
         """What the server sends `client_id` this round: the global adapter's entries that travel (all but the
-        frozen ones, `adapters.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
+        frozen ones, `wire.WireFormat.sent`) and the aggregator's extras for it (`Aggregator.client_extras`),
         whose bytes count in the round's traffic. `client_index`: the client's index, by which `accept` orders the
         round's updates (None: its place among this round's broadcasts, as a driver that sends in index order has)."""
         extras = self.aggregator.client_extras(client_id, self.global_state)

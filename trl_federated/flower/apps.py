@@ -22,13 +22,14 @@ from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOTrainer
 
-from ..adapters import AdapterState, WireFormat, freeze_lora_a, get_adapter_state, with_federated_adapter
+from ..adapters import AdapterState, freeze_lora_a, get_adapter_state, with_federated_adapter
 from ..aggregation.privacy import RECORD_EPSILON
 from ..config import FedGRPOConfig
 from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local.client import describe_failure, local_training_args, train_local_round
 from ..local.local_trainer import local_trainer
 from ..reports.summary import round_label
+from ..wire import WireFormat
 from .records import (
     CLIENT,
     TrainInstruction,

@@ -15,7 +15,7 @@ Server → client, a "train" message (`TrainInstruction`):
                                     (`Aggregator.client_hook`)
 
 Client → server, the reply:
-    "arrays"          ArrayRecord   the client's update as the wire format encodes it (`adapters.WireFormat`):
+    "arrays"          ArrayRecord   the client's update as the wire format encodes it (`wire.WireFormat`):
                                     θ_i^{[t]} in float32, or θ_i^{[t]} − θ^{[t]} in bfloat16, or quantized blockwise
                                     (int8, nf4, fp4: per entry its uint8 codes, and its float32 block scales under
                                     "<key>#scales"); without A under freeze_a

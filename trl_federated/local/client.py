@@ -23,13 +23,14 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
-from ..adapters import AdapterState, InvalidUpdateError, WireFormat, set_adapter_state
+from ..adapters import AdapterState, InvalidUpdateError, set_adapter_state
 from ..aggregation import AGGREGATIONS, Aggregator, ClientUpdate
 from ..config import FedGRPOConfig
 from ..runtime.master_weights import read_master_state, write_master_state
 from ..runtime.memory import ReleaseFreeMemory, release_free_memory
 from ..runtime.vllm_server import reuse_vllm_client
 from ..scoring.rewards import combined_reward_range
+from ..wire import WireFormat
 from .local_trainer import Deadline, LocalGRPOMixin, local_trainer
 from .record_privacy import RecordPrivacyMixin, private_update
 
@@ -127,7 +128,7 @@ def train_local_round(
             freshly initialised LoRA.
         trainer_class: The `GRPOTrainer` subclass that trains the round, with `local_trainer.LocalGRPOMixin`
             (default: `FedGRPOTrainer`).
-        wire: The wire format the adapter is sent in (`adapters.WireFormat.encode`; default: all of it, in float32).
+        wire: The wire format the adapter is sent in (`wire.WireFormat.encode`; default: all of it, in float32).
         wire_residual: The client's own error-feedback memory for a quantized `wire` (`WireFormat.encode`), which the
             round updates; it never leaves the client. None: none kept (each round's rounding is then lost).
 
