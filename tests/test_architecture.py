@@ -18,6 +18,7 @@ LAYERS = {
         "choices", "names", "sampling", "adapters", "methods", "testing", "flower.stream", "aggregation.blocks",
         "wire", "wire.codec", "wire.exact", "wire.cast", "wire.blockwise",
         "runtime", "runtime.devices", "runtime.distributed", "runtime.memory", "runtime.vllm_server", "runtime.models",
+        "runtime.generation",
         "runtime.master_weights",
     },
     "configuration, data and rewards": {
@@ -270,6 +271,48 @@ def test_local_trainer_is_the_function_in_every_import_order():
     module = "import trl_federated.local.local_trainer\n"
     for probe in (read + module + read, module + read):
         subprocess.run([sys.executable, "-c", "import inspect\n" + probe], check=True, cwd=PACKAGE.parent)
+
+
+def test_the_core_imports_nothing_of_the_client_side_and_names_no_method(graph):
+    # The server core knows an aggregation, a server step, a robust combiner and a wire format only through their
+    # interfaces and registries, and the client side (`local/`) not at all: it asks the aggregator for its round
+    # metrics and gets fast generation through `runtime.generation`, which the client side fills.
+    from trl_federated import choices
+
+    core = {name: path for name, path in package_modules().items() if name == "core" or name.startswith("core.")}
+    local = [f"{name} imports {target}" for name in core for target in graph[name]
+             if target == "local" or target.startswith("local.")]
+    assert not local, local
+    # each registry's implementations: an aggregation's class, a server step's or combiner's class, a codec's class
+    implementations = [getattr(entry, "aggregator_class", entry) for registry in registries(choices).values()
+                       for entry in registry.values() if entry is not None]
+    methods = {(item if isinstance(item, type) else type(item)).__name__ for item in implementations}
+    assert {"RPGAggregator", "ServerAdam", "Krum", "Blockwise"} <= methods
+    named = [f"{name} names {node.id if isinstance(node, ast.Name) else getattr(node, 'attr', None) or node.name}"
+             for name, path in core.items() for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if (isinstance(node, ast.Name) and node.id in methods)
+             or (isinstance(node, ast.Attribute) and node.attr in methods)
+             or (isinstance(node, ast.alias) and node.name in methods)]
+    assert not named, named
+
+
+def registries(choices_module) -> dict:
+    """The registries of `choices`, by name."""
+    return {name: value for name, value in vars(choices_module).items() if isinstance(value, choices_module.Registry)}
+
+
+def test_every_kind_of_choice_has_a_registry():
+    # Each kind of implementation a config names by a value (the aggregation, its server step, the robust combiner,
+    # the wire format) is a registry of `choices`, filled by one registration line per name; the other choice
+    # fields are settings of one implementation (a tuple of `choices`).
+    from trl_federated import choices
+
+    assert set(registries(choices)) == {"AGGREGATIONS", "SERVER_OPTIMIZERS", "ROBUST_AGGREGATIONS", "TRANSFER_DTYPES"}
+    from trl_federated.config import FedGRPOConfig
+
+    fields = FedGRPOConfig.__dataclass_fields__
+    for field_name in ("aggregation", "server_optimizer", "robust_aggregation", "transfer_dtype"):
+        assert isinstance(fields[field_name].metadata["choices"], choices.Registry), field_name
 
 
 # The core modules, each with its own test file, tests/test_<name>.py (other tests of it may live where their concern

@@ -1,5 +1,5 @@
 """`FedGRPOTrainer`: a drop-in `GRPOTrainer` that also runs a whole federation, and `federated(...)` for any
-`GRPOTrainer` or `RLOOTrainer` subclass (`local_trainer.FEDERATED_FAMILIES`).
+`GRPOTrainer` or `RLOOTrainer` subclass (`config.FEDERATED_FAMILIES`).
 
 The top of the package's layers: federated `train()` drives `FederatedRunner`, whose clients train with
 `local_trainer.LocalGRPOMixin`; nothing below imports this module.

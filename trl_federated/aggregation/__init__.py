@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The round metrics of every built-in strategy (RPG's include every strategy's diagnostics): the server core reserves
+# their names (`core.admission`), so that, whichever strategy the run uses, no client adds a τ to a FedAvg run's log.
+STRATEGY_METRICS = tuple(RPGAggregator().round_metrics())
+
 
 def server_optimizer_from_config(args: FedGRPOConfig) -> ServerOptimizer:
     """The server step `args.server_optimizer` names (`choices.SERVER_OPTIMIZERS`), with its `server_*`."""
@@ -91,6 +95,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
 
 __all__ = [
     "AGGREGATIONS",
+    "STRATEGY_METRICS",
     "Aggregation",
     "AggregationError",
     "Aggregator",

@@ -267,14 +267,14 @@ def config_class(argv: list[str]) -> type[FedGRPOConfig]:
             f"{source} brings its own recipe defaults, which would replace "
             f"`algorithm` {algorithm!r}'s: set the recipe's fields with flags, and leave `algorithm` at 'grpo'."
         )
-    from ..config import FEDERABLE_CONFIGS
+    from ..config import federable_configs
 
     config = import_object(trainer_config, "trainer_config_class", kind="Class")
     try:
         return federated_config(config)
     except TypeError:
         raise ValueError(f"`trainer_config_class` {trainer_config!r} is {config!r}, not a subclass of "
-                         f"{' or '.join(f'`{c.__module__}.{c.__name__}`' for c in FEDERABLE_CONFIGS)}.") from None
+                         f"{' or '.join(f'`{c.__module__}.{c.__name__}`' for c in federable_configs())}.") from None
 
 
 def _family_config(trainer: str) -> type | None:

@@ -4,13 +4,21 @@
 the same way from YAML and the command line (`TrlParser`, `HfArgumentParser`). Beside its fields: those of its
 robustness and its differential privacy (`robustness_fields`, `privacy_fields`: field mixins, which `declared_fields`
 gathers), the checks (`checks`), the server step's derivation (`server_step`), the fields that change a run's result
-(`results`), and the recipes (`recipes`: `FedDAPOConfig`, `FedGSPOConfig`, `CONFIG_CLASSES`, `federated_config`).
+(`results`), and the recipes (`recipes`: `FedDAPOConfig`, `FedGSPOConfig`, `CONFIG_CLASSES`, `federated_config`,
+and the one table of the trainer families a federation trains, `FEDERATED_FAMILIES`).
 """
 
 from .building import DEFAULT_FEDPROX_MU, BuildsConfig, has_native_bf16
 from .checks import ConfigChecks
 from .fields import FederatedConfig, FedGRPOConfig
-from .recipes import CONFIG_CLASSES, FEDERABLE_CONFIGS, FedDAPOConfig, FedGSPOConfig, federated_config
+from .recipes import (
+    CONFIG_CLASSES,
+    FEDERATED_FAMILIES,
+    FedDAPOConfig,
+    FedGSPOConfig,
+    federable_configs,
+    federated_config,
+)
 from .results import (
     _NOTICED,
     TRL_RESULT_FIELDS,
@@ -23,7 +31,8 @@ from .server_step import PAPER_SERVER_EPSILON, SERVER_ADAM_SCALE, SERVER_STEP_FI
 
 __all__ = [
     "CONFIG_CLASSES",
-    "FEDERABLE_CONFIGS",
+    "FEDERATED_FAMILIES",
+    "federable_configs",
     "DEFAULT_FEDPROX_MU",
     "PAPER_SERVER_EPSILON",
     "SERVER_ADAM_SCALE",

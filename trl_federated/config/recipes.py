@@ -84,8 +84,25 @@ class FedGSPOConfig(FedGRPOConfig):
 CONFIG_CLASSES = {"grpo": FedGRPOConfig, "dapo": FedDAPOConfig, "gspo": FedGSPOConfig}
 
 
-# The configs of the TRL trainer families a federation trains (`local_trainer.FEDERATED_FAMILIES`).
-FEDERABLE_CONFIGS = (GRPOConfig, RLOOConfig)
+# TRL's online RL trainer families a federation trains: each one's root trainer class, by import path, with the TRL
+# config that configures it (`federated_config` adds the federation's fields to it). The one table of the families:
+# the client side imports the trainers from it (`local.local_trainer.family_roots`); the configuration names them
+# only, as importing a trainer costs seconds that a config does not need. What a client round relies on, every class
+# of a family has: `reward_funcs` that score completions it generates from a prompt dataset, the mean `reward` it logs
+# every step (R̄), `compute_loss` (FedProx's and SCAFFOLD's loss terms), a `peft_config` or `PeftModel` whose LoRA
+# adapter it trains (the update), and the KL reference adapter `ref` (which the client keeps at θ^{[0]}).
+FEDERATED_FAMILIES = {"trl.GRPOTrainer": GRPOConfig, "trl.RLOOTrainer": RLOOConfig}
+
+
+def federable_configs() -> tuple[type, ...]:
+    """The config classes of the federated families (`FEDERATED_FAMILIES`)."""
+    return tuple(FEDERATED_FAMILIES.values())
+
+
+def family_config_names() -> str:
+    """The families' config classes as a message names them, beside their trainers: "`trl.GRPOConfig` or
+    `trl.RLOOConfig`"."""
+    return " or ".join(f"`{path.rpartition('.')[0]}.{config.__name__}`" for path, config in FEDERATED_FAMILIES.items())
 
 
 def federated_config(config_class: type[GRPOConfig] | type[RLOOConfig]) -> type[FederatedConfig]:
@@ -102,10 +119,8 @@ def federated_config(config_class: type[GRPOConfig] | type[RLOOConfig]) -> type[
     `config_class` and parses like any TRL config (`TrlParser`, YAML); its instances pickle as long as `config_class`
     does. A federated config class is returned as it is.
     """
-    if not (isinstance(config_class, type) and issubclass(config_class, FEDERABLE_CONFIGS)):
-        raise TypeError(
-            f"`federated_config` needs a `trl.GRPOConfig` or `trl.RLOOConfig` subclass, got {config_class!r}."
-        )
+    if not (isinstance(config_class, type) and issubclass(config_class, federable_configs())):
+        raise TypeError(f"`federated_config` needs a {family_config_names()} subclass, got {config_class!r}.")
     if issubclass(config_class, FederatedConfig):
         return config_class
     return _federated_config_class(config_class)

@@ -44,7 +44,7 @@ from ..adapters import (
     state_norm,
     state_size,
 )
-from ..aggregation import Aggregator, ClientUpdate, RPGAggregator
+from ..aggregation import STRATEGY_METRICS, Aggregator, ClientUpdate
 from ..aggregation.base import RoundMetric, refuse_extras
 from ..choices import NORM_ACTIONS, check_choice
 from .callbacks import is_reserved_metric
@@ -101,9 +101,6 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9_.:@+-]+(/[A-Za-z0-9_.:@+-]+)*")
 # The lists a client sends (`client.train_local_round`), by name, with their largest length: R̄ of each local step
 # (one per step: `local_steps`, known to the server) and the round's start and end in Unix seconds.
 STEP_REWARDS, WALL_CLOCK = "step_rewards", "wall_clock"
-# The round metrics of every built-in strategy (RPG's include every strategy's diagnostics): a client metric never
-# takes their names, whichever strategy the run uses, so that no client adds a τ to a FedAvg run's log.
-STRATEGY_METRICS = tuple(RPGAggregator().round_metrics())
 
 
 def bound_metrics(

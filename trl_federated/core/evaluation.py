@@ -33,7 +33,7 @@ from trl.data_utils import prepare_multimodal_messages
 from ..adapters import AdapterState, set_adapter_state
 from ..data.paper import GEOMETRY_PRIMITIVES
 from ..data.reasoning_gym import DIFFICULTIES
-from ..local import fast_generation as fast
+from ..runtime.generation import fast_generation_engine
 from ..runtime.memory import release_free_memory
 from ..scoring.rewards import answer_accuracy_reward
 from .admission import MIN_MEDIAN_CLIENTS, SAMPLES_MEDIAN_SPREAD, bounded_text, plain_number
@@ -216,11 +216,12 @@ def evaluate_accuracy(
     model.eval()
     generator = model
     if fast_generation:
+        fast = fast_generation_engine()  # the client side's (`local.fast_generation`)
         reason = "a vision-language model" if isinstance(processing_class, ProcessorMixin) else None
         reason = reason or fast.unsupported_reason(model)
         if reason is None:
             dtype = fast.resolve_generation_dtype(generation_dtype, model.device)
-            generator = fast.MergedGenerationModel(model, dtype).refresh()
+            generator = fast.merged_generator(model, dtype)
         else:
             logger.warning("Evaluation generates without fast_generation: %s.", reason)
     tokenizer.padding_side = "left"

@@ -43,6 +43,7 @@ from transformers.masking_utils import eager_mask
 
 from .. import choices
 from ..runtime.devices import has_native_bf16
+from ..runtime.generation import register_fast_generation
 from .shared_prefix import SharedPrefixStats, cache_keyword, has_full_attention_cache
 
 logger = logging.getLogger(__name__)
@@ -260,3 +261,17 @@ def completions_up_to_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
     lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1))
     return [row[:length].tolist() for row, length in zip(completion_ids.cpu(), lengths.tolist(), strict=True)]
+
+
+class MergedWeightsGeneration:
+    """This module's fast generation as the server core's evaluation uses it (`runtime.generation.FastGeneration`)."""
+
+    unsupported_reason = staticmethod(unsupported_reason)
+    resolve_generation_dtype = staticmethod(resolve_generation_dtype)
+
+    @staticmethod
+    def merged_generator(model: PreTrainedModel | PeftModel, dtype: torch.dtype) -> PreTrainedModel:
+        return MergedGenerationModel(model, dtype).refresh()
+
+
+register_fast_generation(MergedWeightsGeneration())

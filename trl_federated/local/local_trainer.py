@@ -1,9 +1,9 @@
-"""The client side of FGRPO (Algorithm 1, lines 4-18) on any trainer of a federated family (`FEDERATED_FAMILIES`:
-`trl.GRPOTrainer` and `trl.RLOOTrainer` subclasses; TRL's other online trainers are refused by name): what one
-client's trainer adds to the class it extends for a local round (R̄ from TRL's logs, the federation-wide learning-rate
-schedule, the loss terms of its callbacks) and the callbacks a client round attaches (FedProx, the round deadline;
-SCAFFOLD's correction is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a client trains with (shared
-prefix, gated-MLP recomputation) are any GRPO trainer's: `speedups.py`.
+"""The client side of FGRPO (Algorithm 1, lines 4-18) on any trainer of a federated family
+(`config.FEDERATED_FAMILIES`: `trl.GRPOTrainer` and `trl.RLOOTrainer` subclasses; TRL's other online trainers are
+refused by name): what one client's trainer adds to the class it extends for a local round (R̄ from TRL's logs, the
+federation-wide learning-rate schedule, the loss terms of its callbacks) and the callbacks a client round attaches
+(FedProx, the round deadline; SCAFFOLD's correction is `aggregation.scaffold.ScaffoldCorrection`). The speed-ups a
+client trains with (shared prefix, gated-MLP recomputation) are any GRPO trainer's: `speedups.py`.
 
 `client.train_local_round` trains `local_trainer(trainer_class)`; the drop-in `FedGRPOTrainer` (`trainer.py`) builds
 on `LocalGRPOMixin` and adds federated `train()`, which drives `FederatedRunner`. The modules import downwards only:
@@ -13,6 +13,7 @@ trainer → runner → client → local_trainer → speedups; `FastGRPOMixin` jo
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import time
 from collections import defaultdict
@@ -20,9 +21,10 @@ from collections import defaultdict
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl import GRPOTrainer
 
 from ..config.checks import wants_record_privacy
+from ..config.recipes import FEDERATED_FAMILIES
 from ..names import import_object
 from ..runtime.distributed import from_main_process
 from ..runtime.master_weights import linear_term, read_master
@@ -148,7 +150,7 @@ class LocalGRPOMixin(TrainerMixin):
 
 
 def local_trainer(trainer_class: type, args=None) -> type[LocalGRPOMixin]:
-    """`trainer_class`, a trainer of a federated family (`FEDERATED_FAMILIES`: a `trl.GRPOTrainer` or
+    """`trainer_class`, a trainer of a federated family (`config.FEDERATED_FAMILIES`: a `trl.GRPOTrainer` or
     `trl.RLOOTrainer` subclass), with `LocalGRPOMixin` mixed in (a class that has it already, such as `FedGRPOTrainer`
     or `federated(...)`'s, keeps its own), and `speedups.FastGRPOMixin` first when `args` turns a speed-up on
     (`speedups.wants_speedups`); made once per class."""
@@ -194,12 +196,15 @@ def mixed_class(mixin: type, trainer_class: type, prefix: str) -> type:
     )
 
 
-# TRL's online RL trainer families a federation trains, each one's root class with the TRL config that configures it
-# (`config.federated_config` adds the federation's fields to it). What a client round relies on, every class of a
-# family has: `reward_funcs` that score completions it generates from a prompt dataset, the mean `reward` it logs
-# every step (R̄), `compute_loss` (FedProx's and SCAFFOLD's loss terms), a `peft_config` or `PeftModel` whose LoRA
-# adapter it trains (the update), and the KL reference adapter `ref` (which the client keeps at θ^{[0]}).
-FEDERATED_FAMILIES = {GRPOTrainer: GRPOConfig, RLOOTrainer: RLOOConfig}
+def family_roots() -> dict[type, type]:
+    """Each federated family's root trainer class with its config class, imported from the one table of the families
+    (`config.FEDERATED_FAMILIES`, which names the trainers by import path)."""
+    roots = {}
+    for path, config in FEDERATED_FAMILIES.items():
+        module, _, name = path.rpartition(".")
+        roots[getattr(importlib.import_module(module), name)] = config
+    return roots
+
 
 # TRL 1.16's other trainers that generate online, each with why a federation cannot train it (`tests/test_family.py`).
 UNFEDERABLE_TRAINERS = {
@@ -224,17 +229,17 @@ UNFEDERABLE_TRAINERS = {
 
 
 def require_federable_trainer(trainer_class) -> None:
-    """Raise `TypeError` unless `trainer_class` is a class of a federated family (`FEDERATED_FAMILIES`); a TRL
-    trainer that cannot federate is refused by name with the reason (`UNFEDERABLE_TRAINERS`)."""
-    if isinstance(trainer_class, type) and issubclass(trainer_class, tuple(FEDERATED_FAMILIES)):
+    """Raise `TypeError` unless `trainer_class` is a class of a federated family (`family_roots`); a TRL trainer that
+    cannot federate is refused by name with the reason (`UNFEDERABLE_TRAINERS`)."""
+    if isinstance(trainer_class, type) and issubclass(trainer_class, tuple(family_roots())):
         return
     for klass in getattr(trainer_class, "__mro__", ()):
         reason = UNFEDERABLE_TRAINERS.get(f"{klass.__module__}.{klass.__qualname__}")
         if reason is not None:
             raise TypeError(f"`{klass.__qualname__}` cannot be federated: {reason}.")
     raise TypeError(
-        f"Only a `trl.GRPOTrainer` or `trl.RLOOTrainer` subclass can be federated, got {trainer_class!r}: the "
-        "federation reads R̄ from their logs and builds one such trainer per client round."
+        f"Only a {' or '.join(f'`{path}`' for path in FEDERATED_FAMILIES)} subclass can be federated, got "
+        f"{trainer_class!r}: the federation reads R̄ from their logs and builds one such trainer per client round."
     )
 
 
@@ -250,9 +255,9 @@ def named_trainer_class(path: str) -> type:
 
 
 def trainer_config_class(trainer_class: type) -> type:
-    """The TRL config class of `trainer_class`'s family (`FEDERATED_FAMILIES`): `GRPOConfig` or `RLOOConfig`."""
+    """The TRL config class of `trainer_class`'s family (`family_roots`): `GRPOConfig` or `RLOOConfig`."""
     require_federable_trainer(trainer_class)
-    return next(config for root, config in FEDERATED_FAMILIES.items() if issubclass(trainer_class, root))
+    return next(config for root, config in family_roots().items() if issubclass(trainer_class, root))
 
 
 def require_family_config(trainer_class: type, args) -> None:
