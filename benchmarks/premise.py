@@ -47,8 +47,8 @@ from harness.cells import (
 )
 from harness.grid import add_run_arguments, grid_cells, grid_main, report_files
 from harness.significance import holm, paired_p, t_interval
-from trl_federated.aggregation.base import ClientUpdate
 from trl_federated.aggregation.rpg import RPGAggregator
+from trl_federated.aggregation.update import ClientUpdate
 from trl_federated.methods import METHODS
 from trl_federated.reports.compare import Cell
 

@@ -41,7 +41,7 @@ def test_large_step_warning_names_the_step_in_use_and_not_a_zero_delta(tmp_path,
 
 
 def test_a_client_line_says_idle_only_of_an_idle_client():
-    from trl_federated.aggregation.base import RoundMetric
+    from trl_federated.aggregation.update import RoundMetric
     from trl_federated.reports.round_log import format_round_log
 
     record = RoundRecord(

@@ -17,8 +17,8 @@ from test_aggregation import update as adapter_update
 from test_untrusted import honest_round, make_server, moved
 from trl_federated import ClientUpdate, FedGRPOConfig, ServerAdam
 from trl_federated.aggregation import FedAvgAggregator, RPGAggregator, aggregator_from_config
-from trl_federated.aggregation.base import cap_idle_weights, window_stderr
 from trl_federated.aggregation.rpg import PredictionSums
+from trl_federated.aggregation.update import cap_idle_weights, window_stderr
 from trl_federated.data.partition import partition_clients
 
 STATE = {"w": torch.zeros(2)}

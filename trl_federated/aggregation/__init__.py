@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..choices import AGGREGATIONS, SERVER_OPTIMIZERS, Aggregation, check_choice
 from ..config.checks import wants_record_privacy
-from .base import AggregationError, Aggregator, ClientHook, ClientUpdate, RoundMetric, pseudo_gradient
+from .base import AggregationError, Aggregator, pseudo_gradient
 from .fedavg import FedAvgAggregator
 from .privacy import RecordPrivacyReports
 from .robust import (
@@ -32,6 +32,7 @@ from .server_optim import (
     ServerSGD,
     register_server_optimizer,
 )
+from .update import ClientHook, ClientUpdate, RoundMetric
 
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig

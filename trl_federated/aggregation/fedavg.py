@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Aggregator, ClientUpdate, check_number, data_shares
+from .base import Aggregator
+from .update import ClientUpdate, check_number, data_shares
 
 
 class FedAvgAggregator(Aggregator):

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from ..choices import RPG_GAINS, choice_error
-from .base import Aggregator, ClientUpdate, RoundMetric, check_number
+from .base import Aggregator
 from .server_optim import ServerAdam, ServerOptimizer
+from .update import ClientUpdate, RoundMetric, check_number
 
 # |h| with `h_max=None`: far beyond any honest gain, far below where h / τ overflows a float for any τ_min ≥ 1e-290.
 UNBOUNDED_GAIN_LIMIT = 1e12

@@ -13,9 +13,10 @@ from transformers import TrainerCallback
 from ..adapters import AdapterState, check_state, non_finite_entries, norm_scale, state_norm, state_size
 from ..choices import SCAFFOLD_CORRECTIONS, check_choice
 from ..runtime.master_weights import adapter_parameters, linear_term, read_master, write_master
-from .base import AggregationError, ClientHook, ClientUpdate
+from .base import AggregationError
 from .fedavg import FedAvgAggregator
 from .server_optim import ServerOptimizer
+from .update import ClientHook, ClientUpdate
 
 # How many times the median ‖c_i‖ one client's c_i may count with in c (`ScaffoldAggregator.control_scales`).
 CONTROL_MEDIAN_SPREAD = 2.0

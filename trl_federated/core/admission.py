@@ -45,7 +45,7 @@ from ..adapters import (
     state_size,
 )
 from ..aggregation import STRATEGY_METRICS, Aggregator, ClientUpdate
-from ..aggregation.base import RoundMetric, refuse_extras
+from ..aggregation.update import RoundMetric, refuse_extras
 from ..choices import NORM_ACTIONS, check_choice
 from .callbacks import is_reserved_metric
 

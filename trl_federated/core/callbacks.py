@@ -12,7 +12,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-from ..aggregation.base import RoundMetric
+from ..aggregation.update import RoundMetric
 from .round_record import RoundRecord
 
 

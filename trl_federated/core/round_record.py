@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..adapters import state_nbytes
-from ..aggregation.base import RoundMetric
+from ..aggregation.update import RoundMetric
 
 
 @dataclass

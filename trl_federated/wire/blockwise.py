@@ -79,7 +79,7 @@ class Blockwise(ChangeCodec):
 
     def encode(self, sent, reference, residual):
         """A client whose adapter did not move sends zeros and keeps its residual: the server then sees it for what it
-        is, an idle client (`aggregation.base.is_idle`)."""
+        is, an idle client (`aggregation.update.is_idle`)."""
         changes = self.changes(sent, reference)
         if residual is not None and any(change.any() for change in changes.values()):
             changes = {key: change + residual[key] if key in residual else change for key, change in changes.items()}

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
 import secrets
 from pathlib import Path
@@ -46,99 +45,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters import AdapterState, scaled_update, state_distance
-from ..config.checks import adaptive_clipping_errors
-from .base import RoundMetric
+from ...adapters import AdapterState, scaled_update, state_distance
+from ..update import RoundMetric
+from .adaptive_clipping import AdaptiveClipping
+from .ledger import append_ledger_line, load_dp_accounting
 
 if TYPE_CHECKING:
-    from ..config import FedGRPOConfig
-    from .base import Aggregator, ClientUpdate
+    from ..update import ClientUpdate
 
 logger = logging.getLogger(__name__)
-
-
-def load_dp_accounting():
-    """The `dp_accounting` modules the accountant needs; `ImportError` naming the extra that installs them."""
-    try:
-        from dp_accounting import dp_event, privacy_accountant, rdp
-    except ImportError as error:
-        raise ImportError(
-            "Differential privacy (`dp_noise_multiplier`) accounts with Google's `dp-accounting`: "
-            "pip install 'trl-federated[dp]'."
-        ) from error
-    return dp_event, privacy_accountant, rdp
-
-
-def append_ledger_line(path: Path, entry: dict[str, Any]) -> None:
-    """Append `entry` to the JSON-lines ledger at `path`, flushed to disk before it returns. A torn last line (a
-    crash while appending: a release that never left) is cut off first, so that the new line does not join it into
-    one that no reader parses, which would leave this release and every later one uncounted."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as stream:
-        stream.seek(0)
-        content = stream.read()
-        if content and not content.endswith(b"\n"):
-            stream.truncate(content.rfind(b"\n") + 1)
-        stream.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
-        stream.flush()
-        os.fsync(stream.fileno())
-
-
-class AdaptiveClipping:
-    """The clip norm as a private estimate of the γ-quantile of the clients' update norms (Andrew et al.,
-    "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021, Algorithm 1 with the clipping on the
-    server), with the parameters of Flower's `DifferentialPrivacyServerSideAdaptiveClipping`
-    (`flwr.server.strategy.dp_adaptive_clipping`).
-
-    In round t, over the n clients aggregated, their updates u_i clipped at C^t:
-
-        b_i     = 1[‖u_i‖ ≤ C^t]                                  the update was left unclipped
-        b̃       = (Σ_i b_i + N(0, σ_b²)) / n                      the count's release
-        C^{t+1} = C^t · exp(−η_C (b̃ − γ))                         the geometric update (Algorithm 1)
-
-    so that C falls while more than a share γ of updates fit under it, and rises while fewer do. Replacing one client
-    moves Σ_i b_i by at most 1 (one b_i from 0 to 1), so the count is a Gaussian mechanism of noise multiplier σ_b on
-    the round's sample, as Δ̃ is of σ_Δ; the pair costs what one Gaussian of (σ_Δ⁻² + σ_b⁻²)^(-1/2) would (Theorem 1),
-    so that Δ's noise multiplier is raised for the round to cost what the configured σ alone would:
-
-        σ_Δ = (σ⁻² − σ_b⁻²)^(-1/2)                                 (Theorem 1, for σ_b > σ)
-
-    Andrew et al. and Flower's `compute_adaptive_noise_params` write (2σ_b)⁻²: under add-or-remove, the centred bit
-    b_i − ½ moves the count by ½; under replace-one, the relation this accountant uses, it moves by 1. Two departures
-    from Flower 1.42's wrapper, both for the paper's algorithm: b_i counts the updates left unclipped (Flower's counts
-    those clipped, `adaptive_clip_inputs_inplace`, then applies the paper's update to it, which moves C away from the
-    target), and Δ's noise is calibrated to the C^t that clipped the round (Flower's to C^{t+1}).
-
-    Args:
-        count_stddev: σ_b (Flower's `clipped_count_stddev`; `default_count_stddev`).
-        target_quantile: γ, the share of updates to leave unclipped (Flower's `target_clipped_quantile`).
-        learning_rate: η_C (Flower's `clip_norm_lr`).
-    """
-
-    def __init__(self, count_stddev: float, target_quantile: float = 0.5, learning_rate: float = 0.2):
-        if errors := list(adaptive_clipping_errors(target_quantile, learning_rate, count_stddev, None)):
-            raise ValueError(" ".join(errors))
-        self.target_quantile, self.learning_rate, self.count_stddev = target_quantile, learning_rate, count_stddev
-
-    @staticmethod
-    def default_count_stddev(sample_size: int, noise_multiplier: float) -> float:
-        """σ_b when none is set: Andrew et al.'s m / 20 (Flower's default: b̃ then has std 0.05), or where that is
-        not above σ, as in a federation of a few clients a round, 2σ, which raises Δ's noise multiplier by
-        (1 − ¼)^(-1/2) ≈ 1.15 and leaves b̃ a std of 2σ / n."""
-        return max(sample_size / 20, 2 * noise_multiplier)
-
-    def update_noise_multiplier(self, noise_multiplier: float) -> float:
-        """σ_Δ for a round that costs what a Gaussian of `noise_multiplier` σ would (Theorem 1, above)."""
-        if errors := list(adaptive_clipping_errors(self.target_quantile, self.learning_rate, self.count_stddev,
-                                                   noise_multiplier)):
-            raise ValueError(" ".join(errors))
-        return (noise_multiplier**-2 - self.count_stddev**-2) ** -0.5
-
-    def step(self, clip_norm: float, unclipped: int, count: int, noise: float) -> tuple[float, float]:
-        """(b̃, C^{t+1}) after a round that left `unclipped` of `count` updates under `clip_norm`, the count's noise
-        drawn as the standard normal `noise`."""
-        released = (unclipped + self.count_stddev * noise) / count
-        return released, clip_norm * math.exp(-self.learning_rate * (released - self.target_quantile))
 
 
 class ClientLevelPrivacy:
@@ -425,108 +340,3 @@ class ClientLevelPrivacy:
             else:
                 self.ledger.append((event, 1))
         self.last_epsilon = self.epsilon_after(0) if self.ledger else None
-
-
-# The metric under which a client reports ε of its records under record-level DP (`local.record_privacy`); not
-# `dp_...`, the prefix of the server's own privacy metrics, which no client may send (`callbacks.is_reserved_metric`).
-RECORD_EPSILON = "record_epsilon"
-
-
-class RecordPrivacyReports:
-    """The server's side of record-level DP, which the clients run (`local.record_privacy`): the ε each client last
-    reported for its records (a client's own account: the server cannot check it), and the worst, which the run
-    reports every round (`dp_record_epsilon_worst`)."""
-
-    def __init__(self, target_delta: float, clip_norm: float):
-        self.target_delta, self.clip_norm = target_delta, clip_norm
-        self.epsilons: dict[str, float] = {}
-
-    def observe(self, updates: list[ClientUpdate]) -> None:
-        for update in updates:
-            if RECORD_EPSILON in update.metrics:
-                self.epsilons[update.client_id] = float(update.metrics[RECORD_EPSILON])
-
-    def round_metrics(self) -> list[RoundMetric]:
-        worst = max(self.epsilons.values(), default=None)
-        return [RoundMetric("dp_record_epsilon_worst", "worst ε_rec", worst, format=".3f")]
-
-    def describe(self) -> str:
-        """One line on the guarantee the clients reported, for the model card."""
-        worst = max(self.epsilons.values(), default=None)
-        epsilon = "no client reported yet" if worst is None else f"worst ε reported by a client = {worst:.3f}"
-        return (f"record-level (DP-SGD in each client's local steps, a record one prompt with its completions, clip "
-                f"norm {self.clip_norm:g}), {epsilon} at δ = {self.target_delta:g} (replace-one, each client's own RDP "
-                "accountant of dp-accounting, its prompts sampled without replacement)")
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epsilons": dict(self.epsilons)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epsilons = {str(key): float(value) for key, value in state["epsilons"].items()}
-
-
-def privacy_errors(aggregator: Aggregator) -> list[str]:
-    """Why `aggregator` cannot run under DP: per-client state the mechanism neither clips nor noises (SCAFFOLD's
-    controls), or a robust combiner, whose sensitivity is not ω_max C."""
-    from .base import Aggregator
-
-    errors = []
-    if type(aggregator).client_extras is not Aggregator.client_extras:
-        errors.append(
-            f"{type(aggregator).__name__} exchanges per-client state with the clients (SCAFFOLD's controls c and c_i) "
-            "that the DP mechanism neither clips nor noises: use aggregation 'fedavg', 'fedprox' or 'rpg' with "
-            "`dp_noise_multiplier`"
-        )
-    if aggregator.combiner is not None:
-        errors.append(
-            f"`robust_aggregation` ({type(aggregator.combiner).__name__}) replaces the weighted sum whose sensitivity "
-            "the DP noise is calibrated to: set it to 'none' with `dp_noise_multiplier`"
-        )
-    return errors
-
-
-def privacy_from_config(
-    args: FedGRPOConfig,
-    aggregator: Aggregator,
-    num_clients: int,
-    sample_size: int,
-    clip_norm: float,
-    reward_range: tuple[float, float] | None,
-    frozen_keys: frozenset[str] = frozenset(),
-    release_log: str | Path | None = None,
-) -> ClientLevelPrivacy | None:
-    """The mechanism `args` asks for (None without `dp_noise_multiplier`) around `aggregator`, for N = `num_clients`,
-    m = `sample_size`, the absolute clip norm C (the first round's under `dp_adaptive_clipping`) and the reward
-    functions' declared range; `ValueError` naming the
-    setting for an aggregation it does not cover, or an RPG run whose rewards declare no range."""
-    if args.dp_noise_multiplier is None:
-        return None
-    if errors := privacy_errors(aggregator):
-        raise ValueError("; ".join(errors) + ".")
-    if aggregator.weighs_by_reward and reward_range is None:
-        raise ValueError(
-            f"{type(aggregator).__name__} weighs clients by R̄, which DP releases through a Gaussian mechanism on the "
-            "reward functions' declared range; they declare none: give every reward function a `reward_range`."
-        )
-    reward_noise = args.dp_reward_noise_multiplier
-    count_stddev = args.dp_clipped_count_stddev
-    if count_stddev is None:
-        count_stddev = AdaptiveClipping.default_count_stddev(sample_size, args.dp_noise_multiplier)
-    adaptive = None if not args.dp_adaptive_clipping else AdaptiveClipping(
-        count_stddev, args.dp_target_quantile, args.dp_clip_norm_lr
-    )
-    return ClientLevelPrivacy(
-        noise_multiplier=args.dp_noise_multiplier,
-        clip_norm=clip_norm,
-        num_clients=num_clients,
-        sample_size=sample_size,
-        reward_range=reward_range if aggregator.weighs_by_reward else None,
-        reward_noise_multiplier=args.dp_noise_multiplier if reward_noise is None else reward_noise,
-        target_delta=args.dp_target_delta,
-        max_epsilon=args.dp_max_epsilon,
-        noise_seed=args.dp_noise_seed,
-        frozen_keys=frozen_keys,
-        release_log=release_log,
-        adaptive_clipping=adaptive,
-    )
-
