@@ -260,6 +260,14 @@ def test_no_old_module_path_imports():
     for old in OLD_MODULES:
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"{ROOT}.{old}")
+    # nor the names a module offered from another's: the command line's parsing, loading and reward helpers, the
+    # config's choice lists (each is imported from its own module: `arguments`, `scoring.rewards`, `choices`)
+    import trl_federated.cli
+    import trl_federated.config
+
+    assert not [name for name in ("parse_run_args", "load_model", "reward_functions")
+                if hasattr(trl_federated.cli, name)]
+    assert not [name for name in ("SERVER_OPTIMIZERS", "ROBUST_AGGREGATIONS") if hasattr(trl_federated.config, name)]
 
 
 def test_local_trainer_is_the_function_in_every_import_order():

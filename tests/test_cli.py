@@ -19,18 +19,12 @@ from trl import ModelConfig
 from conftest import OPEN_R1_FIXTURE, length_reward
 from trl_federated import FedGRPOTrainer
 from trl_federated.adapters import default_lora_config, get_adapter_state, with_federated_adapter
-from trl_federated.cli import (
-    BenchmarkArguments,
-    check_reward_columns,
-    closest_key_hint,
-    load_benchmark,
-    load_model,
-    lora_config,
-    main,
-    parse_run_args,
-    reward_functions,
-    training_rewards,
-)
+from trl_federated.arguments import BenchmarkArguments, parse_run_args
+from trl_federated.cli import main
+from trl_federated.data.loading import load_benchmark
+from trl_federated.names import closest_key_hint
+from trl_federated.runtime.models import load_model, lora_config
+from trl_federated.scoring.rewards import check_reward_columns, reward_functions, training_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
 

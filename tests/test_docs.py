@@ -197,7 +197,7 @@ def load_generator():
 def test_the_config_reference_is_generated_from_the_docstring_never_written_twice():
     import dataclasses
 
-    from trl_federated.cli import BenchmarkArguments
+    from trl_federated.arguments import BenchmarkArguments
     from trl_federated.config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 
     generator = load_generator()
@@ -310,7 +310,7 @@ def setup_extras() -> set[str]:
 
 def check_run(argv: list[str]) -> list[str]:
     """`trl-federated run` flags parsed as the CLI parses them; a placeholder config stands for a real one."""
-    from trl_federated.cli import parse_run_args
+    from trl_federated.arguments import parse_run_args
 
     argv = [PLACEHOLDERS.get(word) or word for word in argv]
     if "--help" in argv:
@@ -328,7 +328,7 @@ def check_run(argv: list[str]) -> list[str]:
 def check_script_flags(script: Path, argv: list[str]) -> list[str]:
     """A script's flags: each one its argparse declares (or the harness it imports, `benchmarks/harness/grid.py`), or,
     for a script that parses `trl-federated run`'s groups or hands them the flags it does not know, a field of them."""
-    from trl_federated.cli import BenchmarkArguments
+    from trl_federated.arguments import BenchmarkArguments
     from trl_federated.config import CONFIG_CLASSES
 
     source = script.read_text(encoding="utf-8")

@@ -14,7 +14,8 @@ from conftest import FAST_GRPO
 from test_cli import labelled_dataset
 from trl_federated import FederatedRunner, FedGRPOConfig
 from trl_federated.adapters import get_adapter_state
-from trl_federated.cli import config_class, main
+from trl_federated.arguments import config_class
+from trl_federated.cli import main
 from trl_federated.config import FederatedConfig, federated_config, result_fields
 from trl_federated.local.local_trainer import UNFEDERABLE_TRAINERS, local_trainer
 from trl_federated.scoring.rewards import completion_text

@@ -15,10 +15,11 @@ pytest.importorskip("flwr")
 
 from flwr.app import Context, RecordDict  # noqa: E402
 
-from trl_federated.cli import parse_run_args, training_rewards  # noqa: E402
+from trl_federated.arguments import parse_run_args  # noqa: E402
 from trl_federated.flower import flwr_run  # noqa: E402
 from trl_federated.flower.run_config import FederationSizeError, federation_arguments  # noqa: E402
 from trl_federated.runtime.models import DEFAULT_MODEL  # noqa: E402
+from trl_federated.scoring.rewards import training_rewards  # noqa: E402
 
 APP_DIR = Path(__file__).parents[1] / "examples" / "flower"
 APP_KEYS = ("resume", "clients-file")

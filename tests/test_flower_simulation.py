@@ -30,8 +30,9 @@ from safetensors.torch import load_file  # noqa: E402
 from test_flower import APP_DIR as LOOPBACK_APP_DIR  # noqa: E402
 from test_flower import assert_states_equal, prompt_datasets, runner_result  # noqa: E402
 from trl_federated import FedGRPOConfig  # noqa: E402
-from trl_federated.cli import BenchmarkArguments, load_benchmark  # noqa: E402
+from trl_federated.arguments import BenchmarkArguments  # noqa: E402
 from trl_federated.data import partition_clients  # noqa: E402
+from trl_federated.data.loading import load_benchmark  # noqa: E402
 from trl_federated.flower import flwr_run as flwr_run_module  # noqa: E402
 from trl_federated.flower import make_client_app  # noqa: E402
 

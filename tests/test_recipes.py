@@ -12,7 +12,7 @@ from peft import get_peft_model, get_peft_model_state_dict
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from trl_federated.cli import BenchmarkArguments, config_class
+from trl_federated.arguments import BenchmarkArguments, config_class
 from trl_federated.config import CONFIG_CLASSES
 from trl_federated.methods import METHODS
 

@@ -15,10 +15,12 @@ from test_cli import labelled_dataset
 from test_flower import LocalGrid, assert_states_equal, client_data_dirs, loopback_app, prompt_datasets, task_identity  # noqa: F401
 from trl_federated import FastGRPOMixin, FederatedRunner, FedGRPOConfig, FedGRPOTrainer, RoundCallback
 from trl_federated.adapters import default_lora_config, get_adapter_state
-from trl_federated.cli import config_class, import_class, main
+from trl_federated.arguments import config_class
+from trl_federated.cli import main
 from trl_federated.config import federated_config
 from trl_federated.flower import make_client_app
 from trl_federated.local.local_trainer import local_trainer
+from trl_federated.names import import_class
 from trl_federated.scoring.rewards import completion_text
 from trl_federated.trainer import FederatedGRPOMixin, federated
 

@@ -1,8 +1,9 @@
 """`trl-federated` command line: `trl-federated run --config examples/configs/quickstart.yaml [--key value ...]`.
 
 It parses and dispatches, nothing else: the arguments parse in `arguments` (like TRL's own scripts, `TrlParser`), the
-data loads in `data.loading`, the rewards resolve in `rewards`, the model loads in `models` and the trainer class in
-`trainer`; `run` hands the parsed arguments to `federation.run_federation`, `compare` to `reports.compare`.
+data loads in `data.loading`, the rewards resolve in `scoring.rewards`, the model loads in `runtime.models` and the
+trainer class in `trainer`; `run` hands the parsed arguments to `federation.run_federation`, `compare` to
+`reports.compare`.
 """
 
 from __future__ import annotations
@@ -12,23 +13,7 @@ import logging
 import sys
 import warnings
 
-from .names import closest_key_hint, lazy_attributes
-
-# What `trl-federated run` parses, loads and trains with, each in its concept's module; named here too, where the
-# README's examples import them from. They import when first read: `--version`, `--help` and an argument error need
-# neither torch nor TRL.
-__getattr__ = lazy_attributes(globals(), {
-    **dict.fromkeys(("ArgumentParser", "BenchmarkArguments", "check_model_path", "choice_hint", "config_class",
-                     "parse_run_args", "read_yaml_config", "usage_error"), ".arguments"),
-    **dict.fromkeys(("hub_dataset_id", "load_benchmark"), ".data.loading"),
-    **dict.fromkeys(("import_class", "import_object"), ".names"),
-    **dict.fromkeys(("changed_fields", "load_model", "lora_config"), ".runtime.models"),
-    **dict.fromkeys(("REWARD_FUNCTIONS", "TRL_REWARD_FUNCTIONS", "check_reward_columns", "reward_functions",
-                     "training_rewards"), ".scoring.rewards"),
-    "trainer_class": ".trainer",
-})  # fmt: skip
-
-logger = logging.getLogger(__name__)
+from .names import closest_key_hint
 
 
 def run(argv: list[str]) -> int:
