@@ -124,6 +124,8 @@ def test_balanced_benchmark_no_answer_pays(balanced_benchmark):
             (task, tier) for task, tiers in BALANCED_TASKS.items() for tier in tiers
         }
         assert max(_answer_shares(rows).values()) <= MAX_ANSWER_SHARE
+    quickstart = build_balanced_benchmark(size=400)  # groups of 7 test items: the task's cap binds, not the group's
+    assert max(_answer_shares(quickstart["test"]).values()) <= MAX_ANSWER_SHARE
     default_shares = _answer_shares(build_reasoning_benchmark(size=3300)["test"])
     assert default_shares["letter_counting"] > 0.5  # what the cap removes
     test = balanced_benchmark["test"]
