@@ -72,10 +72,12 @@ def accuracies(result: dict) -> dict[str, float]:
     return {TOTAL: 100 * final[TOTAL], **tasks, WORST: min(tasks.values()) if tasks else math.nan}
 
 
-def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> float | None:
-    """The correlation of RPG's gain with the next change of R̄ over a run's client-rounds, RPG's formula (default
-    settings, the config's window) applied to the R̄ and step rewards the run's clients reported, whatever weighed
-    them: what RPG would have read in a FedAvg run."""
+def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> tuple[float | None, float | None]:
+    """The correlation of RPG's gain with the next change of R̄ over a run's client-rounds, and its z against the
+    permutation null (`RPGAggregator.predictiveness_z`): RPG's formula (default settings) applied to the R̄ and step
+    rewards the run's clients reported, whatever weighed them (what RPG would have read in a FedAvg run). The
+    noise-aware gain's standard error reads all the step rewards a client sent: the premise config's window is its
+    whole round, which is what they are."""
     aggregator = RPGAggregator(gain=gain)
     for record in rounds:
         updates = [
@@ -83,7 +85,7 @@ def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> float | No
             for client_id, reward in record["rewards"].items()
         ]
         aggregator.client_weights(updates, record["round_idx"])
-    return aggregator.prediction_sums.correlation()
+    return aggregator.prediction_sums.correlation(), aggregator.last_z
 
 
 def run_diagnostics(rounds: list[dict]) -> dict[str, float]:
@@ -98,13 +100,17 @@ def run_diagnostics(rounds: list[dict]) -> dict[str, float]:
                 changes.append(abs(reward - previous[client_id]))
             previous[client_id] = reward
     own = rounds[-1].get("gain_predictiveness_run") if rounds else None
+    (paper, paper_z), (noise_aware, noise_aware_z) = (shadow_predictiveness(rounds, gain)
+                                                      for gain in ("paper", "noise-aware"))  # fmt: skip
     idle = sum(value for record in rounds for value in (record.get("idle") or {}).values())
     return {
         "reward_stderr": statistics.fmean(stderrs) if stderrs else math.nan,
         "reward_change": statistics.fmean(changes) if changes else math.nan,
         "predictiveness": math.nan if own is None else own,
-        "shadow_paper": _or_nan(shadow_predictiveness(rounds)),
-        "shadow_noise_aware": _or_nan(shadow_predictiveness(rounds, "noise-aware")),
+        "shadow_paper": _or_nan(paper),
+        "shadow_paper_z": _or_nan(paper_z),
+        "shadow_noise_aware": _or_nan(noise_aware),
+        "shadow_noise_aware_z": _or_nan(noise_aware_z),
         "idle_client_rounds": idle,
         "final_reward": statistics.fmean(rounds[-1]["rewards"].values()) if rounds else math.nan,
     }
@@ -187,19 +193,24 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
                   ""]
     lines += ["## Cells", "",
               "| method | seed | total | " + " | ".join(tasks) + " | worst | final R̄ | se(R̄) | mean abs ΔR̄ a round "
-              "| corr(h, next ΔR̄) own | paper's h | noise-aware h | idle | weight spread | last entropy | CPU h |",
-              "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|---|---|---|---|"]
+              "| corr(h, next ΔR̄) own | paper's h | its z | noise-aware h | its z | idle | weight spread | last entropy "
+              "| CPU h |",
+              "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in sorted(results, key=lambda c: (c.seed, summary["methods"].index(c.method))):
         row = summary["per_cell"][cell]
         lines.append(
             f"| {cell.method} | {cell.seed} | {row[TOTAL]:.2f} | " + " | ".join(_num(row.get(task)) for task in tasks)
             + f" | {_num(row[WORST])} | {_num(row['final_reward'], '.3f')} | {_num(row['reward_stderr'], '.3f')} | "
             f"{_num(row['reward_change'], '.3f')} | {_num(row['predictiveness'], '+.2f')} | "
-            f"{_num(row['shadow_paper'], '+.2f')} | {_num(row['shadow_noise_aware'], '+.2f')} | "
+            f"{_num(row['shadow_paper'], '+.2f')} | {_num(row['shadow_paper_z'], '+.2f')} | "
+            f"{_num(row['shadow_noise_aware'], '+.2f')} | {_num(row['shadow_noise_aware_z'], '+.2f')} | "
             f"{row['idle_client_rounds']} | {_num(row['weight_spread'], '.2f')} | {_num(row['last_entropy'], '.2f')} | "
             f"{row['cpu_seconds'] / 3600:.2f} |")
     lines += ["", "`paper's h` and `noise-aware h`: RPG's gain formula applied to the R̄ this cell's clients reported, "
-              "whatever weighed them; `own`: the run's own RPG (empty for FedAvg). `CPU h`: the attempts that recorded "
+              "whatever weighed them, as corr(h, next ΔR̄) over the run; `its z`: that correlation in standard "
+              "deviations from its no-information value (each client's R̄ permuted over its rounds, 200 times; the "
+              "null's mean is about −0.5, not 0: h holds +R̄_{t−1} and the next change −R̄_{t−1}); `own`: the run's own "
+              "RPG (empty for FedAvg). `CPU h`: the attempts that recorded "
               "their cost (cost.json); an attempt stopped with its machine records none, so a resumed cell's figure "
               "is a lower bound.", ""]
     floors = constant_floors(root)
@@ -221,6 +232,15 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
         if complete and not any(gate["value"] > 0 for gate in summary["gate"].values()):
             lines += ["", "No RPG variant passes the gate: the 6-seed comparison does not run. The paired comparisons "
                       "below are the pilot's 2 seeds, too few to resolve a difference of a few points."]
+        lines += ["", "Read against its null (issue 57): this gate compared with 0 a statistic whose no-information "
+                  "value is about −0.5, so failing it says nothing by itself. Each cell's `its z` (table above) is the "
+                  "null-calibrated reading: the mean z of the paper's and of the noise-aware gain over "
+                  "the pilot's cells (FedAvg's included: the formula read on its clients):"]
+        for column, name in (("shadow_paper_z", "paper's gain"), ("shadow_noise_aware_z", "noise-aware gain")):
+            values = [row[column] for row in summary["per_cell"].values() if not math.isnan(row[column])]
+            if values:
+                lines.append(f"  - {name}: mean z {statistics.fmean(values):+.2f} over {len(values)} cells "
+                             f"(range {min(values):+.2f} to {max(values):+.2f})")
     else:
         lines.append("- no RPG cell of the pilot has finished")
     lines += ["", "## Paired comparisons (method − FedAvg, points)", ""]

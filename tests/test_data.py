@@ -7,9 +7,12 @@ import pytest
 from datasets import Dataset
 
 from trl_federated.data import (
+    BALANCED_TASKS,
     DEFAULT_TASKS,
+    MAX_ANSWER_SHARE,
     DIFFICULTIES,
     SYSTEM_PROMPT,
+    build_balanced_benchmark,
     build_reasoning_benchmark,
     dirichlet_partition,
     label_histogram,
@@ -96,6 +99,62 @@ def test_default_benchmark_composition():
     assert len(benchmark["train"]) == 384 and len(benchmark["test"]) == 96
     assert set(benchmark["test"]["difficulty"]) == set(DIFFICULTIES)
     assert set(benchmark["test"]["category"]) == set(DEFAULT_TASKS)
+
+
+def _answer_shares(split) -> dict[str, float]:
+    """Per task, the share of its items that its most common gold answer holds."""
+    answers: dict[str, Counter] = {}
+    for task, answer in zip(split["category"], split["answer"], strict=True):
+        answers.setdefault(task, Counter())[answer] += 1
+    return {task: counts.most_common(1)[0][1] / counts.total() for task, counts in answers.items()}
+
+
+@pytest.fixture(scope="module")
+def balanced_benchmark():
+    return build_balanced_benchmark()
+
+
+def test_balanced_benchmark_no_answer_pays(balanced_benchmark):
+    """The balanced benchmark's default: over 1,000 test items, every task in three tiers in both splits, and no gold
+    answer over 10% of any task's train or test items (the default benchmark's letter_counting: 75% "1")."""
+    assert len(balanced_benchmark["test"]) >= 1000
+    for split in ("train", "test"):
+        rows = balanced_benchmark[split]
+        assert set(zip(rows["category"], rows["difficulty"])) == {
+            (task, tier) for task, tiers in BALANCED_TASKS.items() for tier in tiers
+        }
+        assert max(_answer_shares(rows).values()) <= MAX_ANSWER_SHARE
+    quickstart = build_balanced_benchmark(size=400)  # groups of 7 test items: the task's cap binds, not the group's
+    assert max(_answer_shares(quickstart["test"]).values()) <= MAX_ANSWER_SHARE
+    default_shares = _answer_shares(build_reasoning_benchmark(size=3300)["test"])
+    assert default_shares["letter_counting"] > 0.5  # what the cap removes
+    test = balanced_benchmark["test"]
+    completions = [f"<answer>{answer}</answer>" for answer in test["answer"]]
+    assert answer_accuracy_reward(completions, answer=test["answer"], rg_entry=test["rg_entry"]) == [1.0] * len(test)
+
+
+def test_answer_cap_skips_common_answers_and_keeps_the_split():
+    """Stratified draws: single-digit products (19% of them 0 uncapped) keep each answer to its share per split,
+    and a tier that runs out within its shares is drawn again smaller, keeping the 80/20 proportion."""
+    tasks = {"products": {"simple": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}}
+    capped = build_reasoning_benchmark(tasks, size=60, max_answer_share=0.1)
+    uncapped = build_reasoning_benchmark(tasks, size=60)
+    for split in ("train", "test"):
+        counts = Counter(capped[split]["answer"])
+        assert max(counts.values()) <= max(1, int(0.1 * len(capped[split])))
+    assert Counter(uncapped["train"]["answer"]).most_common(1)[0][0] == "0"
+    assert len(capped["test"]) == round(0.2 * (len(capped["train"]) + len(capped["test"])))
+    assert set(capped["test"]["question"]).isdisjoint(capped["train"]["question"])
+
+
+def test_leg_counting_worked_example_adds_each_animals_legs(balanced_benchmark):
+    row = next(row for row in balanced_benchmark["train"] if row["category"] == "leg_counting")
+    example = row["prompt"][2]["content"]
+    steps, total = example.split(" Total: ")
+    products = [int(step.rsplit("= ", 1)[1].rstrip(".")) for step in steps.split(". ")]
+    answer = int(total.split("<answer>")[1].split("</answer>")[0])
+    assert sum(products) == answer
+    assert total.endswith(f"<answer>{answer}</answer>")
 
 
 def test_small_tiers_shrink_with_a_warning(caplog):

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from datasets import Dataset
@@ -5,7 +7,14 @@ from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_federated.core.evaluation import evaluate_accuracy, format_accuracy_table
+from trl_federated.core.evaluation import (
+    COMPLETION_CHARACTERS,
+    COMPLETIONS_FILE,
+    evaluate_accuracy,
+    format_accuracy_table,
+    write_completions,
+)
+from trl_federated.scoring.rewards import extract_answer
 
 LABELS = ["hard", "simple", "medium", "simple", "other", "medium", "simple"]
 
@@ -47,10 +56,46 @@ def recording_reward():
     return reward
 
 
+def test_every_answer_on_record(model_and_tokenizer, eval_dataset):
+    """Each row's label, gold answer and parsed answer are recorded in the dataset's order, the parsed answer being
+    what the reward reads from that row's completion; with `keep_completions`, the completions themselves."""
+    model, tokenizer = model_and_tokenizer
+    tagged = eval_dataset.map(lambda row, index: {"category": f"task{index % 2}"}, with_indices=True)
+    completions_seen = recording_reward()
+    results = evaluate_accuracy(model, tokenizer, tagged, batch_size=3, max_new_tokens=6, keep_completions=True,
+                                reward_funcs=completions_seen)  # fmt: skip
+    assert results["row_labels"] == tagged["category"]  # the task column wins over the label column
+    assert results["row_gold"] == tagged["answer"]
+    assert sorted(results["completions"]) == sorted(completions_seen.completions)
+    assert results["row_answers"] == [extract_answer(text) for text in results["completions"]]
+    def length_reward(completions, **kwargs):
+        return [float(len(completion[0]["content"]) % 2) for completion in completions]
+
+    without_tasks = evaluate_accuracy(model, tokenizer, eval_dataset.remove_columns("answer"), batch_size=3,
+                                      max_new_tokens=6, reward_funcs=length_reward)  # fmt: skip
+    assert without_tasks["row_labels"] == eval_dataset["difficulty"] and without_tasks["row_gold"] is None
+    assert "completions" not in without_tasks
+
+
+def test_completions_file_holds_the_latest_evaluation(tmp_path):
+    results = {"row_labels": ["gcd", "products"], "row_gold": ["4", "12"], "row_answers": ["4", None],
+               "row_rewards": [1.0, 0.0], "completions": ["gcd(8, 4) = 4. <answer>4</answer>", "x" * 1000]}
+    path = tmp_path / COMPLETIONS_FILE
+    write_completions(path, 0, {**results, "row_labels": None})
+    write_completions(path, 3, results)
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [line["round"] for line in lines] == [3, 3]
+    assert lines[0] == {"round": 3, "item": 0, "task": "gcd", "gold": "4", "answer": "4", "reward": 1.0,
+                        "completion": "gcd(8, 4) = 4. <answer>4</answer>"}  # fmt: skip
+    assert lines[1]["answer"] is None and lines[1]["completion"] == "x" * COMPLETION_CHARACTERS
+
+
 def test_result_keys_and_counts(model_and_tokenizer, eval_dataset):
     model, tokenizer = model_and_tokenizer
     results = evaluate_accuracy(model, tokenizer, eval_dataset, batch_size=3, max_new_tokens=6)
-    assert list(results) == ["accuracy", "count", "rewards", "row_rewards", "seconds"] and results["seconds"] > 0
+    assert list(results) == [
+        "accuracy", "count", "rewards", "row_rewards", "row_labels", "row_gold", "row_answers", "seconds"
+    ] and results["seconds"] > 0  # fmt: skip
     assert results["row_rewards"] == [0.0] * len(eval_dataset)
     assert results["rewards"] == {"answer_accuracy_reward": 0.0}
     assert list(results["accuracy"]) == ["simple", "medium", "hard", "other", "Total"]

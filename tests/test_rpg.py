@@ -20,6 +20,8 @@ from trl_federated.aggregation import FedAvgAggregator, RPGAggregator, aggregato
 from trl_federated.aggregation.rpg import PredictionSums
 from trl_federated.aggregation.update import cap_idle_weights, window_stderr
 from trl_federated.data.partition import partition_clients
+from trl_federated.reports.round_log import format_round_log
+from trl_federated.reports.summary import write_summary
 
 STATE = {"w": torch.zeros(2)}
 
@@ -130,6 +132,61 @@ def test_gain_predictiveness_survives_a_checkpoint_and_keeps_constant_state():
     assert len(first.state_dict()["prediction_sums"]) == 6  # sums, not pairs: the same size after any rounds
 
 
+def test_tied_step_rewards_give_the_papers_gain_under_the_noise_aware_gain():
+    """se(R̄) = 0 when every step reward of the window ties: the noise-aware gain then is the paper's (documented)."""
+    noise_aware, paper = RPGAggregator(gain="noise-aware"), RPGAggregator()
+    for round_idx, rewards in enumerate([(0.1, 0.3), (0.4, 0.2), (0.45, 0.6)]):
+        updates = [update(client_id, reward, [reward] * 4) for client_id, reward in zip("ab", rewards)]
+        assert noise_aware.client_weights(updates, round_idx) == paper.client_weights(updates, round_idx)
+    assert noise_aware.last_gains == paper.last_gains and any(noise_aware.last_gains.values())
+
+
+def predictiveness_run(rewards_of, num_rounds, gain="paper"):
+    """An RPG aggregator after `num_rounds` rounds of reports `rewards_of(client, round)` from 8 clients."""
+    rpg = RPGAggregator(gain=gain)
+    for round_idx in range(num_rounds):
+        rpg.client_weights([update(f"c{client}", rewards_of(client, round_idx)) for client in range(8)], round_idx)
+    return rpg
+
+
+def test_gain_predictiveness_z_reads_noise_as_zero_and_a_trend_as_information():
+    """Pure noise: the statistic sits near its analytic no-information value −1/√(2(1 + λ/(2 − λ))) = −0.548, not
+    0, and z ≈ 0 (mean over 8 runs within ±0.8; each within ±3). Persistent trends of different slopes per client, which
+    the paper's gain reads: z > 2."""
+    zs, statistics_, nulls = [], [], []
+    for seed in range(8):
+        noise = torch.Generator().manual_seed(seed)
+        draws = torch.rand(8, 14, generator=noise, dtype=torch.float64)
+        rpg = predictiveness_run(lambda client, round_idx: 0.3 + 0.1 * float(draws[client, round_idx]), 14)
+        metrics = {metric.name: metric.value for metric in rpg.round_metrics()}
+        zs.append(metrics["gain_predictiveness_z"])
+        statistics_.append(metrics["gain_predictiveness_run"])
+        nulls.append(metrics["gain_predictiveness_null"])
+    assert abs(sum(zs) / len(zs)) < 0.8 and max(map(abs, zs)) < 3
+    assert sum(statistics_) / len(statistics_) == pytest.approx(-1 / math.sqrt(2 * (1 + 0.8 / 1.2)), abs=0.1)
+    assert all(-0.7 < null < -0.4 for null in nulls)
+    noise = torch.Generator().manual_seed(0)
+    draws = torch.rand(8, 14, generator=noise, dtype=torch.float64)
+    trend = predictiveness_run(lambda c, t: 0.1 + 0.01 * c * t + 0.01 * float(draws[c, t]), 14)
+    assert trend.last_z > 2 and trend.prediction_sums.correlation() > trend.last_null
+
+
+def test_gain_predictiveness_z_survives_a_checkpoint_and_is_none_without_its_history():
+    first, second, old = RPGAggregator(), RPGAggregator(), RPGAggregator()
+    rounds = [(0.1, 0.5, 0.3), (0.4, 0.3, 0.35), (0.2, 0.45, 0.5), (0.6, 0.4, 0.3), (0.3, 0.6, 0.2)]
+    for round_idx, rewards in enumerate(rounds[:3]):
+        first.client_weights([update(c, r) for c, r in zip("abc", rewards)], round_idx)
+    state = json.loads(json.dumps(first.state_dict()))
+    second.load_state_dict(state)
+    old.load_state_dict({key: value for key, value in state.items() if key != "report_history"})
+    for round_idx, rewards in enumerate(rounds[3:], start=3):
+        updates = [update(c, r) for c, r in zip("abc", rewards)]
+        first.client_weights(updates, round_idx), second.client_weights(updates, round_idx)
+        old.client_weights(updates, round_idx)
+    assert first.last_z == second.last_z is not None and first.last_null == second.last_null
+    assert old.last_z is None  # its sums hold pairs from before the history was kept
+
+
 def test_prediction_sums_need_three_pairs_with_spread():
     sums = PredictionSums()
     for x, y in [(1, 2), (2, 4)]:
@@ -204,6 +261,12 @@ def test_every_round_records_the_diagnostics_in_metrics_and_result(tiny_model_di
     rounds = [entry for entry in logged if entry.get("event") == "round"]
     assert rounds[-1]["gain_predictiveness_run"] == pytest.approx(last["gain_predictiveness_run"])
     assert rounds[-1]["reward_stderr"]["b"] == pytest.approx(0.1)
+    assert last["gain_predictiveness_z"] == pytest.approx(rounds[-1]["gain_predictiveness_z"])
+    assert -1 < last["gain_predictiveness_null"] < 0  # the no-information value, negative by construction
+    summary = write_summary(tmp_path / "summary.md", server.history, {}).read_text(encoding="utf-8")
+    assert f"z = {last['gain_predictiveness_z']:+.2f}" in summary and "RPG's weights carried" in summary
+    log = format_round_log(server.history[-1], 4, 3)
+    assert f"z vs no information = {last['gain_predictiveness_z']:+.2f}" in log
     server.close()
 
 

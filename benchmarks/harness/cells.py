@@ -77,16 +77,7 @@ def test_item_tasks(root: Path) -> list[str]:
         return json.loads(path.read_text(encoding="utf-8"))
     if not budget.exists():
         return []
-    import tempfile
-
-    from trl_federated.arguments import parse_run_args
-    from trl_federated.data.loading import load_benchmark
-
-    with tempfile.TemporaryDirectory() as folder:
-        config = Path(folder) / "budget.yaml"
-        config.write_text(yaml.safe_dump(json.loads(budget.read_text(encoding="utf-8"))["config"]), encoding="utf-8")
-        _, _, data_args = parse_run_args(["--config", str(config)])
-    _, test = load_benchmark(data_args)
+    test = test_split(root)
     tasks = list(test["category"]) if "category" in test.column_names else []
     path.write_text(json.dumps(tasks) + "\n", encoding="utf-8")
     return tasks
@@ -205,10 +196,25 @@ def points(interval: dict[str, float]) -> str:
     return f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]"
 
 
-def gold_answers(root: Path) -> tuple[list[str], list[str]]:
-    """The (task, gold answer) of every test item of the grid folder's budget (`BUDGET_FILE`), in evaluation order."""
-    from trl_federated.data import build_reasoning_benchmark
+def test_split(root: Path):
+    """The test split of the grid folder's budget (`BUDGET_FILE`), built as its cells built it."""
+    import tempfile
 
-    config = json.loads((root / BUDGET_FILE).read_text(encoding="utf-8"))["config"]
-    benchmark = build_reasoning_benchmark(size=config["benchmark_size"], seed=config.get("benchmark_seed", 0))
-    return list(benchmark["test"]["category"]), [str(answer) for answer in benchmark["test"]["answer"]]
+    from trl_federated.arguments import parse_run_args
+    from trl_federated.data.loading import load_benchmark
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "budget.yaml"
+        config.write_text(yaml.safe_dump(json.loads((root / BUDGET_FILE).read_text(encoding="utf-8"))["config"]),
+                          encoding="utf-8")  # fmt: skip
+        _, _, data_args = parse_run_args(["--config", str(config)])
+    return load_benchmark(data_args)[1]
+
+
+def gold_answers(root: Path, evaluation: dict | None = None) -> tuple[list[str], list[str]]:
+    """The (task, gold answer) of every test item in evaluation order: as `evaluation` recorded them (`row_labels`,
+    `row_gold`), else rebuilt from the grid folder's budget (`test_split`) for cells run before they were recorded."""
+    if evaluation is not None and evaluation.get("row_gold") is not None and evaluation.get("row_labels") is not None:
+        return list(evaluation["row_labels"]), list(evaluation["row_gold"])
+    test = test_split(root)
+    return list(test["category"]), [str(answer) for answer in test["answer"]]

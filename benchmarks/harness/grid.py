@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from trl_federated.core.evaluation import COMPLETIONS_FILE
 from trl_federated.reports.compare import Cell, cell_command
 
 from .cells import BUDGET_FILE, COST_FILE, TEST_ITEMS_FILE, base_evaluation
@@ -32,9 +33,9 @@ from .cells import BUDGET_FILE, COST_FILE, TEST_ITEMS_FILE, base_evaluation
 DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
 # A finished cell's files that are committed (`--commit`): small, and enough to recheck every figure of the report
-# and each client's curves. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
+# and each client's curves, and to read what the final adapter answered. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
 CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png",
-              "validation.json")
+              "validation.json", COMPLETIONS_FILE)
 REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE, TEST_ITEMS_FILE)
 MAX_COMMITTED_BYTES = 5 * 2**20  # a cell file larger than this is not committed (and said so)
 # What limits a cell process to its share of the cores under `--parallel`: torch's intra-op threads follow OMP.

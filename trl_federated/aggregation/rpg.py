@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..choices import RPG_GAINS, choice_error
@@ -15,6 +16,7 @@ from .update import ClientUpdate, RoundMetric, check_number
 
 # |h| with `h_max=None`: far beyond any honest gain, far below where h / τ overflows a float for any τ_min ≥ 1e-290.
 UNBOUNDED_GAIN_LIMIT = 1e12
+NULL_PERMUTATIONS = 200  # permutations of each client's reports behind `gain_predictiveness_z`: its null's sd to ~5%
 
 
 class RPGAggregator(Aggregator):
@@ -55,10 +57,19 @@ class RPGAggregator(Aggregator):
     the wrong way (docs/verdict.md); `gain_predictiveness` measures that in every run. A client that sends no step
     rewards (or one) has s_i = 0: its gain is the paper's.
 
+    A client whose step rewards all tie (every window's groups scored alike) also has s_i = 0 and takes the paper's
+    gain: with no spread to measure, its R̄ counts as exact.
+
     Every round also measures how well the gains predict: the Pearson correlation, over the clients, between a
     client's h at its previous report and the change of its R̄ since (`gain_predictiveness`, None with fewer than 3
-    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`, from
-    running sums: constant state over any number of rounds).
+    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`). Its no-information value is not 0 but negative: h_{t−1} holds +R̄_{t−1} and the change
+    R̄_t − R̄_{t−1} holds −R̄_{t−1}, so for R̄ pure noise around a fixed level the paper's gain gives about
+    −1/√(2(1 + λ_base/(2 − λ_base))) = −0.55 (λ_base 0.8). `gain_predictiveness_z` reads the run's statistic against
+    that null, measured on the run's own reports: each client's reports (R̄ with its standard error) are permuted over
+    its rounds `NULL_PERMUTATIONS` times, the gains recomputed by the same equations, and the pooled correlation taken
+    each time; z = (observed − the null's mean) / its standard deviation (`gain_predictiveness_null`: that mean).
+    Shuffling keeps every client's level and spread and removes any order in time, which is the information a gain
+    would carry about the next change: z ≈ 0 says the weights carried none detectable, z > 2 that they did.
     """
 
     weighs_by_reward = True
@@ -95,6 +106,10 @@ class RPGAggregator(Aggregator):
         self.last_gains: dict[str, float] = {}
         self.last_temperature: float | None = None
         self.last_predictiveness: float | None = None
+        # Every report's (R̄, the gap's standard error) per client, in order: the permutation null's material.
+        self.report_history: dict[str, list[tuple[float, float]]] = {}
+        self.last_z: float | None = None
+        self.last_null: float | None = None
 
     @staticmethod
     def setting_errors(
@@ -161,19 +176,12 @@ class RPGAggregator(Aggregator):
             reward = float(update.reward)
             previous_baseline = self.baselines.get(update.client_id, reward)
             previous_volatility = self.volatilities.get(update.client_id, self.sigma_min)
-            gap = reward - previous_baseline
             # the gap's standard error (noise-aware gain only): R̄'s and its EMA baseline's, taken independent
             gap_stderr = 0.0
             if self.gain == "noise-aware":
                 gap_stderr = (self.reward_stderr(update) or 0.0) * math.sqrt(2 / (2 - self.lambda_base))
-            floor, ceiling = max(self.sigma_min, gap_stderr), max(self.sigma_max, gap_stderr)
-            volatility = min(max(self.iota * previous_volatility + (1 - self.iota) * abs(gap), floor), ceiling)
-            signal = math.copysign(max(abs(gap) - self.noise_threshold * gap_stderr, 0.0), gap) if gap_stderr else gap
-            gain = signal / (volatility + self.eps)
-            # R̄ far apart in a float's range (±1e308) makes the gap, and so h, infinite: held to a finite bound, the
-            # softmax stays finite (its largest h takes the weight) whatever finite R̄ a client reports.
-            bound = self.h_max if self.h_max is not None else UNBOUNDED_GAIN_LIMIT
-            gain = min(max(gain, -bound), bound)
+            gain, volatility = map(float, self.gain_step(previous_baseline, previous_volatility, reward, gap_stderr))
+            self.report_history.setdefault(update.client_id, []).append((reward, gap_stderr))
             if update.client_id in self.last_reports:
                 previous_gain, previous_reward = self.last_reports[update.client_id]
                 round_sums.add(previous_gain, reward - previous_reward)
@@ -188,7 +196,59 @@ class RPGAggregator(Aggregator):
         self.last_temperature = temperature
         self.last_predictiveness = round_sums.correlation()
         self.prediction_sums.merge(round_sums)
+        self.last_z, self.last_null = self.predictiveness_z()
         return weights
+
+    def gain_step(self, baseline, volatility, reward, gap_stderr):
+        """Eq. rpg for one report, from the client's previous φ and σ: (h, σ). Numbers or numpy arrays alike (the
+        null of `predictiveness_z` runs many reports at once through the same equations)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            gap = np.subtract(reward, baseline)
+            floor, ceiling = np.maximum(self.sigma_min, gap_stderr), np.maximum(self.sigma_max, gap_stderr)
+            volatility = np.minimum(np.maximum(self.iota * volatility + (1 - self.iota) * np.abs(gap), floor), ceiling)
+            shrunk = np.copysign(np.maximum(np.abs(gap) - self.noise_threshold * gap_stderr, 0.0), gap)
+            signal = np.where(np.asarray(gap_stderr) > 0, shrunk, gap)
+            # R̄ far apart in a float's range (±1e308) makes the gap, and so h, infinite: held to a finite bound, the
+            # softmax stays finite (its largest h takes the weight) whatever finite R̄ a client reports.
+            bound = self.h_max if self.h_max is not None else UNBOUNDED_GAIN_LIMIT
+            return np.clip(signal / (volatility + self.eps), -bound, bound), volatility
+
+    def predictiveness_null(self, permutations: int = NULL_PERMUTATIONS) -> tuple[float, float] | None:
+        """The mean and standard deviation of `gain_predictiveness_run` with each client's reports permuted over its
+        rounds (`permutations` draws, seeded by the number of reports, so a resumed run recomputes the same); None
+        without 3 pairs or without spread."""
+        rng = np.random.default_rng(sum(map(len, self.report_history.values())))
+        sums = np.zeros((6, permutations))  # count, Σx, Σy, Σxx, Σyy, Σxy per permutation
+        for reports in self.report_history.values():
+            if len(reports) < 2:
+                continue
+            order = rng.permuted(np.tile(np.arange(len(reports)), (permutations, 1)), axis=1)
+            rewards, stderrs = (np.asarray(column)[order] for column in zip(*reports))
+            baseline, volatility = rewards[:, 0], np.full(permutations, self.sigma_min)
+            previous_gain = None
+            for step in range(len(reports)):
+                gain, volatility = self.gain_step(baseline, volatility, rewards[:, step], stderrs[:, step])
+                if previous_gain is not None:
+                    x, y = previous_gain, rewards[:, step] - rewards[:, step - 1]
+                    sums += np.stack([np.ones(permutations), x, y, x * x, y * y, x * y])
+                previous_gain = gain
+                baseline = self.lambda_base * rewards[:, step] + (1 - self.lambda_base) * baseline
+        correlations = [PredictionSums(*column).correlation() for column in sums.T]
+        correlations = [value for value in correlations if value is not None]
+        if len(correlations) < 2 or not np.std(correlations) > 0:
+            return None
+        return float(np.mean(correlations)), float(np.std(correlations, ddof=1))
+
+    def predictiveness_z(self) -> tuple[float | None, float | None]:
+        """(`gain_predictiveness_run` in standard deviations from its permutation null, the null's mean); Nones where
+        either is undefined."""
+        observed = self.prediction_sums.correlation()
+        # A run resumed from a checkpoint written before reports were kept has sums over pairs it cannot permute.
+        pairs = sum(max(len(reports) - 1, 0) for reports in self.report_history.values())
+        null = self.predictiveness_null() if pairs == self.prediction_sums.count else None
+        if observed is None or null is None:
+            return None, None if null is None else null[0]
+        return (observed - null[0]) / null[1], null[0]
 
     def round_metrics(self) -> list[RoundMetric]:
         """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round,
@@ -199,6 +259,8 @@ class RPGAggregator(Aggregator):
             RoundMetric("gain_predictiveness", "corr(h, next ΔR̄)", self.last_predictiveness, format="+.3f"),
             RoundMetric("gain_predictiveness_run", "over the run", self.prediction_sums.correlation(),
                         format="+.3f"),
+            RoundMetric("gain_predictiveness_null", "no-information value", self.last_null, format="+.3f"),
+            RoundMetric("gain_predictiveness_z", "z vs no information", self.last_z, format="+.2f"),
             *super().round_metrics(),
         ]
 
@@ -209,6 +271,7 @@ class RPGAggregator(Aggregator):
             "volatilities": dict(self.volatilities),
             "last_gains_rewards": {key: list(value) for key, value in self.last_reports.items()},
             "prediction_sums": self.prediction_sums.as_list(),
+            "report_history": {key: [list(report) for report in value] for key, value in self.report_history.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -220,6 +283,11 @@ class RPGAggregator(Aggregator):
             key: (float(gain), float(reward)) for key, (gain, reward) in state.get("last_gains_rewards", {}).items()
         }
         self.prediction_sums = PredictionSums(*state.get("prediction_sums", ()))
+        # Before the null was measured no history was kept: z stays None for such a run, whose sums are partial.
+        self.report_history = {
+            key: [(float(reward), float(stderr)) for reward, stderr in value]
+            for key, value in state.get("report_history", {}).items()
+        }
 
 
 class PredictionSums:

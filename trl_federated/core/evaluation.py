@@ -12,6 +12,7 @@ placed in its prompt as TRL does in training. The server evaluates in the traini
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -20,6 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +37,7 @@ from ..data.paper import GEOMETRY_PRIMITIVES
 from ..data.reasoning_gym import DIFFICULTIES
 from ..runtime.generation import fast_generation_engine
 from ..runtime.memory import release_free_memory
-from ..scoring.rewards import answer_accuracy_reward
+from ..scoring.rewards import answer_accuracy_reward, extract_answer
 from .admission import MIN_MEDIAN_CLIENTS, SAMPLES_MEDIAN_SPREAD, bounded_text, plain_number
 
 if TYPE_CHECKING:
@@ -47,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 TOTAL = "Total"
 """The key of the all-rows entry in evaluation results and the last column of accuracy tables."""
+
+TASK_COLUMN = "category"
+"""The column that names each row's task in the embedded benchmarks; `row_labels` records it where present."""
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -135,6 +140,7 @@ def evaluate_accuracy(
     fast_generation: bool = False,
     generation_dtype: str = "auto",
     show_progress: bool = True,
+    keep_completions: bool = False,
 ) -> dict[str, Any]:
     """Greedy-decode every prompt of `dataset` and report the mean reward, overall and per value of `label_column`.
 
@@ -178,13 +184,18 @@ def evaluate_accuracy(
         generation_dtype: "float32", "bfloat16", or "auto" (bfloat16 where the device computes it natively), as
             `FedGRPOConfig.generation_dtype`; only with `fast_generation`.
         show_progress: a progress bar over the items ("Evaluating", on the main process); False for none.
+        keep_completions: also return each row's completion text ("completions"), for a record of what was answered.
 
     Returns:
         `{"accuracy": {label: mean reward, ..., "Total": ...}, "count": {label: rows, ..., "Total": rows},
         "rewards": {function name: mean over the rows it scored}, "row_rewards": [each row's reward, in the order
         of `dataset`], "seconds": wall time}`, labels in the order simple, medium, hard, then the others sorted.
         `row_rewards` (1.0 or 0.0 per row with the binary accuracy) pairs two evaluations of the same split row by
-        row, for a paired test of a gain (`benchmarks/gate.py`).
+        row, for a paired test of a gain (`benchmarks/gate.py`). Beside it, in the same order: "row_labels" (each
+        row's task, the `category` column, else its `label_column` value; None without either), "row_gold" (the
+        `answer` column as text; None without it) and "row_answers" (the text of the completion's answer as the reward reads it,
+        `rewards.extract_answer`; None where it has no `<answer></answer>` pair), so that what a model answered is on record, not inferred
+        from which rows scored.
     """
     reward_funcs = check_eval_reward_funcs(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
@@ -205,8 +216,9 @@ def evaluate_accuracy(
         own_batches = batches[state.process_index :: state.num_processes]
     else:
         own_batches = batches
-    # Each row's value from each reward function (None: TRL's "not applicable"), for the rows this process scores.
-    row_values: list[tuple[int, list[float | None]]] = []
+    # Each row's value from each reward function (None: TRL's "not applicable") and its completion, for the rows
+    # this process scores.
+    row_values: list[tuple[int, list[float | None], str]] = []
     was_training = model.training
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     padding_side = tokenizer.padding_side
@@ -251,8 +263,8 @@ def evaluate_accuracy(
             completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
             columns = {column: batch[column] for column in reward_columns}
             per_function = [func(prompts=batch["prompt"], completions=completions, **columns) for func in reward_funcs]
-            for index, *values in zip(indices, *per_function, strict=True):
-                row_values.append((index, [None if value is None else float(value) for value in values]))
+            for index, text, *values in zip(indices, texts, *per_function, strict=True):
+                row_values.append((index, [None if value is None else float(value) for value in values], text))
             progress.update(len(indices))
     finally:
         progress.close()
@@ -263,7 +275,8 @@ def evaluate_accuracy(
         row_values = gather_object(row_values)
 
     # From here on, every sum runs in one process's order: rows in batch order, functions in their order.
-    values_of = dict(row_values)
+    values_of = {index: values for index, values, _ in row_values}
+    texts_of = {index: text for index, _, text in row_values}
     rewards: list[float] = [0.0] * len(dataset)
     # Each function's mean skips the rows it returned None for, as TRL's `rewards/<name>/mean` does; TRL names a
     # reward function by its `__name__`.
@@ -289,7 +302,41 @@ def evaluate_accuracy(
         "Accuracy by %s: %s (%d rows in %.1f s)",
         label_column, {label: round(value, 4) for label, value in accuracy.items()}, len(rewards), seconds,
     )
-    return {"accuracy": accuracy, "count": count, "rewards": function_means, "row_rewards": rewards, "seconds": seconds}
+    completions = [texts_of[index] for index in range(len(dataset))]
+    label_of = TASK_COLUMN if TASK_COLUMN in dataset.column_names else label_column
+    results = {
+        "accuracy": accuracy, "count": count, "rewards": function_means, "row_rewards": rewards,
+        "row_labels": [str(label) for label in dataset[label_of]] if label_of in dataset.column_names else None,
+        "row_gold": [str(gold) for gold in dataset["answer"]] if "answer" in dataset.column_names else None,
+        "row_answers": [extract_answer(text) for text in completions],
+        "seconds": seconds,
+    }  # fmt: skip
+    if keep_completions:
+        results["completions"] = completions
+    return results
+
+
+COMPLETIONS_FILE = "eval-completions.jsonl"
+"""The latest server evaluation's completions, one JSON line per test item, beside `result.json`."""
+
+COMPLETION_CHARACTERS = 400
+"""A completion's first characters kept in `COMPLETIONS_FILE`: the evaluation's 64-token budget is ~250 of them."""
+
+
+def write_completions(path: Path, round_idx: int, results: dict[str, Any]) -> None:
+    """`COMPLETIONS_FILE`: per test item in order, its task, gold answer, parsed answer, reward and completion (cut to
+    `COMPLETION_CHARACTERS`), from an `evaluate_accuracy` result with `keep_completions`; written whole, replacing the
+    previous evaluation's, so that the file a run ends with is its final evaluation's."""
+    columns = ("row_labels", "row_gold", "row_answers", "row_rewards")
+    rows = zip(*(results[column] or [None] * len(results["completions"]) for column in columns), results["completions"])
+    lines = [
+        json.dumps({"round": round_idx, "item": item, "task": label, "gold": gold, "answer": answer, "reward": reward,
+                    "completion": completion[:COMPLETION_CHARACTERS]}, ensure_ascii=False)
+        for item, (label, gold, answer, reward, completion) in enumerate(rows)
+    ]  # fmt: skip
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    temporary.replace(path)
 
 
 def merge_evaluations(evaluations: Iterable[dict[str, Any]]) -> dict[str, dict[str, float | int]]:
@@ -359,6 +406,7 @@ def evaluate_adapter(
     reward_funcs: RewardFunc | Sequence[RewardFunc],
     reward_weights: Sequence[float] | None = None,
     distributed: bool = False,
+    keep_completions: bool = False,
 ) -> dict[str, Any]:
     """`evaluate_accuracy` of `model` with `adapter` as its federated adapter, as the federation evaluates: the
     server its `eval_dataset` (`FederatedServer.evaluate`), a Flower client its own held-out data (its evaluate
@@ -380,6 +428,7 @@ def evaluate_adapter(
         distributed=distributed,
         fast_generation=args.fast_generation,
         generation_dtype=args.generation_dtype,
+        keep_completions=keep_completions,
     )
     release_free_memory()  # evaluation's KV caches, before the next client or the server step
     return results

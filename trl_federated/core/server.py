@@ -78,7 +78,14 @@ from .checkpoint import (
     unlock_output_dir,
     write_checkpoint,
 )
-from .evaluation import check_eval_reward_funcs, client_evaluation_record, describe_client_evaluation, evaluate_adapter
+from .evaluation import (
+    COMPLETIONS_FILE,
+    check_eval_reward_funcs,
+    client_evaluation_record,
+    describe_client_evaluation,
+    evaluate_adapter,
+    write_completions,
+)
 from .round_record import RoundRecord
 from .run_identity import allowed_changes, check_identity, keep_server_step, run_identity
 
@@ -461,8 +468,11 @@ class FederatedServer:
             return None
         results = evaluate_adapter(
             self.model, self.global_state, self.processing_class, self.eval_dataset, self.args,
-            self.eval_reward_funcs, self.eval_reward_weights, distributed=self.num_processes > 1,
+            self.eval_reward_funcs, self.eval_reward_weights, distributed=self.num_processes > 1, keep_completions=True,
         )
+        completions = results.pop("completions")
+        if self.is_main_process:
+            write_completions(Path(self.args.output_dir) / COMPLETIONS_FILE, round_idx, {**results, "completions": completions})
         self.evaluations[round_idx] = results
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
         return results

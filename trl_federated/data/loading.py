@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+GENERATED_BENCHMARKS = {
+    "reasoning_gym_balanced": "build_balanced_benchmark",
+    "reasoning_gym": "build_reasoning_benchmark",
+}
+"""`dataset_name` -> the builder in `data.reasoning_gym` of an embedded benchmark (by name: importing it takes
+seconds, and the argument parser checks names without it). The balanced one is the default; the first version stays
+reachable for the results measured on it."""
+
 
 def load_benchmark(data_args):
     """The train and test splits named by `data_args` (`arguments.BenchmarkArguments`)."""
     from datasets import load_dataset, load_from_disk
 
     from .paper import GEOQA_DATASET, OPEN_R1_DATASET, build_geoqa_benchmark, build_open_r1_benchmark
-    from .reasoning_gym import build_reasoning_benchmark
+    from . import reasoning_gym
 
     paper_benchmarks = {
         "open_r1": (build_open_r1_benchmark, OPEN_R1_DATASET),
@@ -24,14 +32,15 @@ def load_benchmark(data_args):
                 f"dataset_name={data_args.dataset_name!r}."
             )
     saved = (Path(data_args.dataset_name) / "dataset_dict.json").is_file()  # a `save_to_disk` folder
-    generated = data_args.dataset_name in ("reasoning_gym", *paper_benchmarks)
+    generated = data_args.dataset_name in (*GENERATED_BENCHMARKS, *paper_benchmarks)
     if data_args.dataset_config is not None and (saved or generated):
         raise ValueError(
             f"`dataset_config` names a configuration of a `datasets.load_dataset` dataset; "
             f"dataset_name={data_args.dataset_name!r} has none."
         )
-    if data_args.dataset_name == "reasoning_gym":
-        splits = build_reasoning_benchmark(size=data_args.benchmark_size, seed=data_args.benchmark_seed)
+    if data_args.dataset_name in GENERATED_BENCHMARKS:
+        build = getattr(reasoning_gym, GENERATED_BENCHMARKS[data_args.dataset_name])
+        splits = build(size=data_args.benchmark_size, seed=data_args.benchmark_seed)
     elif data_args.dataset_name in paper_benchmarks:
         build, hub_id = paper_benchmarks[data_args.dataset_name]
         splits = build(
@@ -55,4 +64,4 @@ def hub_dataset_id(data_args) -> str | None:
     name = data_args.dataset_name
     if name in sources:
         name = data_args.benchmark_source or sources[name]
-    return None if name == "reasoning_gym" or Path(name).exists() else name
+    return None if name in GENERATED_BENCHMARKS or Path(name).exists() else name

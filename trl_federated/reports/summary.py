@@ -99,6 +99,21 @@ def format_evaluations(evaluations: dict[int, dict[str, Any]]) -> str:
     return format_accuracy_table(named)
 
 
+def information_reading(history: list[RoundRecord]) -> str:
+    """What the run's last `gain_predictiveness_z` says in words (an aggregator that weighs by reward gains reports
+    it, RPG), or "" without one."""
+    values = {metric.name: metric.value for metric in history[-1].round_metrics} if history else {}
+    z, observed, null = (values.get(name) for name in (
+        "gain_predictiveness_z", "gain_predictiveness_run", "gain_predictiveness_null"))  # fmt: skip
+    if z is None:
+        return ""
+    verdict = ("carried information" if z > 2 else "carried no information detectable" if z > -2
+               else "predicted worse than no information")  # fmt: skip
+    return (f"RPG's weights {verdict} about the clients' next change of R̄: z = {z:+.2f} (over the run, corr(h, next "
+            f"ΔR̄) = {observed:+.3f} against {null:+.3f} with no information, each client's R̄ permuted over its "
+            "rounds; |z| < 2 is within chance).")
+
+
 def write_summary(
     path: str | Path,
     history: list[RoundRecord],
@@ -120,7 +135,8 @@ def write_summary(
     if history:
         wall = sum(record.wall_time for record in history)
         sections += ["## Communication", format_communication(history)]
-        sections += [f"## Rounds ({len(history)} rounds, {wall:.0f} s)", format_round_table(history)]
+        sections += [f"## Rounds ({len(history)} rounds, {wall:.0f} s)", format_round_table(history),
+                     information_reading(history)]
     path = Path(path)
     path.write_text("\n\n".join(section for section in sections if section) + "\n", encoding="utf-8")
     return path
