@@ -171,6 +171,24 @@ def test_the_readme_and_the_verdict_state_the_premise_grids_result():
             assert f"{report['gate'][method]['value']:+.3f}".replace("-", "−") in text, method
         assert figure in text
         assert ("gate failed" in text) == failed and ("No RPG beats FedAvg" in text) == failed
+    # the null-calibrated reading: the paper's gain's z over the pilot's cells, as premise.json gives it
+    zs = [cell["shadow_paper_z"] for cell in report["cells"].values()]
+    for text in (" ".join(README.split()), " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())):
+        assert f"{max(zs):+.2f}" in text and f"{min(zs):+.2f}".replace("-", "−") in text
+
+
+def test_the_verdict_says_no_cell_of_the_first_grid_beats_what_no_information_scores():
+    """docs/verdict.md's reading of the first benchmark, as benchmarks/results/grid/verdict.json's references and
+    per-cell totals give it."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "grid" / "verdict.json").read_text(encoding="utf-8"))
+    reference = report["references"]["Total"]["reference"]
+    text = " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())
+    finals = [float(line.split(": ")[1].split(" ")[0]) for line in
+              (ROOT / "benchmarks" / "results" / "grid" / "verdict.md").read_text(encoding="utf-8").splitlines()
+              if line.startswith("- ") and "beat it" in line]  # fmt: skip
+    assert len(finals) == 22 and max(finals) < reference
+    assert f"scores {reference:.2f}% on the verdict grid's test split" in text
+    assert f"none of its {len(finals)} cells beats it** ({min(finals):.2f}-{max(finals):.2f}%" in text
 
 
 # The site: MkDocs, strict, with the configuration reference generated on every build.

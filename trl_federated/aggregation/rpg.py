@@ -52,8 +52,9 @@ class RPGAggregator(Aggregator):
 
     a gap within κ standard errors earns nothing (soft thresholding, the positive-part shrinkage of a noisy mean
     toward 0), and one beyond counts only its excess, in units no smaller than its own noise. The paper's gain reads
-    a lucky window as progress, and the next window's regression to the mean makes h predict the next change of R̄
-    the wrong way (docs/verdict.md); `gain_predictiveness` measures that in every run. A client that sends no step
+    a lucky window as progress, and the next window's regression to the mean pulls h's correlation with the next change
+    of R̄ below 0 even where R̄ carries no information at all (see `gain_predictiveness_z` below: on the premise pilot
+    the gains sat at or above that no-information value, never detectably below it). A client that sends no step
     rewards (or one) has s_i = 0: its gain is the paper's.
 
     A client whose step rewards all tie (every window's groups scored alike) also has s_i = 0 and takes the paper's
@@ -61,8 +62,9 @@ class RPGAggregator(Aggregator):
 
     Every round also measures how well the gains predict: the Pearson correlation, over the clients, between a
     client's h at its previous report and the change of its R̄ since (`gain_predictiveness`, None with fewer than 3
-    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`). Its no-information value is not 0 but negative: h_{t−1} holds +R̄_{t−1} and the change
-    R̄_t − R̄_{t−1} holds −R̄_{t−1}, so for R̄ pure noise around a fixed level the paper's gain gives about
+    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`). Its
+    no-information value is not 0 but negative: h_{t−1} holds +R̄_{t−1} and the change R̄_t − R̄_{t−1} holds −R̄_{t−1},
+    so for R̄ pure noise around a fixed level the paper's gain gives about
     −1/√(2(1 + λ_base/(2 − λ_base))) = −0.55 (λ_base 0.8). `gain_predictiveness_z` reads the run's statistic against
     that null, measured on the run's own reports: each client's reports (R̄ with its standard error) are permuted over
     its rounds `NULL_PERMUTATIONS` times, the gains recomputed by the same equations, and the pooled correlation taken

@@ -472,7 +472,8 @@ class FederatedServer:
         )
         completions = results.pop("completions")
         if self.is_main_process:
-            write_completions(Path(self.args.output_dir) / COMPLETIONS_FILE, round_idx, {**results, "completions": completions})
+            write_completions(Path(self.args.output_dir) / COMPLETIONS_FILE, round_idx,
+                              {**results, "completions": completions})
         self.evaluations[round_idx] = results
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
         return results
