@@ -61,7 +61,7 @@ from ..adapters import (
     state_size,
 )
 from ..aggregation import Aggregator, ClientUpdate
-from ..aggregation.privacy import privacy_from_config
+from ..aggregation.privacy import DamagedLedgerError, privacy_from_config
 from ..config import FedGRPOConfig
 from ..runtime.distributed import from_main_process, wait_for_everyone
 from ..sampling import clients_per_round, participation_errors, sample_clients
@@ -536,6 +536,8 @@ class FederatedServer:
         self.global_state = checkpoint.global_state
         try:
             self.aggregator.load_state_dict(checkpoint.aggregator)
+        except DamagedLedgerError:  # the ledger in output_dir, not the checkpoint, is at fault: it names the file
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise CorruptCheckpointError(path, f"its aggregator state does not load ({type(error).__name__}: "
                                               f"{error})") from error

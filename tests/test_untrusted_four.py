@@ -1,0 +1,99 @@
+"""Issue 59: untrusted clients and private rounds, part four. Each attack of the issue, driven through the server core
+(`FederatedServer`, with replies made up as an adversary would send them, as in test_untrusted.py) and, where a path
+exists, the Flower records."""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_untrusted import honest_round, make_server
+from trl_federated.aggregation.privacy import DamagedLedgerError
+
+# 1. The DP release ledger ---------------------------------------------------------------------------------------
+
+DP = dict(dp_noise_multiplier=1.0, dp_noise_seed=7, update_norm_bound=None, save_total_limit=None)
+
+
+def released(run_dir, round_idx):
+    """The global adapter a DP run released in round `round_idx` (its checkpoint's)."""
+    return load_file(run_dir / f"checkpoint-{round_idx}" / "adapter_model.safetensors")
+
+
+def ledger(run_dir):
+    return [json.loads(line) for line in (run_dir / "dp-releases.jsonl").read_text().splitlines()]
+
+
+def dp_run(tmp_path, tiny_model_dir, fast_args, name, rounds, **overrides):
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / name), **{**DP, **overrides})
+    first = server.start_run()
+    records = [honest_round(server, round_idx) for round_idx in range(first, first + rounds)]
+    server.close()
+    return server, records
+
+
+def test_a_resume_into_another_folder_draws_fresh_noise_and_charges_it(tmp_path, tiny_model_dir, fast_args, caplog):
+    """Resuming A/checkpoint-0 into folder B used to read B's empty ledger, count the checkpoint's one release and
+    draw round 1's noise again: the two releases of round 1 differed by the clients' updates alone, and ε was not
+    charged. Now B's ledger starts from the checkpoint's, the resumed process draws fresh noise, and ε counts it."""
+    caplog.set_level(logging.INFO, logger="trl_federated.aggregation.privacy")
+    _, whole = dp_run(tmp_path, tiny_model_dir, fast_args, "a", 2)
+    _, resumed = dp_run(tmp_path, tiny_model_dir, fast_args, "b", 1,
+                        resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-0"))
+    # the same clients sent the same updates in both: only the noise can tell the two releases of round 1 apart
+    first, again = released(tmp_path / "a", 1), released(tmp_path / "b", 1)
+    difference = torch.cat([(first[key] - again[key]).view(-1) for key in first])
+    assert difference.std() > 0.5 * torch.cat([value.view(-1) for value in first.values()]).std()
+    assert resumed[0].dp_epsilon == whole[1].dp_epsilon > whole[0].dp_epsilon  # two releases counted in B too
+    entries = ledger(tmp_path / "b")
+    assert [entry["event"] for entry in entries] == [entry["event"] for entry in ledger(tmp_path / "a")]
+    assert entries[0]["from_checkpoint"] and entries[1]["session"] is not None  # the fresh randomness, recorded
+    assert "draws fresh noise (session" in caplog.text
+
+
+def test_a_ledger_that_does_not_start_with_the_checkpoints_is_refused_by_name(tmp_path, tiny_model_dir, fast_args):
+    """σ rewritten to 100 in dp-releases.jsonl made the reported ε 0.058 instead of 9.010: the checkpoint carries its
+    releases, and a file whose start differs from them is refused, naming it."""
+    dp_run(tmp_path, tiny_model_dir, fast_args, "a", 2)
+    path = tmp_path / "a" / "dp-releases.jsonl"
+    original = path.read_text().splitlines(keepends=True)
+    entries = ledger(tmp_path / "a")
+    for entry in entries:
+        entry["event"]["noise_multiplier"] = entry["event"]["reward_noise_multiplier"] = 100.0
+    path.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+    with pytest.raises(DamagedLedgerError, match=rf"ledger {path} does not start with the 2 releases"):
+        dp_run(tmp_path, tiny_model_dir, fast_args, "a", 1, resume_from_checkpoint="true")
+    path.write_text(original[0])  # a release removed
+    with pytest.raises(DamagedLedgerError, match=r"release 1 is missing"):
+        dp_run(tmp_path, tiny_model_dir, fast_args, "a", 1, resume_from_checkpoint="true")
+
+
+def test_a_damaged_line_before_the_last_is_refused_and_a_later_sigma_is_charged_at_the_costlier(
+    tmp_path, tiny_model_dir, fast_args
+):
+    """One bad line in the middle used to stop the reading there: the releases after it went uncounted and the redone
+    round took an ordinal already used. Releases logged after the checkpoint, which it cannot vouch for, count at
+    least what this run's own would."""
+    server, whole = dp_run(tmp_path, tiny_model_dir, fast_args, "a", 3)
+    path = tmp_path / "a" / "dp-releases.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + "{not json\n" + "".join(lines[2:]))
+    checkpoint_0 = str(tmp_path / "a" / "checkpoint-0")
+    with pytest.raises(DamagedLedgerError, match=rf"ledger {path} is damaged at line 2"):
+        dp_run(tmp_path, tiny_model_dir, fast_args, "a", 1, resume_from_checkpoint=checkpoint_0)
+
+    # releases 1 and 2 (after checkpoint 0) rewritten to σ = 100: still charged at this run's σ = 1
+    entries = [json.loads(line) for line in lines]
+    for entry in entries[1:]:
+        entry["event"]["noise_multiplier"] = entry["event"]["reward_noise_multiplier"] = 100.0
+    path.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+    _, redone = dp_run(tmp_path, tiny_model_dir, fast_args, "a", 1, resume_from_checkpoint=checkpoint_0)
+    assert redone[0].dp_epsilon == pytest.approx(server.aggregator.privacy.epsilon_after(1))  # 4 releases
+    assert redone[0].dp_epsilon > whole[2].dp_epsilon
+
+    # a torn last line (a crash while appending) is still tolerated: that release never left
+    path.write_text("".join(lines) + '{"event": {"noise')
+    _, after_tear = dp_run(tmp_path, tiny_model_dir, fast_args, "a", 1, resume_from_checkpoint="true")
+    assert after_tear[0].round_idx == 3
