@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_untrusted import honest_round, make_server
+from test_untrusted import honest_round, make_server, moved
+from trl_federated import ClientUpdate
+from trl_federated.adapters import InvalidUpdateError
 from trl_federated.aggregation.privacy import DamagedLedgerError
 
 # 1. The DP release ledger ---------------------------------------------------------------------------------------
@@ -97,3 +99,41 @@ def test_a_damaged_line_before_the_last_is_refused_and_a_later_sigma_is_charged_
     path.write_text("".join(lines) + '{"event": {"noise')
     _, after_tear = dp_run(tmp_path, tiny_model_dir, fast_args, "a", 1, resume_from_checkpoint="true")
     assert after_tear[0].round_idx == 3
+
+
+# 2. Record-level ε, as each client reports it ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("epsilon", [None, -1.0, float("nan"), float("inf"), True, "0.5"])
+def test_under_record_level_dp_an_update_without_a_finite_epsilon_is_refused_by_name(
+    tmp_path, tiny_model_dir, fast_args, epsilon
+):
+    """A client that left `record_epsilon` out, or made it negative, was aggregated silently, and the model card still
+    read "worst ε reported by a client = 1.000". The reply travels as a Flower reply's records where they can carry
+    the value (a str or bool cannot be a Flower metric: it goes straight to the server core)."""
+    from trl_federated.flower.records import content_to_update, update_to_content
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="fedavg",
+                         dp_record_noise_multiplier=1.0, dp_noise_seed=5, min_clients_per_round=2)
+    server.start_run()
+    server.begin_round(0)
+    for client_id in ("a", "b", "c"):
+        server.broadcast(client_id)
+    for index, client_id in enumerate(("a", "b", "c")):
+        metrics = {} if client_id == "c" and epsilon is None else {"record_epsilon": epsilon if client_id == "c"
+                                                                  else 1.0}
+        sent = ClientUpdate(client_id, server.wire.encode(moved(server, 1.0), server.global_state), 10, 0.5, metrics)
+        if not isinstance(epsilon, (bool, str)):
+            sent, _ = content_to_update(update_to_content(sent, index))  # as Flower delivers it
+        try:
+            server.accept(server.admit(client_id, sent))
+        except InvalidUpdateError as error:
+            server.drop(client_id, "invalid_update", str(error))
+    record = server.end_round()
+    assert set(record.weights) == {"a", "b"}
+    assert "reports no finite ε ≥ 0 for its records (`record_epsilon`: " in record.dropped["c"]
+    assert record.dp_record_epsilon_worst == 1.0
+    # a client's ε only grows: a later, lower report does not lower the worst the run states
+    record = honest_round(server, 1, **{client_id: {"metrics": {"record_epsilon": 0.25}} for client_id in "abc"})
+    server.close()
+    assert record.dp_record_epsilon_worst == 1.0

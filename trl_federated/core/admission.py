@@ -46,6 +46,7 @@ from ..adapters import (
 )
 from ..aggregation import Aggregator, ClientUpdate, RPGAggregator
 from ..aggregation.base import RoundMetric, refuse_extras
+from ..aggregation.privacy import RECORD_EPSILON
 from ..choices import NORM_ACTIONS, check_choice
 from .callbacks import is_reserved_metric
 
@@ -161,6 +162,17 @@ def check_window_reward(update: ClientUpdate, reward_window: int) -> None:
     if not math.isclose(mean, update.reward, rel_tol=1e-6, abs_tol=1e-6):
         raise ValueError(f"R̄ = {update.reward:.6g} is not the mean of its last {len(window)} step rewards "
                          f"({mean:.6g})")
+
+
+def check_record_epsilon(update: ClientUpdate, sent: Any) -> None:
+    """`ValueError` unless, under record-level DP, `update` (its metrics bounded) reports ε of its records as a finite
+    number ≥ 0 (`record_epsilon`; `sent` is the value as it came). The run reports the worst ε its clients reported:
+    an update left out of it, or one whose ε is negative, would be aggregated under a guarantee nobody stated."""
+    epsilon = update.metrics.get(RECORD_EPSILON)  # a finite float, or absent (`bound_metrics` drops the rest)
+    if epsilon is None or not epsilon >= 0:
+        found = "missing" if sent is None else bounded_text(repr(sent), 60)
+        raise ValueError(f"under record-level DP (`dp_record_noise_multiplier`) it reports no finite ε ≥ 0 for its "
+                         f"records (`{RECORD_EPSILON}`: {found})")
 
 
 def update_norm_unit(local_steps: int, learning_rate: float, global_state: AdapterState) -> float:
@@ -291,12 +303,15 @@ class UpdateGate:
         if not isinstance(update.metrics, dict) or not all(isinstance(key, str) for key in update.metrics):
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
+        record_epsilon = update.metrics.get(RECORD_EPSILON)  # as sent, for the refusal's message
         try:
             round_metrics = [*STRATEGY_METRICS, *(() if self.aggregator is None else self.aggregator.round_metrics())]
             update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics,
                                            self.client_ids)
             if self.reward_window is not None:
                 check_window_reward(update, self.reward_window)
+            if self.aggregator is not None and self.aggregator.record_privacy is not None:
+                check_record_epsilon(update, record_epsilon)
             if self.aggregator is None:
                 refuse_extras(update)
             else:
