@@ -8,11 +8,14 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from test_untrusted import honest_round, make_server, moved
 from trl_federated import ClientUpdate
-from trl_federated.adapters import InvalidUpdateError
+from trl_federated.adapters import InvalidUpdateError, with_federated_adapter
+from trl_federated.aggregation import aggregator_from_config
 from trl_federated.aggregation.privacy import DamagedLedgerError
+from trl_federated.server import FederatedServer
 
 # 1. The DP release ledger ---------------------------------------------------------------------------------------
 
@@ -137,3 +140,53 @@ def test_under_record_level_dp_an_update_without_a_finite_epsilon_is_refused_by_
     record = honest_round(server, 1, **{client_id: {"metrics": {"record_epsilon": 0.25}} for client_id in "abc"})
     server.close()
     assert record.dp_record_epsilon_worst == 1.0
+
+
+# 3. Client ids that are the server's own log names -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client_id", ["eval_accuracy", "eval_rewards", "test_accuracy", "dp_epsilon", "dp_x",
+                                       "train", "round", "num_clients", "reward", "delta_norm", "rewards",
+                                       "completions", "temperature"])
+def test_a_client_id_that_prefixes_the_servers_own_log_entries_is_refused_by_name(
+    tmp_path, tiny_model_dir, fast_args, client_id
+):
+    """Clients named `eval_accuracy` or `eval_rewards` wrote `eval_accuracy/Total` = 0.99 and
+    `eval_rewards/accuracy/mean` = 0.97 into a run that never evaluated. Such an id is refused wherever an id enters:
+    the configuration, a registry, a Flower reply's records, and the gate that admits every update."""
+    from flwr.app import RecordDict
+
+    from trl_federated.callbacks import round_logs
+    from trl_federated.flower.identity import ClientRegistry, RegisteredClient
+    from trl_federated.flower.records import client_identity_record, content_to_update, update_to_content
+
+    reserved = rf"client id '{client_id}' is reserved"
+    args = fast_args(num_clients=1)
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    with pytest.raises(ValueError, match=reserved):
+        FederatedServer(model, args, aggregator_from_config(args), num_samples={client_id: 5})
+    with pytest.raises(ValueError, match=reserved):
+        ClientRegistry([RegisteredClient(client_id, 0, b"key")])
+    with pytest.raises(InvalidUpdateError, match=reserved):
+        content_to_update(RecordDict({"client": client_identity_record(client_id, 0)}))
+
+    server = make_server(tiny_model_dir, fast_args, output_dir=str(tmp_path / "run"), aggregation="fedavg",
+                         min_clients_per_round=2)
+    server.start_run()
+    server.begin_round(0)
+    for name in ("a", "b", client_id):
+        server.broadcast(name)
+    forged = {"Total": 0.99, "accuracy/mean": 0.97, "weight": 1.0}
+    for index, name in enumerate(("a", "b", client_id)):
+        sent = ClientUpdate(name, server.wire.encode(moved(server, 1.0), server.global_state), 10, 0.5,
+                            dict(forged) if name == client_id else {})
+        if name != client_id:
+            sent, _ = content_to_update(update_to_content(sent, index))  # as Flower delivers it
+        try:
+            server.accept(server.admit(name, sent))  # the forger's reply straight to the core: no records to check
+        except InvalidUpdateError as error:
+            server.drop(name, "invalid_update", str(error))
+    record = server.end_round()
+    server.close()
+    assert reserved in record.dropped[client_id]
+    assert not [name for name in round_logs(record) if name.startswith(f"{client_id}/")]

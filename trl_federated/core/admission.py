@@ -48,7 +48,7 @@ from ..aggregation import Aggregator, ClientUpdate, RPGAggregator
 from ..aggregation.base import RoundMetric, refuse_extras
 from ..aggregation.privacy import RECORD_EPSILON
 from ..choices import NORM_ACTIONS, check_choice
-from .callbacks import is_reserved_metric
+from .callbacks import is_reserved_metric, reserved_client_id_fault
 
 logger = logging.getLogger("trl_federated.admission")  # its name before the move
 T = TypeVar("T")
@@ -62,13 +62,19 @@ CLIENT_ID = re.compile(r"[A-Za-z0-9_.@+-]+")
 def check_client_id(client_id) -> None:
     """`ValueError` unless `client_id` can name a client: a str of 1 to `MAX_CLIENT_ID_LENGTH` characters of
     `CLIENT_ID`'s alphabet (ASCII letters and digits, `_ . - @ +`), not '.' or '..': safe as a path component, a
-    log entry's name, a plot's label (no `$` to open matplotlib's math text) and a line of the console."""
+    log entry's name, a plot's label (no `$` to open matplotlib's math text) and a line of the console; and not a
+    name or prefix of the server's own log entries (`callbacks.reserved_client_id_fault`: `eval_...`, `dp_...`,
+    `train`, `round`, `rewards`, ...), under which its own entries would forge them."""
     if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH:
         raise ValueError(f"a client id must be a str of 1 to {MAX_CLIENT_ID_LENGTH} characters, got "
                          f"{bounded_text(repr(client_id), 100)}")
     if client_id in (".", "..") or not CLIENT_ID.fullmatch(client_id):
         raise ValueError(f"client id {bounded_text(repr(client_id), 100)} is not a safe name: use ASCII letters, "
                          "digits and '_', '.', '-', '@', '+' (not '.' or '..')")
+    # the round metrics of every built-in strategy and of DP (`dp_` is a reserved prefix already)
+    if fault := reserved_client_id_fault(client_id, STRATEGY_METRICS):
+        raise ValueError(f"client id {client_id!r} is reserved: {fault} (its entries, `{client_id}/<name>`, would "
+                         "take their place)")
 
 
 def bounded_text(text: str, limit: int = 500) -> str:
@@ -298,6 +304,10 @@ class UpdateGate:
             reject(f"it speaks for client {bounded_text(repr(update.client_id), 100)}")
         if client_id in self.admitted:
             reject("the client already had an update accepted this round")
+        # Whatever transport delivered it (the records check ids in full, `check_client_id`; the core itself takes
+        # any id, the checkpoint escapes it): an id that names the server's own log entries would forge them.
+        if isinstance(client_id, str) and (fault := reserved_client_id_fault(client_id, STRATEGY_METRICS)):
+            reject(f"client id {bounded_text(repr(client_id), 100)} is reserved: {fault}")
         if not isinstance(update.state, dict) or not isinstance(update.extras, dict):
             reject("its adapter and extras must be dicts of tensors")
         if not isinstance(update.metrics, dict) or not all(isinstance(key, str) for key in update.metrics):
