@@ -190,3 +190,58 @@ def test_a_client_id_that_prefixes_the_servers_own_log_entries_is_refused_by_nam
     server.close()
     assert reserved in record.dropped[client_id]
     assert not [name for name in round_logs(record) if name.startswith(f"{client_id}/")]
+
+
+# 4. Robust combiners under RPG --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("robust", "num_clients"), [("multi_krum", 5), ("trimmed_mean", 5)])
+def test_a_robust_combiner_averages_with_equal_weights_not_rpgs(tiny_model_dir, fast_args, robust, num_clients):
+    """A client lying about its R̄ within the allowed range took ω = 0.815 of RPG's weights, and kept it inside the
+    robust combiners: 0.85 of a Multi-Krum average of four (fair 0.25), 0.90 of a trimmed mean keeping three (fair
+    1/3). Every update here moves every coordinate alike, so the global adapter moves by the mean of what the
+    combiner kept, each with an equal share, whatever RPG's weights."""
+    ids = [f"c{i}" for i in range(num_clients)]
+    server = make_server(tiny_model_dir, fast_args, num_clients=num_clients, min_clients_per_round=num_clients,
+                         aggregation="rpg", robust_aggregation=robust, robust_num_malicious=1,
+                         server_optimizer="sgd", server_learning_rate=1.0, update_norm_bound=None)
+    sizes = [0.1, 0.2, 0.22, 0.3, 0.4]  # the liar, c2, sits among the honest clients (not at their mean): kept
+    for round_idx, liar_reward in enumerate([0.2, 1.0]):  # RPG's gain needs a baseline: the lie comes in round 1
+        start = {key: value.clone() for key, value in server.global_state.items()}
+        replies = {client_id: {"state": moved(server, 1.0, size), "reward": liar_reward if client_id == "c2" else 0.2}
+                   for client_id, size in zip(ids, sizes)}
+        record = honest_round(server, round_idx, client_ids=ids, **replies)
+    assert record.weights["c2"] > 0.5  # RPG's weight of the liar, which the combiner must not use
+    key = next(iter(start))
+    unit_shift = float((server.global_state[key] - start[key]).mean()) / float(
+        (moved(server, 1.0, 1.0)[key] - server.global_state[key]).mean())  # in units of a 1 U move
+    if robust == "multi_krum":
+        kept = [sizes[i] for i in server.aggregator.combiner.selected]
+        assert len(kept) == 4 and 0.22 in kept
+    else:
+        kept = sizes[1:4]  # one trimmed at each end of every coordinate
+    assert unit_shift == pytest.approx(sum(kept) / len(kept), rel=1e-3)
+
+
+def test_multi_krum_selects_at_most_n_minus_f_and_the_config_refuses_more(tmp_path):
+    """`robust_num_selected` 5 of 5 clients (or 6 when dropouts left 5) was accepted, and a far attacker was then
+    averaged in, moving the result 2.0 honest spreads."""
+    from trl_federated import FedGRPOConfig
+    from trl_federated.aggregation import FedAvgAggregator, Krum, ServerSGD
+
+    settings = dict(output_dir=str(tmp_path), bf16=False, num_clients=10, robust_aggregation="multi_krum",
+                    robust_num_malicious=1, min_clients_per_round=5)
+    with pytest.raises(ValueError, match=r"`robust_num_selected` = 5 exceeds `min_clients_per_round` − "
+                                         r"`robust_num_malicious` = 4"):
+        FedGRPOConfig(**settings, robust_num_selected=5)
+    FedGRPOConfig(**settings, robust_num_selected=4)
+
+    zero = {"w": torch.zeros(4)}
+    honest = [{"w": torch.full((4,), value)} for value in (0.1, 0.2, 0.3, 0.4)]
+    attacker = {"w": torch.full((4,), -10.0)}
+    for num_selected in (5, 6):
+        aggregator = FedAvgAggregator(ServerSGD(1.0), combiner=Krum(num_malicious=1, num_selected=num_selected))
+        updates = [ClientUpdate(f"c{i}", state, 1, 0.0) for i, state in enumerate([*honest, attacker])]
+        new = aggregator.aggregate(zero, updates, 0)
+        assert aggregator.combiner.selected == [0, 1, 2, 3]
+        assert torch.allclose(new["w"], torch.full((4,), 0.25))

@@ -285,6 +285,9 @@ class Aggregator(ABC):
         # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
+        # A robust combiner averages what it keeps with equal weights, never the method's: RPG's follow each client's
+        # own R̄ (and FedAvg's its claimed rows), and a liar within the allowed range would take most of the average.
+        combine_weights = weights if self.combiner is None else [1 / len(updates)] * len(updates)
         if hasattr(self.combiner, "prepare"):  # a combiner that selects whole clients, over every entry (Krum)
             self.combiner.prepare(global_state, client_states)
         if privacy is not None:
@@ -295,7 +298,7 @@ class Aggregator(ABC):
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}
-            delta = combine(block, client_states, weights)
+            delta = combine(block, client_states, combine_weights)
             if privacy is not None:  # Δ̃ = Δ + N(0, (σ S)²): the server step is post-processing of it
                 privacy.add_noise(delta, noise_std, round_idx)
             new_block = self.server_optimizer.step_block(block, delta)
