@@ -4,6 +4,10 @@ exists, the Flower records."""
 
 import json
 import logging
+import os
+import signal
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +249,68 @@ def test_multi_krum_selects_at_most_n_minus_f_and_the_config_refuses_more(tmp_pa
         new = aggregator.aggregate(zero, updates, 0)
         assert aggregator.combiner.selected == [0, 1, 2, 3]
         assert torch.allclose(new["w"], torch.full((4,), 0.25))
+
+
+# 5. `flwr run --format json --stream` ----------------------------------------------------------------------------
+
+# A stand-in `flwr` whose `run` prints what Flower 1.42's does under `--format json`, through Flower's own code
+# (`cli_output_handler`, `print_json_to_stdout`: an indented JSON object, the started line swallowed), then, by
+# FLWR_MODE: "refused" raises as a SuperLink's refusal does (Flower prints its JSON error and exits 0), "interrupt"
+# sends its caller Ctrl-C and waits to be stopped. `ls` reports RUN_STATUS; every call is appended to FLWR_CALLS.
+JSON_FLWR = """#!{python}
+import json, os, signal, sys, time
+import click
+from flwr.cli.utils import cli_output_handler, print_json_to_stdout
+with open(os.environ["FLWR_CALLS"], "a") as calls:
+    calls.write(" ".join(sys.argv[1:]) + "\\n")
+mode = os.environ.get("FLWR_MODE", "")
+if sys.argv[1] == "run":
+    with cli_output_handler(output_format="json"):
+        if mode == "refused":  # as `flwr.cli.run.run` when the SuperLink answers no run id
+            raise click.ClickException("Failed to start run")
+        print("Successfully started run 7")  # captured: under --format json Flower prints only the JSON
+        print_json_to_stdout({{"success": True, "run-id": "7", "federation-id": "", "fab-id": "flwrlabs/app",
+                               "fab-name": "app", "fab-version": "1.0.0", "fab-hash": "0123abcd",
+                               "fab-filename": "flwrlabs.app.1-0-0.0123abcd.fab"}})
+    sys.stdout.flush()
+    if mode == "interrupt":
+        os.kill(os.getppid(), signal.SIGINT)
+        time.sleep(30)
+elif sys.argv[1] == "ls":
+    run = {{"run-id": "7", "status": os.environ["RUN_STATUS"], "status-details": "ServerApp raised"}}
+    print(json.dumps({{"success": True, "runs": [run]}}))
+"""
+
+
+APP_DIR = Path(__file__).parents[1] / "examples" / "flower"
+
+
+@pytest.fixture
+def json_flwr(tmp_path, monkeypatch):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "flwr").write_text(JSON_FLWR.format(python=sys.executable))
+    (bin_dir / "flwr").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FLWR_CALLS", str(calls))
+    return calls
+
+
+@pytest.mark.parametrize(("mode", "status", "exit_status", "calls"), [
+    ("", "finished:completed", 0, ["ls --run-id 7 --format json"]),
+    ("", "finished:failed", 1, ["ls --run-id 7 --format json"]),  # exited 0: the JSON's run id was never read
+    ("refused", "finished:completed", 1, []),  # no run started, and Flower exits 0
+    ("interrupt", "running", 128 + signal.SIGINT, ["stop 7"]),  # Ctrl-C sent no `flwr stop`
+])
+def test_flwr_run_under_format_json_reads_the_run_id_and_exits_with_the_runs_status(
+    json_flwr, monkeypatch, capsys, mode, status, exit_status, calls
+):
+    from trl_federated.flower import flwr_run
+
+    monkeypatch.setenv("FLWR_MODE", mode)
+    monkeypatch.setenv("RUN_STATUS", status)
+    argv = [str(APP_DIR), "--stream", "--format", "json", "-c", "num-server-rounds=1"]
+    assert flwr_run.main(argv) == exit_status
+    assert json_flwr.read_text().splitlines() == [" ".join(["run", *argv]), *calls]
+    if mode == "refused":
+        assert "reported no run id" in capsys.readouterr().err
