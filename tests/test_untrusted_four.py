@@ -314,3 +314,24 @@ def test_flwr_run_under_format_json_reads_the_run_id_and_exits_with_the_runs_sta
     assert json_flwr.read_text().splitlines() == [" ".join(["run", *argv]), *calls]
     if mode == "refused":
         assert "reported no run id" in capsys.readouterr().err
+
+
+# 6. Weaker points ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64, torch.float32, torch.float16])
+def test_a_bfloat16_wire_refuses_a_payload_of_another_dtype_by_name(tiny_model_dir, fast_args, dtype):
+    """bf16 payloads of dtype int64 or complex64 were accepted (`.float()` read them as some change). The reply
+    travels as a Flower reply's records where they carry the dtype (they refuse complex numbers themselves)."""
+    from trl_federated.flower.records import content_to_update, update_to_content
+
+    server = make_server(tiny_model_dir, fast_args, num_clients=2, transfer_dtype="bfloat16")
+    server.begin_round(0)
+    payload = server.wire.encode(moved(server, 1.0), server.global_state)
+    key = next(iter(payload))
+    forged = ClientUpdate("a", {**payload, key: payload[key].to(dtype)}, 4, 0.5)
+    if not dtype.is_complex:
+        forged, _ = content_to_update(update_to_content(forged, 0))
+    with pytest.raises(InvalidUpdateError, match=rf"{key}'?: dtype {dtype}, expected torch.bfloat16"):
+        server.admit("a", forged)
+    server.admit("a", ClientUpdate("a", payload, 4, 0.5))  # the payload as encoded
