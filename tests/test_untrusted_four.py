@@ -335,3 +335,15 @@ def test_a_bfloat16_wire_refuses_a_payload_of_another_dtype_by_name(tiny_model_d
     with pytest.raises(InvalidUpdateError, match=rf"{key}'?: dtype {dtype}, expected torch.bfloat16"):
         server.admit("a", forged)
     server.admit("a", ClientUpdate("a", payload, 4, 0.5))  # the payload as encoded
+
+
+def test_bulyans_last_picks_score_each_candidate_by_a_neighbour_not_its_index(tiny_model_dir, fast_args):
+    """Bulyan with f = 1 ran its last Krum over 3 candidates with n − f − 2 = 0 neighbours: every score was 0 and the
+    first candidate by index was picked. An attacker that is client 0 then joined the selection."""
+    ids = [f"c{i}" for i in range(7)]
+    server = make_server(tiny_model_dir, fast_args, num_clients=7, min_clients_per_round=7, aggregation="fedavg",
+                         robust_aggregation="bulyan", robust_num_malicious=1)
+    replies = {client_id: {"state": moved(server, 1.0, 0.2 + 0.02 * index)} for index, client_id in enumerate(ids)}
+    replies["c0"] = {"state": moved(server, -1.0, 2.0)}  # the attacker, first by index
+    honest_round(server, 0, client_ids=ids, **replies)
+    assert 0 not in server.aggregator.combiner.selected

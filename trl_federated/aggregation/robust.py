@@ -91,9 +91,10 @@ def squared_distances(client_states: list[dict[str, torch.Tensor]]) -> torch.Ten
 
 def krum_scores(distances: torch.Tensor, num_malicious: int) -> torch.Tensor:
     """Krum's score of each client (Blanchard et al. 2017, Eq. 3): the sum of its squared distances to its
-    n − f − 2 nearest other clients."""
+    n − f − 2 nearest other clients, and to one at least (as Flower's): Bulyan's last picks run Krum over 2f + 1
+    candidates, where n − f − 2 is 0 and every score would be 0, the pick then going by client index."""
     n = distances.shape[0]
-    nearest = n - num_malicious - 2
+    nearest = max(1, n - num_malicious - 2)
     others = distances + torch.diag(torch.full((n,), math.inf, dtype=distances.dtype))  # no client is its own
     return others.sort(dim=1).values[:, :nearest].sum(dim=1)
 
