@@ -347,3 +347,49 @@ def test_bulyans_last_picks_score_each_candidate_by_a_neighbour_not_its_index(ti
     replies["c0"] = {"state": moved(server, -1.0, 2.0)}  # the attacker, first by index
     honest_round(server, 0, client_ids=ids, **replies)
     assert 0 not in server.aggregator.combiner.selected
+
+
+@pytest.mark.parametrize("size", [0.0, 1e-6, 1e-4])
+def test_an_update_shorter_than_a_thousandth_of_u_is_idle_and_takes_at_most_its_data_share(
+    tiny_model_dir, fast_args, size
+):
+    """The idle rule flagged only adapters back bit for bit: a client that moved by 1e-6 U with a high R̄ escaped it
+    and took ω = 0.573 of RPG's weight for a step that moved nothing. Under 1e-3 U an update is idle."""
+    server = make_server(tiny_model_dir, fast_args, aggregation="rpg", update_norm_bound=None)
+    for round_idx, reward in enumerate([0.2, 1.0]):  # RPG's gain needs a baseline: the lure comes in round 1
+        replies = {client_id: {"state": moved(server, 1.0, 0.3 + 0.05 * index)}
+                   for index, client_id in enumerate("abc")}
+        replies["c"] = {"state": moved(server, 1.0, size), "reward": reward}
+        record = honest_round(server, round_idx, **replies)
+    assert record.idle == {"a": 0, "b": 0, "c": 1}
+    assert record.weights["c"] <= 1 / 3 + 1e-9  # its data share (equal counts)
+
+
+def constant_reward(completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+constant_reward.reward_range = (0.0, 1.0)
+
+
+@pytest.mark.parametrize("record_level", [False, True])
+def test_under_record_level_dp_the_idle_rule_is_off_in_practice(tmp_path, tiny_model_dir, tiny_tokenizer, fast_args,
+                                                                record_level):
+    """Clients whose every group scores alike have no learning signal: idle, at most their data share. Under
+    record-level DP a client sends no metric computed from its data (`frac_reward_zero_std` among them) and its
+    noise moves the adapter far beyond 1e-3 U, so no client is ever idle: the rule is off (docs/methods.md says so)."""
+    from test_record_privacy import prompts
+    from trl_federated import FederatedRunner
+
+    privacy = dict(dp_record_noise_multiplier=1.0, dp_noise_seed=5) if record_level else {}
+    args = fast_args(num_clients=2, num_rounds=1, eval_initial=False, output_dir=str(tmp_path / "run"), **privacy)
+    runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), constant_reward, args,
+                             [prompts(5, client) for client in range(2)], processing_class=tiny_tokenizer,
+                             report_header="")
+    (record,) = runner.run()
+    if record_level:
+        assert record.idle == {"client_0": 0, "client_1": 0}
+        assert record.zero_signal_share == {"client_0": None, "client_1": None}
+    else:
+        assert record.idle == {"client_0": 1, "client_1": 1}
+        assert record.zero_signal_share == {"client_0": 1.0, "client_1": 1.0}
