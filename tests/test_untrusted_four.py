@@ -393,3 +393,19 @@ def test_under_record_level_dp_the_idle_rule_is_off_in_practice(tmp_path, tiny_m
     else:
         assert record.idle == {"client_0": 1, "client_1": 1}
         assert record.zero_signal_share == {"client_0": 1.0, "client_1": 1.0}
+
+
+def test_importing_a_name_from_the_working_directory_leaves_sys_path_as_it_was(tmp_path, monkeypatch):
+    """`names.import_object` left the working directory first on `sys.path`: every later import looked there first,
+    and a `json.py` in the folder a run started from would have shadowed the standard library's."""
+    from trl_federated.names import import_object
+
+    (tmp_path / "my_rewards_59.py").write_text("def reward(completions, **kwargs):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    before = list(sys.path)
+    assert import_object("my_rewards_59:reward", "reward_funcs")([]) == [1.0]
+    assert sys.path == before
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_59'"):
+        import_object("no_such_module_59:reward", "reward_funcs")
+    assert sys.path == before
