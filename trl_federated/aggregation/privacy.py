@@ -510,9 +510,10 @@ class ClientLevelPrivacy:
                 add_run(self.logged, event)
         self.last_epsilon = self.epsilon_after(0) if self.ledger else None
         self.session = secrets.randbits(63)
-        logger.info("Resumed under DP after %d releases: this process draws fresh noise (session %x, recorded with "
-                    "each release in %s), so no release repeats earlier noise; ε counts every release above.",
-                    self.releases, self.session, self.release_log)
+        if self.release_log is not None:  # the process that releases (other processes sync its state every round)
+            logger.info("Resumed under DP after %d releases: this process draws fresh noise (session %x, recorded "
+                        "with each release in %s), so no release repeats earlier noise; ε counts every release above.",
+                        self.releases, self.session, self.release_log)
 
     @staticmethod
     def costlier_event(logged: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
