@@ -51,17 +51,13 @@ import torch
 from ..adapters import AdapterState, scaled_update, state_distance
 from ..config.checks import adaptive_clipping_errors
 from .base import RoundMetric
+from .release_ledger import DamagedLedgerError, add_run, costlier_event, read_ledger
 
 if TYPE_CHECKING:
     from ..config import FedGRPOConfig
     from .base import Aggregator, ClientUpdate
 
 logger = logging.getLogger(__name__)
-
-
-class DamagedLedgerError(ValueError):
-    """A DP release ledger (`dp-releases.jsonl`) that cannot be trusted to count every release: a damaged line that is
-    not the last, or a start that differs from the ledger of the checkpoint being resumed."""
 
 
 def load_dp_accounting():
@@ -146,28 +142,6 @@ class AdaptiveClipping:
         drawn as the standard normal `noise`."""
         released = (unclipped + self.count_stddev * noise) / count
         return released, clip_norm * math.exp(-self.learning_rate * (released - self.target_quantile))
-
-
-def valid_event(event: Any) -> bool:
-    """Whether `event` reads as a round's release (`ClientLevelPrivacy.round_event`): noise multipliers finite and > 0
-    (or None where the mechanism is absent; Δ's always present), a sample of 1 to N clients."""
-    if not isinstance(event, dict):
-        return False
-    multipliers = [event.get(name) for name in
-                   ("noise_multiplier", "reward_noise_multiplier", "clipped_count_noise_multiplier")]
-    sizes = [event.get("sample_size"), event.get("num_clients")]
-    return (multipliers[0] is not None
-            and all(value is None or (type(value) in (int, float) and math.isfinite(value) and value > 0)
-                    for value in multipliers)
-            and all(type(value) is int for value in sizes) and 1 <= sizes[0] <= sizes[1])
-
-
-def add_run(runs: list[tuple[dict[str, Any], int]], event: dict[str, Any]) -> None:
-    """Append `event` to a ledger kept as runs of identical events, [(event, count)]."""
-    if runs and runs[-1][0] == event:
-        runs[-1] = (event, runs[-1][1] + 1)
-    else:
-        runs.append((event, 1))
 
 
 class ClientLevelPrivacy:
@@ -352,32 +326,8 @@ class ClientLevelPrivacy:
             add_run(self.logged, event)
 
     def read_release_log(self) -> list[dict[str, Any]]:
-        """The events `release_log` holds, in order; [] without one. A torn last line (a crash while appending: a
-        release that never left) is not counted; any other line that is not a release in its place (`{"release": i,
-        "event": {...}}`, i its ordinal) is a `DamagedLedgerError` naming the file: reading on past it would count
-        fewer releases than were made and give the next one an ordinal, and so noise, already used."""
-        if self.release_log is None or not self.release_log.exists():
-            return []
-        lines = self.release_log.read_bytes().split(b"\n")
-        torn_last = lines[-1] != b""  # a last line without its newline: the append never finished
-        lines = lines[:-1] if not torn_last else lines
-        events = []
-        for number, line in enumerate(lines, start=1):
-            try:
-                entry = json.loads(line)
-                valid = (isinstance(entry, dict) and entry.get("release") == len(events)
-                         and valid_event(entry.get("event")))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                valid = False
-            if valid:
-                events.append(entry["event"])
-            elif not (torn_last and number == len(lines)):
-                raise DamagedLedgerError(
-                    f"The DP release ledger {self.release_log} is damaged at line {number} (not release {len(events)} "
-                    "as written): the releases after it cannot be counted, nor their noise told apart. Restore the "
-                    "file from a copy; a run cannot resume on it."
-                )
-        return events
+        """The events `release_log` holds, in order (`release_ledger.read_ledger`); [] without one."""
+        return [] if self.release_log is None else read_ledger(self.release_log)
 
     def epsilon_after(self, more_rounds: int) -> float:
         """ε at δ were `more_rounds` rounds composed after those of the ledger (the ledger is left as it is)."""
@@ -499,7 +449,7 @@ class ClientLevelPrivacy:
                 "to another run: restore it, or resume into an empty output folder."
             )
         current = self.round_event()
-        counted = checkpointed + [self.costlier_event(event, current) for event in logged[len(expected):]]
+        counted = checkpointed + [costlier_event(event, current) for event in logged[len(expected):]]
         self.ledger, self.releases = [], len(counted)
         for event in counted:
             add_run(self.ledger, event)
@@ -514,23 +464,6 @@ class ClientLevelPrivacy:
             logger.info("Resumed under DP after %d releases: this process draws fresh noise (session %x, recorded "
                         "with each release in %s), so no release repeats earlier noise; ε counts every release above.",
                         self.releases, self.session, self.release_log)
-
-    @staticmethod
-    def costlier_event(logged: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-        """An event that costs at least what `logged` and `current` each do: the smaller of each noise multiplier
-        (None, a mechanism the event lacks, counts as the other's), the larger sample on the smaller population.
-        A release the ledger holds beyond the checkpoint is charged so, since nothing vouches for its logged σ."""
-        event = dict(current)
-        for name in ("noise_multiplier", "reward_noise_multiplier", "clipped_count_noise_multiplier"):
-            values = [value for value in (logged.get(name), current.get(name)) if isinstance(value, (int, float))]
-            if values:
-                event[name] = min(values)
-        for name, pick in (("sample_size", max), ("num_clients", min)):
-            values = [value for value in (logged.get(name), current.get(name)) if isinstance(value, int)]
-            event[name] = pick(values) if values else current[name]
-        event["sample_size"] = min(event["sample_size"], event["num_clients"])
-        return event
-
 
 # The metric under which a client reports ε of its records under record-level DP (`local.record_privacy`); not
 # `dp_...`, the prefix of the server's own privacy metrics, which no client may send (`callbacks.is_reserved_metric`).
