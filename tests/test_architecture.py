@@ -27,7 +27,7 @@ LAYERS = {
     },
     "aggregation": {
         "aggregation", "aggregation.base", "aggregation.server_optim", "aggregation.robust", "aggregation.fedavg",
-        "aggregation.rpg", "aggregation.scaffold", "aggregation.privacy",
+        "aggregation.rpg", "aggregation.scaffold", "aggregation.privacy", "aggregation.release_ledger",
     },
     "local training": {
         "local", "local.shared_prefix", "local.gated_mlp", "local.fast_generation", "local.speedups",

@@ -325,7 +325,8 @@ class WireFormat:
     def decode(self, payload: AdapterState, reference: AdapterState) -> AdapterState:
         """The client's full adapter as the server sees it: `reference` where nothing was sent. A payload without
         exactly the entries that travel is a `ValueError`: a missing entry is never filled in from `reference`;
-        so are quantized codes and scales that no encoding gives (`dequantize`)."""
+        so are quantized codes and scales that no encoding gives (`dequantize`), and a rounded change in any dtype but
+        the wire's."""
         sent = self.sent(reference)
         levels = QUANTIZED_LEVELS.get(self.precision)
         expected = set(sent) if levels is None else {name for key in sent for name in (key, key + SCALES)}
@@ -341,6 +342,10 @@ class WireFormat:
                     if tuple(payload[key].shape) != tuple(value.shape):  # a smaller change would broadcast
                         raise ValueError(f"payload entry {key!r}: shape {tuple(payload[key].shape)}, expected "
                                          f"{tuple(value.shape)}")
+                    # the wire's dtype only: `.float()` would read an int64 or complex payload as some change
+                    if payload[key].dtype != DTYPES[self.precision]:
+                        raise ValueError(f"payload entry {key!r}: dtype {payload[key].dtype}, expected "
+                                         f"{DTYPES[self.precision]} (transfer_dtype={self.precision!r})")
                     change = payload[key].float()
                 else:
                     try:

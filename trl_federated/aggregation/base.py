@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..adapters import AdapterState, check_state, non_finite_entries, state_norm, tensor_norm
+from ..adapters import AdapterState, check_state, non_finite_entries, state_distance, state_norm, tensor_norm
 from .blocks import blocks
 from .server_optim import ServerOptimizer, ServerSGD
 
@@ -211,6 +211,9 @@ class Aggregator(ABC):
     # Whether `client_weights` reads the clients' R̄, which differential privacy then releases through its own
     # mechanism (`privacy.ClientLevelPrivacy.released_rewards`).
     weighs_by_reward = False
+    # ‖θ_i − θ‖ at or below which an update is idle (`is_idle`): the server sets IDLE_UPDATE_SHARE · U; 0 (an adapter
+    # back bit for bit) for an aggregator used without one.
+    idle_norm = 0.0
 
     def __init__(self, server_optimizer: ServerOptimizer | None = None, combiner=None):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
@@ -277,7 +280,7 @@ class Aggregator(ABC):
         self.last_zero_signal = {update.client_id: zero_signal_share(update) for update in updates}
         # Under DP the weights follow released values only: which client was idle is read from its raw update.
         self.last_idle = dict.fromkeys(ids, False) if privacy is not None else {
-            update.client_id: is_idle(update, global_state) for update in updates
+            update.client_id: is_idle(update, global_state, self.idle_norm) for update in updates
         }
         weights = cap_idle_weights(weights, data_shares(updates), [self.last_idle[key] for key in ids])
         self.last_weights = {update.client_id: weight for update, weight in zip(updates, weights)}
@@ -285,6 +288,9 @@ class Aggregator(ABC):
         # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
+        # A robust combiner averages what it keeps with equal weights, never the method's: RPG's follow each client's
+        # own R̄ (and FedAvg's its claimed rows), and a liar within the allowed range would take most of the average.
+        combine_weights = weights if self.combiner is None else [1 / len(updates)] * len(updates)
         if hasattr(self.combiner, "prepare"):  # a combiner that selects whole clients, over every entry (Krum)
             self.combiner.prepare(global_state, client_states)
         if privacy is not None:
@@ -295,7 +301,7 @@ class Aggregator(ABC):
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}
-            delta = combine(block, client_states, weights)
+            delta = combine(block, client_states, combine_weights)
             if privacy is not None:  # Δ̃ = Δ + N(0, (σ S)²): the server step is post-processing of it
                 privacy.add_noise(delta, noise_std, round_idx)
             new_block = self.server_optimizer.step_block(block, delta)
@@ -434,12 +440,19 @@ def zero_signal_share(update: ClientUpdate) -> float | None:
     return float(value) if isinstance(value, Real) and 0 <= value <= 1 else None
 
 
-def is_idle(update: ClientUpdate, global_state: AdapterState) -> bool:
-    """Whether a client had no learning signal this round: its adapter came back exactly as sent (its update, at the
-    wire's rounding, is zero: the wire carries θ_i − θ, so an unchanged adapter decodes to θ bit for bit), or every
-    GRPO group of every local step scored alike (`zero_signal_share` 1)."""
+# An update shorter than this share of U = E·η·√d (`admission.update_norm_unit`, the scale honest updates reach:
+# 0.3-0.6 U measured) is idle: a client that moves its adapter by 1e-6 U to escape the rule gains nothing by it.
+IDLE_UPDATE_SHARE = 1e-3
+
+
+def is_idle(update: ClientUpdate, global_state: AdapterState, idle_norm: float = 0.0) -> bool:
+    """Whether a client had no learning signal this round: its update is no longer than `idle_norm` (the server's
+    IDLE_UPDATE_SHARE · U; with 0, its adapter came back exactly as sent: the wire carries θ_i − θ, so an unchanged
+    adapter decodes to θ bit for bit), or every GRPO group of every local step scored alike (`zero_signal_share` 1)."""
     if zero_signal_share(update) == 1.0:
         return True
+    if idle_norm > 0:
+        return state_distance(update.state, global_state) <= idle_norm
     return all(torch.equal(update.state[key], value) for key, value in global_state.items())
 
 

@@ -8,13 +8,15 @@ coordinate, over the n clients that reported:
     TrimmedMean(β)   sort the n values; drop the k = max(1, ⌊β n⌋) smallest and the k largest (at least one:
                      Flower's ⌊β n⌋ alone trims nothing with n < 1/β, 5 clients at β = 0.2, and silently
                      leaves the plain mean; so n ≥ 3 is required);
-                     C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (the method's weights, renormalised)
+                     C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (ω equal: see below)
     CoordinateMedian C = the median of the n values (the mean of the two middle ones for even n); ω is ignored
 
 and Δ = C − θ. A trimmed mean with k ≥ 1 ignores up to k arbitrary values per coordinate and per side; a median,
 fewer than half of the clients. Both keep the method's server step (SGD or Adam) and its per-client state (RPG's
-φ, σ); only the median gives up the method's weighting, since weights a client influences (its R̄, its sample
-count) would let it steer a weighted median.
+φ, σ), but not its weighting: the aggregator passes every combiner equal weights (`Aggregator.aggregate`), since
+weights a client influences (its R̄ under RPG, its sample count) would let it take most of what the combiner keeps
+(a client lying about its R̄ within the allowed range took ω = 0.815: 0.85 of a Multi-Krum average of four, 0.90
+of a trimmed mean of three).
 
 Krum, Multi-Krum and Bulyan (Flower's strategies of the same names) select whole clients by their distances to the
 others before combining (`Krum`, `Bulyan` below): they tolerate f = `robust_num_malicious` arbitrary clients given
@@ -89,9 +91,10 @@ def squared_distances(client_states: list[dict[str, torch.Tensor]]) -> torch.Ten
 
 def krum_scores(distances: torch.Tensor, num_malicious: int) -> torch.Tensor:
     """Krum's score of each client (Blanchard et al. 2017, Eq. 3): the sum of its squared distances to its
-    n − f − 2 nearest other clients."""
+    n − f − 2 nearest other clients, and to one at least (as Flower's): Bulyan's last picks run Krum over 2f + 1
+    candidates, where n − f − 2 is 0 and every score would be 0, the pick then going by client index."""
     n = distances.shape[0]
-    nearest = n - num_malicious - 2
+    nearest = max(1, n - num_malicious - 2)
     others = distances + torch.diag(torch.full((n,), math.inf, dtype=distances.dtype))  # no client is its own
     return others.sort(dim=1).values[:, :nearest].sum(dim=1)
 
@@ -109,9 +112,10 @@ def check_robust_clients(name: str, n: int, num_malicious: int) -> None:
 class Krum:
     """Krum and Multi-Krum (Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant Gradient
     Descent", NeurIPS 2017), as Flower's `Krum` and `MultiKrum`: the m clients of lowest score (`krum_scores`,
-    distances over the whole adapter) are kept, and C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i, the method's weights
-    renormalised over them. m = 1 is Krum (C is the chosen client's adapter); Multi-Krum keeps m = n − f by default.
-    Tolerates f = `num_malicious` arbitrary clients among n ≥ 2f + 3.
+    distances over the whole adapter) are kept, and C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i, the weights passed
+    (equal, from the aggregator) renormalised over them. m = 1 is Krum (C is the chosen client's adapter); Multi-Krum
+    keeps m = n − f by default, and never more than n − f. Tolerates f = `num_malicious` arbitrary clients among
+    n ≥ 2f + 3.
 
     The selection needs every entry of every adapter, the aggregation combines one block of entries at a time:
     `prepare` selects once per aggregation, `pseudo_gradient` combines each block of the clients selected."""
@@ -128,7 +132,8 @@ class Krum:
     def prepare(self, global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]]) -> None:
         n = len(client_states)
         check_robust_clients(self.name, n, self.num_malicious)
-        m = min(self.num_selected or n - self.num_malicious, n)
+        # never more than n − f: a round that dropouts left smaller would otherwise average an attacker in
+        m = min(self.num_selected or n - self.num_malicious, n - self.num_malicious)
         scores = krum_scores(squared_distances(client_states), self.num_malicious)
         self.selected = sorted(scores.argsort(stable=True)[:m].tolist())
 

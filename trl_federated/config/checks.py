@@ -287,6 +287,16 @@ class ConfigChecks:
             not isinstance(self.robust_num_selected, int) or self.robust_num_selected < 1
         ):
             yield f"`robust_num_selected` must be a positive integer or None, got {self.robust_num_selected!r}."
+        elif (self.robust_aggregation == "multi_krum" and self.robust_num_selected is not None
+              and isinstance(self.robust_num_malicious, int)
+              and self.robust_num_selected > self.min_clients_per_round - self.robust_num_malicious):
+            # more than n − f would average at least one of the f arbitrary clients in, in a round of the fewest
+            yield (
+                f"`robust_num_selected` = {self.robust_num_selected} exceeds `min_clients_per_round` − "
+                f"`robust_num_malicious` = {self.min_clients_per_round - self.robust_num_malicious}: Multi-Krum would "
+                "then average in an arbitrary client in a round of the fewest clients. Lower it, or leave it None "
+                "(n − f every round)."
+            )
         if self.max_client_samples is not None and (
             isinstance(self.max_client_samples, bool) or not isinstance(self.max_client_samples, int)
             or self.max_client_samples < 1
