@@ -18,6 +18,7 @@ from .core.checkpoint import prepare_output_dir
 from .data import partition_clients
 from .data.loading import hub_dataset_id, load_benchmark
 from .data.partition import split_description
+from .local.local_trainer import drop_unsupported_speedups
 from .reports.hub import HubPushError
 from .runner import FederatedRunner
 from .runtime.devices import has_native_bf16
@@ -60,6 +61,7 @@ def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: Benc
         eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     except ValueError as fault:
         usage_error(str(fault))
+    drop_unsupported_speedups(federated_trainer, args)  # said once, before the model loads
     if args.use_cpu and PartialState().is_main_process:  # before the data, the model and the rounds take their time
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         logger.info(cpu_time_notice(cores, has_native_bf16(torch.device("cpu"))))
