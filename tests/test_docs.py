@@ -47,7 +47,7 @@ def test_the_first_screen_has_exactly_the_two_set_up_commands():
 def test_the_docs_install_from_a_clone_and_say_which_torch_build_pip_takes():
     for page in (README, *(path.read_text(encoding="utf-8") for path in PAGES)):
         assert 'pip install "trl-federated' not in page  # the package is not on PyPI
-    assert 'pip install -e ".[deepspeed,flower]"' in GETTING_STARTED and ".[deepspeed,vllm]" in GETTING_STARTED
+    assert 'pip install -e ".[deepspeed,flower,dp]"' in GETTING_STARTED and ".[deepspeed,vllm,dp]" in GETTING_STARTED
     assert "make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu" in GETTING_STARTED
     assert "the CUDA one, several GB" in " ".join(GETTING_STARTED.split())
     assert "docs/getting-started.md" in README

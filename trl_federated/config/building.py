@@ -12,6 +12,7 @@ import torch
 from transformers.utils import is_torch_bf16_gpu_available
 
 from ..runtime.devices import has_native_bf16
+from .checks import missing_extra_errors
 from .results import notice_changed_trl_defaults
 from .server_step import SERVER_STEP_FIELDS
 
@@ -56,7 +57,7 @@ class BuildsConfig:
             raise ValueError(message)
         for message in self._robustness_errors():
             raise ValueError(message)
-        for message in (*self._privacy_errors(), *self._record_privacy_errors()):
+        for message in (*self._privacy_errors(), *self._record_privacy_errors(), *missing_extra_errors(self)):
             raise ValueError(message)
         if self.num_clients > 1:
             self.check_vllm()
