@@ -18,6 +18,8 @@ from .server_step import SERVER_STEP_FIELDS
 
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
+# W when `reward_window` is unset, at most `local_steps` (see the field's help).
+DEFAULT_REWARD_WINDOW = 5
 
 
 class BuildsConfig:
@@ -47,6 +49,8 @@ class BuildsConfig:
                     setattr(self, name, json.loads(getattr(self, name)))
         for message in self._type_errors():
             raise TypeError(message)
+        if self.reward_window is None:  # so that a run of fewer than 5 local steps needs no `reward_window` of its own
+            self.reward_window = min(DEFAULT_REWARD_WINDOW, self.local_steps)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
         # The server-step fields left unset, resolved here (`resolve_server_step`): a resumed run takes its
