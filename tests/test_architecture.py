@@ -17,7 +17,7 @@ LAYERS = {
     "leaves and the tensor layer": {
         "choices", "names", "sampling", "adapters", "methods", "testing", "flower.stream", "aggregation.blocks",
         "runtime", "runtime.devices", "runtime.distributed", "runtime.memory", "runtime.vllm_server", "runtime.models",
-        "runtime.master_weights",
+        "runtime.master_weights", "runtime.notices",
     },
     "configuration, data and rewards": {
         "config", "config.fields", "config.building", "config.checks", "config.server_step", "config.results",

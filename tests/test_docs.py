@@ -5,6 +5,7 @@ reference a reader cannot open."""
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -134,6 +135,26 @@ def test_the_readme_is_a_front_door():
     assert "from trl_federated import FedGRPOConfig, FedGRPOTrainer" in snippet and "trainer.train()" in snippet
     # the snippet is the one the page on federating a TRL script explains, word for word
     assert snippet in (DOCS / "federate-trl.md").read_text(encoding="utf-8")
+
+
+def test_the_readmes_snippet_runs_as_written_and_quietly(tmp_path, tiny_model_dir):
+    """The README's Python block, as its text stands, in a fresh interpreter: the embedded model by name (here the tiny
+    model in its place, through the documented cache folder `$TRL_FEDERATED_CACHE`), a plain prompt/solution dataset,
+    TRL's reward; it leaves the global adapter, and no notice the reader cannot act on (transformers' rename of
+    gradient checkpointing, DeepSpeed's "Setting accelerator to CPU") reaches them."""
+    from trl_federated.runtime.models import _CACHED_MODEL_DIRNAME
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_model_dir, cache / _CACHED_MODEL_DIRNAME)  # where `ensure_default_model` finds it built
+    (_, snippet, _) = fenced_blocks(README)[1]
+    env = {**os.environ, "TRL_FEDERATED_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "fgrpo" / "adapter_model.safetensors").is_file()
+    assert sorted(path.name for path in (tmp_path / "fgrpo").glob("round-*")) == ["round-0", "round-1"]
+    assert "split uniformly across the 3 clients" in result.stderr
+    assert "Warning" not in result.stderr and "Setting accelerator" not in result.stderr, result.stderr[-3000:]
 
 
 def test_the_readme_states_the_verdict_and_links_every_page():

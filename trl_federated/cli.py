@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 
 from .names import closest_key_hint, lazy_attributes
 
@@ -104,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # TRL 1.16's own defaults trigger transformers' rename notice for gradient checkpointing on every config.
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing` is deprecated", category=FutureWarning)
     return COMMANDS[argv[0]][0](argv[1:])
 
 
