@@ -83,7 +83,8 @@ def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: Benc
         f"{args.num_clients} clients ({split_description(args, train)}), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
         f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, "
-        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
+        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate})"
+        f"{'' if args.robust_aggregation == 'none' else f', robust combiner `{args.robust_aggregation}`'}; "
         f"{len(train)} train / {len(test)} test items."
     )
     # The runner's server writes summary.md and the plots after every round, and result.json at the end.
