@@ -176,6 +176,10 @@ def test_the_readme_states_the_verdict_and_links_every_page():
     assert f"{cells.group(1)} of the grid's {cells.group(2)} cells" in verdict_page
     assert f"Reading at {cells.group(0)}" in verdict_page
     assert figure.replace("-", "−") in verdict_page
+    # the benchmarks page's grid row says the report's status
+    (row,) = [line for line in (DOCS / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+              if line.startswith("| grid: FGRPO, FedAvg")]
+    assert f"| {report['status']} (" in row, row
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
     assert linked == {path.name for path in PAGES} | {"config-reference.md"}
 
@@ -222,7 +226,11 @@ def test_the_config_reference_is_generated_from_the_docstring_never_written_twic
     from trl_federated.config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 
     generator = load_generator()
-    assert not (DOCS / generator.PAGE).exists()  # made on every build, by docs/hooks.py
+    # committed, so that the links to it read on GitHub, and current
+    assert (DOCS / generator.PAGE).read_text(encoding="utf-8") == generator.render(), (
+        "docs/config-reference.md is not what the code documents: python docs/gen_config_reference.py > "
+        "docs/config-reference.md"
+    )
     for cls in (FedGRPOConfig, FedDAPOConfig, FedGSPOConfig):
         assert generator.check_documented(cls) == []
     page = generator.render()
@@ -574,3 +582,30 @@ def test_the_examples_readmes_links_resolve_to_a_file_and_its_heading():
             page = (readme.parent / path).resolve()
             assert page.exists(), (readme, target)
             assert not anchor or anchor in anchors(page), (readme, target)
+
+
+# Every relative link reads on GitHub as on the site: its file is in the repository, its anchor a heading of it.
+
+
+def github_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    headings = re.findall(r"^#{1,6} (.+?)\s*$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_resolves_in_the_repository():
+    broken = []
+    for page in [ROOT / "README.md", *PAGES]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+        text = re.sub(r"`[^`\n]*`", "", text)  # code spans are no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or ROOT not in linked.parents:
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file in the repository)")
+            elif anchor and linked.suffix == ".md" and anchor not in github_anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
