@@ -146,7 +146,8 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog, monkeypatch):
     # on the CPU, before the data and the model load: the threads and why, and the demo's time where measured
     notices = [index for index, record in enumerate(caplog.records) if record.getMessage().startswith("CPU run on ")]
     assert len(notices) == 1
-    assert "1 thread a process, for the cores the load average 2.50 leaves free" in caplog.records[notices[0]].getMessage()
+    notice = caplog.records[notices[0]].getMessage()
+    assert "1 thread a process, for the cores the load average 2.50 leaves free" in notice
     assert not any(record.name.startswith("trl_federated.data") for record in caplog.records[: notices[0]])
 
     for name in ("metrics.jsonl", "summary.md", "rewards.png", "weights.png", "accuracy.png",
