@@ -38,7 +38,7 @@ LAYERS = {
         "core.run_identity", "core.server",
     },
     "reports": {"reports", "reports.summary", "reports.round_log", "reports.hub", "reports.compare"},
-    "arguments": {"arguments", "arguments.flags", "arguments.known_flags", "arguments.parsing"},
+    "arguments": {"arguments", "arguments.flags", "arguments.known_flags", "arguments.parsing", "arguments.shipped"},
     "transports and drivers": {
         "runner", "trainer", "federation", "flower", "flower.records", "flower.identity", "flower.run_config",
         "flower.strategy",

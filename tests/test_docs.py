@@ -339,9 +339,13 @@ def setup_extras() -> set[str]:
 
 def check_run(argv: list[str]) -> list[str]:
     """`trl-federated run` flags parsed as the CLI parses them; a placeholder config stands for a real one."""
+    from trl_federated.arguments.shipped import shipped_file, take_option, with_shipped_config
     from trl_federated.cli import parse_run_args
 
-    argv = [PLACEHOLDERS.get(word) or word for word in argv]
+    argv = with_shipped_config([PLACEHOLDERS.get(word) or word for word in argv])  # a shipped config by its name
+    accelerate_config, argv = take_option(argv, "--accelerate_config", ValueError)
+    if accelerate_config is not None and not Path(shipped_file(accelerate_config, "accelerate")).is_file():
+        return [f"no accelerate config {accelerate_config}"]
     if "--help" in argv:
         return []
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
