@@ -17,7 +17,7 @@ LAYERS = {
     "leaves and the tensor layer": {
         "choices", "names", "sampling", "adapters", "methods", "testing", "flower.stream", "aggregation.blocks",
         "runtime", "runtime.devices", "runtime.distributed", "runtime.memory", "runtime.vllm_server", "runtime.models",
-        "runtime.master_weights",
+        "runtime.master_weights", "runtime.notices",
     },
     "configuration, data and rewards": {
         "config", "config.fields", "config.building", "config.checks", "config.server_step", "config.results",
@@ -38,7 +38,7 @@ LAYERS = {
         "core.run_identity", "core.server",
     },
     "reports": {"reports", "reports.summary", "reports.round_log", "reports.hub", "reports.compare"},
-    "arguments": {"arguments", "arguments.flags", "arguments.known_flags", "arguments.parsing"},
+    "arguments": {"arguments", "arguments.flags", "arguments.known_flags", "arguments.parsing", "arguments.shipped"},
     "transports and drivers": {
         "runner", "trainer", "federation", "flower", "flower.records", "flower.identity", "flower.run_config",
         "flower.strategy",

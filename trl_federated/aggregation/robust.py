@@ -137,15 +137,22 @@ class Krum:
         scores = krum_scores(squared_distances(client_states), self.num_malicious)
         self.selected = sorted(scores.argsort(stable=True)[:m].tolist())
 
+    def applied_weights(self, weights: list[float]) -> list[float]:
+        """The weight each client takes in C: the method's `weights` renormalised over the clients selected (equal
+        when theirs are all 0), 0 for the others."""
+        total = sum(weights[i] for i in self.selected)
+        return [
+            (weights[i] / total if total > 0 else 1 / len(self.selected)) if i in self.selected else 0.0
+            for i in range(len(weights))
+        ]
+
     def pseudo_gradient(
         self, global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> dict[str, torch.Tensor]:
-        kept = [weights[i] for i in self.selected]
-        total = sum(kept)
-        omega = [w / total for w in kept] if total > 0 else [1 / len(kept)] * len(kept)
+        omega = self.applied_weights(weights)
         delta = {}
         for key, reference in global_state.items():
-            combined = sum(w * client_states[i][key].float() for w, i in zip(omega, self.selected))
+            combined = sum(omega[i] * client_states[i][key].float() for i in self.selected)
             delta[key] = combined - reference.float()
         return delta
 

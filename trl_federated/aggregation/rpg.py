@@ -255,13 +255,23 @@ class RPGAggregator(Aggregator):
         """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round,
         then the metrics every aggregator reports (under DP: ε, the noise and R̃)."""
         return [
-            RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain"),
-            RoundMetric("temperature", "τ", self.last_temperature, format=".3f"),
-            RoundMetric("gain_predictiveness", "corr(h, next ΔR̄)", self.last_predictiveness, format="+.3f"),
+            RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain",
+                        legend="RPG's gain of the client: its R̄ over its own EMA baseline φ, in units of σ (`gains`)"),
+            RoundMetric("temperature", "τ", self.last_temperature, format=".3f",
+                        legend="the round's softmax temperature: ω = softmax(h / τ) (`temperature`)"),
+            RoundMetric("gain_predictiveness", "corr(h, next ΔR̄)", self.last_predictiveness, format="+.3f",
+                        legend="over the clients, the correlation of each one's h at its previous report with the "
+                        "change of its R̄ since: positive when RPG's gain predicts progress ('-' with fewer than 3 "
+                        "clients to compare; `gain_predictiveness`)"),
             RoundMetric("gain_predictiveness_run", "over the run", self.prediction_sums.correlation(),
-                        format="+.3f"),
-            RoundMetric("gain_predictiveness_null", "no-information value", self.last_null, format="+.3f"),
-            RoundMetric("gain_predictiveness_z", "z vs no information", self.last_z, format="+.2f"),
+                        format="+.3f", legend="the same correlation over every pair of the run so far "
+                        "(`gain_predictiveness_run`); its no-information value is about -0.5, not 0"),
+            RoundMetric("gain_predictiveness_null", "no-information value", self.last_null, format="+.3f",
+                        legend="the mean of that correlation with each client's R̄ permuted over its rounds "
+                        "(`gain_predictiveness_null`)"),
+            RoundMetric("gain_predictiveness_z", "z vs no information", self.last_z, format="+.2f",
+                        legend="the run's correlation in standard deviations from that null: above 2, RPG's weights "
+                        "carried information (`gain_predictiveness_z`)"),
             *super().round_metrics(),
         ]
 

@@ -10,6 +10,7 @@ ranges (`adaptive_clipping_errors`) are the one rule for the config's `dp_*` fie
 from __future__ import annotations
 
 import math
+from importlib.util import find_spec
 
 from transformers.trainer_utils import IntervalStrategy
 
@@ -45,6 +46,21 @@ def wants_record_privacy(args) -> bool:
     return getattr(args, "dp_record_noise_multiplier", None) is not None or (
         getattr(args, "dp_record_epsilon", None) is not None
     )
+
+
+# The DP settings whose accountant is Google's `dp-accounting`, the `dp` extra (`aggregation.privacy`,
+# `local.record_privacy`): checked when the config is built, so that a run without the extra stops in one line before
+# the model loads rather than in every client's first round.
+DP_ACCOUNTING_FIELDS = ("dp_noise_multiplier", "dp_record_noise_multiplier", "dp_record_epsilon")
+
+
+def missing_extra_errors(config):
+    """One message naming the `pip install` that fixes it when `config` sets a field whose optional extra is not
+    installed (`DP_ACCOUNTING_FIELDS`: the `dp` extra)."""
+    wanted = [name for name in DP_ACCOUNTING_FIELDS if getattr(config, name, None) is not None]
+    if wanted and find_spec("dp_accounting") is None:
+        yield (f"{', '.join(f'`{name}`' for name in wanted)} accounts privacy with Google's `dp-accounting`, which is "
+               "not installed: pip install -e '.[dp]' in this package's clone (the `dp` extra: dp-accounting).")
 
 
 def positive_errors(config, optional: tuple[str, ...] = (), required: tuple[str, ...] = ()):

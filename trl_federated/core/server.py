@@ -304,6 +304,7 @@ class FederatedServer:
         keys = ("round_idx", "sampled", "rewards", "weights", "bytes_sent", "bytes_received", "dropped")
         result = {
             "wall_time": wall_time,
+            "robust_aggregation": self.args.robust_aggregation,  # the combiner each round's `robust_selected` is of
             "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
             "rounds": [
                 {**{key: getattr(record, key) for key in keys}, **record.metric_values()} for record in self.history
