@@ -65,7 +65,11 @@ setup(
     packages=find_packages(include=["trl_federated", "trl_federated.*"]),
     # The run parser as recorded for the installed TRL (`arguments.flags.recorded_parser`): `--help` and a bad value
     # answered before TRL imports
-    package_data={"trl_federated.arguments": ["known_parsers.json"]},
+    package_data={
+        "trl_federated.arguments": ["known_parsers.json"],
+        # the example configs by name (`trl-federated run --config quickstart`), copies of examples/
+        "trl_federated": ["examples/configs/*.yaml", "examples/configs/paper/*.yaml", "examples/accelerate/*.yaml"],
+    },
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["trl-federated=trl_federated.cli:main"]},

@@ -26,7 +26,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from harness.cells import finished_results, gold_answers, with_shared_base
+from harness.cells import finished_results, gold_answers, no_information_section, task_items, with_shared_base
 from harness.grid import add_run_arguments, grid_main
 from harness.significance import paired_gain
 from trl_federated.reports.compare import Cell, markdown
@@ -35,28 +35,6 @@ LEVEL = 0.05  # McNemar's two-sided p below it
 MIN_DISTINCT_ANSWERS = 10  # distinct gold answers among a task's newly solved items
 MIN_TASKS = 2  # tasks that must pass in every cell
 REPORT = "pilot"
-
-
-def task_items(tasks: list[str]) -> dict[str, list[int]]:
-    """Task -> the indices of its test items, tasks sorted."""
-    return {task: [index for index, name in enumerate(tasks) if name == task] for task in sorted(set(tasks))}
-
-
-def references(tasks: list[str], gold: list[str], base: list[float]) -> dict[str, dict]:
-    """Per task (and "Total"): the best constant answer (its text and accuracy in %) and the reference policy's accuracy
-    (the better of that constant and the base model, per task), both on the test items."""
-    table, constant_right, reference_right = {}, 0, 0
-    for task, items in task_items(tasks).items():
-        answer, count = Counter(gold[index] for index in items).most_common(1)[0]
-        base_right = sum(base[index] for index in items)
-        table[task] = {"items": len(items), "constant": answer, "constant_accuracy": 100 * count / len(items),
-                       "base": 100 * base_right / len(items),
-                       "reference": 100 * max(count, base_right) / len(items)}  # fmt: skip
-        constant_right += count
-        reference_right += max(count, base_right)
-    table["Total"] = {"items": len(gold), "constant_accuracy": 100 * constant_right / len(gold),
-                      "base": 100 * sum(base) / len(gold), "reference": 100 * reference_right / len(gold)}  # fmt: skip
-    return table
 
 
 def task_records(tasks: list[str], gold: list[str], base: list[float], final: list[float]) -> dict[str, dict]:
@@ -84,7 +62,7 @@ def write_report(root: Path, cells: list[Cell], command: str) -> tuple[str, str]
     results = with_shared_base(finished_results(cells, root))
     finished = [cell for cell in cells if cell in results]
     status = "PENDING" if len(finished) < len(cells) else None
-    lines = [f"# The balanced benchmark's pilot: FedAvg at the grid's budget ({{status}})", "",
+    lines = ["# The balanced benchmark's pilot: FedAvg at the grid's budget ({status})", "",
              f"Command: `{command}`", "",
              "Gate (named before the cells ran): PASS when in every cell at least "
              f"{MIN_TASKS} tasks each gain over the base model with McNemar's exact p < {LEVEL} and have at least "
@@ -98,14 +76,10 @@ def write_report(root: Path, cells: list[Cell], command: str) -> tuple[str, str]
     base_evaluation = results[finished[0]]["evaluations"]["-1"]
     tasks, gold = gold_answers(root, base_evaluation)
     base = base_evaluation["row_rewards"]
-    reference = references(tasks, gold, base)
+    section, reference = no_information_section(root, {f"{cell.method} seed {cell.seed}": results[cell]
+                                                       for cell in finished})  # fmt: skip
     record["references"] = reference
-    lines += ["## What no information scores", "",
-              "Per task: its test items, the best constant answer (the most common gold answer, answered to every item) "
-              "and its accuracy, the base model's accuracy, and the reference policy's (per task the better of the two).",
-              "", markdown(["Task", "Items", "Best constant", "Constant %", "Base %", "Reference %"], [
-                  [task, str(row["items"]), row.get("constant", "—"), f"{row['constant_accuracy']:.2f}",
-                   f"{row['base']:.2f}", f"{row['reference']:.2f}"] for task, row in reference.items()]), ""]  # fmt: skip
+    lines += [section]
     rows, passes = [], []
     for cell in finished:
         evaluations = results[cell]["evaluations"]
@@ -118,22 +92,26 @@ def write_report(root: Path, cells: list[Cell], command: str) -> tuple[str, str]
         name = f"{cell.method} seed {cell.seed}"
         for task, task_record in per_task.items():
             top = task_record["top_new_answer"]
-            rows.append([name, task, f"{task_record['base']:.2f}", f"{task_record['final']:.2f}",
-                         f"{task_record['gain']:+.2f}", f"{task_record['improved']} / {task_record['worsened']}",
-                         _p(task_record["mcnemar_p"]), str(task_record["new_answers"]),
-                         "—" if top is None else f"'{top[0]}' ×{top[1]}", "PASS" if task_record["passed"] else "—"])  # fmt: skip
+            rows.append([
+                name, task, f"{task_record['base']:.2f}", f"{task_record['final']:.2f}", f"{task_record['gain']:+.2f}",
+                f"{task_record['improved']} / {task_record['worsened']}", _p(task_record["mcnemar_p"]),
+                str(task_record["new_answers"]), "—" if top is None else f"'{top[0]}' ×{top[1]}",
+                "PASS" if task_record["passed"] else "—",
+            ])  # fmt: skip
+        mark = "beats" if beats else "**does not beat**"
         rows.append([name, "**Total**", f"{total['base']:.2f}", f"{total['final']:.2f}", f"{total['gain']:+.2f}",
                      f"{total['improved']} / {total['worsened']}", _p(total["mcnemar_p"]), "", "",
-                     ("beats" if beats else "**does not beat**") + f" the reference {reference['Total']['reference']:.2f}"])  # fmt: skip
-        record["cells"][name] = {"tasks": per_task, "total": total, "beats_reference": beats, "passed_tasks": passed_tasks}
+                     f"{mark} the reference {reference['Total']['reference']:.2f}"])  # fmt: skip
+        record["cells"][name] = {"tasks": per_task, "total": total, "beats_reference": beats,
+                                 "passed_tasks": passed_tasks}  # fmt: skip
     if status is None:
         status = "PASS" if all(passes) else "FAIL"
     lines += ["## Each cell against the base model, per task", "",
               "Accuracy in % of the final adapter and the base model on each task's test items, paired item by item: "
-              "items improved / worsened, McNemar's exact p, and the distinct gold answers among the newly solved items "
-              "with the most common of them.", "",
-              markdown(["Cell", "Task", "Base", "Final", "Gain", "Improved / worsened", "McNemar p", "Distinct new answers",
-                        "Most common new answer", "Task passes"], rows), ""]  # fmt: skip
+              "items improved / worsened, McNemar's exact p, and the distinct gold answers among the newly solved "
+              "items with the most common of them.", "",
+              markdown(["Cell", "Task", "Base", "Final", "Gain", "Improved / worsened", "McNemar p",
+                        "Distinct new answers", "Most common new answer", "Task passes"], rows), ""]  # fmt: skip
     record["status"] = status
     text = "\n".join(lines).replace("{status}", status)
     (root / f"{REPORT}.md").write_text(text, encoding="utf-8")

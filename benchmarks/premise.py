@@ -32,17 +32,15 @@ import json
 import math
 import statistics
 import sys
-from collections import Counter
 from pathlib import Path
 
 from harness.cells import (
-    BUDGET_FILE,
     base_evaluation,
     cell_cost,
     cell_diagnostics,
     finished_results,
-    gold_answers,
     machines,
+    no_information_section,
     round_records,
 )
 from harness.grid import add_run_arguments, grid_cells, grid_main, report_files
@@ -193,8 +191,8 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
                   ""]
     lines += ["## Cells", "",
               "| method | seed | total | " + " | ".join(tasks) + " | worst | final R̄ | se(R̄) | mean abs ΔR̄ a round "
-              "| corr(h, next ΔR̄) own | paper's h | its z | noise-aware h | its z | idle | weight spread | last entropy "
-              "| CPU h |",
+              "| corr(h, next ΔR̄) own | paper's h | its z | noise-aware h | its z | idle | weight spread "
+              "| last entropy | CPU h |",
               "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in sorted(results, key=lambda c: (c.seed, summary["methods"].index(c.method))):
         row = summary["per_cell"][cell]
@@ -213,12 +211,11 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
               "RPG (empty for FedAvg). `CPU h`: the attempts that recorded "
               "their cost (cost.json); an attempt stopped with its machine records none, so a resumed cell's figure "
               "is a lower bound.", ""]
-    floors = constant_floors(root)
-    if floors:
-        lines += ["Constant-answer floors (the accuracy of answering every item of a task with its most common gold "
-                  "answer; `benchmarks/answers.py --grid " + str(root) + "` shows which answers the cells got right): "
-                  + ", ".join(f"{task} {answer!r} {share:.1f}%" for task, (answer, share) in sorted(floors.items()))
-                  + ". A task's accuracy near its floor can be a constant policy, not reasoning.", ""]
+    section, _ = no_information_section(root, {f"{cell.method} seed {cell.seed}": result
+                                               for cell, result in results.items()})  # fmt: skip
+    if section:
+        lines += [section, "A task's accuracy near its constant can be a constant policy, not reasoning: "
+                  "`benchmarks/answers.py --grid " + str(root) + "` shows which answers the cells got right.", ""]
     lines += ["## Pilot gate", ""]
     if summary["gate"]:
         for method, gate in summary["gate"].items():
@@ -264,20 +261,6 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
         "comparisons": summary["comparisons"], "gate": summary["gate"], "base": summary["base"],
     }, indent=1, sort_keys=True, default=str), encoding="utf-8")
     return text
-
-
-def constant_floors(root: Path) -> dict[str, tuple[str, float]]:
-    """Per task of the grid's test split: its most common gold answer and the accuracy (points) that answering it to
-    every item would score; {} without the folder's budget."""
-    if not (root / BUDGET_FILE).is_file():
-        return {}
-    tasks, answers = gold_answers(root)
-    floors = {}
-    for task in sorted(set(tasks)):
-        gold = Counter(answer for name, answer in zip(tasks, answers) if name == task)
-        answer, count = gold.most_common(1)[0]
-        floors[task] = (answer, 100 * count / sum(gold.values()))
-    return floors
 
 
 def premise_files(root: Path) -> list[Path]:

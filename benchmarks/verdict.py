@@ -47,6 +47,7 @@ from harness.cells import (
     cell_metrics,
     finished_results,
     machines,
+    no_information_section,
     points,
     round_records,
     test_item_tasks,
@@ -265,6 +266,8 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
     item_points = f"one test item is {100 / items:.2f} points of total accuracy ({items} items)" if items else ""
     cpu_total = sum(cost["cpu_seconds"] for cost in costs.values())
     wall_total = sum(cost["wall_seconds"] for cost in costs.values())
+    no_information, references = no_information_section(root, {
+        f"{cell.method} {cell.setting} seed {cell.seed}": result for cell, result in results.items()})
     report = (
         f"# Verdict: FGRPO against the baselines ({status})\n\n"
         f"Command: `{command}`\n\n"
@@ -278,6 +281,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "their machine. bf16 kernels differ between CPUs and threaded kernels between thread counts, so a seed need "
         "not give the same numbers on another machine.\n\n"
         f"## Gains over the base model\n\n{markdown(header, rows)}\n\n"
+        + (f"{no_information}\n" if no_information else "") +
         f"## Paired differences against FGRPO\n\n{markdown(paired_header, paired_rows)}\n\n"
         "What the grid resolves: a paired difference is told from 0 only beyond the half-width of its 95% interval "
         "(\"Resolved beyond ±\": t(0.975, n − 1) × sd / √n at the spread sd the seeds showed), and a true difference "
@@ -309,7 +313,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
             csv.writer(stream).writerows(table)
     (root / "verdict.json").write_text(
         json.dumps({"status": status, "command": command, "cpu_seconds": cpu_total, "wall_seconds": wall_total,
-                    "test_items": items, **summary}, indent=1),
+                    "test_items": items, "references": references, **summary}, indent=1),
         encoding="utf-8",
     )
     plot(summary, root, status)

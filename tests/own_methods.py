@@ -92,15 +92,20 @@ class DropFarthest(RobustCombiner):
         kept = sorted(range(len(client_states)), key=distances.__getitem__)[: len(client_states) - self.num_malicious]
         self.selected = sorted(kept)
 
+    def applied_weights(self, weights):
+        """The weights renormalised over the clients kept, 0 for the others: ω as the combination applies it."""
+        total = sum(weights[i] for i in self.selected)
+        return [weights[i] / total if i in self.selected else 0.0 for i in range(len(weights))]
+
     def pseudo_gradient(self, global_state, client_states, weights):
-        kept = [weights[i] for i in self.selected]
-        return pseudo_gradient(global_state, [client_states[i] for i in self.selected],
-                               [w / sum(kept) for w in kept])
+        omega = self.applied_weights(weights)
+        kept = self.selected
+        return pseudo_gradient(global_state, [client_states[i] for i in kept], [omega[i] for i in kept])
 
 
 register_server_optimizer("half-step", HalfStep)
 register_aggregation("leader", Leader)
 register_robust_aggregation("drop_farthest", DropFarthest)
-register_wire_format("float16", Cast(torch.float16))  # the round's change in IEEE half precision
+register_wire_format("float16", Cast(torch.float16, "float16"))  # the round's change in IEEE half precision
 
 __all__ = ["DropFarthest", "HalfStep", "Leader"]

@@ -18,8 +18,7 @@ LAYERS = {
         "choices", "names", "sampling", "adapters", "methods", "testing", "flower.stream", "aggregation.blocks",
         "wire", "wire.codec", "wire.exact", "wire.cast", "wire.blockwise",
         "runtime", "runtime.devices", "runtime.distributed", "runtime.memory", "runtime.vllm_server", "runtime.models",
-        "runtime.generation",
-        "runtime.master_weights",
+        "runtime.generation", "runtime.master_weights", "runtime.notices",
     },
     "configuration, data and rewards": {
         "config", "config.fields", "config.building", "config.checks", "config.server_step", "config.results",
@@ -36,7 +35,7 @@ LAYERS = {
         "aggregation.robust.bulyan", "aggregation.fedavg",
         "aggregation.rpg", "aggregation.scaffold", "aggregation.update", "aggregation.privacy",
         "aggregation.privacy.client_level", "aggregation.privacy.adaptive_clipping", "aggregation.privacy.record_level",
-        "aggregation.privacy.ledger",
+        "aggregation.privacy.ledger", "aggregation.privacy.release_ledger",
     },
     "local training": {
         "local", "local.shared_prefix", "local.gated_mlp", "local.fast_generation", "local.speedups",
@@ -47,7 +46,7 @@ LAYERS = {
         "core.run_identity", "core.server",
     },
     "reports": {"reports", "reports.summary", "reports.round_log", "reports.hub", "reports.compare"},
-    "arguments": {"arguments", "arguments.flags", "arguments.known_flags", "arguments.parsing"},
+    "arguments": {"arguments", "arguments.flags", "arguments.known_flags", "arguments.parsing", "arguments.shipped"},
     "transports and drivers": {
         "runner", "trainer", "federation", "flower", "flower.records", "flower.identity", "flower.run_config",
         "flower.strategy",

@@ -98,7 +98,7 @@ def test_drop_in_rejects_a_missing_partition_column(tmp_path, tiny_model_dir, ti
         trainer.train()
 
 
-def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog):
+def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog, monkeypatch):
     output_dir = tmp_path / "cli-run"
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -127,11 +127,21 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog):
             }
         )
     )
+    # a machine whose 2 cores are both busy: one thread, not two spinning against the other job
+    import trl_federated.federation as federation
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(federation, "usable_cores", lambda: 2)
+    monkeypatch.setattr(federation.os, "getloadavg", lambda: (2.5, 2.0, 1.5))
+    torch.set_num_threads(2)
     with caplog.at_level(logging.INFO, logger="trl_federated"):
         assert main(["run", "--config", str(config), "--num_rounds", "2", "--aggregation", "rpg"]) == 0
-    # on the CPU, before the data and the model load: how long `make demo` takes on such a CPU, and why
+    assert torch.get_num_threads() == 1
+    # on the CPU, before the data and the model load: the threads and why, and the demo's time where measured
     notices = [index for index, record in enumerate(caplog.records) if record.getMessage().startswith("CPU run on ")]
-    assert len(notices) == 1 and "`make demo` took" in caplog.records[notices[0]].getMessage()
+    assert len(notices) == 1
+    notice = caplog.records[notices[0]].getMessage()
+    assert "1 thread a process, for the cores the load average 2.50 leaves free" in notice
     assert not any(record.name.startswith("trl_federated.data") for record in caplog.records[: notices[0]])
 
     for name in ("metrics.jsonl", "summary.md", "rewards.png", "weights.png", "accuracy.png",
@@ -155,18 +165,27 @@ def test_cli_run_end_to_end(tmp_path, tiny_model_dir, caplog):
     assert events.count("round") == 2 and events.count("evaluation") == 2 and events.count("client") == 6
 
 
-def test_a_cpu_run_says_how_long_the_demo_takes_on_such_a_cpu_and_why():
-    # one line, from docs/getting-started.md's measurements of `make demo`, by whether the CPU computes bf16 natively
-    from trl_federated.federation import cpu_time_notice
+def test_a_cpu_run_takes_the_free_cores_and_promises_a_time_only_on_a_measured_kind_of_cpu():
+    # one line: the threads, from the cores the load leaves free (one when the load exceeds the cores), and the demo's
+    # time only where docs/getting-started.md measured it on this kind of CPU
+    from trl_federated.federation import DEMO_TIMES, cpu_run_notice
+    from trl_federated.runtime.devices import free_cpu_threads
 
+    assert [free_cpu_threads(1, cores=2, load=load) for load in (0.0, 0.4, 1.0, 2.0, 4.8)] == [2, 2, 1, 1, 1]
+    assert free_cpu_threads(1, cores=16, load=3.2) == 13 and free_cpu_threads(2, cores=16, load=0.0) == 8
     guide = " ".join((ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8").split())
-    native, emulated = cpu_time_notice(2, native_bf16=True), cpu_time_notice(1, native_bf16=False)
-    for notice, figures in ((native, ["4 min 37 s"]), (emulated, ["3 min 49 s", "9 minutes"])):
-        assert "\n" not in notice and "(docs/getting-started.md)" in notice
-        assert all(figure in notice and figure in guide for figure in figures), (notice, figures)
-    assert native.startswith("CPU run on 2 cores with native bf16") and "bfloat16" in native
-    assert emulated.startswith("CPU run on 1 core without native bf16") and "float32" in emulated
-    assert "fewer cores" in emulated and "fewer cores" not in native
+    for times in DEMO_TIMES.values():
+        assert all(figure in guide for figure in re.findall(r"\d+ (?:h \d+ )?min(?: \d+ s)?", times)), times
+    quiet = cpu_run_notice("AMD EPYC", 2, True, 2, 0.1, threads_set=False)
+    assert quiet.startswith("CPU run on 2 cores (AMD EPYC) with native bf16") and "\n" not in quiet
+    assert "2 threads a process, for the cores the load average 0.10 leaves free" in quiet
+    assert "`make demo` took 4 min 37 s (quiet, 2026-11-26) on 2 cores of this kind" in quiet
+    busy = cpu_run_notice("AMD EPYC", 2, True, 1, 4.8, threads_set=False)
+    assert "1 thread a process, for the cores the load average 4.80 leaves free" in busy
+    assert "takes longer beside other jobs" in busy
+    elsewhere = cpu_run_notice("Intel(R) Xeon(R) Processor", 2, True, 2, 0.0, threads_set=False)
+    assert "no `make demo` time was measured on this kind of CPU" in elsewhere and " min " not in elsewhere
+    assert "3 threads a process, as OMP_NUM_THREADS sets" in cpu_run_notice("AMD EPYC", 8, False, 3, 0.0, True)
 
 
 def test_cli_takes_a_reward_model_by_path(tiny_model_dir):

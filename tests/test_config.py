@@ -252,3 +252,18 @@ def test_the_trl_defaults_a_federated_config_changes_are_said_once(tmp_path, cap
         FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="dapo",
                       lr_scheduler_type="linear")
     assert "changes TRL's defaults" not in caplog.text
+
+
+def test_an_unset_reward_window_is_five_within_the_local_steps(tmp_path):
+    # W unset takes min(5, E): a run of one local step needs no `reward_window` of its own (it used to be refused)
+    def config(**values):
+        return FedGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **values)
+
+    assert [config(local_steps=steps).reward_window for steps in (1, 2, 5, 10)] == [1, 2, 5, 5]
+    assert config(local_steps=10, reward_window=3).reward_window == 3
+    with pytest.raises(ValueError, match=r"`reward_window` \(W=6\) must not exceed `local_steps` \(E=5\)"):
+        config(local_steps=5, reward_window=6)
+    args = TrlParser((FedGRPOConfig,)).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--local_steps", "1"]
+    )[0]
+    assert (args.local_steps, args.reward_window) == (1, 1)

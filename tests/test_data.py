@@ -9,8 +9,8 @@ from datasets import Dataset
 from trl_federated.data import (
     BALANCED_TASKS,
     DEFAULT_TASKS,
-    MAX_ANSWER_SHARE,
     DIFFICULTIES,
+    MAX_ANSWER_SHARE,
     SYSTEM_PROMPT,
     build_balanced_benchmark,
     build_reasoning_benchmark,
@@ -147,14 +147,23 @@ def test_answer_cap_skips_common_answers_and_keeps_the_split():
     assert set(capped["test"]["question"]).isdisjoint(capped["train"]["question"])
 
 
-def test_leg_counting_worked_example_adds_each_animals_legs(balanced_benchmark):
-    row = next(row for row in balanced_benchmark["train"] if row["category"] == "leg_counting")
+def test_leg_counting_worked_example_adds_each_animals_legs():
+    tasks = {"leg_counting": {"hard": {"min_animals": 3, "max_animals": 4, "max_instances": 4}}}
+    row = build_reasoning_benchmark(tasks, size=20)["train"][0]
     example = row["prompt"][2]["content"]
     steps, total = example.split(" Total: ")
     products = [int(step.rsplit("= ", 1)[1].rstrip(".")) for step in steps.split(". ")]
     answer = int(total.split("<answer>")[1].split("</answer>")[0])
     assert sum(products) == answer
     assert total.endswith(f"<answer>{answer}</answer>")
+
+
+def test_basic_arithmetic_worked_example_gives_the_expressions_value(balanced_benchmark):
+    row = next(row for row in balanced_benchmark["train"] if row["category"] == "basic_arithmetic")
+    example = row["prompt"][2]["content"]
+    expression, value = example.split(" <answer>")[0].rstrip(".").rsplit(" = ", 1)
+    assert row["prompt"][1]["content"] == f"Calculate {expression}."  # the worked example's own question
+    assert example.endswith(f"<answer>{value}</answer>")
 
 
 def test_small_tiers_shrink_with_a_warning(caplog):

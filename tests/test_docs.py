@@ -5,6 +5,7 @@ reference a reader cannot open."""
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -47,7 +48,7 @@ def test_the_first_screen_has_exactly_the_two_set_up_commands():
 def test_the_docs_install_from_a_clone_and_say_which_torch_build_pip_takes():
     for page in (README, *(path.read_text(encoding="utf-8") for path in PAGES)):
         assert 'pip install "trl-federated' not in page  # the package is not on PyPI
-    assert 'pip install -e ".[deepspeed,flower]"' in GETTING_STARTED and ".[deepspeed,vllm]" in GETTING_STARTED
+    assert 'pip install -e ".[deepspeed,flower,dp]"' in GETTING_STARTED and ".[deepspeed,vllm,dp]" in GETTING_STARTED
     assert "make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu" in GETTING_STARTED
     assert "the CUDA one, several GB" in " ".join(GETTING_STARTED.split())
     assert "docs/getting-started.md" in README
@@ -136,6 +137,26 @@ def test_the_readme_is_a_front_door():
     assert snippet in (DOCS / "federate-trl.md").read_text(encoding="utf-8")
 
 
+def test_the_readmes_snippet_runs_as_written_and_quietly(tmp_path, tiny_model_dir):
+    """The README's Python block, as its text stands, in a fresh interpreter: the embedded model by name (here the tiny
+    model in its place, through the documented cache folder `$TRL_FEDERATED_CACHE`), a plain prompt/solution dataset,
+    TRL's reward; it leaves the global adapter, and no notice the reader cannot act on (transformers' rename of
+    gradient checkpointing, DeepSpeed's "Setting accelerator to CPU") reaches them."""
+    from trl_federated.runtime.models import _CACHED_MODEL_DIRNAME
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_model_dir, cache / _CACHED_MODEL_DIRNAME)  # where `ensure_default_model` finds it built
+    (_, snippet, _) = fenced_blocks(README)[1]
+    env = {**os.environ, "TRL_FEDERATED_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "fgrpo" / "adapter_model.safetensors").is_file()
+    assert sorted(path.name for path in (tmp_path / "fgrpo").glob("round-*")) == ["round-0", "round-1"]
+    assert "split uniformly across the 3 clients" in result.stderr
+    assert "Warning" not in result.stderr and "Setting accelerator" not in result.stderr, result.stderr[-3000:]
+
+
 def test_the_readme_states_the_verdict_and_links_every_page():
     text = " ".join(README.split())
     # the README reads as the committed report does: its FGRPO and FedAvg gains and their paired difference
@@ -155,6 +176,10 @@ def test_the_readme_states_the_verdict_and_links_every_page():
     assert f"{cells.group(1)} of the grid's {cells.group(2)} cells" in verdict_page
     assert f"Reading at {cells.group(0)}" in verdict_page
     assert figure.replace("-", "−") in verdict_page
+    # the benchmarks page's grid row says the report's status
+    (row,) = [line for line in (DOCS / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+              if line.startswith("| grid: FGRPO, FedAvg")]
+    assert f"| {report['status']} (" in row, row
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
     assert linked == {path.name for path in PAGES} | {"config-reference.md"}
 
@@ -171,6 +196,24 @@ def test_the_readme_and_the_verdict_state_the_premise_grids_result():
             assert f"{report['gate'][method]['value']:+.3f}".replace("-", "−") in text, method
         assert figure in text
         assert ("gate failed" in text) == failed and ("No RPG beats FedAvg" in text) == failed
+    # the null-calibrated reading: the paper's gain's z over the pilot's cells, as premise.json gives it
+    zs = [cell["shadow_paper_z"] for cell in report["cells"].values()]
+    for text in (" ".join(README.split()), " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())):
+        assert f"{max(zs):+.2f}" in text and f"{min(zs):+.2f}".replace("-", "−") in text
+
+
+def test_the_verdict_says_no_cell_of_the_first_grid_beats_what_no_information_scores():
+    """docs/verdict.md's reading of the first benchmark, as benchmarks/results/grid/verdict.json's references and
+    per-cell totals give it."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "grid" / "verdict.json").read_text(encoding="utf-8"))
+    reference = report["references"]["Total"]["reference"]
+    text = " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())
+    finals = [float(line.split(": ")[1].split(" ")[0]) for line in
+              (ROOT / "benchmarks" / "results" / "grid" / "verdict.md").read_text(encoding="utf-8").splitlines()
+              if line.startswith("- ") and "beat it" in line]  # fmt: skip
+    assert len(finals) == 22 and max(finals) < reference
+    assert f"scores {reference:.2f}% on the verdict grid's test split" in text
+    assert f"none of its {len(finals)} cells beats it** ({min(finals):.2f}-{max(finals):.2f}%" in text
 
 
 # The site: MkDocs, strict, with the configuration reference generated on every build.
@@ -201,7 +244,11 @@ def test_the_config_reference_is_generated_from_the_docstring_never_written_twic
     from trl_federated.config import FedDAPOConfig, FedGRPOConfig, FedGSPOConfig
 
     generator = load_generator()
-    assert not (DOCS / generator.PAGE).exists()  # made on every build, by docs/hooks.py
+    # committed, so that the links to it read on GitHub, and current
+    assert (DOCS / generator.PAGE).read_text(encoding="utf-8") == generator.render(), (
+        "docs/config-reference.md is not what the code documents: python docs/gen_config_reference.py > "
+        "docs/config-reference.md"
+    )
     for cls in (FedGRPOConfig, FedDAPOConfig, FedGSPOConfig):
         assert generator.check_documented(cls) == []
     page = generator.render()
@@ -311,8 +358,12 @@ def setup_extras() -> set[str]:
 def check_run(argv: list[str]) -> list[str]:
     """`trl-federated run` flags parsed as the CLI parses them; a placeholder config stands for a real one."""
     from trl_federated.arguments import parse_run_args
+    from trl_federated.arguments.shipped import shipped_file, take_option, with_shipped_config
 
-    argv = [PLACEHOLDERS.get(word) or word for word in argv]
+    argv = with_shipped_config([PLACEHOLDERS.get(word) or word for word in argv])  # a shipped config by its name
+    accelerate_config, argv = take_option(argv, "--accelerate_config", ValueError)
+    if accelerate_config is not None and not Path(shipped_file(accelerate_config, "accelerate")).is_file():
+        return [f"no accelerate config {accelerate_config}"]
     if "--help" in argv:
         return []
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
@@ -553,3 +604,30 @@ def test_the_examples_readmes_links_resolve_to_a_file_and_its_heading():
             page = (readme.parent / path).resolve()
             assert page.exists(), (readme, target)
             assert not anchor or anchor in anchors(page), (readme, target)
+
+
+# Every relative link reads on GitHub as on the site: its file is in the repository, its anchor a heading of it.
+
+
+def github_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    headings = re.findall(r"^#{1,6} (.+?)\s*$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_resolves_in_the_repository():
+    broken = []
+    for page in [ROOT / "README.md", *PAGES]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+        text = re.sub(r"`[^`\n]*`", "", text)  # code spans are no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or ROOT not in linked.parents:
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file in the repository)")
+            elif anchor and linked.suffix == ".md" and anchor not in github_anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

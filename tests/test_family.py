@@ -3,6 +3,7 @@ one client trains exactly like `RLOOTrainer`, two clients run federated rounds, 
 run --trainer_class`), and each of TRL 1.16's other online trainers is refused by name, with the reason."""
 
 import importlib
+import logging
 import pickle
 
 import pytest
@@ -144,7 +145,7 @@ def test_unfederable_trainers_lack_what_the_reason_says():
     assert not {"beta", "num_iterations", "steps_per_generation", "use_vllm"} & set(a2po_config.__dataclass_fields__)
 
 
-def test_cli_runs_rloo_from_its_trainer_class_alone(tmp_path, tiny_model_dir):
+def test_cli_runs_rloo_from_its_trainer_class_alone(tmp_path, tiny_model_dir, caplog, monkeypatch):
     assert config_class(["--trainer_class", "trl.RLOOTrainer"]) is FedRLOOConfig
     assert config_class(["--trainer_class", "trl:RLOOTrainer", "--trainer_config_class", "trl:RLOOConfig"]) is (
         FedRLOOConfig
@@ -159,6 +160,20 @@ def test_cli_runs_rloo_from_its_trainer_class_alone(tmp_path, tiny_model_dir):
         "--benchmark_size", "24", "--max_eval_samples", "2", "--per_device_train_batch_size", "4",
         "--num_generations", "4", "--max_completion_length", "8", "--per_device_eval_batch_size", "2",
         "--use_cpu", "true", "--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none",
+        "--shared_prefix", "true", "--fast_generation", "true",  # the quickstart's GRPO speed-ups
     ]  # fmt: skip
-    assert main(argv) == 0
+    # GRPO's speed-ups, which RLOOTrainer cannot take, are turned off with one notice before the model loads
+    import trl_federated.federation as federation
+
+    speedups_at_load = []
+    load_model = federation.load_model
+    monkeypatch.setattr(federation, "load_model", lambda model_args, args: speedups_at_load.append(
+        (args.shared_prefix, args.fast_generation)) or load_model(model_args, args))
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        assert main(argv) == 0
+    assert speedups_at_load == [(False, False)]
+    notices = [record.getMessage() for record in caplog.records if "turned off" in record.getMessage()]
+    assert notices == ["`shared_prefix`, `fast_generation` turned off: they speed up `trl.GRPOTrainer`'s private "
+                       "methods, which trl.trainer.rloo_trainer.RLOOTrainer does not have; it trains without them."]
     assert "FedRLOOTrainer locally" in (output_dir / "summary.md").read_text()
+    assert not [record for record in caplog.records if record.name.endswith("client") and record.levelname == "ERROR"]

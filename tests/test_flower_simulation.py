@@ -82,7 +82,9 @@ def quick_try_env(flwr_home: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def flwr_env(tmp_path_factory):
-    """`quick_try_env`; the SuperLink that `flwr run` starts (detached, as Flower does) is stopped afterwards."""
+    """`quick_try_env`; the SuperLink that `flwr run` starts (detached, as Flower does) is stopped afterwards, and so is
+    every process its runs left (`processes_of`): Ray's dashboard and runtime-env agents leave the SuperLink's process
+    group and outlived it by over a minute."""
     flwr_home = tmp_path_factory.mktemp("flwr-home")
     yield quick_try_env(flwr_home)
     for pid in managed_superlinks(flwr_home):
@@ -92,6 +94,7 @@ def flwr_env(tmp_path_factory):
         time.sleep(0.2)
     for pid in managed_superlinks(flwr_home):
         os.killpg(pid, signal.SIGKILL)
+    stop_processes_of(flwr_home)
 
 
 def flwr_run(env, cwd, num_supernodes, run_config, resources="", app_dir=APP_DIR):
@@ -216,6 +219,22 @@ def processes_of(flwr_home: Path) -> list[psutil.Process]:
             if home == str(flwr_home) or any(session in command for session in sessions)]
 
 
+def stop_processes_of(flwr_home: Path, grace: float = 10.0) -> None:
+    """SIGTERM every process of `flwr_home` (`processes_of`), SIGKILL those alive after `grace` seconds, and fail
+    naming any that is still there: nothing a test started outlives it."""
+    processes = processes_of(flwr_home)
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    left = command_lines(processes_of(flwr_home))
+    assert not left, "left running:\n" + "\n".join(left)
+
+
 def command_lines(processes) -> list[str]:
     lines = []
     for process in processes:
@@ -265,6 +284,4 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process_of_it(tmp_path_factory, tmp_
         print("running before Ctrl-C:\n" + "\n".join(running) + "\nafter:\n" + "\n".join(left))
         assert len(left) == 2 and len(running) > len(left)
     finally:
-        for process in processes_of(flwr_home):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
+        stop_processes_of(flwr_home)

@@ -4,6 +4,7 @@ import huggingface_hub
 import pytest
 import yaml
 from huggingface_hub import HfApi
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from conftest import FAST_GRPO, length_reward
@@ -32,7 +33,8 @@ def test_model_card_names_fgrpo_the_federation_and_the_paper(tmp_path, tiny_mode
         assert f"- {tag}\n" in text, tag
     assert "library_name: peft" in text
     assert "datasets: lmms-lab/multimodal-open-r1-8k-verified" in text
-    assert "# Model Card for fgrpo-tiny" in text and 'model="me/fgrpo-tiny"' in text
+    assert "# Model Card for fgrpo-tiny" in text
+    assert "licence" not in text and "## Training procedure\n\nThis model was trained with FGRPO" in text
     assert "This model was trained with FGRPO" in text
     assert "@misc{chen2026fgrpo," in text
     assert "{{FGRPO: Federated GRPO with Adaptive Aggregation on Non-IID Data}}" in text
@@ -62,6 +64,36 @@ def test_model_card_names_the_embedded_default_model_by_its_hub_id(tmp_path, tin
     assert "4-bit GGUF build `SmolLM2-135M-Instruct.Q4_1.gguf`" in card  # what the weights trained on really are
     model.config._name_or_path = str(tmp_path / "my-model")  # any other model: no such note
     assert "4-bit" not in str(federated_model_card(model, fast_args(), 2, {}))
+
+
+@pytest.mark.parametrize("embedded", [False, True])
+def test_model_card_quick_start_loads_the_adapter_for_real(tmp_path, tiny_model_dir, fast_args, monkeypatch, capsys,
+                                                          embedded):
+    """The card's quick start, run as written: the base model (a local one with transformers; the embedded default by
+    its name, here the tiny model in its cache folder), the adapter from the run's folder with PEFT, one answer."""
+    import re
+    import shutil
+
+    from trl_federated.runtime.models import _CACHED_MODEL_DIRNAME
+
+    base_dir = tiny_model_dir
+    if embedded:
+        base_dir = tmp_path / "cache" / _CACHED_MODEL_DIRNAME
+        shutil.copytree(tiny_model_dir, base_dir)
+        monkeypatch.setenv("TRL_FEDERATED_CACHE", str(tmp_path / "cache"))
+    args = fast_args(output_dir=str(tmp_path / "run"))
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(base_dir), 0, default_lora_config())
+    model.save_pretrained(args.output_dir)
+    card = federated_model_card(model, args, 2, {})
+    assert "licence" not in card.data.to_dict()
+    (code,) = re.findall(r"## Quick start\n\n.*?```python\n(.*?)```", card.text, re.DOTALL)
+    assert ("load_model_and_tokenizer('smollm2-135m-instruct')" in code) is embedded
+    namespace = {}
+    exec(compile(code, "model card", "exec"), namespace)
+    assert isinstance(namespace["model"], PeftModel) and capsys.readouterr().out  # the tiny model's answer, printed
+    assert namespace["output"].shape[1] > namespace["inputs"]["input_ids"].shape[1]
+    with_hub = fast_args(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/fgrpo-tiny")
+    assert "PeftModel.from_pretrained(base, 'me/fgrpo-tiny')" in federated_model_card(model, with_hub, 2, {}).text
 
 
 class HubRecorder:

@@ -1,6 +1,9 @@
 """Krum, Multi-Krum and Bulyan (`aggregation.robust`): against their definitions (Blanchard et al. 2017; El Mhamdi et
 al. 2018), against one attacker through the server core, and their client-count requirements at config time."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -114,3 +117,33 @@ def test_too_few_clients_in_a_round_is_refused_by_the_aggregation():
     updates = [ClientUpdate(f"c{i}", state, 1, 0.0) for i, state in enumerate(states(VECTORS[:4]))]
     with pytest.raises(ValueError, match="needs at least 5 clients a round; this aggregation has 4"):
         aggregator.aggregate(zero, updates, 0)
+
+
+def test_a_krum_run_says_which_clients_it_kept_and_the_weights_it_applied(tiny_model_dir, fast_args):
+    """The round record, the round log, summary.md (with a legend of its columns) and result.json name the combiner
+    and the clients it kept (`robust_selected`); ω is the weight each client took in the combination (Krum's: the
+    kept clients' renormalised, 0 for the one left out), not the method's before Krum chose."""
+    from trl_federated.reports.round_log import format_round_log
+
+    ids = [f"c{i}" for i in range(5)]
+    server = make_server(tiny_model_dir, fast_args, num_clients=5, min_clients_per_round=5, aggregation="fedavg",
+                         robust_aggregation="multi_krum", robust_num_malicious=1)
+    replies = {client_id: {"state": moved(server, 1.0, 0.2 + 0.02 * index),
+                           "metrics": {"step_rewards": [0.4, 0.6]}}  # R̄ = 0.5, se(R̄) = 0.1
+               for index, client_id in enumerate(ids[:-1])}
+    replies[ids[-1]] = {"state": moved(server, -1.0, 2.0), "metrics": {"step_rewards": [0.4, 0.6]}}
+    record = honest_round(server, 0, client_ids=ids, **replies)
+    assert record.robust_selected == {"c0": 1, "c1": 1, "c2": 1, "c3": 1, "c4": 0}
+    # FedAvg's 1/5 each, renormalised over the 4 kept
+    assert record.weights == pytest.approx({"c0": 0.25, "c1": 0.25, "c2": 0.25, "c3": 0.25, "c4": 0.0})
+    log = format_round_log(record, 1, 5)
+    assert "c4: R̄ = 0.5000, se(R̄) = 0.1000" in log and "kept by multi_krum = 0, ω = 0.0000" in log
+    assert "c0: R̄ = 0.5000, se(R̄) = 0.1000" in log and "kept by multi_krum = 1, ω = 0.2500" in log
+    summary = (Path(server.args.output_dir) / "summary.md").read_text(encoding="utf-8")
+    assert "| kept by multi_krum |" in summary and "| c4 | 0.500 | 0.1000 | - | 0 | 0 | 0.000 |" in summary
+    for legend in ("- R̄: ", "- ω: ", "- se(R̄): the standard error", "- kept by multi_krum: 1: the robust combiner"):
+        assert legend in summary, legend
+    result = json.loads(server.write_result(Path(server.args.output_dir) / "result.json", 1.0).read_text())
+    assert result["robust_aggregation"] == "multi_krum"
+    assert result["rounds"][0]["robust_selected"] == record.robust_selected
+    assert result["rounds"][0]["weights"]["c4"] == 0.0

@@ -282,3 +282,25 @@ def test_a_single_trainer_trains_privately_too_and_says_its_epsilon(tmp_path, ti
     assert ledger == [round_releases(2, 6, 1, 1, 1.0, None)]
     assert output.metrics["record_epsilon"] == pytest.approx(ledger_epsilon(ledger, args.dp_target_delta))
     assert output.metrics["record_epsilon"] > 0
+
+
+def test_dp_without_its_extra_is_refused_in_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
+    # Without the `dp` extra every client used to fail at its first round (ModuleNotFoundError, no hint); now the
+    # config refuses in one line with the `pip install` that fixes it, before the output folder or the model is touched
+    import trl_federated.config.checks as checks
+    from trl_federated.cli import main
+
+    installed = checks.find_spec
+    monkeypatch.setattr(checks, "find_spec", lambda name: None if name == "dp_accounting" else installed(name))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--output_dir", str(tmp_path / "out"), "--bf16", "false", "--use_cpu", "true",
+              "--dp_record_epsilon", "8"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "trl-federated run: error: `dp_record_epsilon` accounts privacy with Google's `dp-accounting`, which is not "
+        "installed: pip install -e '.[dp]' in this package's clone (the `dp` extra: dp-accounting).\n"
+    )
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"`dp_noise_multiplier` accounts .* pip install -e '\.\[dp\]'"):
+        federated_config(RLOOConfig)(output_dir=str(tmp_path), use_cpu=True, bf16=False, dp_noise_multiplier=1.0,
+                                     num_clients=3)

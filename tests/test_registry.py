@@ -68,7 +68,6 @@ def test_an_own_aggregation_and_server_optimizer_run_from_the_command_line(tmp_p
     }))  # fmt: skip
     assert main(["run", "--config", str(config), "--aggregation", "leader", "--server_optimizer", "half-step",
                  "--aggregation_args", '{"leader_weight": 0.75}', "--server_optimizer_args", '{"scale": 0.5}',
-                 "--robust_aggregation", "drop_farthest", "--robust_num_malicious", "1", "--min_clients_per_round", "2",
                  "--transfer_dtype", "float16"]) == 0
     (result,) = json.loads((output_dir / "result.json").read_text())["rounds"]
     assert sorted(result["weights"].values()) == pytest.approx([0.25, 0.75])
@@ -76,3 +75,23 @@ def test_an_own_aggregation_and_server_optimizer_run_from_the_command_line(tmp_p
     (round_line,) = [line for line in metrics if line["event"] == "round"]
     # each client sent its change in float16 and received θ in float32
     assert {client: sent * 2 for client, sent in round_line["bytes_sent"].items()} == round_line["bytes_received"]
+
+
+def test_an_own_robust_combiner_runs_from_the_command_line(tmp_path, tiny_model_dir):
+    import own_methods  # noqa: F401 - registers `drop_farthest`
+
+    output_dir = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "output_dir": str(output_dir), "model_name_or_path": str(tiny_model_dir), "benchmark_size": 40,
+        "max_eval_samples": 4, "num_clients": 2, "dirichlet_alpha": "inf", "num_rounds": 1, "local_steps": 1,
+        "reward_window": 1, "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8,
+        "per_device_eval_batch_size": 4, "use_cpu": True, "bf16": False, "gradient_checkpointing": False,
+        "report_to": "none", "eval_initial": False,
+    }))  # fmt: skip
+    assert main(["run", "--config", str(config), "--aggregation", "fedavg", "--robust_aggregation", "drop_farthest",
+                 "--robust_num_malicious", "1", "--min_clients_per_round", "2"]) == 0
+    (result,) = json.loads((output_dir / "result.json").read_text())["rounds"]
+    # it kept one client of two, which takes all of the combination (ω as applied), and the round records which
+    assert sorted(result["weights"].values()) == [0.0, 1.0]
+    assert sorted(result["robust_selected"].values()) == [0, 1]

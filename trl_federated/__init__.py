@@ -1,8 +1,11 @@
 """trl-federated: federated GRPO-family reinforcement learning for LLMs on top of Hugging Face TRL."""
 
 from .names import lazy_attributes
+from .runtime.notices import silence_upstream_notices
 
 __version__ = "0.1.0"
+
+silence_upstream_notices()  # before TRL, transformers and DeepSpeed import and raise them
 
 # The public names, each with the module it lives in: `from trl_federated import FedGRPOConfig` imports that module
 # (and torch, TRL) when first read, not `import trl_federated`, which the command line's `--version`, `--help` and

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 
 from .names import closest_key_hint
 
@@ -20,8 +19,13 @@ def run(argv: list[str]) -> int:
     """Federate GRPO on the configured model and benchmark (`federation.run_federation`); write adapters, metrics,
     summary and plots. The `--config` YAML and the names of its keys and of the flags are checked before TRL and torch
     import (`arguments.flags`)."""
-    from .arguments.flags import check_before_import
+    from .arguments.flags import check_before_import, usage_error
+    from .arguments.shipped import shipped_file, take_option, with_shipped_config
 
+    argv = with_shipped_config(argv)
+    accelerate_config, argv = take_option(argv, "--accelerate_config", usage_error)
+    if accelerate_config is not None:
+        return launch(shipped_file(accelerate_config, "accelerate"), argv)
     check_before_import(argv)
     from .arguments import parse_run_args
     from .federation import run_federation
@@ -29,11 +33,25 @@ def run(argv: list[str]) -> int:
     return run_federation(*parse_run_args(argv))
 
 
+def launch(accelerate_config: str, argv: list[str]) -> int:
+    """`trl-federated run --accelerate_config CONFIG ...`: the run on the processes an accelerate config file describes
+    (a path, or a shipped one by name: `multi_gpu`, `deepspeed_zero2`, `cpu_two_processes`), through `accelerate
+    launch --config_file CONFIG -m trl_federated.cli run ...`, as `trl grpo --accelerate_config` launches TRL's
+    script. Each process parses and checks the arguments itself."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    launch_command(launch_command_parser().parse_args(
+        ["--config_file", accelerate_config, "-m", "trl_federated.cli", "run", *argv]
+    ))
+    return 0
+
+
 def compare(argv: list[str]) -> int:
     """Methods × seeds grid with resumable cells; see `trl_federated.reports.compare`."""
+    from .arguments.shipped import with_shipped_config
     from .reports.compare import main as compare_main
 
-    return compare_main(argv)
+    return compare_main(with_shipped_config(argv))
 
 
 COMMANDS = {
@@ -89,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # TRL 1.16's own defaults trigger transformers' rename notice for gradient checkpointing on every config.
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing` is deprecated", category=FutureWarning)
     return COMMANDS[argv[0]][0](argv[1:])
 
 

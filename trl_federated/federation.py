@@ -18,9 +18,10 @@ from .core.checkpoint import prepare_output_dir
 from .data import partition_clients
 from .data.loading import hub_dataset_id, load_benchmark
 from .data.partition import split_description
+from .local.local_trainer import drop_unsupported_speedups
 from .reports.hub import HubPushError
 from .runner import FederatedRunner
-from .runtime.devices import has_native_bf16
+from .runtime.devices import cpu_kind, free_cpu_threads, has_native_bf16, usable_cores
 from .runtime.distributed import shut_down
 from .runtime.models import load_model, lora_config
 from .scoring.rewards import check_reward_columns, reward_functions, training_rewards
@@ -29,21 +30,35 @@ from .trainer import trainer_class
 logger = logging.getLogger(__name__)
 
 
-def cpu_time_notice(cores: int, native_bf16: bool) -> str:
-    """What a run on the CPU says before it starts: how long `make demo` (examples/configs/quickstart.yaml) takes on a
-    CPU like this one, with native bf16 or without, as docs/getting-started.md measured it on 2 cores, and why."""
-    here = f"{cores} core{'s' if cores != 1 else ''}"
-    if native_bf16:
-        expected = (f"CPU run on {here} with native bf16 (AVX512-BF16 or AMX: `bf16` and `generation_dtype: auto` "
-                    "resolve to bfloat16): `make demo` took 4 min 37 s on 2 cores of such a CPU")
+# `make demo`'s wall time as docs/getting-started.md measured it, by the kind of CPU (`devices.cpu_kind`), whether it
+# computed bf16 natively, and its cores: a run promises a time only on a kind that was measured.
+DEMO_TIMES = {
+    ("AMD EPYC", True, 2): "4 min 37 s (quiet, 2026-11-26)",
+    ("AMD EPYC", False, 2): "from 3 min 49 s (quiet, AVX-512 turned off) to 1 h 05 min (an AVX2-only one shared with "
+    "other jobs), 2026-11-27",
+}
+
+
+def cpu_run_notice(kind: str, cores: int, native_bf16: bool, threads: int, load: float, threads_set: bool) -> str:
+    """What a run on the CPU says in one line before the data and the model load: the threads it computes with and
+    why (`devices.free_cpu_threads`, or `OMP_NUM_THREADS` when set), and how long `make demo` took on this kind of
+    CPU where it was measured (`DEMO_TIMES`), else that it was not."""
+    bf16 = ("with native bf16 (`bf16` and `generation_dtype: auto` resolve to bfloat16)" if native_bf16 else
+            "without native bf16 (`bf16` and `generation_dtype: auto` resolve to float32)")
+    if threads_set:
+        chosen = f"{threads} thread{'s' if threads != 1 else ''} a process, as OMP_NUM_THREADS sets"
     else:
-        expected = (f"CPU run on {here} without native bf16 (no AVX512-BF16 or AMX in use: `bf16` and "
-                    "`generation_dtype: auto` resolve to float32, bf16 would be emulated): `make demo` took 3 min 49 s "
-                    "on 2 cores of a fast CPU limited to AVX2, and about 9 minutes is the estimate for 2 quiet cores "
-                    "of a slower AVX2-only one, from its float32 speed")
-    fewer = "; fewer cores or busy ones take longer" if cores < 2 else ""
-    return (f"{expected} (docs/getting-started.md){fewer}; a config with more rounds, clients, local steps or "
-            "completions takes longer.")
+        chosen = (f"{threads} thread{'s' if threads != 1 else ''} a process, for the cores the load average "
+                  f"{load:.2f} leaves free (threads beyond them wait for each other; OMP_NUM_THREADS sets it)")
+    measured = DEMO_TIMES.get((kind, native_bf16, cores))
+    if measured is None:
+        promise = "no `make demo` time was measured on this kind of CPU (docs/getting-started.md lists those measured)"
+    else:
+        promise = f"`make demo` took {measured} on {cores} cores of this kind (docs/getting-started.md)"
+        if load >= 0.5:
+            promise += ", and takes longer beside other jobs"
+    return (f"CPU run on {cores} core{'s' if cores != 1 else ''} ({kind}) {bf16}: {chosen}; {promise}; a config "
+            "with more rounds, clients, local steps or completions takes longer.")
 
 
 def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: BenchmarkArguments) -> int:
@@ -60,9 +75,16 @@ def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: Benc
         eval_rewards = reward_functions(data_args.eval_reward_funcs, "eval_reward_funcs")
     except ValueError as fault:
         usage_error(str(fault))
-    if args.use_cpu and PartialState().is_main_process:  # before the data, the model and the rounds take their time
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        logger.info(cpu_time_notice(cores, has_native_bf16(torch.device("cpu"))))
+    drop_unsupported_speedups(federated_trainer, args)  # said once, before the model loads
+    if args.use_cpu:  # before the data, the model and the rounds take their time
+        state = PartialState()
+        cores, load = usable_cores(), os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        threads_set = "OMP_NUM_THREADS" in os.environ
+        if not threads_set:
+            torch.set_num_threads(free_cpu_threads(state.num_processes, cores, load))
+        if state.is_main_process:
+            logger.info(cpu_run_notice(cpu_kind(), cores, has_native_bf16(torch.device("cpu")), torch.get_num_threads(),
+                                       load, threads_set))
     start = time.perf_counter()
     train, test = load_benchmark(data_args)
     try:  # a reward reading a column the data lacks would fail only at the first training step; a partition that
@@ -81,7 +103,8 @@ def run_federation(args: FedGRPOConfig, model_args: ModelConfig, data_args: Benc
         f"{args.num_clients} clients ({split_description(args, train)}), "
         f"{args.num_rounds} rounds × {args.local_steps} local steps (W={args.reward_window}), "
         f"{data_args.algorithm.upper() if data_args.trainer_class is None else federated_trainer.__name__} locally, "
-        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate}); "
+        f"aggregation `{args.aggregation}` + server `{args.server_optimizer}` (lr {args.server_learning_rate})"
+        f"{'' if args.robust_aggregation == 'none' else f', robust combiner `{args.robust_aggregation}`'}; "
         f"{len(train)} train / {len(test)} test items."
     )
     # The runner's server writes summary.md and the plots after every round, and result.json at the end.

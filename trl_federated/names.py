@@ -38,16 +38,24 @@ def closest_key_hint(key: str, candidates: Iterable[str]) -> str:
 
 def import_object(path: str, field_name: str, kind: str = "name"):
     """The object `path` names, 'package.module:name' or 'package.module.name', importable from the working directory
-    (as `trl grpo` imports its dotted reward paths); any failure is a ValueError naming `field_name` and the path."""
+    (as `trl grpo` imports its dotted reward paths, though only while importing it: `sys.path` is left as it was); any
+    failure is a ValueError naming `field_name` and the path."""
     module_name, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not name:
         raise ValueError(f"`{field_name}` must be 'package.module:{kind}' or 'package.module.{kind}', got {path!r}.")
-    if str(Path.cwd()) not in sys.path and "" not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    # The working directory is importable for this import only: left first on `sys.path`, any later import of any
+    # name would look there first, and a file of that name in the folder a run starts from would shadow a package.
+    cwd = str(Path.cwd())
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(f"`{field_name}` {path!r}: cannot import module {module_name!r} ({error}).") from error
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     if not hasattr(module, name):
         public = [attribute for attribute in dir(module) if not attribute.startswith("_")]
         raise ValueError(

@@ -21,7 +21,7 @@ from .core.callbacks import IntegrationLog, TrainerLogCallback
 from .core.round_record import RoundRecord
 from .core.server import FederatedServer, NotEnoughClientsError, ServerStateView
 from .local.client import describe_failure, load_reward_models, local_training_args, train_local_round
-from .local.local_trainer import local_trainer, require_family_config
+from .local.local_trainer import drop_unsupported_speedups, local_trainer, require_family_config
 from .reports import server_reports
 from .reports.summary import RunProgress
 from .runtime.distributed import check_deepspeed_precision, check_parameters_unsharded, from_main_process
@@ -113,6 +113,7 @@ class FederatedRunner(ServerStateView):
         # A class of no federated family, or `args` of another family, fails here, before the model loads.
         self.trainer_class = local_trainer(trainer_class or GRPOTrainer)
         require_family_config(self.trainer_class, args)
+        drop_unsupported_speedups(self.trainer_class, args)
         self.args = args
         self.client_datasets = self._named_clients(client_datasets)
 

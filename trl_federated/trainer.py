@@ -32,6 +32,7 @@ from .local.local_trainer import (
 from .local.record_privacy import RECORD_LEDGER, RecordPrivacyMixin
 from .local.speedups import TrainerMixin
 from .runner import FederatedRunner
+from .runtime.models import DEFAULT_MODEL, ensure_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class FederatedGRPOMixin(LocalGRPOMixin):
         # The arguments given, by name, kept so that federated mode can hand them to every client's trainer.
         # (Named after the constructor of the class the mixins extend: the mixins' `__init__` take anything.)
         self._init_arguments = _named_arguments(type(self), args, kwargs)
+        if self._init_arguments.get("model") == DEFAULT_MODEL:
+            # The embedded model's name, which TRL would look up on the Hub: its cached folder, as the command line
+            # loads it (`models.load_model_and_tokenizer`); TRL then loads weights and tokenizer from there.
+            self._init_arguments["model"] = path = str(ensure_default_model())
+            args, kwargs = (args, {**kwargs, "model": path}) if "model" in kwargs else ((path, *args[1:]), kwargs)
         self.eval_reward_funcs = eval_reward_funcs
         if _federating(self._init_arguments.get("args")):
             # Before GRPOTrainer's constructor loads a model given by name and starts a colocated vLLM engine.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,62 @@ def gold_answers(root: Path, evaluation: dict | None = None) -> tuple[list[str],
         return list(evaluation["row_labels"]), list(evaluation["row_gold"])
     test = test_split(root)
     return list(test["category"]), [str(answer) for answer in test["answer"]]
+
+
+def task_items(tasks: list[str]) -> dict[str, list[int]]:
+    """Task -> the indices of its test items, tasks sorted."""
+    return {task: [index for index, name in enumerate(tasks) if name == task] for task in sorted(set(tasks))}
+
+
+def references(tasks: list[str], gold: list[str], base: list[float]) -> dict[str, dict]:
+    """What no information scores, per task and in total ("Total"), in %: the best constant answer (the task's most
+    common gold answer, answered to every item) and the reference policy (per task the better of that constant and the
+    base model's own answers), beside the base model."""
+    table, constant_right, reference_right = {}, 0, 0
+    for task, items in task_items(tasks).items():
+        answer, count = Counter(gold[index] for index in items).most_common(1)[0]
+        base_right = sum(base[index] for index in items)
+        table[task] = {"items": len(items), "constant": answer, "constant_accuracy": 100 * count / len(items),
+                       "base": 100 * base_right / len(items),
+                       "reference": 100 * max(count, base_right) / len(items)}  # fmt: skip
+        constant_right += count
+        reference_right += max(count, base_right)
+    table["Total"] = {"items": len(gold), "constant_accuracy": 100 * constant_right / len(gold),
+                      "base": 100 * sum(base) / len(gold), "reference": 100 * reference_right / len(gold)}  # fmt: skip
+    return table
+
+
+def no_information_section(root: Path, results: dict[Any, dict]) -> tuple[str, dict | None]:
+    """The report section every grid prints (issue 56): per task the best constant answer's accuracy, the base model's
+    and the reference policy's (`references`), then each finished cell's final total against the reference policy,
+    marking those that do not beat it; with the references as a record. ("", None) before a base evaluation with
+    per-item scores, or where neither the evaluation nor the folder's budget says the items' gold answers."""
+    results = with_shared_base(dict(results))
+    if not results:
+        return "", None
+    base = next(iter(results.values()))["evaluations"]["-1"]
+    recorded = base.get("row_gold") is not None and base.get("row_labels") is not None
+    if base.get("row_rewards") is None or not (recorded or (root / BUDGET_FILE).is_file()):
+        return "", None
+    tasks, gold = gold_answers(root, base)
+    if len(gold) != len(base["row_rewards"]):
+        return "", None
+    table = references(tasks, gold, base["row_rewards"])
+    rows = ["| Task | Items | Best constant | Constant % | Base % | Reference % |", "|---|---|---|---|---|---|"]
+    rows += [f"| {task} | {row['items']} | {row.get('constant', '—')} | {row['constant_accuracy']:.2f} | "
+             f"{row['base']:.2f} | {row['reference']:.2f} |" for task, row in table.items()]  # fmt: skip
+    reference = table["Total"]["reference"]
+    cells = []
+    for name, result in sorted(results.items(), key=lambda item: str(item[0])):
+        evaluations = result["evaluations"]
+        final = 100 * evaluations[max(evaluations, key=int)]["accuracy"]["Total"]
+        mark = "beats it" if final > reference else "**does not beat it**"
+        cells.append(f"- {name}: {final:.2f} ({mark})")
+    text = "\n".join([
+        "## What no information scores", "",
+        "Per task: the best constant answer (the task's most common gold answer, answered to every item) and its "
+        "accuracy, the base model's, and the reference policy's (per task the better of the two), on the test items. "
+        f"Each cell's final total against the reference policy's {reference:.2f}:", "",
+        *rows, "", *cells,
+    ])  # fmt: skip
+    return text + "\n", table

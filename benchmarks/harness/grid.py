@@ -33,7 +33,8 @@ from .cells import BUDGET_FILE, COST_FILE, TEST_ITEMS_FILE, base_evaluation
 DEFAULT_CONFIG = "examples/configs/grid.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid"
 # A finished cell's files that are committed (`--commit`): small, and enough to recheck every figure of the report
-# and each client's curves, and to read what the final adapter answered. Adapters (`adapter_model.safetensors`, `round-<t>/`) and checkpoints stay out.
+# and each client's curves, and to read what the final adapter answered. Adapters (`adapter_model.safetensors`,
+# `round-<t>/`) and checkpoints stay out.
 CELL_FILES = ("result.json", "metrics.jsonl", COST_FILE, "summary.md", "rewards.png", "weights.png", "accuracy.png",
               "validation.json", COMPLETIONS_FILE)
 REPORT_FILES = ("verdict.md", "verdict.csv", "paired.csv", "verdict.json", BUDGET_FILE, TEST_ITEMS_FILE)

@@ -148,6 +148,9 @@ class Aggregator(ABC):
     # Whether `client_weights` reads the clients' R̄, which differential privacy then releases through its own
     # mechanism (`privacy.ClientLevelPrivacy.released_rewards`).
     weighs_by_reward = False
+    # ‖θ_i − θ‖ at or below which an update is idle (`is_idle`): the server sets IDLE_UPDATE_SHARE · U; 0 (an adapter
+    # back bit for bit) for an aggregator used without one.
+    idle_norm = 0.0
 
     def __init__(self, server_optimizer: ServerOptimizer | None = None, combiner=None):
         self.server_optimizer = server_optimizer if server_optimizer is not None else ServerSGD(learning_rate=1.0)
@@ -161,6 +164,8 @@ class Aggregator(ABC):
         self.last_reward_stderr: dict[str, float | None] = {}
         self.last_zero_signal: dict[str, float | None] = {}
         self.last_idle: dict[str, bool] = {}
+        # Under a combiner that selects whole clients (Krum, Multi-Krum, Bulyan): 1 for each client it kept, else 0
+        self.last_selected: dict[str, int] = {}
         self.last_step: ServerStep | None = None  # the geometry of the last aggregation
         self.last_server_steps: AdapterState | None = None  # its θ^{[t+1]} − θ^{[t]}, for the next cos(s, s^{[t-1]})
 
@@ -214,16 +219,24 @@ class Aggregator(ABC):
         self.last_zero_signal = {update.client_id: zero_signal_share(update) for update in updates}
         # Under DP the weights follow released values only: which client was idle is read from its raw update.
         self.last_idle = dict.fromkeys(ids, False) if privacy is not None else {
-            update.client_id: is_idle(update, global_state) for update in updates
+            update.client_id: is_idle(update, global_state, self.idle_norm) for update in updates
         }
         weights = cap_idle_weights(weights, data_shares(updates), [self.last_idle[key] for key in ids])
-        self.last_weights = {update.client_id: weight for update, weight in zip(updates, weights)}
         # Δ is computed and applied one cache-sized block at a time (see `blocks`): the block of Δ is still in
         # cache when the server optimizer reads it, and the only full-size buffer is the new adapter.
         client_states = [update.state for update in updates]
         combine = pseudo_gradient if self.combiner is None else self.combiner.pseudo_gradient
+        # A robust combiner averages what it keeps with equal weights, never the method's: RPG's follow each client's
+        # own R̄ (and FedAvg's its claimed rows), and a liar within the allowed range would take most of the average.
+        combine_weights = weights if self.combiner is None else [1 / len(updates)] * len(updates)
+        applied = combine_weights
         if hasattr(self.combiner, "prepare"):  # a combiner that selects whole clients, over every entry (Krum)
             self.combiner.prepare(global_state, client_states)
+            self.last_selected = {key: int(index in self.combiner.selected) for index, key in enumerate(ids)}
+            if hasattr(self.combiner, "applied_weights"):  # the weights it combines the clients it kept with
+                applied = self.combiner.applied_weights(combine_weights)
+        # ω as the combination applied it (Krum's: renormalised over the clients kept, 0 for the others)
+        self.last_weights = dict(zip(ids, applied))
         if privacy is not None:
             client_states = privacy.clipped(global_state, client_states)
             noise_std = privacy.noise_std(weights)
@@ -232,7 +245,7 @@ class Aggregator(ABC):
         new_state = {}
         for keys in blocks(global_state):
             block = {key: global_state[key] for key in keys}
-            delta = combine(block, client_states, weights)
+            delta = combine(block, client_states, combine_weights)
             if privacy is not None:  # Δ̃ = Δ + N(0, (σ S)²): the server step is post-processing of it
                 privacy.add_noise(delta, noise_std, round_idx)
             new_block = self.server_optimizer.step_block(block, delta)
@@ -272,12 +285,23 @@ class Aggregator(ABC):
         and released R̄ (`privacy.ClientLevelPrivacy.round_metrics`), under record-level DP the worst ε a client
         reported (`privacy.RecordPrivacyReports`); RPG reports its gains h and τ first."""
         diagnostics = [
-            RoundMetric("reward_stderr", "se(R̄)", dict(self.last_reward_stderr), per_client=True, format=".4f"),
+            RoundMetric("reward_stderr", "se(R̄)", dict(self.last_reward_stderr), per_client=True, format=".4f",
+                        legend="the standard error of the client's R̄: the spread of the step rewards it averages "
+                        "over the square root of their number (`reward_stderr`; '-' with fewer than 2 steps)"),
             RoundMetric("zero_signal_share", "zero-signal", dict(self.last_zero_signal), per_client=True,
-                        format=".2f"),
+                        format=".2f", legend="the share of the client's GRPO groups whose completions all scored "
+                        "alike, which carry no gradient (`zero_signal_share`)"),
             RoundMetric("idle", "idle", {key: int(value) for key, value in self.last_idle.items()}, per_client=True,
-                        format="d"),
+                        format="d", legend="1: the client had no learning signal (an unchanged adapter, or every "
+                        "group scored alike), its ω held at its data share (`idle`)"),
         ]
+        if hasattr(self.combiner, "prepare"):
+            name = self.combiner.name
+            diagnostics.append(RoundMetric(
+                "robust_selected", f"kept by {name}", dict(self.last_selected), per_client=True, format="d",
+                legend=f"1: the robust combiner `{name}` (`robust_aggregation`) kept the client's adapter in the "
+                "round's combination, 0: it left it out (`robust_selected`)",
+            ))
         for mechanism in (self.privacy, self.record_privacy):
             if mechanism is not None:
                 diagnostics += mechanism.round_metrics()

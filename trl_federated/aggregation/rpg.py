@@ -53,8 +53,9 @@ class RPGAggregator(Aggregator):
 
     a gap within κ standard errors earns nothing (soft thresholding, the positive-part shrinkage of a noisy mean
     toward 0), and one beyond counts only its excess, in units no smaller than its own noise. The paper's gain reads
-    a lucky window as progress, and the next window's regression to the mean makes h predict the next change of R̄
-    the wrong way (docs/verdict.md); `gain_predictiveness` measures that in every run. A client that sends no step
+    a lucky window as progress, and the next window's regression to the mean pulls h's correlation with the next change
+    of R̄ below 0 even where R̄ carries no information at all (see `gain_predictiveness_z` below: on the premise pilot
+    the gains sat at or above that no-information value, never detectably below it). A client that sends no step
     rewards (or one) has s_i = 0: its gain is the paper's.
 
     A client whose step rewards all tie (every window's groups scored alike) also has s_i = 0 and takes the paper's
@@ -62,8 +63,9 @@ class RPGAggregator(Aggregator):
 
     Every round also measures how well the gains predict: the Pearson correlation, over the clients, between a
     client's h at its previous report and the change of its R̄ since (`gain_predictiveness`, None with fewer than 3
-    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`). Its no-information value is not 0 but negative: h_{t−1} holds +R̄_{t−1} and the change
-    R̄_t − R̄_{t−1} holds −R̄_{t−1}, so for R̄ pure noise around a fixed level the paper's gain gives about
+    such pairs or no spread), and the same over every pair of the run so far (`gain_predictiveness_run`). Its
+    no-information value is not 0 but negative: h_{t−1} holds +R̄_{t−1} and the change R̄_t − R̄_{t−1} holds −R̄_{t−1},
+    so for R̄ pure noise around a fixed level the paper's gain gives about
     −1/√(2(1 + λ_base/(2 − λ_base))) = −0.55 (λ_base 0.8). `gain_predictiveness_z` reads the run's statistic against
     that null, measured on the run's own reports: each client's reports (R̄ with its standard error) are permuted over
     its rounds `NULL_PERMUTATIONS` times, the gains recomputed by the same equations, and the pooled correlation taken
@@ -254,13 +256,23 @@ class RPGAggregator(Aggregator):
         """Each client's gain h_i^{[t]} (`rpg_gain` in the round log) and the temperature τ^{[t]} of the last round,
         then the metrics every aggregator reports (under DP: ε, the noise and R̃)."""
         return [
-            RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain"),
-            RoundMetric("temperature", "τ", self.last_temperature, format=".3f"),
-            RoundMetric("gain_predictiveness", "corr(h, next ΔR̄)", self.last_predictiveness, format="+.3f"),
+            RoundMetric("gains", "h", dict(self.last_gains), per_client=True, format="+.4f", log_name="rpg_gain",
+                        legend="RPG's gain of the client: its R̄ over its own EMA baseline φ, in units of σ (`gains`)"),
+            RoundMetric("temperature", "τ", self.last_temperature, format=".3f",
+                        legend="the round's softmax temperature: ω = softmax(h / τ) (`temperature`)"),
+            RoundMetric("gain_predictiveness", "corr(h, next ΔR̄)", self.last_predictiveness, format="+.3f",
+                        legend="over the clients, the correlation of each one's h at its previous report with the "
+                        "change of its R̄ since: positive when RPG's gain predicts progress ('-' with fewer than 3 "
+                        "clients to compare; `gain_predictiveness`)"),
             RoundMetric("gain_predictiveness_run", "over the run", self.prediction_sums.correlation(),
-                        format="+.3f"),
-            RoundMetric("gain_predictiveness_null", "no-information value", self.last_null, format="+.3f"),
-            RoundMetric("gain_predictiveness_z", "z vs no information", self.last_z, format="+.2f"),
+                        format="+.3f", legend="the same correlation over every pair of the run so far "
+                        "(`gain_predictiveness_run`); its no-information value is about -0.5, not 0"),
+            RoundMetric("gain_predictiveness_null", "no-information value", self.last_null, format="+.3f",
+                        legend="the mean of that correlation with each client's R̄ permuted over its rounds "
+                        "(`gain_predictiveness_null`)"),
+            RoundMetric("gain_predictiveness_z", "z vs no information", self.last_z, format="+.2f",
+                        legend="the run's correlation in standard deviations from that null: above 2, RPG's weights "
+                        "carried information (`gain_predictiveness_z`)"),
             *super().round_metrics(),
         ]
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..adapters import AdapterState, check_state
+from ..adapters import AdapterState, check_state, state_distance
 
 
 @dataclass
@@ -57,6 +57,7 @@ class RoundMetric:
         per_client: Whether `value` holds one number per client.
         format: The format spec of one value (`format(value, spec)`).
         log_name: Its entry in the round log (default: `name`).
+        legend: What it means, in a sentence, for the legend under summary.md's round table (None: none).
     """
 
     name: str
@@ -65,6 +66,7 @@ class RoundMetric:
     per_client: bool = False
     format: str = ".4g"
     log_name: str | None = None
+    legend: str | None = None
 
     @property
     def log_entry(self) -> str:
@@ -77,7 +79,7 @@ class RoundMetric:
     def spec(self) -> dict[str, Any]:
         """What a record keeps besides the value: how to name and print it."""
         return {"name": self.name, "label": self.label, "per_client": self.per_client, "format": self.format,
-                "log_name": self.log_name}
+                "log_name": self.log_name, "legend": self.legend}
 
 
 class ClientHook(NamedTuple):
@@ -103,12 +105,19 @@ def zero_signal_share(update: ClientUpdate) -> float | None:
     return float(value) if isinstance(value, Real) and 0 <= value <= 1 else None
 
 
-def is_idle(update: ClientUpdate, global_state: AdapterState) -> bool:
-    """Whether a client had no learning signal this round: its adapter came back exactly as sent (its update, at the
-    wire's rounding, is zero: the wire carries θ_i − θ, so an unchanged adapter decodes to θ bit for bit), or every
-    GRPO group of every local step scored alike (`zero_signal_share` 1)."""
+# An update shorter than this share of U = E·η·√d (`admission.update_norm_unit`, the scale honest updates reach:
+# 0.3-0.6 U measured) is idle: a client that moves its adapter by 1e-6 U to escape the rule gains nothing by it.
+IDLE_UPDATE_SHARE = 1e-3
+
+
+def is_idle(update: ClientUpdate, global_state: AdapterState, idle_norm: float = 0.0) -> bool:
+    """Whether a client had no learning signal this round: its update is no longer than `idle_norm` (the server's
+    IDLE_UPDATE_SHARE · U; with 0, its adapter came back exactly as sent: the wire carries θ_i − θ, so an unchanged
+    adapter decodes to θ bit for bit), or every GRPO group of every local step scored alike (`zero_signal_share` 1)."""
     if zero_signal_share(update) == 1.0:
         return True
+    if idle_norm > 0:
+        return state_distance(update.state, global_state) <= idle_norm
     return all(torch.equal(update.state[key], value) for key, value in global_state.items())
 
 

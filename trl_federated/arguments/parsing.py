@@ -130,12 +130,12 @@ class BenchmarkArguments:
     dataset_name: str = field(
         default="reasoning_gym_balanced",
         metadata={
-            "help": "'reasoning_gym_balanced' for the embedded procedural benchmark (no gold answer over 10%% of a "
-            "task's items); 'reasoning_gym' for its first version, where answering \"1\" scores 75%% of "
-            "letter_counting (kept for the committed results measured on it); 'open_r1' (Multimodal-Open-R1-8k-Verified, "
-            "label `difficulty`) or 'geoqa' (GEOQA-8k, label `category`) for the paper's benchmarks, read from "
-            "`benchmark_source`; or a `datasets.load_dataset` name or local path with `prompt`, `answer` and the "
-            "partition column, and `train`/`test` splits."
+            "help": "'reasoning_gym_balanced' for the embedded procedural benchmark (no gold answer over a tenth of a "
+            "task's items); 'reasoning_gym' for its first version, where answering \"1\" scores three in four of "
+            "letter_counting (kept for the committed results measured on it); 'open_r1' "
+            "(Multimodal-Open-R1-8k-Verified, label `difficulty`) or 'geoqa' (GEOQA-8k, label `category`) for the "
+            "paper's benchmarks, read from `benchmark_source`; or a `datasets.load_dataset` name or local path with "
+            "`prompt`, `answer` and the partition column, and `train`/`test` splits."
         },
     )
     benchmark_source: str | None = field(

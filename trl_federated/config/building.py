@@ -12,11 +12,14 @@ import torch
 from transformers.utils import is_torch_bf16_gpu_available
 
 from ..runtime.devices import has_native_bf16
+from .checks import missing_extra_errors
 from .results import notice_changed_trl_defaults
 from .server_step import SERVER_STEP_FIELDS
 
 # FedProx's μ when `aggregation="fedprox"` and `fedprox_mu` is unset (see the field's help: measured, not the paper's).
 DEFAULT_FEDPROX_MU = 0.1
+# W when `reward_window` is unset, at most `local_steps` (see the field's help).
+DEFAULT_REWARD_WINDOW = 5
 
 
 class BuildsConfig:
@@ -46,6 +49,8 @@ class BuildsConfig:
                     setattr(self, name, json.loads(getattr(self, name)))
         for message in self._type_errors():
             raise TypeError(message)
+        if self.reward_window is None:  # so that a run of fewer than 5 local steps needs no `reward_window` of its own
+            self.reward_window = min(DEFAULT_REWARD_WINDOW, self.local_steps)
         if self.fedprox_mu is None:
             self.fedprox_mu = DEFAULT_FEDPROX_MU if self.aggregation == "fedprox" else 0.0
         # The server-step fields left unset, resolved here (`resolve_server_step`): a resumed run takes its
@@ -56,7 +61,7 @@ class BuildsConfig:
             raise ValueError(message)
         for message in self._robustness_errors():
             raise ValueError(message)
-        for message in (*self._privacy_errors(), *self._record_privacy_errors()):
+        for message in (*self._privacy_errors(), *self._record_privacy_errors(), *missing_extra_errors(self)):
             raise ValueError(message)
         if self.num_clients > 1:
             self.check_vllm()

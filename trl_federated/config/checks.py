@@ -10,6 +10,7 @@ for the config's `dp_*` fields and `aggregation.privacy.AdaptiveClipping`'s argu
 from __future__ import annotations
 
 import math
+from importlib.util import find_spec
 
 from transformers.trainer_utils import IntervalStrategy
 
@@ -43,6 +44,21 @@ def wants_record_privacy(args) -> bool:
     return getattr(args, "dp_record_noise_multiplier", None) is not None or (
         getattr(args, "dp_record_epsilon", None) is not None
     )
+
+
+# The DP settings whose accountant is Google's `dp-accounting`, the `dp` extra (`aggregation.privacy`,
+# `local.record_privacy`): checked when the config is built, so that a run without the extra stops in one line before
+# the model loads rather than in every client's first round.
+DP_ACCOUNTING_FIELDS = ("dp_noise_multiplier", "dp_record_noise_multiplier", "dp_record_epsilon")
+
+
+def missing_extra_errors(config):
+    """One message naming the `pip install` that fixes it when `config` sets a field whose optional extra is not
+    installed (`DP_ACCOUNTING_FIELDS`: the `dp` extra)."""
+    wanted = [name for name in DP_ACCOUNTING_FIELDS if getattr(config, name, None) is not None]
+    if wanted and find_spec("dp_accounting") is None:
+        yield (f"{', '.join(f'`{name}`' for name in wanted)} accounts privacy with Google's `dp-accounting`, which is "
+               "not installed: pip install -e '.[dp]' in this package's clone (the `dp` extra: dp-accounting).")
 
 
 def positive_errors(config, optional: tuple[str, ...] = (), required: tuple[str, ...] = ()):
@@ -273,6 +289,16 @@ class ConfigChecks:
             not isinstance(self.robust_num_selected, int) or self.robust_num_selected < 1
         ):
             yield f"`robust_num_selected` must be a positive integer or None, got {self.robust_num_selected!r}."
+        elif (self.robust_aggregation == "multi_krum" and self.robust_num_selected is not None
+              and isinstance(self.robust_num_malicious, int)
+              and self.robust_num_selected > self.min_clients_per_round - self.robust_num_malicious):
+            # more than n − f would average at least one of the f arbitrary clients in, in a round of the fewest
+            yield (
+                f"`robust_num_selected` = {self.robust_num_selected} exceeds `min_clients_per_round` − "
+                f"`robust_num_malicious` = {self.min_clients_per_round - self.robust_num_malicious}: Multi-Krum would "
+                "then average in an arbitrary client in a round of the fewest clients. Lower it, or leave it None "
+                "(n − f every round)."
+            )
         if self.max_client_samples is not None and (
             isinstance(self.max_client_samples, bool) or not isinstance(self.max_client_samples, int)
             or self.max_client_samples < 1

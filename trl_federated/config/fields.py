@@ -55,9 +55,9 @@ class FederationFields:
             Number of communication rounds T.
         local_steps (`int`, *optional*, defaults to `10`):
             Local GRPO optimisation steps E that every client runs per round.
-        reward_window (`int`, *optional*, defaults to `5`):
+        reward_window (`int` or `None`, *optional*, defaults to `None`):
             Window W (at most `local_steps`): a client reports R̄, the mean of its last W step rewards, where a step
-            reward is the mean over the B prompts × K completions of that step.
+            reward is the mean over the B prompts × K completions of that step. `None` takes min(5, `local_steps`).
 
         > Local training: Algorithm 1's defaults where they differ from TRL's
 
@@ -317,12 +317,12 @@ class FederationFields:
     local_steps: int = field(
         default=10, metadata={"help": ResultHelp("Local GRPO optimisation steps E that every client runs per round.")}
     )
-    reward_window: int = field(
-        default=5,
+    reward_window: int | None = field(
+        default=None,
         metadata={
             "help": ResultHelp(
                 "Window W (<= local_steps): a client reports R̄, the mean of its last W step rewards (each the mean "
-                "over the step's B prompts x K completions)."
+                "over the step's B prompts x K completions). Unset: min(5, local_steps)."
             )
         },
     )

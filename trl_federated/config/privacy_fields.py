@@ -62,7 +62,8 @@ class PrivacyFields:
         dp_noise_seed (`int` or `None`, *optional*):
             Seed of the DP noise, whose generators are the server's own (no other random stream moves). Whoever knows
             it can remove the noise: leave it `None` (a seed drawn from the operating system, kept in the
-            checkpoints so that a resumed run draws the same noise) except for tests and reproducible experiments.
+            checkpoints) except for tests and reproducible experiments. A resumed run mixes fresh randomness of its own
+            into the noise (recorded in dp-releases.jsonl), so its noise is not the uninterrupted run's.
             It also seeds record-level DP's noise and sampling on the clients (with the round and client).
 
         > Differential privacy: record-level, of each client's prompts, in its local steps (docs/privacy.md)

@@ -33,13 +33,15 @@ class RobustnessFields:
         robust_aggregation (`str`, *optional*, defaults to `"none"`):
             Coordinate-wise robust combination of the clients' adapters, for every method: `"none"` (the weighted
             mean Σ_i w_i θ_i), `"trimmed_mean"` (per coordinate, drop the `robust_trim_fraction` largest and smallest
-            client values, then the weighted mean of the rest with their weights renormalised) or `"median"` (the
-            unweighted coordinate-wise median, as Flower's FedMedian: it ignores the weights).
+            client values, then the plain mean of the rest, as Flower's FedTrimmedAvg) or `"median"` (the
+            coordinate-wise median, as Flower's FedMedian). Every robust combiner averages with equal weights, never
+            the method's (RPG's follow each client's own R̄).
         robust_num_malicious (`int`, *optional*, defaults to `1`):
             f, the arbitrary clients `"krum"`, `"multi_krum"` and `"bulyan"` tolerate: they need `min_clients_per_round`
             of at least 2f + 3 (Krum, Multi-Krum; Blanchard et al., 2017) or 4f + 3 (Bulyan; El Mhamdi et al., 2018).
         robust_num_selected (`int` or `None`, *optional*):
-            m, the clients `"multi_krum"` keeps and averages with the method's weights; `None` keeps n − f.
+            m, the clients `"multi_krum"` keeps and averages with equal weights; `None` keeps n − f. At most
+            `min_clients_per_round` − f, and never more than n − f in a round of n clients.
         robust_trim_fraction (`float`, *optional*, defaults to `0.2`):
             Fraction of clients trimmed at each end by `robust_aggregation="trimmed_mean"`, in (0, 0.5): the floor of
             the fraction × the number of clients that reported, as Flower's FedTrimmedAvg, but at least one (so
@@ -101,7 +103,9 @@ class RobustnessFields:
     )
     robust_num_selected: int | None = field(
         default=None,
-        metadata={"help": ResultHelp("m, the clients Multi-Krum keeps and averages; None keeps n − f.")},
+        metadata={"help": ResultHelp(
+            "m, the clients Multi-Krum keeps and averages (at most min_clients_per_round − f); None keeps n − f."
+        )},
     )
     max_client_samples: int | None = field(
         default=1_000_000,

@@ -45,9 +45,10 @@ from ..adapters import (
     state_size,
 )
 from ..aggregation import STRATEGY_METRICS, Aggregator, ClientUpdate
+from ..aggregation.privacy import RECORD_EPSILON
 from ..aggregation.update import RoundMetric, refuse_extras
 from ..choices import NORM_ACTIONS, check_choice
-from .callbacks import is_reserved_metric
+from .callbacks import is_reserved_metric, reserved_client_id_fault
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,13 +62,19 @@ CLIENT_ID = re.compile(r"[A-Za-z0-9_.@+-]+")
 def check_client_id(client_id) -> None:
     """`ValueError` unless `client_id` can name a client: a str of 1 to `MAX_CLIENT_ID_LENGTH` characters of
     `CLIENT_ID`'s alphabet (ASCII letters and digits, `_ . - @ +`), not '.' or '..': safe as a path component, a
-    log entry's name, a plot's label (no `$` to open matplotlib's math text) and a line of the console."""
+    log entry's name, a plot's label (no `$` to open matplotlib's math text) and a line of the console; and not a
+    name or prefix of the server's own log entries (`callbacks.reserved_client_id_fault`: `eval_...`, `dp_...`,
+    `train`, `round`, `rewards`, ...), under which its own entries would forge them."""
     if not isinstance(client_id, str) or not 0 < len(client_id) <= MAX_CLIENT_ID_LENGTH:
         raise ValueError(f"a client id must be a str of 1 to {MAX_CLIENT_ID_LENGTH} characters, got "
                          f"{bounded_text(repr(client_id), 100)}")
     if client_id in (".", "..") or not CLIENT_ID.fullmatch(client_id):
         raise ValueError(f"client id {bounded_text(repr(client_id), 100)} is not a safe name: use ASCII letters, "
                          "digits and '_', '.', '-', '@', '+' (not '.' or '..')")
+    # the round metrics of every built-in strategy and of DP (`dp_` is a reserved prefix already)
+    if fault := reserved_client_id_fault(client_id, STRATEGY_METRICS):
+        raise ValueError(f"client id {client_id!r} is reserved: {fault} (its entries, `{client_id}/<name>`, would "
+                         "take their place)")
 
 
 def bounded_text(text: str, limit: int = 500) -> str:
@@ -158,6 +165,17 @@ def check_window_reward(update: ClientUpdate, reward_window: int) -> None:
     if not math.isclose(mean, update.reward, rel_tol=1e-6, abs_tol=1e-6):
         raise ValueError(f"R̄ = {update.reward:.6g} is not the mean of its last {len(window)} step rewards "
                          f"({mean:.6g})")
+
+
+def check_record_epsilon(update: ClientUpdate, sent: Any) -> None:
+    """`ValueError` unless, under record-level DP, `update` (its metrics bounded) reports ε of its records as a finite
+    number ≥ 0 (`record_epsilon`; `sent` is the value as it came). The run reports the worst ε its clients reported:
+    an update left out of it, or one whose ε is negative, would be aggregated under a guarantee nobody stated."""
+    epsilon = update.metrics.get(RECORD_EPSILON)  # a finite float, or absent (`bound_metrics` drops the rest)
+    if epsilon is None or not epsilon >= 0:
+        found = "missing" if sent is None else bounded_text(repr(sent), 60)
+        raise ValueError(f"under record-level DP (`dp_record_noise_multiplier`) it reports no finite ε ≥ 0 for its "
+                         f"records (`{RECORD_EPSILON}`: {found})")
 
 
 def update_norm_unit(local_steps: int, learning_rate: float, global_state: AdapterState) -> float:
@@ -283,17 +301,24 @@ class UpdateGate:
             reject(f"it speaks for client {bounded_text(repr(update.client_id), 100)}")
         if client_id in self.admitted:
             reject("the client already had an update accepted this round")
+        # Whatever transport delivered it (the records check ids in full, `check_client_id`; the core itself takes
+        # any id, the checkpoint escapes it): an id that names the server's own log entries would forge them.
+        if isinstance(client_id, str) and (fault := reserved_client_id_fault(client_id, STRATEGY_METRICS)):
+            reject(f"client id {bounded_text(repr(client_id), 100)} is reserved: {fault}")
         if not isinstance(update.state, dict) or not isinstance(update.extras, dict):
             reject("its adapter and extras must be dicts of tensors")
         if not isinstance(update.metrics, dict) or not all(isinstance(key, str) for key in update.metrics):
             reject("its metrics must be a dict keyed by strings")
         validate_update(update, self.global_state, self.reward_range)
+        record_epsilon = update.metrics.get(RECORD_EPSILON)  # as sent, for the refusal's message
         try:
             round_metrics = [*STRATEGY_METRICS, *(() if self.aggregator is None else self.aggregator.round_metrics())]
             update.metrics = bound_metrics(update.metrics, client_id, self.local_steps, round_metrics,
                                            self.client_ids)
             if self.reward_window is not None:
                 check_window_reward(update, self.reward_window)
+            if self.aggregator is not None and self.aggregator.record_privacy is not None:
+                check_record_epsilon(update, record_epsilon)
             if self.aggregator is None:
                 refuse_extras(update)
             else:

@@ -83,6 +83,30 @@ EVALUATION_LOG_PREFIX = "eval_"
 PRIVACY_LOG_PREFIX = "dp_"
 
 
+# What a client id may not be or start with (`admission.check_client_id`): its entries are `<client_id>/<name>`, and
+# an id that is a prefix of the server's own entries writes them. `eval_` and `test_` are also the prefixes that
+# Trainer's integrations (`rewrite_logs`) turn into their own sections (`eval/accuracy/Total`); `train`, `eval` and
+# `test` are those sections; the others are the first components of TRL's GRPO metric names (`rewards/<f>/mean`,
+# `completions/mean_length`, ...), whose means over the clients the round log keeps under those names.
+RESERVED_CLIENT_ID_PREFIXES = (EVALUATION_LOG_PREFIX, "test_", PRIVACY_LOG_PREFIX)
+RESERVED_CLIENT_IDS = frozenset({
+    "train", "eval", "test", *ROUND_LOG_NAMES, *CLIENT_LOG_NAMES,
+    "rewards", "completions", "clip_ratio", "sampling", "tools",
+})
+
+
+def reserved_client_id_fault(client_id: str, round_metrics: Iterable[RoundMetric] = ()) -> str | None:
+    """Why `client_id` would forge the server's own log entries (None if it would not): it is one of their names or
+    prefixes (`RESERVED_CLIENT_IDS`, the name of a `round_metrics` entry) or starts with
+    `RESERVED_CLIENT_ID_PREFIXES`."""
+    if client_id.startswith(RESERVED_CLIENT_ID_PREFIXES):
+        prefix = next(prefix for prefix in RESERVED_CLIENT_ID_PREFIXES if client_id.startswith(prefix))
+        return f"it starts with {prefix!r}, a prefix of the server's own log entries"
+    if client_id in RESERVED_CLIENT_IDS or client_id in {metric.log_entry for metric in round_metrics}:
+        return "it is the name of one of the server's own log entries or their groups"
+    return None
+
+
 def metric_log_name(name: str) -> str:
     """The round log's name for a client metric: TRL's (`train_loss` is `loss`)."""
     return name.removeprefix("train_")

@@ -69,8 +69,8 @@ CHECKPOINT_FILES = (ADAPTER_FILE, ADAPTER_CONFIG_FILE, TENSORS_FILE, STATE_FILE)
 _STAGING_RE = re.compile(r"\.(checkpoint|round)-\d+\.(tmp|old)")
 _CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 # The append-only ledger of every DP release (`aggregation.privacy.ClientLevelPrivacy.release_log`): outside the
-# checkpoints, so that a resume from an earlier checkpoint still counts, and never repeats the noise of, what was
-# released after it.
+# checkpoints, so that a resume from an earlier checkpoint still counts what was released after it. Each checkpoint
+# carries the ledger up to itself, which the file must start with (a resume into another folder starts it from them).
 DP_RELEASE_LOG = "dp-releases.jsonl"
 # What a run leaves in output_dir besides the files every run rewrites (final adapter, summary, plots).
 _RUN_FILES = ("metrics.jsonl", "result.json", DP_RELEASE_LOG)

@@ -193,9 +193,9 @@ def evaluate_accuracy(
         `row_rewards` (1.0 or 0.0 per row with the binary accuracy) pairs two evaluations of the same split row by
         row, for a paired test of a gain (`benchmarks/gate.py`). Beside it, in the same order: "row_labels" (each
         row's task, the `category` column, else its `label_column` value; None without either), "row_gold" (the
-        `answer` column as text; None without it) and "row_answers" (the text of the completion's answer as the reward reads it,
-        `rewards.extract_answer`; None where it has no `<answer></answer>` pair), so that what a model answered is on record, not inferred
-        from which rows scored.
+        `answer` column as text; None without it) and "row_answers" (the text of the completion's answer as the reward
+        reads it, `rewards.extract_answer`; None where it has no `<answer></answer>` pair), so that what a model
+        answered is on record, not inferred from which rows scored.
     """
     reward_funcs = check_eval_reward_funcs(reward_funcs)
     weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)

@@ -60,7 +60,8 @@ from ..adapters import (
     state_size,
 )
 from ..aggregation import Aggregator, ClientUpdate
-from ..aggregation.privacy import privacy_from_config
+from ..aggregation.privacy import DamagedLedgerError, privacy_from_config
+from ..aggregation.update import IDLE_UPDATE_SHARE
 from ..config import FedGRPOConfig
 from ..runtime.distributed import from_main_process, wait_for_everyone
 from ..sampling import clients_per_round, participation_errors, sample_clients
@@ -203,6 +204,9 @@ class FederatedServer:
             self.reward_range, frozen_keys=self.wire.frozen_keys,
             release_log=Path(args.output_dir) / DP_RELEASE_LOG if is_main_process else None,
         )
+        # An update shorter than this share of U is idle (`aggregation.base.is_idle`), not only one of exactly zero.
+        aggregator.idle_norm = IDLE_UPDATE_SHARE * update_norm_unit(args.local_steps, args.learning_rate,
+                                                                    self.global_state)
         self.num_rounds = args.num_rounds  # the rounds this run does: `start_run` sets it
         self.is_main_process, self.num_processes = is_main_process, num_processes
         self.history: list[RoundRecord] = []
@@ -300,6 +304,7 @@ class FederatedServer:
         keys = ("round_idx", "sampled", "rewards", "weights", "bytes_sent", "bytes_received", "dropped")
         result = {
             "wall_time": wall_time,
+            "robust_aggregation": self.args.robust_aggregation,  # the combiner each round's `robust_selected` is of
             "evaluations": {str(idx): value for idx, value in sorted(self.evaluations.items())},
             "rounds": [
                 {**{key: getattr(record, key) for key in keys}, **record.metric_values()} for record in self.history
@@ -472,7 +477,8 @@ class FederatedServer:
         )
         completions = results.pop("completions")
         if self.is_main_process:
-            write_completions(Path(self.args.output_dir) / COMPLETIONS_FILE, round_idx, {**results, "completions": completions})
+            write_completions(Path(self.args.output_dir) / COMPLETIONS_FILE, round_idx,
+                              {**results, "completions": completions})
         self.evaluations[round_idx] = results
         self._fire("on_evaluate_round", round_idx=round_idx, results=results)
         return results
@@ -546,6 +552,8 @@ class FederatedServer:
         self.global_state = checkpoint.global_state
         try:
             self.aggregator.load_state_dict(checkpoint.aggregator)
+        except DamagedLedgerError:  # the ledger in output_dir, not the checkpoint, is at fault: it names the file
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise CorruptCheckpointError(path, f"its aggregator state does not load ({type(error).__name__}: "
                                               f"{error})") from error

@@ -18,8 +18,8 @@ def load_benchmark(data_args):
     """The train and test splits named by `data_args` (`arguments.BenchmarkArguments`)."""
     from datasets import load_dataset, load_from_disk
 
-    from .paper import GEOQA_DATASET, OPEN_R1_DATASET, build_geoqa_benchmark, build_open_r1_benchmark
     from . import reasoning_gym
+    from .paper import GEOQA_DATASET, OPEN_R1_DATASET, build_geoqa_benchmark, build_open_r1_benchmark
 
     paper_benchmarks = {
         "open_r1": (build_open_r1_benchmark, OPEN_R1_DATASET),

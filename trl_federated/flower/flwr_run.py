@@ -5,9 +5,10 @@
 - A `--run-config` key that the app's pyproject.toml does not declare is refused before anything starts, naming the
   key and the closest one; Flower's SuperLink refuses such a run as "[code: 15] Invalid run configuration." and
   names the key only in its own log.
-- With `--stream`, the exit status is the run's: 1 unless `flwr ls --run-id` reports it `finished:completed`.
-  `flwr run --stream` exits 0 however the run ended: a ServerApp that raised, or a SuperLink that failed to install
-  the app's dependencies (Flower's exit code 608 in the log).
+- With `--stream`, the exit status is the run's: 1 unless `flwr ls --run-id` reports it `finished:completed`, and 1
+  when `flwr run` reported no run id at all (text or `--format json`). `flwr run --stream` exits 0 however the run
+  ended: a ServerApp that raised, or a SuperLink that failed to install the app's dependencies (Flower's exit code
+  608 in the log); under `--format json` it exits 0 even when no run started.
 - Ctrl-C stops the run (`flwr stop`), with its ServerApp, ClientApps and a simulation's Ray processes, and exits 130;
   Ctrl-C on `flwr run --stream` stops only its log stream, and the run goes on.
 
@@ -33,6 +34,11 @@ from .run_config import run_config_keys
 
 # What `flwr run` prints once the SuperLink has accepted the run.
 STARTED = re.compile(r"Successfully started run (\d+)")
+# What it prints instead under `--format json` (Flower 1.41/1.42, `flwr.cli.run.run`): only a JSON object, indented
+# by rich's `print_json`, one key a line, whose "run-id" is the id as a string (null where no run started).
+JSON_RUN_ID = re.compile(r'"run-id"\s*:\s*"?(\d+)')
+# A terminal's colour codes, which rich may add around the JSON's keys and values (FORCE_COLOR).
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # `flwr ls`'s status of a run that finished without error.
 COMPLETED = "finished:completed"
 # The exit status of a command that Ctrl-C (SIGINT) ended, as shells report it.
@@ -55,6 +61,13 @@ def check_run_config(app: Path, overrides: list[str] | None) -> None:
             f"--run-config key `{key}` is not declared in {pyproject} ([tool.flwr.app.config]), so Flower would "
             f"refuse the run.{advice}"
         )
+
+
+def started_run_id(line: str) -> str | None:
+    """The run id `line` of `flwr run`'s output announces: its text line, or its JSON's "run-id" (`--format json`)."""
+    line = ANSI_ESCAPE.sub("", line)
+    started = STARTED.search(line) or JSON_RUN_ID.search(line)
+    return started.group(1) if started else None
 
 
 def run_status(flwr: str, superlink: str | None, run_id: str) -> tuple[str, str]:
@@ -99,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in process.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
-            started = STARTED.search(line)
-            run_id = run_id or (started and started.group(1))
+            run_id = run_id or started_run_id(line)
         returncode = process.wait()
     except KeyboardInterrupt:
         if run_id is not None:
@@ -112,8 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         process.send_signal(signal.SIGINT)  # where the interrupt reached this process alone, not its group
         process.wait()
         return INTERRUPTED
-    if returncode or not args.stream or run_id is None:
+    if returncode or not args.stream:
         return returncode
+    if run_id is None:  # nothing started, or an answer this wrapper cannot read: either way no run to vouch for
+        print("`flwr run` reported no run id (neither 'Successfully started run <id>' nor a JSON \"run-id\"): no "
+              "run started, or none that can be followed.", file=sys.stderr)
+        return 1
     status, details = run_status(flwr, args.superlink, run_id)
     if status != COMPLETED:
         print(f"Run {run_id} is {status}: {details}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 import time
 from collections import defaultdict
@@ -30,6 +31,8 @@ from ..runtime.distributed import from_main_process
 from ..runtime.master_weights import linear_term, read_master
 from .record_privacy import RecordPrivacyMixin
 from .speedups import SPEEDUP_FIELDS, FastGRPOMixin, TrainerMixin, base_name, wants_speedups
+
+logger = logging.getLogger(__name__)
 
 
 class LocalGRPOMixin(TrainerMixin):
@@ -184,6 +187,24 @@ def with_speedups(trainer_class: type, args) -> type:
             f"{base_name(trainer_class)} does not have: turn it off."
         )
     return mixed_class(FastGRPOMixin, trainer_class, "Fast")
+
+
+def drop_unsupported_speedups(trainer_class: type, args) -> list[str]:
+    """Turn off the speed-ups `args` turns on that `trainer_class` cannot take (`with_speedups` refuses them for a
+    class outside `trl.GRPOTrainer`'s family), with one logged notice naming them; return their names. A federation
+    calls it before the model loads, so that a config written for GRPO (the quickstart's) runs as written with
+    `--trainer_class trl.RLOOTrainer` rather than losing every client at its first round."""
+    if issubclass(trainer_class, GRPOTrainer):
+        return []
+    switched_on = [name for name in SPEEDUP_FIELDS if getattr(args, name, False)]
+    for name in switched_on:
+        setattr(args, name, False)
+    if switched_on:
+        logger.warning(
+            "%s turned off: they speed up `trl.GRPOTrainer`'s private methods, which %s does not have; it trains "
+            "without them.", ", ".join(f"`{name}`" for name in switched_on), base_name(trainer_class),
+        )
+    return switched_on
 
 
 @functools.cache

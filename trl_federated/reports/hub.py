@@ -12,6 +12,7 @@ named after `output_dir`, with `HfApi.create_repo` and `HfApi.upload_folder`, as
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ..config import CONFIG_CLASSES, FedGRPOConfig
 from ..core.callbacks import RoundCallback
 from ..data.partition import split_description
 from ..methods import METHODS
-from ..runtime.models import DEFAULT_MODEL_PROVENANCE, base_model_hub_id, is_default_model
+from ..runtime.models import DEFAULT_MODEL, DEFAULT_MODEL_PROVENANCE, base_model_hub_id, is_default_model
 from .summary import ROUND_NUMBERING, format_evaluations
 
 TAG_NAMES = ["trl", "grpo", "trl-federated", "federated-learning", "fgrpo"]
@@ -112,6 +113,36 @@ def federation_section(
     return "\n".join(lines)
 
 
+# TRL's quick start section, which `usage_example` replaces.
+QUICK_START = re.compile(r"## Quick start\n\n```python\n.*?```\n", re.DOTALL)
+
+
+def adapter_location(args: FedGRPOConfig) -> str:
+    """Where a reader of the card finds the adapter: its Hub repository when the run pushes it, else `output_dir`."""
+    return hub_model_id(args) if args.push_to_hub else str(args.output_dir)
+
+
+def usage_example(model_id: str | None, adapter: str) -> str:
+    """The card's quick start: the base model loaded as the run loaded it (the embedded default by its name, through
+    this package; any other with transformers), the adapter at `adapter` on it with PEFT, and one answer generated."""
+    if is_default_model(model_id):
+        load = (f"from trl_federated.runtime.models import load_model_and_tokenizer\n\n"
+                f"base, tokenizer = load_model_and_tokenizer({DEFAULT_MODEL!r})  # the embedded SmolLM2-135M-Instruct")
+    else:
+        load = (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                f"base = AutoModelForCausalLM.from_pretrained({model_id!r})\n"
+                f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})")
+    return (
+        "## Quick start\n\nThe base model with this LoRA adapter on it:\n\n```python\nfrom peft import PeftModel\n"
+        f"{load}\nmodel = PeftModel.from_pretrained(base, {adapter!r})\n"
+        'messages = [{"role": "user", "content": "What is 12 + 7? Give the answer inside <answer></answer>."}]\n'
+        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+        "return_dict=True)\n"
+        "output = model.generate(**inputs, max_new_tokens=64)\n"
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))\n```\n'
+    )
+
+
 def federated_model_card(
     model,
     args: FedGRPOConfig,
@@ -138,6 +169,12 @@ def federated_model_card(
         paper_title=PAPER["title"],
         paper_id=PAPER["id"],
     )
+    # TRL's template fills what a federated card must say otherwise: its quick start names the repository as a full
+    # model for `pipeline` (the folder holds an adapter), its card data a `licence: license` placeholder, and its
+    # "Training procedure" opens with blank lines where the W&B and Trackio badges go.
+    card.text = QUICK_START.sub(lambda _: usage_example(model_id, adapter_location(args)), card.text, count=1)
+    card.data.pop("licence", None)
+    card.text = re.sub(r"(## Training procedure\n)\s*\n(?=This model was trained)", r"\1\n", card.text, count=1)
     if base_model is None:  # TRL's template would link "huggingface.co/None"
         card.text = card.text.replace("[None](https://huggingface.co/None)", "a local model", 1)
     if is_default_model(model_id):  # `base_model` names the original; the weights trained on are a 4-bit build of it

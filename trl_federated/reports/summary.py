@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # How summary.md numbers rounds: as the files of the run do.
 ROUND_NUMBERING = (
     "Rounds are numbered t = 0, 1, ..., as the global adapters `round-<t>/`, the checkpoints `checkpoint-<t>/` and "
-    "`round` in metrics.jsonl: \"Round t\" is the global adapter after round t."
+    "`round_idx` in metrics.jsonl and result.json: \"Round t\" is the global adapter after round t."
 )
 
 
@@ -73,6 +73,27 @@ def format_round_table(history: list[RoundRecord]) -> str:
             dashes = " | ".join("-" for _ in per_client)
             lines.append(f"| {record.round_idx} | {shown} | {client_id} | dropped | {dashes} | - | - | - |")
     return "\n".join(lines)
+
+
+# What the round table's own columns mean; the aggregator's columns say it themselves (`RoundMetric.legend`).
+COLUMN_LEGENDS = {
+    "Round": "t, the round (`round_idx`)",
+    "R̄": "the mean reward the client reported: of its last `reward_window` local steps, each step's over its prompts "
+    "× completions",
+    "ω": "the weight the client's adapter took in the round's combination: the method's (data volume, RPG's softmax), "
+    "renormalised over the clients a robust combiner kept (0 for those it left out, under `krum`/`multi_krum`); under "
+    "`trimmed_mean`, `median` and `bulyan`, which combine coordinate by coordinate, the method's weight as computed",
+    "Sent (bytes)": "the client's update as it went on the wire",
+    "Received (bytes)": "the global adapter the client received",
+}
+
+
+def format_legend(history: list[RoundRecord]) -> str:
+    """The legend of `format_round_table`'s columns: its own (`COLUMN_LEGENDS`), then each aggregator metric's
+    (`RoundMetric.legend`), one line each, by the label that heads the column."""
+    specs = {metric.name: metric for record in history for metric in record.round_metrics}
+    legends = [*COLUMN_LEGENDS.items(), *((metric.label, metric.legend) for metric in specs.values() if metric.legend)]
+    return "\n".join(f"- {label}: {text}." for label, text in legends)
 
 
 def format_communication(history: list[RoundRecord]) -> str:
@@ -136,7 +157,7 @@ def write_summary(
         wall = sum(record.wall_time for record in history)
         sections += ["## Communication", format_communication(history)]
         sections += [f"## Rounds ({len(history)} rounds, {wall:.0f} s)", format_round_table(history),
-                     information_reading(history)]
+                     format_legend(history), information_reading(history)]
     path = Path(path)
     path.write_text("\n\n".join(section for section in sections if section) + "\n", encoding="utf-8")
     return path

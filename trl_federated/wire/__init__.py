@@ -28,7 +28,7 @@ def register_wire_format(name: str, codec: Codec) -> None:
 
 
 register_wire_format("float32", Exact())
-register_wire_format("bfloat16", Cast(torch.bfloat16))
+register_wire_format("bfloat16", Cast(torch.bfloat16, "bfloat16"))
 register_wire_format("int8", Blockwise(INT8_LEVELS))
 register_wire_format("nf4", Blockwise(NF4_LEVELS))
 register_wire_format("fp4", Blockwise(FP4_LEVELS))
@@ -87,7 +87,8 @@ class WireFormat:
     def decode(self, payload: AdapterState, reference: AdapterState) -> AdapterState:
         """The client's full adapter as the server sees it: `reference` where nothing was sent. A payload without
         exactly the entries that travel is a `ValueError`: a missing entry is never filled in from `reference`;
-        so is a payload that no encoding gives (the codec's `decode`)."""
+        so is a payload that no encoding gives (the codec's `decode`: quantized codes and scales no `quantize` gives,
+        a rounded change in any dtype but the wire's)."""
         sent = self.sent(reference)
         expected = {name for key in sent for name in self.codec.payload_keys(key)}
         if set(payload) != expected:

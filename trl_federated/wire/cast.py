@@ -11,8 +11,8 @@ from .codec import ChangeCodec
 class Cast(ChangeCodec):
     """Sends each entry's change in `dtype`."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, name: str):
+        self.dtype, self.name = dtype, name  # its value of `transfer_dtype`, for the messages
 
     def encode(self, sent, reference, residual):
         return {key: change.to(self.dtype) for key, change in self.changes(sent, reference).items()}
@@ -20,4 +20,7 @@ class Cast(ChangeCodec):
     def decode_change(self, payload, key, reference):
         if tuple(payload[key].shape) != tuple(reference.shape):  # a smaller change would broadcast
             raise ValueError(f"shape {tuple(payload[key].shape)}, expected {tuple(reference.shape)}")
+        # the wire's dtype only: `.float()` would read an int64 or complex payload as some change
+        if payload[key].dtype != self.dtype:
+            raise ValueError(f"dtype {payload[key].dtype}, expected {self.dtype} (transfer_dtype={self.name!r})")
         return payload[key].float()

@@ -1,7 +1,8 @@
 """Differential privacy of the federation, one concern a module: client-level DP with its accountant
 (`client_level.ClientLevelPrivacy`, DP-FedAvg), adaptive clipping (`adaptive_clipping`), the server's side of
-record-level DP (`record_level`; the clients' DP-SGD is `local.record_privacy`) and the ledger every release is
-appended to (`ledger`); and the mechanism a config asks for (`privacy_from_config`)."""
+record-level DP (`record_level`; the clients' DP-SGD is `local.record_privacy`), the ledger every release is
+appended to (`ledger`) and its reading (`release_ledger`); and the mechanism a config asks for
+(`privacy_from_config`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .adaptive_clipping import AdaptiveClipping
 from .client_level import ClientLevelPrivacy
 from .ledger import append_ledger_line, load_dp_accounting
 from .record_level import RECORD_EPSILON, RecordPrivacyReports
+from .release_ledger import DamagedLedgerError
 
 if TYPE_CHECKING:
     from ...config import FedGRPOConfig
@@ -88,6 +90,7 @@ __all__ = [
     "RECORD_EPSILON",
     "AdaptiveClipping",
     "ClientLevelPrivacy",
+    "DamagedLedgerError",
     "RecordPrivacyReports",
     "append_ledger_line",
     "load_dp_accounting",

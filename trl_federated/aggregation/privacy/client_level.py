@@ -23,10 +23,12 @@ reported after every round. docs/privacy.md derives the bound on max_i ω_i that
 The noise comes from its own generators, seeded from a secret noise seed, the round and the release's ordinal, never
 from torch's global one: a run without DP draws nothing here. Every release is appended to a ledger outside the
 checkpoints (`release_log`, `dp-releases.jsonl` in the output folder) before its adapter can leave the server, and the
-ordinal is the count of releases that ledger holds: a run resumed from its last checkpoint draws the noise the
-uninterrupted run would have, while a round redone after its release (a resume from an earlier checkpoint, or after a
-crash between the release and its checkpoint) draws fresh noise and is counted again in ε, so that no two releases of
-one round share noise that their difference would cancel. Entries the clients never change (LoRA A under
+ordinal is the count of releases that ledger holds: a round redone after its release (a resume from an earlier
+checkpoint, or after a crash between the release and its checkpoint) is counted again in ε. Each checkpoint carries the
+ledger up to itself, which the file must start with (a missing one is started from it, a differing one refused), and a
+resumed process mixes fresh randomness of its own into the noise (`session`, recorded with each release), so that no
+two releases share noise that their difference would cancel, even when the ledger lacks releases made after the
+checkpoint (a resume into another output folder). Entries the clients never change (LoRA A under
 `lora_aggregation: freeze_a`) take no noise. The clients sampled each round are drawn from a secret derived from the
 noise seed (`sampling_seed`), not from the run's `seed` that clients may know: the sampling amplification the
 accountant counts on holds against them.
@@ -49,6 +51,7 @@ from ...adapters import AdapterState, scaled_update, state_distance
 from ..update import RoundMetric
 from .adaptive_clipping import AdaptiveClipping
 from .ledger import append_ledger_line, load_dp_accounting
+from .release_ledger import DamagedLedgerError, add_run, costlier_event, read_ledger
 
 if TYPE_CHECKING:
     from ..update import ClientUpdate
@@ -110,12 +113,19 @@ class ClientLevelPrivacy:
         self.reward_noise_multiplier = reward_noise_multiplier if reward_range is not None else None
         self.target_delta, self.max_epsilon = target_delta, max_epsilon
         self.noise_seed = secrets.randbits(63) if noise_seed is None else noise_seed
+        # Fresh randomness of this process, mixed into the noise once a checkpoint is resumed (`load_state_dict`);
+        # None before: a run started afresh is reproducible from its noise seed alone.
+        self.session: int | None = None
         self.frozen_keys = frozenset(frozen_keys)
         self.release_log = None if release_log is None else Path(release_log)
         self.releases = 0  # releases made so far, redone rounds included: the next one's noise ordinal
         # The rounds composed so far, as runs of identical events (a resumed run may change σ): [(event spec, count)].
         # ε is always computed from it, so that a resumed run reports the uninterrupted run's ε to the last bit.
         self.ledger: list[tuple[dict[str, Any], int]] = []
+        # The releases as `release_log` holds them, where they differ from what `ledger` charges (a release logged
+        # after a resumed checkpoint is charged as `costlier_event`); None: as `ledger`. The next resume checks the
+        # file against it.
+        self.logged: list[tuple[dict[str, Any], int]] | None = None
         self.last_epsilon: float | None = None
         self.last_noise_std: float | None = None
         self.last_rewards: dict[str, float] = {}
@@ -131,7 +141,11 @@ class ClientLevelPrivacy:
         so that a tensor's noise does not depend on the order of the others, which a checkpoint does not keep): a
         function of the noise seed, the round and the release's ordinal (`releases`), so that a redone round draws
         fresh noise (the separators keep seed 1, round 23 apart from seed 12, round 3)."""
-        seed = random.Random(f"dp-noise/{stream}/{self.noise_seed}/{round_idx}/{self.releases}").getrandbits(63)
+        # A resumed process mixes in its own fresh `session`: the ledger it resumes may lack releases made after the
+        # checkpoint elsewhere (another output folder, a ledger restored from a copy), whose ordinals it would repeat.
+        session = "" if self.session is None else f"/{self.session}"
+        key = f"dp-noise/{stream}/{self.noise_seed}/{round_idx}/{self.releases}{session}"
+        seed = random.Random(key).getrandbits(63)
         return torch.Generator().manual_seed(seed)
 
     @property
@@ -219,26 +233,16 @@ class ClientLevelPrivacy:
     def append_release(self, event: dict[str, Any]) -> None:
         """Count one release in the ledger, and in `release_log` first (flushed to disk), so that a crash after it
         still counts it when the run resumes."""
-        if self.release_log is not None:
-            append_ledger_line(self.release_log, {"release": self.releases, "event": event})
+        if self.release_log is not None:  # the session too: with the seed it reproduces the release's noise
+            append_ledger_line(self.release_log, {"release": self.releases, "event": event, "session": self.session})
         self.releases += 1
-        if self.ledger and self.ledger[-1][0] == event:
-            self.ledger[-1] = (event, self.ledger[-1][1] + 1)
-        else:
-            self.ledger.append((event, 1))
+        add_run(self.ledger, event)
+        if self.logged is not None:
+            add_run(self.logged, event)
 
     def read_release_log(self) -> list[dict[str, Any]]:
-        """The events `release_log` holds, in order; [] without one. A torn last line (a crash while appending) is a
-        release that never left: it is not counted."""
-        if self.release_log is None or not self.release_log.exists():
-            return []
-        events = []
-        for line in self.release_log.read_text(encoding="utf-8").splitlines():
-            try:
-                events.append(json.loads(line)["event"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                break
-        return events
+        """The events `release_log` holds, in order (`release_ledger.read_ledger`); [] without one."""
+        return [] if self.release_log is None else read_ledger(self.release_log)
 
     def epsilon_after(self, more_rounds: int) -> float:
         """ε at δ were `more_rounds` rounds composed after those of the ledger (the ledger is left as it is)."""
@@ -315,28 +319,63 @@ class ClientLevelPrivacy:
             "noise_seed": self.noise_seed,
             "ledger": [{"event": dict(event), "rounds": count} for event, count in self.ledger],
         }
+        if self.logged is not None:
+            state["logged_ledger"] = [{"event": dict(event), "rounds": count} for event, count in self.logged]
         if self.adaptive is not None:  # the C the next round clips at
             state["clip_norm"] = self.clip_norm
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the noise seed, the ledger and, with adaptive clipping, C (a checkpoint of a run without it keeps
-        the configured C). With a `release_log`, the ledger is every release it holds, those made after the checkpoint
-        included (a round redone on resume is then a further release, with fresh noise); else the checkpoint's, whose
-        ε is that of the run that saved it."""
-        checkpointed = [(dict(entry["event"]), int(entry["rounds"])) for entry in state["ledger"]]
+        the configured C), and draw this process's fresh `session` (logged), so that no release of the resumed run
+        repeats the noise of one made before, wherever it was made.
+
+        The checkpoint carries its ledger, and `release_log` must start with it: a file whose first releases differ
+        (a σ rewritten, lines removed) is a `DamagedLedgerError` naming it, and a missing or empty one (a resume into
+        another output folder) is started from the checkpoint's. Releases the file holds beyond the checkpoint's
+        (made after it; a round redone on resume is then a further release) are counted too, each as the costlier of
+        its logged event and this run's (`costlier_event`): the checkpoint cannot vouch for them."""
+        def events(runs):
+            return [dict(entry["event"]) for entry in runs for _ in range(int(entry["rounds"]))]
+
+        checkpointed = events(state["ledger"])  # as charged
+        expected = events(state.get("logged_ledger", state["ledger"]))  # as the file must hold them
         self.noise_seed = int(state["noise_seed"])
         if self.adaptive is not None and "clip_norm" in state:
             self.clip_norm = float(state["clip_norm"])
         logged = self.read_release_log()
-        if len(logged) < sum(count for _, count in checkpointed):
-            # a ledger shorter than the checkpoint's (deleted, or another folder's): count the checkpoint's releases
-            logged = [event for event, count in checkpointed for _ in range(count)]
-        self.ledger, self.releases = [], 0
-        for event in logged:
-            self.releases += 1
-            if self.ledger and self.ledger[-1][0] == event:
-                self.ledger[-1] = (event, self.ledger[-1][1] + 1)
-            else:
-                self.ledger.append((event, 1))
+        if self.release_log is None:  # no ledger kept (a caller that never resumes): the checkpoint's
+            logged = list(expected)
+        elif not logged and expected:
+            logger.warning("The DP release ledger %s is missing or empty: starting it from the checkpoint's %d "
+                           "releases (releases made after that checkpoint in another folder are not counted here).",
+                           self.release_log, len(expected))
+            for ordinal, event in enumerate(expected):
+                append_ledger_line(self.release_log,
+                                   {"release": ordinal, "event": event, "session": None, "from_checkpoint": True})
+            logged = list(expected)
+        elif (mismatch := next((ordinal for ordinal, event in enumerate(expected)
+                                if ordinal >= len(logged) or logged[ordinal] != event), None)) is not None:
+            found = "missing" if mismatch >= len(logged) else json.dumps(logged[mismatch], sort_keys=True)
+            raise DamagedLedgerError(
+                f"The DP release ledger {self.release_log} does not start with the {len(expected)} releases of the "
+                f"checkpoint being resumed: release {mismatch} is {found} in the file, "
+                f"{json.dumps(expected[mismatch], sort_keys=True)} in the checkpoint. The file was changed or belongs "
+                "to another run: restore it, or resume into an empty output folder."
+            )
+        current = self.round_event()
+        counted = checkpointed + [costlier_event(event, current) for event in logged[len(expected):]]
+        self.ledger, self.releases = [], len(counted)
+        for event in counted:
+            add_run(self.ledger, event)
+        self.logged = None
+        if counted != logged:
+            self.logged = []
+            for event in logged:
+                add_run(self.logged, event)
         self.last_epsilon = self.epsilon_after(0) if self.ledger else None
+        self.session = secrets.randbits(63)
+        if self.release_log is not None:  # the process that releases (other processes sync its state every round)
+            logger.info("Resumed under DP after %d releases: this process draws fresh noise (session %x, recorded "
+                        "with each release in %s), so no release repeats earlier noise; ε counts every release above.",
+                        self.releases, self.session, self.release_log)

@@ -16,9 +16,10 @@ RECORD_EPSILON = "record_epsilon"
 
 
 class RecordPrivacyReports:
-    """The server's side of record-level DP, which the clients run (`local.record_privacy`): the ε each client last
-    reported for its records (a client's own account: the server cannot check it), and the worst, which the run
-    reports every round (`dp_record_epsilon_worst`)."""
+    """The server's side of record-level DP, which the clients run (`local.record_privacy`): the largest ε each client
+    reported for its records (a client's own account: the server cannot check it; the gate refuses an update without a
+    finite ε ≥ 0, `admission.check_record_epsilon`), and the worst, which the run reports every round
+    (`dp_record_epsilon_worst`)."""
 
     def __init__(self, target_delta: float, clip_norm: float):
         self.target_delta, self.clip_norm = target_delta, clip_norm
@@ -26,8 +27,9 @@ class RecordPrivacyReports:
 
     def observe(self, updates: list[ClientUpdate]) -> None:
         for update in updates:
-            if RECORD_EPSILON in update.metrics:
-                self.epsilons[update.client_id] = float(update.metrics[RECORD_EPSILON])
+            if RECORD_EPSILON in update.metrics:  # a client's ε only grows: a lower report does not lower it
+                epsilon = float(update.metrics[RECORD_EPSILON])
+                self.epsilons[update.client_id] = max(epsilon, self.epsilons.get(update.client_id, epsilon))
 
     def round_metrics(self) -> list[RoundMetric]:
         worst = max(self.epsilons.values(), default=None)

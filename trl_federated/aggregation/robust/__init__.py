@@ -8,13 +8,15 @@ coordinate, over the n clients that reported:
     TrimmedMean(β)   sort the n values; drop the k = max(1, ⌊β n⌋) smallest and the k largest (at least one:
                      Flower's ⌊β n⌋ alone trims nothing with n < 1/β, 5 clients at β = 0.2, and silently
                      leaves the plain mean; so n ≥ 3 is required);
-                     C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (the method's weights, renormalised)
+                     C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (ω equal: see below)
     CoordinateMedian C = the median of the n values (the mean of the two middle ones for even n); ω is ignored
 
 and Δ = C − θ. A trimmed mean with k ≥ 1 ignores up to k arbitrary values per coordinate and per side; a median,
 fewer than half of the clients. Both keep the method's server step (SGD or Adam) and its per-client state (RPG's
-φ, σ); only the median gives up the method's weighting, since weights a client influences (its R̄, its sample
-count) would let it steer a weighted median.
+φ, σ), but not its weighting: the aggregator passes every combiner equal weights (`Aggregator.aggregate`), since
+weights a client influences (its R̄ under RPG, its sample count) would let it take most of what the combiner keeps
+(a client lying about its R̄ within the allowed range took ω = 0.815: 0.85 of a Multi-Krum average of four, 0.90
+of a trimmed mean of three).
 
 Krum, Multi-Krum and Bulyan (Flower's strategies of the same names) select whole clients by their distances to the
 others before combining (`krum`, `bulyan`): they tolerate f = `robust_num_malicious` arbitrary clients given

@@ -24,9 +24,10 @@ def squared_distances(client_states: list[dict[str, torch.Tensor]]) -> torch.Ten
 
 def krum_scores(distances: torch.Tensor, num_malicious: int) -> torch.Tensor:
     """Krum's score of each client (Blanchard et al. 2017, Eq. 3): the sum of its squared distances to its
-    n − f − 2 nearest other clients."""
+    n − f − 2 nearest other clients, and to one at least (as Flower's): Bulyan's last picks run Krum over 2f + 1
+    candidates, where n − f − 2 is 0 and every score would be 0, the pick then going by client index."""
     n = distances.shape[0]
-    nearest = n - num_malicious - 2
+    nearest = max(1, n - num_malicious - 2)
     others = distances + torch.diag(torch.full((n,), math.inf, dtype=distances.dtype))  # no client is its own
     return others.sort(dim=1).values[:, :nearest].sum(dim=1)
 
@@ -34,9 +35,10 @@ def krum_scores(distances: torch.Tensor, num_malicious: int) -> torch.Tensor:
 class Krum(RobustCombiner):
     """Krum and Multi-Krum (Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant Gradient
     Descent", NeurIPS 2017), as Flower's `Krum` and `MultiKrum`: the m clients of lowest score (`krum_scores`,
-    distances over the whole adapter) are kept, and C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i, the method's weights
-    renormalised over them. m = 1 is Krum (C is the chosen client's adapter); Multi-Krum keeps m = n − f by default.
-    Tolerates f = `num_malicious` arbitrary clients among n ≥ 2f + 3.
+    distances over the whole adapter) are kept, and C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i, the weights passed
+    (equal, from the aggregator) renormalised over them. m = 1 is Krum (C is the chosen client's adapter); Multi-Krum
+    keeps m = n − f by default, and never more than n − f. Tolerates f = `num_malicious` arbitrary clients among
+    n ≥ 2f + 3.
 
     The selection needs every entry of every adapter, the aggregation combines one block of entries at a time:
     `prepare` selects once per aggregation, `pseudo_gradient` combines each block of the clients selected."""
@@ -61,19 +63,27 @@ class Krum(RobustCombiner):
     def prepare(self, global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]]) -> None:
         n = len(client_states)
         check_robust_clients(self.name, n, self.num_malicious, self.min_clients(self.num_malicious))
-        m = min(self.num_selected or n - self.num_malicious, n)
+        # never more than n − f: a round that dropouts left smaller would otherwise average an attacker in
+        m = min(self.num_selected or n - self.num_malicious, n - self.num_malicious)
         scores = krum_scores(squared_distances(client_states), self.num_malicious)
         self.selected = sorted(scores.argsort(stable=True)[:m].tolist())
+
+    def applied_weights(self, weights: list[float]) -> list[float]:
+        """The weight each client takes in C: the method's `weights` renormalised over the clients selected (equal
+        when theirs are all 0), 0 for the others."""
+        total = sum(weights[i] for i in self.selected)
+        return [
+            (weights[i] / total if total > 0 else 1 / len(self.selected)) if i in self.selected else 0.0
+            for i in range(len(weights))
+        ]
 
     def pseudo_gradient(
         self, global_state: dict[str, torch.Tensor], client_states: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> dict[str, torch.Tensor]:
-        kept = [weights[i] for i in self.selected]
-        total = sum(kept)
-        omega = [w / total for w in kept] if total > 0 else [1 / len(kept)] * len(kept)
+        omega = self.applied_weights(weights)
         delta = {}
         for key, reference in global_state.items():
-            combined = sum(w * client_states[i][key].float() for w, i in zip(omega, self.selected))
+            combined = sum(omega[i] * client_states[i][key].float() for i in self.selected)
             delta[key] = combined - reference.float()
         return delta
 

@@ -4,9 +4,9 @@
     TrimmedMean(β)   sort the n values; drop the k = max(1, ⌊β n⌋) smallest and the k largest (at least one:
                      Flower's ⌊β n⌋ alone trims nothing with n < 1/β, 5 clients at β = 0.2, and silently
                      leaves the plain mean; so n ≥ 3 is required);
-                     C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (the method's weights, renormalised)
+                     C = Σ_{i kept} ω_i θ_i / Σ_{i kept} ω_i        (ω equal: the aggregator passes equal weights)
 
-and Δ = C − θ. It ignores up to k arbitrary values per coordinate and per side, and keeps the method's weighting."""
+and Δ = C − θ. It ignores up to k arbitrary values per coordinate and per side."""
 
 from __future__ import annotations
 
