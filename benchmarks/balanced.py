@@ -35,15 +35,14 @@ from harness.cells import (
     gold_answers,
     no_information_section,
     round_records,
+    shadow_predictiveness,
     task_items,
     with_shared_base,
 )
-from harness.grid import add_run_arguments, grid_cells, grid_main
-from harness.significance import holm, t_interval
-from premise import paired, shadow_predictiveness
+from harness.grid import add_run_arguments, grid_cells, grid_main, parse_extra_seeds
+from harness.significance import holm, paired, t_interval
 from trl_federated.methods import METHODS
 from trl_federated.reports.compare import Cell, markdown
-from verdict import parse_extra_seeds
 
 DEFAULT_CONFIG = "examples/configs/balanced.yaml"
 DEFAULT_OUTPUT_DIR = "benchmarks/results/grid-balanced"

@@ -42,11 +42,10 @@ from harness.cells import (
     machines,
     no_information_section,
     round_records,
+    shadow_predictiveness,
 )
 from harness.grid import add_run_arguments, grid_cells, grid_main, report_files
-from harness.significance import holm, paired_p, t_interval
-from trl_federated.aggregation.rpg import RPGAggregator
-from trl_federated.aggregation.update import ClientUpdate
+from harness.significance import holm, paired
 from trl_federated.methods import METHODS
 from trl_federated.reports.compare import Cell
 
@@ -68,22 +67,6 @@ def accuracies(result: dict) -> dict[str, float]:
     final = evaluations[max(evaluations, key=int)]["accuracy"]
     tasks = {key: 100 * value for key, value in final.items() if key != TOTAL}
     return {TOTAL: 100 * final[TOTAL], **tasks, WORST: min(tasks.values()) if tasks else math.nan}
-
-
-def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> tuple[float | None, float | None]:
-    """The correlation of RPG's gain with the next change of R̄ over a run's client-rounds, and its z against the
-    permutation null (`RPGAggregator.predictiveness_z`): RPG's formula (default settings) applied to the R̄ and step
-    rewards the run's clients reported, whatever weighed them (what RPG would have read in a FedAvg run). The
-    noise-aware gain's standard error reads all the step rewards a client sent: the premise config's window is its
-    whole round, which is what they are."""
-    aggregator = RPGAggregator(gain=gain)
-    for record in rounds:
-        updates = [
-            ClientUpdate(client_id, {}, 1, reward, metrics=record.get("client_metrics", {}).get(client_id, {}))
-            for client_id, reward in record["rewards"].items()
-        ]
-        aggregator.client_weights(updates, record["round_idx"])
-    return aggregator.prediction_sums.correlation(), aggregator.last_z
 
 
 def run_diagnostics(rounds: list[dict]) -> dict[str, float]:
@@ -116,12 +99,6 @@ def run_diagnostics(rounds: list[dict]) -> dict[str, float]:
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
-
-
-def paired(differences: list[float]) -> dict[str, float]:
-    """The t-interval of paired differences and the two-sided p-value of their mean being 0 (`paired_p`: none where
-    the differences do not spread, as identical differences over 2 seeds: a t-test cannot read them)."""
-    return {**t_interval(differences), "p": paired_p(differences)}
 
 
 def summarize(results: dict[Cell, dict], root: Path) -> dict:

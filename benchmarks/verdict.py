@@ -35,7 +35,6 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 from harness.cells import (
@@ -53,7 +52,7 @@ from harness.cells import (
     test_item_tasks,
     with_task_groups,
 )
-from harness.grid import add_run_arguments, grid_cells, grid_main
+from harness.grid import add_run_arguments, grid_cells, grid_main, parse_extra_seeds
 from harness.significance import holm, minimum_detectable, paired_gain, paired_p, seeds_for, t_interval
 from trl_federated.methods import ABLATIONS, METHODS
 from trl_federated.reports.compare import Cell, markdown
@@ -79,26 +78,6 @@ def reading(interval: dict[str, float]) -> str:
         return "baseline better"
     return "not resolved (interval holds 0)"
 
-
-
-def parse_extra_seeds(specs: Iterable[str], methods: list[str]) -> dict[str, list[int]]:
-    """`["fgrpo,fedavg:3,4,5"]` -> `{"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}`: seeds that only some methods run,
-    on top of `--seeds`; every named method must be among `methods`."""
-    extra: dict[str, list[int]] = {}
-    for spec in specs:
-        names, colon, seeds = spec.partition(":")
-        try:
-            values = [int(seed) for seed in seeds.split(",") if seed.strip()]
-        except ValueError:
-            values = []
-        if not colon or not values or not names.strip():
-            raise ValueError(f"--extra_seeds takes METHOD[,METHOD...]:SEED[,SEED...] (e.g. fgrpo,fedavg:3,4,5), "
-                             f"got {spec!r}.")
-        for name in (name.strip() for name in names.split(",")):
-            if name not in methods:
-                raise ValueError(f"--extra_seeds names {name!r}, which is not among --methods ({', '.join(methods)}).")
-            extra[name] = [*extra.get(name, []), *(seed for seed in values if seed not in extra.get(name, []))]
-    return extra
 
 
 

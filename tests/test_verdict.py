@@ -294,7 +294,7 @@ FAKE_CELL = ROOT / "tests" / "scripts" / "fake_cell.py"
 
 def test_extra_seeds_go_to_the_named_methods_after_the_common_seeds():
     methods = ["fgrpo", "fgrpo-paper", "fedavg", "fedprox", "scaffold"]
-    extra = verdict.parse_extra_seeds(["fgrpo,fedavg:3,4,5"], methods)
+    extra = harness.grid.parse_extra_seeds(["fgrpo,fedavg:3,4,5"], methods)
     assert extra == {"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}
     cells = harness.grid.grid_cells(methods, [0, 1, 2], extra, [3], ["0.05"])
     assert len(cells) == 3 * 5 + 2 * 3  # 21: 3 seeds for all, 6 for FGRPO and FedAvg
@@ -302,11 +302,11 @@ def test_extra_seeds_go_to_the_named_methods_after_the_common_seeds():
     assert [(c.method, c.seed) for c in cells[15:]] == [(m, s) for s in (3, 4, 5) for m in ("fgrpo", "fedavg")]
     assert {c.setting for c in cells} == {"N=3,mu=0.05"}
     # a seed named twice runs once; separate specs add up
-    assert verdict.parse_extra_seeds(["fgrpo:0,3", "fgrpo:3,4"], methods) == {"fgrpo": [0, 3, 4]}
+    assert harness.grid.parse_extra_seeds(["fgrpo:0,3", "fgrpo:3,4"], methods) == {"fgrpo": [0, 3, 4]}
     assert len(harness.grid.grid_cells(["fgrpo"], [0, 1], {"fgrpo": [0, 3]}, [3], ["0.05"])) == 3
     for bad in ("fgrpo", "fgrpo:", "fgrpo:x", ":3", "fedsgd:3"):
         with pytest.raises(ValueError, match="extra_seeds"):
-            verdict.parse_extra_seeds([bad], methods)
+            harness.grid.parse_extra_seeds([bad], methods)
 
 
 def _fake_spec(folder, **spec):

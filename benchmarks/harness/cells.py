@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from trl_federated.aggregation.rpg import RPGAggregator
+from trl_federated.aggregation.update import ClientUpdate
 from trl_federated.core.callbacks import read_metrics
 from trl_federated.reports.compare import Cell, load_result
 
@@ -278,3 +280,19 @@ def no_information_section(root: Path, results: dict[Any, dict]) -> tuple[str, d
         *rows, "", *cells,
     ])  # fmt: skip
     return text + "\n", table
+
+
+def shadow_predictiveness(rounds: list[dict], gain: str = "paper") -> tuple[float | None, float | None]:
+    """The correlation of RPG's gain with the next change of R̄ over a run's client-rounds, and its z against the
+    permutation null (`RPGAggregator.predictiveness_z`): RPG's formula (default settings) applied to the R̄ and step
+    rewards the run's clients reported, whatever weighed them (what RPG would have read in a FedAvg run). The
+    noise-aware gain's standard error reads all the step rewards a client sent: the premise config's window is its
+    whole round, which is what they are."""
+    aggregator = RPGAggregator(gain=gain)
+    for record in rounds:
+        updates = [
+            ClientUpdate(client_id, {}, 1, reward, metrics=record.get("client_metrics", {}).get(client_id, {}))
+            for client_id, reward in record["rewards"].items()
+        ]
+        aggregator.client_weights(updates, record["round_idx"])
+    return aggregator.prediction_sums.correlation(), aggregator.last_z

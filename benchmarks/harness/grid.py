@@ -19,7 +19,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,26 @@ def grid_cells(methods: list[str], seeds: list[int], extra_seeds: dict[str, list
         for method in methods
         if seed in method_seeds[method]
     ]
+
+
+def parse_extra_seeds(specs: Iterable[str], methods: list[str]) -> dict[str, list[int]]:
+    """`["fgrpo,fedavg:3,4,5"]` -> `{"fgrpo": [3, 4, 5], "fedavg": [3, 4, 5]}`: seeds that only some methods run,
+    on top of `--seeds`; every named method must be among `methods`."""
+    extra: dict[str, list[int]] = {}
+    for spec in specs:
+        names, colon, seeds = spec.partition(":")
+        try:
+            values = [int(seed) for seed in seeds.split(",") if seed.strip()]
+        except ValueError:
+            values = []
+        if not colon or not values or not names.strip():
+            raise ValueError(f"--extra_seeds takes METHOD[,METHOD...]:SEED[,SEED...] (e.g. fgrpo,fedavg:3,4,5), "
+                             f"got {spec!r}.")
+        for name in (name.strip() for name in names.split(",")):
+            if name not in methods:
+                raise ValueError(f"--extra_seeds names {name!r}, which is not among --methods ({', '.join(methods)}).")
+            extra[name] = [*extra.get(name, []), *(seed for seed in values if seed not in extra.get(name, []))]
+    return extra
 
 
 class BudgetError(ValueError):

@@ -115,3 +115,8 @@ def seeds_for(sd: float, half_width: float, confidence: float = 0.95, limit: int
             return n
     return None
 
+
+def paired(differences: list[float]) -> dict[str, float]:
+    """The t-interval of paired differences and the two-sided p-value of their mean being 0 (`paired_p`: none where
+    the differences do not spread, as identical differences over 2 seeds: a t-test cannot read them)."""
+    return {**t_interval(differences), "p": paired_p(differences)}
