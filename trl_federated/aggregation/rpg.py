@@ -221,20 +221,22 @@ class RPGAggregator(Aggregator):
         without 3 pairs or without spread."""
         rng = np.random.default_rng(sum(map(len, self.report_history.values())))
         sums = np.zeros((6, permutations))  # count, Σx, Σy, Σxx, Σyy, Σxy per permutation
-        for reports in self.report_history.values():
-            if len(reports) < 2:
-                continue
-            order = rng.permuted(np.tile(np.arange(len(reports)), (permutations, 1)), axis=1)
-            rewards, stderrs = (np.asarray(column)[order] for column in zip(*reports))
-            baseline, volatility = rewards[:, 0], np.full(permutations, self.sigma_min)
-            previous_gain = None
-            for step in range(len(reports)):
-                gain, volatility = self.gain_step(baseline, volatility, rewards[:, step], stderrs[:, step])
-                if previous_gain is not None:
-                    x, y = previous_gain, rewards[:, step] - rewards[:, step - 1]
-                    sums += np.stack([np.ones(permutations), x, y, x * x, y * y, x * y])
-                previous_gain = gain
-                baseline = self.lambda_base * rewards[:, step] + (1 - self.lambda_base) * baseline
+        # R̄ far apart in a float's range overflows the sums: that null is NaN, and so None, as the statistic itself.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for reports in self.report_history.values():
+                if len(reports) < 2:
+                    continue
+                order = rng.permuted(np.tile(np.arange(len(reports)), (permutations, 1)), axis=1)
+                rewards, stderrs = (np.asarray(column)[order] for column in zip(*reports))
+                baseline, volatility = rewards[:, 0], np.full(permutations, self.sigma_min)
+                previous_gain = None
+                for step in range(len(reports)):
+                    gain, volatility = self.gain_step(baseline, volatility, rewards[:, step], stderrs[:, step])
+                    if previous_gain is not None:
+                        x, y = previous_gain, rewards[:, step] - rewards[:, step - 1]
+                        sums += np.stack([np.ones(permutations), x, y, x * x, y * y, x * y])
+                    previous_gain = gain
+                    baseline = self.lambda_base * rewards[:, step] + (1 - self.lambda_base) * baseline
         correlations = [PredictionSums(*column).correlation() for column in sums.T]
         correlations = [value for value in correlations if value is not None]
         if len(correlations) < 2 or not np.std(correlations) > 0:
