@@ -202,6 +202,18 @@ def test_the_readme_and_the_verdict_state_the_premise_grids_result():
         assert f"{max(zs):+.2f}" in text and f"{min(zs):+.2f}".replace("-", "−") in text
 
 
+def test_the_readme_and_the_verdict_state_the_balanced_pilots_result():
+    """Both pages read as benchmarks/results/grid-balanced/pilot.json does: its gate's outcome, each cell's total, the
+    base model's and the reference policy's."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "grid-balanced" / "pilot.json").read_text(encoding="utf-8"))
+    totals = [cell["total"] for cell in report["cells"].values()]
+    reference = report["references"]["Total"]
+    for text in (" ".join(README.split()), " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())):
+        assert f"{reference['base']:.2f}%" in text and f"{reference['reference']:.2f}%" in text
+        assert all(f"{total['final']:.2f}%" in text for total in totals)
+        assert ("pilot passed" in text) == (report["status"] == "PASS")
+
+
 def test_the_verdict_says_no_cell_of_the_first_grid_beats_what_no_information_scores():
     """docs/verdict.md's reading of the first benchmark, as benchmarks/results/grid/verdict.json's references and
     per-cell totals give it."""
