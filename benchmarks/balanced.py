@@ -39,7 +39,7 @@ from harness.cells import (
     task_items,
     with_shared_base,
 )
-from harness.grid import add_run_arguments, grid_cells, grid_main, parse_extra_seeds
+from harness.grid import add_run_arguments, extra_seeds_argument, grid_cells, grid_main
 from harness.significance import holm, paired, t_interval
 from trl_federated.methods import METHODS
 from trl_federated.reports.compare import Cell, markdown
@@ -176,10 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if BASELINE not in args.methods:
         parser.error(f"--methods must include {BASELINE!r}, the method every other is paired with.")
-    try:
-        extra_seeds = parse_extra_seeds(args.extra_seeds, args.methods)
-    except ValueError as error:
-        parser.error(str(error))
+    extra_seeds = extra_seeds_argument(parser, args.extra_seeds, args.methods)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     cells = grid_cells(args.methods, args.seeds, extra_seeds, [3], ["0.05"])

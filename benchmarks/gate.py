@@ -30,7 +30,7 @@ from pathlib import Path
 
 from harness.cells import BUDGET_FILE, finished_results
 from harness.grid import BudgetError, add_run_arguments, run_grid
-from harness.significance import paired_gain
+from harness.significance import p_text, paired_gain
 from trl_federated.reports.compare import Cell, markdown
 
 LEVEL = 0.05  # both tests at 5%: the 95% interval above 0, McNemar's two-sided p below 0.05
@@ -68,12 +68,6 @@ def run_record(result: dict) -> dict:
     if "hard" in base["accuracy"] and "hard" in final["accuracy"]:
         record["hard_gain"] = 100 * (final["accuracy"]["hard"] - base["accuracy"]["hard"])
     return record
-
-
-def _p(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value:.2g}" if value >= 1e-4 else "< 1e-4"
 
 
 def write_report(
@@ -118,9 +112,9 @@ def write_report(
                 f"{record['base']:.2f}",
                 f"{record['final']:.2f}",
                 f"{record['gain']:+.2f} [{record['low']:+.2f}, {record['high']:+.2f}]",
-                _p(record["p_value"]),
+                p_text(record["p_value"]),
                 f"{record['improved']} / {record['worsened']}",
-                _p(record["mcnemar_p"]),
+                p_text(record["mcnemar_p"]),
                 "—" if hard is None else f"{hard:+.2f}",
                 "PASS" if record["passed"] else "FAIL",
             ]
@@ -187,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(
                 f"{'PASS' if record['passed'] else 'FAIL'} {name}: {record['gain']:+.2f} points "
-                f"[{record['low']:+.2f}, {record['high']:+.2f}], McNemar p {_p(record['mcnemar_p'])}"
+                f"[{record['low']:+.2f}, {record['high']:+.2f}], McNemar p {p_text(record['mcnemar_p'])}"
             )
     return 0 if status == "PASS" and not failed else 1
 

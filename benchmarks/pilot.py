@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harness.cells import finished_results, gold_answers, no_information_section, task_items, with_shared_base
 from harness.grid import add_run_arguments, grid_main
-from harness.significance import paired_gain
+from harness.significance import p_text, paired_gain
 from trl_federated.reports.compare import Cell, markdown
 
 LEVEL = 0.05  # McNemar's two-sided p below it
@@ -51,10 +51,6 @@ def task_records(tasks: list[str], gold: list[str], base: list[float], final: li
                                 and len(solved) >= MIN_DISTINCT_ANSWERS)  # fmt: skip
         records[task] = record
     return records
-
-
-def _p(value: float | None) -> str:
-    return "—" if value is None else (f"{value:.2g}" if value >= 1e-4 else "< 1e-4")
 
 
 def write_report(root: Path, cells: list[Cell], command: str) -> tuple[str, str]:
@@ -94,13 +90,13 @@ def write_report(root: Path, cells: list[Cell], command: str) -> tuple[str, str]
             top = task_record["top_new_answer"]
             rows.append([
                 name, task, f"{task_record['base']:.2f}", f"{task_record['final']:.2f}", f"{task_record['gain']:+.2f}",
-                f"{task_record['improved']} / {task_record['worsened']}", _p(task_record["mcnemar_p"]),
+                f"{task_record['improved']} / {task_record['worsened']}", p_text(task_record["mcnemar_p"]),
                 str(task_record["new_answers"]), "—" if top is None else f"'{top[0]}' ×{top[1]}",
                 "PASS" if task_record["passed"] else "—",
             ])  # fmt: skip
         mark = "beats" if beats else "**does not beat**"
         rows.append([name, "**Total**", f"{total['base']:.2f}", f"{total['final']:.2f}", f"{total['gain']:+.2f}",
-                     f"{total['improved']} / {total['worsened']}", _p(total["mcnemar_p"]), "", "",
+                     f"{total['improved']} / {total['worsened']}", p_text(total["mcnemar_p"]), "", "",
                      f"{mark} the reference {reference['Total']['reference']:.2f}"])  # fmt: skip
         record["cells"][name] = {"tasks": per_task, "total": total, "beats_reference": beats,
                                  "passed_tasks": passed_tasks}  # fmt: skip

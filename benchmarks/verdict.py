@@ -52,7 +52,7 @@ from harness.cells import (
     test_item_tasks,
     with_task_groups,
 )
-from harness.grid import add_run_arguments, grid_cells, grid_main, parse_extra_seeds
+from harness.grid import add_run_arguments, extra_seeds_argument, grid_cells, grid_main
 from harness.significance import holm, minimum_detectable, paired_gain, paired_p, seeds_for, t_interval
 from trl_federated.methods import ABLATIONS, METHODS
 from trl_federated.reports.compare import Cell, markdown
@@ -347,10 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--methods must include {REFERENCE!r}, the method every baseline is paired with.")
     if args.parallel < 1:
         parser.error(f"--parallel must be at least 1, got {args.parallel}.")
-    try:
-        extra_seeds = parse_extra_seeds(args.extra_seeds, args.methods)
-    except ValueError as error:
-        parser.error(str(error))
+    extra_seeds = extra_seeds_argument(parser, args.extra_seeds, args.methods)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     cells = grid_cells(args.methods, args.seeds, extra_seeds, args.num_clients, args.dirichlet_alpha)

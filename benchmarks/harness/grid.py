@@ -81,6 +81,16 @@ def parse_extra_seeds(specs: Iterable[str], methods: list[str]) -> dict[str, lis
     return extra
 
 
+def extra_seeds_argument(
+    parser: argparse.ArgumentParser, specs: Iterable[str], methods: list[str]
+) -> dict[str, list[int]]:
+    """`parse_extra_seeds` of a script's `--extra_seeds`, a malformed one a usage error of `parser`."""
+    try:
+        return parse_extra_seeds(specs, methods)
+    except ValueError as error:
+        parser.error(str(error))
+
+
 class BudgetError(ValueError):
     """A grid folder holds cells of another budget (`check_budget`)."""
 

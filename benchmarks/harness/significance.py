@@ -120,3 +120,10 @@ def paired(differences: list[float]) -> dict[str, float]:
     """The t-interval of paired differences and the two-sided p-value of their mean being 0 (`paired_p`: none where
     the differences do not spread, as identical differences over 2 seeds: a t-test cannot read them)."""
     return {**t_interval(differences), "p": paired_p(differences)}
+
+
+def p_text(value: float | None) -> str:
+    """A p-value as the reports print it: two significant digits, "< 1e-4" below that, "—" for none."""
+    if value is None:
+        return "—"
+    return f"{value:.2g}" if value >= 1e-4 else "< 1e-4"
