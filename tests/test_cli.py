@@ -179,11 +179,13 @@ def test_a_cpu_run_takes_the_free_cores_and_promises_a_time_only_on_a_measured_k
     quiet = cpu_run_notice("AMD EPYC", 2, True, 2, 0.1, threads_set=False)
     assert quiet.startswith("CPU run on 2 cores (AMD EPYC) with native bf16") and "\n" not in quiet
     assert "2 threads a process, for the cores the load average 0.10 leaves free" in quiet
-    assert "`make demo` took 4 min 37 s (quiet, 2026-11-26) on 2 cores of this kind" in quiet
+    assert "`make demo` took 4 min 37 s (quiet, the first benchmark, 2026-11-26) on 2 cores of this kind" in quiet
+    xeon = cpu_run_notice("Intel(R) Xeon(R) Processor", 2, True, 2, 0.1, threads_set=False)
+    assert "`make demo` took 4 min 25 s (quiet, 2026-11-28) on 2 cores of this kind" in xeon
     busy = cpu_run_notice("AMD EPYC", 2, True, 1, 4.8, threads_set=False)
     assert "1 thread a process, for the cores the load average 4.80 leaves free" in busy
     assert "takes longer beside other jobs" in busy
-    elsewhere = cpu_run_notice("Intel(R) Xeon(R) Processor", 2, True, 2, 0.0, threads_set=False)
+    elsewhere = cpu_run_notice("Intel(R) Xeon(R) Processor", 4, True, 2, 0.0, threads_set=False)
     assert "no `make demo` time was measured on this kind of CPU" in elsewhere and " min " not in elsewhere
     assert "3 threads a process, as OMP_NUM_THREADS sets" in cpu_run_notice("AMD EPYC", 8, False, 3, 0.0, True)
 
