@@ -195,8 +195,8 @@ def train_local_round(
         local_state = read_master_state(model)
         if held_out is not None:  # R̄: the local model's greedy mean reward on the same rows every round
             measured = time.perf_counter()
-            evaluation = evaluate(model, local_state, processing_class, held_out, args, reward_funcs, args.reward_weights)
-            reward = statistics.fmean(evaluation["row_rewards"])
+            scored = evaluate(model, local_state, processing_class, held_out, args, reward_funcs, args.reward_weights)
+            reward = statistics.fmean(scored["row_rewards"])
             signal_metrics = {"signal_seconds": time.perf_counter() - measured}
         update = ClientUpdate(
             client_id=client_id,
