@@ -20,7 +20,7 @@ and per task, and each RPG variant's total accuracy minus FedAvg's, paired by se
 Cost, measured 2026-11-28 (Intel Xeon, native bf16, one thread, beside a grid on both cores, load ~5.6): the greedy
 evaluation of 32 training items of the benchmark by the embedded SmolLM2-135M-Instruct with a LoRA adapter, in the
 config's settings (batch 32, 64 new tokens, fast generation), took 0.74 CPU s an item (1.30 s wall); quiet, on an AMD
-EPYC with AVX512-BF16, ~0.17 s (docs of issue 57). A held-out cell measures 4 clients × 12 rounds × 160 = 7,680 items:
+EPYC with AVX512-BF16, issue 57 measured ~0.17 s. A held-out cell measures 4 clients × 12 rounds × 160 = 7,680 items:
 ~0.36 CPU h quiet, up to ~1.6 h at the loaded rate, on top of the ~0.7 CPU h a premise cell took (grid-premise): the
 pilot's 6 cells ~5 CPU h quiet, ~7.5 loaded; two at a time (`--parallel 2`) ~2.5-4 h of wall time.
 
