@@ -120,7 +120,8 @@ def train_local_round(
         model: The client's `PeftModel`; its active adapter is overwritten with `global_state` first.
         global_state: The global adapter θ^{[t]}.
         client_id: Stable name of the client, reported in the update.
-        train_dataset: The client's private training set.
+        train_dataset: The client's private training set (its rows D_i); under `rpg_signal="held-out"` the round sets
+            its held-out slice aside from it (`data.partition.held_out_split`).
         args: The client's local configuration (`local_training_args`).
         reward_funcs, processing_class, callbacks, trainer_kwargs: As for `GRPOTrainer`.
         extras: What the server sent besides the adapter (`Aggregator.client_extras`: SCAFFOLD's c and c_i). The
