@@ -320,3 +320,48 @@ def test_the_premise_report_regenerates_from_its_committed_cells(tmp_path):
         "--seeds 0 1`", f"--seeds 0 1 --output_dir {copy}`").replace(
         "--grid benchmarks/results/grid-premise`", f"--grid {copy}`")
     assert (copy / "premise.md").read_text(encoding="utf-8") == expected
+
+
+def test_the_balanced_premise_pilot_gates_on_the_runs_own_z_and_its_report_regenerates_from_the_cells(tmp_path):
+    """benchmarks/premise_balanced.py's report from a folder of finished cells: the gate (an RPG variant's mean z over
+    its 2 seeds > 2) PENDING until all 6 cells finished, then read from each run's last round record; each RPG variant's
+    total accuracy minus FedAvg's paired by seed; `--report_only` writes the same report again from the same cells."""
+    from trl_federated.reports.compare import Cell
+
+    script = load("premise_balanced")
+    grid = tmp_path / "grid-premise-balanced"
+    z = {"fgrpo": (0.5, -0.3), "fgrpo-held-out": (2.4, 1.8)}
+    totals = {"fedavg": (0.30, 0.32), "fgrpo": (0.31, 0.30), "fgrpo-held-out": (0.33, 0.34)}
+
+    def write(method, seed):
+        directory = Cell(method, seed, 4, None).directory(grid)
+        directory.mkdir(parents=True)
+        accuracy = {"chain_sum": 0.2, "gcd": totals[method][seed], "Total": totals[method][seed]}
+        (directory / "result.json").write_text(json.dumps({"evaluations": {
+            "-1": {"accuracy": {"chain_sum": 0.1, "gcd": 0.1, "Total": 0.1}}, "11": {"accuracy": accuracy}}}))
+        rounds = [{"event": "round", "round_idx": t, "rewards": {"client_0": 0.1 * t, "client_1": 0.2},
+                   "reward_stderr": {"client_0": 0.03, "client_1": 0.05},
+                   **({} if method == "fedavg" else {"gain_predictiveness_run": 0.1, "gain_predictiveness_null": -0.4,
+                                                     "gain_predictiveness_z": z[method][seed]})} for t in range(4)]
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in rounds))
+        (directory / "cost.json").write_text(json.dumps([{"cpu_seconds": 3600.0, "wall_seconds": 3700.0}]))
+
+    for method in ("fedavg", "fgrpo", "fgrpo-held-out"):
+        write(method, 0)
+    assert script.main(["--report_only", "--output_dir", str(grid)]) == 0
+    pending = json.loads((grid / "premise-balanced.json").read_text())
+    assert pending["status"] == "PENDING" and pending["gate"]["fgrpo-held-out"] == {"mean_z": 2.4, "seeds": 1}
+    for method in ("fedavg", "fgrpo", "fgrpo-held-out"):
+        write(method, 1)
+    assert script.main(["--report_only", "--output_dir", str(grid)]) == 0
+    summary = json.loads((grid / "premise-balanced.json").read_text())
+    assert summary["status"] == "PASS"  # held-out: mean z 2.1; the paper's gain 0.1
+    assert summary["gate"]["fgrpo"]["mean_z"] == pytest.approx(0.1)
+    assert summary["paired"]["fgrpo-held-out"]["by_seed"] == {"0": pytest.approx(3.0), "1": pytest.approx(2.0)}
+    assert summary["paired"]["fgrpo"]["mean"] == pytest.approx(-0.5)
+    report = (grid / "premise-balanced.md").read_text()
+    assert report.startswith("# The premise pilot on the balanced benchmark (PASS)") and script.GATE in report
+    assert "- fgrpo-held-out: seed 0 +3.00, seed 1 +2.00; mean +2.50" in report
+    (grid / "premise-balanced.md").unlink()
+    assert script.main(["--report_only", "--output_dir", str(grid)]) == 0
+    assert (grid / "premise-balanced.md").read_text() == report

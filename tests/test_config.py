@@ -126,7 +126,8 @@ HAND_KEPT_RESULT_FIELDS = (
     # the federation
     "seed", "local_steps", "reward_window", "fraction_train", "min_train_clients", "fedprox_mu", "scaffold_correction",
     "rpg_lambda_base", "rpg_iota", "rpg_sigma_min", "rpg_sigma_max", "rpg_tau_min", "rpg_tau_max",
-    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max", "rpg_gain", "rpg_noise_threshold", "aggregation_args",
+    "rpg_lambda_anneal", "rpg_eps", "rpg_h_max", "rpg_gain", "rpg_noise_threshold", "rpg_signal", "rpg_signal_items",
+    "aggregation_args",
     "server_optimizer_args",
     "server_learning_rate", "server_beta1", "server_beta2", "server_epsilon", "server_bias_correction",
     "update_norm_bound", "update_norm_action", "robust_aggregation", "robust_trim_fraction", "max_client_samples",

@@ -325,6 +325,8 @@ def local_federation(model_dir, data_dirs, output_dir, aggregation, node_ids=(11
     # θ_i − θ in 4-bit codes and block scales; round 1's updates carry round 0's rounding, which each node keeps in
     # its context.state as the runner keeps it per client: the same bits either way
     ("fedavg", {"transfer-dtype": "nf4"}),
+    # R̄ measured on each client's held-out slice: the ClientApp sets aside the rows the runner's client does
+    ("rpg", {"rpg-signal": "held-out", "rpg-signal-items": 2}),
 ])
 def test_flower_apps_in_one_process_end_where_the_runner_ends(
     tmp_path, tiny_model_dir, client_data_dirs, task_identity, aggregation, wire
@@ -334,6 +336,9 @@ def test_flower_apps_in_one_process_end_where_the_runner_ends(
     assert_states_equal(strategy.global_state, runner.global_state)
     for field in ("weights", "rewards", "bytes_sent", "bytes_received"):  # the same traffic, counted the same way
         assert [getattr(record, field) for record in strategy.history] == [getattr(r, field) for r in runner.history]
+    if "rpg-signal" in wire:  # both measured R̄ on the held-out slice
+        assert all("signal_seconds" in metrics for record in (*strategy.history, *runner.history)
+                   for metrics in record.client_metrics.values())
     if aggregation == "scaffold":  # c and c_i travel down with the adapter, Δc_i up with the update
         adapter = sum(value.numel() * value.element_size() for value in runner.global_state.values())
         assert runner.history[0].bytes_received == {"client_0": 3 * adapter, "client_1": 3 * adapter}

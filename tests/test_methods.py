@@ -21,6 +21,7 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     assert {name: method.overrides() for name, method in METHODS.items()} == {
         "fgrpo": {"aggregation": "rpg", "server_optimizer": "sgd"},
         "fgrpo-noise-aware": {"aggregation": "rpg", "server_optimizer": "sgd", "rpg_gain": "noise-aware"},
+        "fgrpo-held-out": {"aggregation": "rpg", "server_optimizer": "sgd", "rpg_signal": "held-out"},
         "fgrpo-paper": {"aggregation": "rpg", "server_optimizer": "adam"},
         "fgrpo-paper-wo-rpg": {"aggregation": "fedavg", "server_optimizer": "adam"},
         "fgrpo-fedadam": {"aggregation": "rpg", "server_optimizer": "fedadam"},
@@ -39,6 +40,7 @@ def test_the_table_makes_the_harness_cells_and_table_3_pairs():
     # with the averaging step, FGRPO w/o RPG (FedAvg's weights, the same step) is FedAvg
     assert ABLATIONS == {
         "FGRPO": ("fgrpo", "fedavg"), "FGRPO (noise-aware RPG)": ("fgrpo-noise-aware", "fedavg"),
+        "FGRPO (held-out R̄)": ("fgrpo-held-out", "fedavg"),
         "FDAPO": ("fdapo", "fdapo-wo-rpg"), "FGSPO": ("fgspo", "fgspo-wo-rpg"),
         "FGRPO (paper's Adam step)": ("fgrpo-paper", "fgrpo-paper-wo-rpg"),
         "FGRPO (server SGD)": ("fgrpo-sgd", "fedavg"),
@@ -75,6 +77,8 @@ def test_a_method_that_sets_another_field_names_only_the_configurations_with_its
     assert method_name(args) == "FGRPO (noise-aware RPG)"
     args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, aggregation="fedavg", rpg_gain="noise-aware")
     assert method_name(args) == "FedAvg"  # rpg_gain is RPG's: FedAvg keeps its name
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_signal="held-out")
+    assert method_name(args) == "FGRPO (held-out R̄)"
 
 
 def test_fgrpo_step_is_read_as_declared_and_is_the_registered_one():

@@ -100,6 +100,9 @@ AGGREGATIONS = Registry("aggregation", {name: Aggregation(None) for name in ("rp
 # `FedGRPOConfig.rpg_gain`: how RPG turns a client's R̄ into its gain h (`aggregation.rpg`): the paper's Eq. rpg, or
 # the same with the gap soft-thresholded at its standard error (`NoiseAwareGain`).
 RPG_GAINS = ("paper", "noise-aware")
+# `FedGRPOConfig.rpg_signal`: what a client reports as R̄ (`local.client.train_local_round`): the paper's mean reward of
+# its last `reward_window` local steps, or its local model's greedy reward on a fixed slice of its own items.
+RPG_SIGNALS = ("reward-window", "held-out")
 
 # `FedGRPOConfig.update_norm_action`: what happens to an update over `update_norm_bound` (`admission.UpdateGate`).
 NORM_ACTIONS = ("reject", "clip")

@@ -43,6 +43,8 @@ METHODS: dict[str, Method] = {
         # RPG's gain soft-thresholded at R̄'s standard error (`aggregation.rpg`, `rpg_gain`)
         Method("fgrpo-noise-aware", "FGRPO (noise-aware RPG)", "rpg", FGRPO_STEP,
                settings=(("rpg_gain", "noise-aware"),)),
+        # RPG's gain read on R̄ measured greedily on a fixed held-out slice of each client's items (`rpg_signal`)
+        Method("fgrpo-held-out", "FGRPO (held-out R̄)", "rpg", FGRPO_STEP, settings=(("rpg_signal", "held-out"),)),
         # The paper's literal step, Adam with ε = 1e-8 and no bias correction, and its ablation.
         Method("fgrpo-paper", "FGRPO (paper's Adam step)", "rpg", "adam"),
         Method("fgrpo-paper-wo-rpg", "FGRPO (paper's Adam step) w/o RPG", "fedavg", "adam"),

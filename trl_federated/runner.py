@@ -18,8 +18,10 @@ from .adapters import AdapterState, freeze_lora_a, with_federated_adapter
 from .aggregation import Aggregator, ClientUpdate, aggregator_from_config
 from .config import FederatedConfig, FedGRPOConfig
 from .core.callbacks import IntegrationLog, TrainerLogCallback
+from .core.evaluation import evaluate_adapter
 from .core.round_record import RoundRecord
 from .core.server import FederatedServer, NotEnoughClientsError, ServerStateView
+from .data.partition import check_held_out_room
 from .local.client import describe_failure, load_reward_models, local_training_args, train_local_round
 from .local.local_trainer import drop_unsupported_speedups, local_trainer, require_family_config
 from .reports import server_reports
@@ -191,6 +193,8 @@ class FederatedRunner(ServerStateView):
                 f"{args.generation_batch_size} / num_generations {args.num_generations}): {small} rows. Give these "
                 "clients more data, or lower per_device_train_batch_size or steps_per_generation."
             )
+        for name, dataset in self.client_datasets.items():
+            check_held_out_room(len(dataset), args, name)
 
     # One client --------------------------------------------------------------------------------------------
 
@@ -219,6 +223,7 @@ class FederatedRunner(ServerStateView):
             trainer_class=self.trainer_class,
             wire=self.server.wire,
             wire_residual=self.wire_residuals.setdefault(client_id, {}),
+            evaluate=evaluate_adapter,
         )
 
     # Rounds ------------------------------------------------------------------------------------------------

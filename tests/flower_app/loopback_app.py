@@ -38,7 +38,9 @@ def federation_args(output_dir: str, run_config) -> FedGRPOConfig:
         lora_aggregation=run_config.get("lora-aggregation", "separate"),
         transfer_dtype=run_config.get("transfer-dtype", "float32"),
         fraction_train=float(run_config.get("fraction-train", 1.0)),
-        fraction_evaluate=float(run_config.get("fraction-evaluate", 0.0)), **SETTINGS,
+        fraction_evaluate=float(run_config.get("fraction-evaluate", 0.0)),
+        rpg_signal=run_config.get("rpg-signal", "reward-window"),
+        rpg_signal_items=int(run_config.get("rpg-signal-items", 160)), **SETTINGS,
     )
 
 

@@ -89,6 +89,7 @@ def aggregator_from_config(args: FedGRPOConfig, num_clients: int | None = None) 
     aggregator_class = AGGREGATIONS[args.aggregation].aggregator_class
     aggregator = aggregator_class.from_config(args, num_clients or args.num_clients, server_optimizer, combiner)
     aggregator.reward_window = args.reward_window
+    aggregator.signal_items = args.rpg_signal_items if args.rpg_signal == "held-out" else None
     if wants_record_privacy(args):
         aggregator.record_privacy = RecordPrivacyReports(args.dp_target_delta, args.dp_record_clip_norm)
     return aggregator

@@ -24,7 +24,7 @@ from .update import (
     data_shares,
     is_idle,
     refuse_extras,
-    window_stderr,
+    report_stderr,
     zero_signal_share,
 )
 
@@ -158,8 +158,10 @@ class Aggregator(ABC):
         self.privacy = None  # a `privacy.ClientLevelPrivacy` under differential privacy
         self.record_privacy = None  # a `privacy.RecordPrivacyReports` under record-level DP
         # W, the local steps R̄ averages (`FedGRPOConfig.reward_window`, set by `aggregator_from_config`); None: all
-        # the step rewards a client sends
+        # the step rewards a client sends. n, the held-out items R̄ is a greedy mean of instead (`rpg_signal_items`
+        # under `rpg_signal: held-out`, set there too); None: R̄ is the window's
         self.reward_window: int | None = None
+        self.signal_items: int | None = None
         self.last_weights: dict[str, float] = {}
         self.last_reward_stderr: dict[str, float | None] = {}
         self.last_zero_signal: dict[str, float | None] = {}
@@ -286,8 +288,8 @@ class Aggregator(ABC):
         reported (`privacy.RecordPrivacyReports`); RPG reports its gains h and τ first."""
         diagnostics = [
             RoundMetric("reward_stderr", "se(R̄)", dict(self.last_reward_stderr), per_client=True, format=".4f",
-                        legend="the standard error of the client's R̄: the spread of the step rewards it averages "
-                        "over the square root of their number (`reward_stderr`; '-' with fewer than 2 steps)"),
+                        legend="the standard error of the client's R̄: its step rewards' spread over the root of "
+                        "their number, or sqrt(p(1 - p)/n) on n held-out items (`reward_stderr`; '-' with < 2 steps)"),
             RoundMetric("zero_signal_share", "zero-signal", dict(self.last_zero_signal), per_client=True,
                         format=".2f", legend="the share of the client's GRPO groups whose completions all scored "
                         "alike, which carry no gradient (`zero_signal_share`)"),
@@ -308,10 +310,10 @@ class Aggregator(ABC):
         return diagnostics
 
     def reward_stderr(self, update: ClientUpdate) -> float | None:
-        """The standard error of the client's R̄: the sample standard deviation of the window's step rewards (its
-        last `reward_window`, as `admission.check_window_reward` reads them) over the square root of their count;
-        None with fewer than two finite step rewards (or none sent)."""
-        return window_stderr(update.metrics.get("step_rewards", ()), self.reward_window)
+        """The standard error of the client's R̄ (`update.report_stderr`): of its window's step rewards (the last
+        `reward_window`, as `admission.check_window_reward` reads them), or of R̄ measured on `signal_items` held-out
+        items; None with fewer than two finite step rewards (or none sent)."""
+        return report_stderr(update, self.reward_window, self.signal_items)
 
     # Per-client state ----------------------------------------------------------------------------------------
 

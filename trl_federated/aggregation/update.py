@@ -97,6 +97,22 @@ def window_stderr(step_rewards, window: int | None) -> float | None:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else None
 
 
+def report_stderr(update: ClientUpdate, window: int | None, items: int | None) -> float | None:
+    """The standard error of a client's R̄: with `items` (R̄ a greedy mean over that many held-out items,
+    `rpg_signal="held-out"`) √(p(1 − p)/n) of R̄ itself (`held_out_stderr`), which under DP reads the released R̃
+    only; else that of the last `window` step rewards it sent (`window_stderr`)."""
+    if items is not None:
+        return held_out_stderr(update.reward, items)
+    return window_stderr(update.metrics.get("step_rewards", ()), window)
+
+
+def held_out_stderr(reward: float, items: int) -> float:
+    """√(p(1 − p)/n): the standard error of p, the mean of a binary reward over n items (`rpg_signal="held-out"`),
+    with p held to [0, 1] (a noised R̃ may lie outside)."""
+    p = min(max(float(reward), 0.0), 1.0)
+    return math.sqrt(p * (1 - p) / items)
+
+
 def zero_signal_share(update: ClientUpdate) -> float | None:
     """The share of the client's GRPO groups whose completions all scored alike (TRL's `frac_reward_zero_std`, its
     mean over the local steps), which carry no advantage and so no policy gradient; None when not sent or outside

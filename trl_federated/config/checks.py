@@ -20,6 +20,7 @@ from ..choices import (
     LORA_AGGREGATIONS,
     NORM_ACTIONS,
     ROBUST_AGGREGATIONS,
+    RPG_SIGNALS,
     SCAFFOLD_CORRECTIONS,
     SERVER_OPTIMIZERS,
     TRANSFER_DTYPES,
@@ -205,7 +206,7 @@ class ConfigChecks:
                 yield f"`{name}` must be a finite number, got {value}."
         for name in (
             "num_rounds", "local_steps", "reward_window", "num_clients", "min_partition_size", "min_clients_per_round",
-            "min_train_clients", "min_evaluate_clients",
+            "min_train_clients", "min_evaluate_clients", "rpg_signal_items",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -234,6 +235,7 @@ class ConfigChecks:
             ("aggregation", AGGREGATIONS), ("lora_aggregation", LORA_AGGREGATIONS),
             ("transfer_dtype", TRANSFER_DTYPES), ("server_optimizer", SERVER_OPTIMIZERS),
             ("scaffold_correction", SCAFFOLD_CORRECTIONS), ("generation_dtype", GENERATION_DTYPE_CHOICES),
+            ("rpg_signal", RPG_SIGNALS),
         ):
             if message := choice_error(name, getattr(self, name), choices):
                 yield message
@@ -334,6 +336,9 @@ class ConfigChecks:
         for name, (refused, why) in coupled.items():
             if refused:
                 yield f"Under record-level DP `{name}` {why}: each record's gradient must depend on that record alone."
+        if self.rpg_signal == "held-out":
+            yield ("`rpg_signal='held-out'` cannot run under record-level DP: each round measures the client's own "
+                   "held-out items, a release its accountant does not count. Use `rpg_signal: reward-window`.")
         if self.aggregation == "rpg" and self.rpg_gain == "noise-aware":
             yield ("`rpg_gain='noise-aware'` cannot run under record-level DP: it reads each client's step rewards, "
                    "which stay on the client (R̄ alone is released, noised). Use `rpg_gain: paper`.")

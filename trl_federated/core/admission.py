@@ -268,7 +268,8 @@ class UpdateGate:
             aggregator=aggregator,
             extras_norm_bound=bound,
             local_steps=args.local_steps,
-            reward_window=args.reward_window,
+            # R̄ measured on held-out items is no mean of the step rewards sent with it
+            reward_window=None if args.rpg_signal == "held-out" else args.reward_window,
             learning_rate=args.learning_rate,
             client_ids=client_ids,
         )

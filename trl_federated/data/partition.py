@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import warnings
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -208,7 +209,36 @@ def partition_clients(dataset: Dataset, args: FedGRPOConfig) -> list[Dataset]:
             f"The partition gives a client {min(sizes)} rows (sizes {sizes}), fewer than `min_partition_size` "
             f"({args.min_partition_size}): use fewer clients, more labels a client, or a smaller min_partition_size."
         )
+    for index, size in enumerate(sizes):  # the clients' held-out slices, refused now rather than in their first round
+        check_held_out_room(size, args, f"client_{index}")
     return partitions
+
+
+def check_held_out_room(size: int, args: FedGRPOConfig, client_id: str) -> None:
+    """`ValueError`, naming `rpg_signal_items`, when under `rpg_signal="held-out"` a client of `size` rows would keep
+    fewer than it may train on beside its held-out slice: `min_partition_size` rows, and one generation batch's prompts
+    (TRL's sampler takes no step on fewer)."""
+    if args.rpg_signal != "held-out":
+        return
+    needed = max(args.min_partition_size, args.generation_batch_size // args.num_generations)
+    if size - args.rpg_signal_items < needed:
+        raise ValueError(
+            f"`rpg_signal_items` ({args.rpg_signal_items}) leaves client {client_id!r} {size - args.rpg_signal_items} "
+            f"of its {size} rows to train on, fewer than {needed} (`min_partition_size`, and one generation batch's "
+            "prompts): lower `rpg_signal_items`, or give the clients more data."
+        )
+
+
+def held_out_split(dataset: Dataset, args: FedGRPOConfig, client_id: str) -> tuple[Dataset, Dataset | None]:
+    """(the rows client `client_id` trains on, its held-out slice) under `rpg_signal`: with "held-out",
+    `rpg_signal_items` rows set aside (`check_held_out_room`), drawn by a generator seeded with the client's id alone,
+    so that every round, whose trainer has a seed of its own, and either transport set aside the same rows; otherwise
+    all of `dataset` and None."""
+    if args.rpg_signal != "held-out":
+        return dataset, None
+    check_held_out_room(len(dataset), args, client_id)
+    held_out = set(random.Random(f"rpg-signal/{client_id}").sample(range(len(dataset)), args.rpg_signal_items))
+    return dataset.select([row for row in range(len(dataset)) if row not in held_out]), dataset.select(sorted(held_out))
 
 
 def default_partition_column() -> str | None:

@@ -93,7 +93,8 @@ class ClientSite:
             into it by key and shape. A model kept across messages (`load_once`) must be the `PeftModel`.
         processing_class: Tokenizer or processor, as for `GRPOTrainer`.
         reward_funcs: As for `GRPOTrainer`.
-        train_dataset: The site's own training set; it never leaves the site.
+        train_dataset: The site's own training set; it never leaves the site. Under `rpg_signal="held-out"` the
+            client round sets its held-out slice aside from it (`data.partition.held_out_split`).
         args: The federation's `FedGRPOConfig` (its GRPO fields configure local training; `seed` must be the
             server's for the run to equal the in-process runner's). `output_dir` is a local scratch folder.
         peft_config: LoRA configuration for a base `model`.
@@ -187,6 +188,7 @@ def make_client_app(
                 site.processing_class, callbacks=site.callbacks, trainer_kwargs=site.trainer_kwargs,
                 extras=instruction.extras, reference_state=reference_adapter(model), trainer_class=trainer_class,
                 wire=wire, wire_residual=residual,  # the reply in the server's wire format
+                evaluate=evaluate_adapter,  # R̄ under rpg_signal "held-out", on the site's own held-out slice
             )
             if residual:
                 context.state[WIRE_RESIDUAL] = state_to_array_record(residual)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from accelerate.state import AcceleratorState
@@ -26,6 +28,7 @@ from trl import GRPOTrainer
 from ..adapters import AdapterState, InvalidUpdateError, set_adapter_state
 from ..aggregation import AGGREGATIONS, Aggregator, ClientUpdate
 from ..config import FedGRPOConfig
+from ..data.partition import held_out_split
 from ..runtime.master_weights import read_master_state, write_master_state
 from ..runtime.memory import ReleaseFreeMemory, release_free_memory
 from ..runtime.vllm_server import reuse_vllm_client
@@ -108,6 +111,7 @@ def train_local_round(
     trainer_class: type[GRPOTrainer] | None = None,
     wire: WireFormat | None = None,
     wire_residual: AdapterState | None = None,
+    evaluate: Callable[..., dict[str, Any]] | None = None,
 ) -> ClientUpdate:
     """Run one client's local round from `global_state` and return its update as the client sends it: its adapter
     encoded for the wire, and its extras.
@@ -116,7 +120,8 @@ def train_local_round(
         model: The client's `PeftModel`; its active adapter is overwritten with `global_state` first.
         global_state: The global adapter θ^{[t]}.
         client_id: Stable name of the client, reported in the update.
-        train_dataset: The client's private training set.
+        train_dataset: The client's private training set (its rows D_i); under `rpg_signal="held-out"` the round sets
+            its held-out slice aside from it (`data.partition.held_out_split`).
         args: The client's local configuration (`local_training_args`).
         reward_funcs, processing_class, callbacks, trainer_kwargs: As for `GRPOTrainer`.
         extras: What the server sent besides the adapter (`Aggregator.client_extras`: SCAFFOLD's c and c_i). The
@@ -131,11 +136,17 @@ def train_local_round(
         wire: The wire format the adapter is sent in (`wire.WireFormat.encode`; default: all of it, in float32).
         wire_residual: The client's own error-feedback memory for a quantized `wire` (`WireFormat.encode`), which the
             round updates; it never leaves the client. None: none kept (each round's rounding is then lost).
+        evaluate: Under `rpg_signal="held-out"`: the greedy evaluation that measures R̄ on the client's held-out
+            slice (`data.partition.held_out_split`) after its local steps, `evaluation.evaluate_adapter`'s signature
+            (the transports pass that one: the client side does not import the server core).
 
     Raises `ClientTimeoutError` when the round, from loading the adapter to its last step, took longer than
     `args.client_timeout` seconds; training already stops at the first step boundary past the limit.
     """
     started, began = time.perf_counter(), time.time()
+    train_rows, held_out = held_out_split(train_dataset, args, client_id)
+    if held_out is not None and evaluate is None:
+        raise ValueError("`rpg_signal='held-out'` measures R̄ by greedy evaluation: pass `evaluate`.")
     if args.beta != 0 and REFERENCE_ADAPTER in model.peft_config:
         raise ValueError(
             f"The model already has an adapter named {REFERENCE_ADAPTER!r}, which TRL reserves for the KL reference "
@@ -154,7 +165,7 @@ def train_local_round(
                 model=model,
                 reward_funcs=reward_funcs,
                 args=args,
-                train_dataset=train_dataset,
+                train_dataset=train_rows,
                 processing_class=processing_class,
                 # First: the callbacks that read the adapter when training begins (FedProx, SCAFFOLD) find θ^{[t]}.
                 callbacks=[LoadMasterWeights(global_state), *(callbacks or [])],
@@ -181,15 +192,23 @@ def train_local_round(
                 f"client {client_id!r} took {elapsed:.1f} s, over client_timeout={args.client_timeout} s "
                 f"(stopped after {trainer.state.global_step} of {args.local_steps} local steps)"
             )
+        train_seconds, reward, signal_metrics = time.perf_counter() - start, trainer.window_reward(), {}
+        local_state = read_master_state(model)
+        if held_out is not None:  # R̄: the local model's greedy mean reward on the same rows every round
+            measured = time.perf_counter()
+            scored = evaluate(model, local_state, processing_class, held_out, args, reward_funcs, args.reward_weights)
+            reward = statistics.fmean(scored["row_rewards"])
+            signal_metrics = {"signal_seconds": time.perf_counter() - measured}
         update = ClientUpdate(
             client_id=client_id,
-            state=(wire or WireFormat()).encode(read_master_state(model), global_state, wire_residual),
-            num_samples=len(train_dataset),
-            reward=trainer.window_reward(),
+            state=(wire or WireFormat()).encode(local_state, global_state, wire_residual),
+            num_samples=len(train_dataset),  # D_i: the client's rows, its held-out slice included
+            reward=reward,
             metrics={
                 "step_rewards": trainer.step_rewards,
                 "train_loss": output.training_loss,
-                "train_seconds": time.perf_counter() - start,
+                "train_seconds": train_seconds,
+                **signal_metrics,
                 # When the round ran, in Unix seconds: clients training in parallel overlap (a list, so that round
                 # logs, which average a round's scalar metrics, leave it out).
                 "wall_clock": [began, time.time()],

@@ -79,7 +79,7 @@ def format_round_table(history: list[RoundRecord]) -> str:
 COLUMN_LEGENDS = {
     "Round": "t, the round (`round_idx`)",
     "R̄": "the mean reward the client reported: of its last `reward_window` local steps, each step's over its prompts "
-    "× completions",
+    "× completions; under `rpg_signal: held-out`, its local model's greedy mean reward on its held-out items",
     "ω": "the weight the client's adapter took in the round's combination: the method's (data volume, RPG's softmax), "
     "renormalised over the clients a robust combiner kept (0 for those it left out, under `krum`/`multi_krum`); under "
     "`trimmed_mean`, `median` and `bulyan`, which combine coordinate by coordinate, the method's weight as computed",
