@@ -27,7 +27,7 @@ from ..aggregation.privacy import RECORD_EPSILON
 from ..config import FedGRPOConfig
 from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local.client import describe_failure, local_training_args, train_local_round
-from ..local.local_trainer import local_trainer
+from ..local.local_trainer import drop_unsupported_speedups, local_trainer
 from ..reports.summary import round_label
 from ..wire import WireFormat
 from .records import (
@@ -157,17 +157,23 @@ def make_client_app(
     documented in `flower.records`; a stock Flower strategy's train message (`FedAvg`: "arrays" and "server-round")
     is taken too. Each local round is logged on the SuperNode (steps, rows, R̄, loss, seconds).
 
-    `trainer_class`: the `GRPOTrainer` subclass that trains each round (TRL's experimental `GMPOTrainer`, or your
-    own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`); checked here, before any message.
+    `trainer_class`: the trainer that trains each round, a `GRPOTrainer` subclass (TRL's experimental `GMPOTrainer`,
+    or your own) or an `RLOOTrainer` one, with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`);
+    checked here, before any message. For a trainer outside GRPO's family the site config's GRPO speed-ups
+    (`shared_prefix`, `fast_generation`) are turned off with one notice, as `trl-federated run` does.
     """
     trainer_class = local_trainer(trainer_class or GRPOTrainer)
     app = ClientApp()
 
     def read_instruction(message: Message, context: Context) -> tuple[TrainInstruction, ClientSite]:
-        """The server's instruction, checked against the node's federation size, and the node's site."""
+        """The server's instruction, checked against the node's federation size, and the node's site, whose config
+        has the speed-ups `trainer_class` cannot take turned off with one notice, as `trl-federated run` turns them
+        off: a config written for GRPO (the example app's) trains an RLOO site rather than failing its every round."""
         instruction = TrainInstruction.from_content(message.content)
         check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
-        return instruction, load_site(context)
+        site = load_site(context)
+        drop_unsupported_speedups(trainer_class, site.args)
+        return instruction, site
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
