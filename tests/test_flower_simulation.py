@@ -1,11 +1,11 @@
-"""`flwr run examples/flower` on Flower's Simulation Engine, as `docs/flower.md`'s quick-try runs it (a managed local
-SuperLink, which installs the app's dependencies per run as Flower does by default), on the tiny model: the number of
-clients follows the simulated SuperNodes, run-config keys override the app's values on the server and on every
-client, and a `num-clients` that differs from the federation is refused before anything trains, in the `flwr run`
-output and its exit status (through `trl_federated.flower.flwr_run`). With one CPU per client, two workers train a
-round's clients at the same time, each loading the model once, and the federation ends where the sequential
-in-process runner ends (tests/flower_app, whose reward gives the tiny model a gradient). Ctrl-C stops the run and
-leaves no process of it behind."""
+"""`flwr run examples/flower` (and on the app `trl-federated new-app` writes) on Flower's Simulation Engine, as
+`docs/flower.md`'s quick-try runs it (a managed local SuperLink, which installs the app's dependencies per run as
+Flower does by default), on the tiny model: the number of clients follows the simulated SuperNodes, run-config keys
+override the app's values on the server and on every client, and a `num-clients` that differs from the federation is
+refused before anything trains, in the `flwr run` output and its exit status (through
+`trl_federated.flower.flwr_run`). With one CPU per client, two workers train a round's clients at the same time,
+each loading the model once, and the federation ends where the sequential in-process runner ends (tests/flower_app,
+whose reward gives the tiny model a gradient). Ctrl-C stops the run and leaves no process of it behind."""
 
 import contextlib
 import itertools
@@ -31,6 +31,7 @@ from test_flower import APP_DIR as LOOPBACK_APP_DIR  # noqa: E402
 from test_flower import assert_states_equal, prompt_datasets, runner_result  # noqa: E402
 from trl_federated import FedGRPOConfig  # noqa: E402
 from trl_federated.arguments import BenchmarkArguments  # noqa: E402
+from trl_federated.cli import main as cli_main  # noqa: E402
 from trl_federated.data import partition_clients  # noqa: E402
 from trl_federated.data.loading import load_benchmark  # noqa: E402
 from trl_federated.flower import flwr_run as flwr_run_module  # noqa: E402
@@ -139,10 +140,17 @@ def test_a_client_app_reaches_the_ray_actors():
 
 
 @pytest.mark.slow  # about a minute on 2 CPU cores: the SuperLink, Ray, and one round of every simulated client
-@pytest.mark.parametrize("num_supernodes", [2, 4])
-def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes):
+@pytest.mark.parametrize("num_supernodes, app", [(2, "new-app"), (4, "example")])
+def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes, app):
+    """On 2 SuperNodes the app `trl-federated new-app` writes (the example's pyproject.toml in a folder of its own),
+    on 4 examples/flower."""
+    app_dir = APP_DIR
+    if app == "new-app":
+        app_dir = tmp_path / "my-app"
+        assert cli_main(["new-app", str(app_dir)]) == 0
     output_dir = tmp_path / "outputs"
-    result = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS)
+    result = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS,
+                      app_dir=app_dir)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     assert (output_dir / "adapter_model.safetensors").exists()
 
