@@ -209,6 +209,13 @@ def test_simulation_refuses_num_clients_other_than_its_supernodes(flwr_env, tmp_
     assert not (output_dir / "metrics.jsonl").exists()
 
 
+def flwr_home_of(process: psutil.Process) -> str | None:
+    """The FLWR_HOME `process` inherited, read from /proc: psutil's `environ()` stops at the first empty entry, and
+    Ray's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) rename themselves by writing NULs over its start."""
+    entries = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+    return next((entry.decode()[len("FLWR_HOME="):] for entry in entries if entry.startswith(b"FLWR_HOME=")), None)
+
+
 def processes_of(flwr_home: Path) -> list[psutil.Process]:
     """Every live process started for `flwr_home`: the local SuperLink and all that its runs started (SuperExec, the
     simulation, Ray's daemons, agents and workers), found by the FLWR_HOME they inherit or the Ray session of such a
@@ -218,9 +225,9 @@ def processes_of(flwr_home: Path) -> list[psutil.Process]:
 
     processes = []
     for process in psutil.process_iter():
-        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess, OSError):
             if alive(process):
-                processes.append((process, process.environ().get("FLWR_HOME"), " ".join(process.cmdline())))
+                processes.append((process, flwr_home_of(process), " ".join(process.cmdline())))
     sessions = {session for _, home, command in processes if home == str(flwr_home)
                 for session in re.findall(r"--session-dir=(\S+)", command)}
     return [process for process, home, command in processes
@@ -285,9 +292,15 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process_of_it(tmp_path_factory, tmp_
         assert wrapper.wait(timeout=120) == 130, log_file.read_text()[-5000:]
         run_id = flwr_run_module.STARTED.search(log_file.read_text()).group(1)
         assert f"Interrupted: run {run_id} stopped." in log_file.read_text()
+        # The simulation process ends once Flower's heartbeat tells it the run stopped, and Ray's processes with it:
+        # its agents outlived it by a minute when its raylet died by SIGKILL (`apps.shut_ray_down_on_stop`).
         deadline = time.monotonic() + 120
-        while not all(map(is_local_superlink, left := command_lines(processes_of(flwr_home)))):
+        while "flwr-simulation" in " ".join(left := command_lines(processes_of(flwr_home))):
             assert time.monotonic() < deadline, "left running:\n" + "\n".join(left)
+            time.sleep(1)
+        deadline = time.monotonic() + 15
+        while not all(map(is_local_superlink, left := command_lines(processes_of(flwr_home)))):
+            assert time.monotonic() < deadline, "left running after the simulation:\n" + "\n".join(left)
             time.sleep(1)
         print("running before Ctrl-C:\n" + "\n".join(running) + "\nafter:\n" + "\n".join(left))
         assert len(left) == 2 and len(running) > len(left)
