@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import reprlib
+import sys
 import time
 import weakref
 from collections.abc import Callable, Hashable
@@ -17,6 +18,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 from flwr.superlink.grid import InMemoryGrid
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -309,6 +311,17 @@ def _prepare_site_model(site: ClientSite, instruction: TrainInstruction) -> tupl
     return model, global_state, wire
 
 
+def shut_ray_down_on_stop() -> None:
+    """Have a stopped simulation shut its Ray cluster down before it exits. `flwr stop` ends the Simulation Engine's
+    process (this ServerApp's) through Flower's exit handlers, which force the exit 5 s later, before Ray's own
+    shutdown at exit: the raylet then dies by SIGKILL, and Ray's dashboard and runtime-env agents, taking that for a
+    crash, spend a minute reporting it to the dead GCS before they exit (Flower 1.42, Ray 2.55). `ray.shutdown`
+    stops the raylet with SIGTERM, and the agents follow it at once."""
+    ray = sys.modules.get("ray")  # the Simulation Engine's backend, which started Ray in this process
+    if ray is not None:
+        add_exit_handler(ray.shutdown, run_before_force_exit=True)
+
+
 def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
     """A `ServerApp` that runs the federation `build_strategy(context)` describes (model, `FedGRPOConfig`, reward
     functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`).
@@ -317,7 +330,8 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
     simulated SuperNodes, as every simulated ClientApp's does, so that `build_strategy` can size the federation by
     it (`run_config.federation_arguments`); a strategy whose `num_clients` differs is refused before any round
     (`FederationSizeError`, naming both numbers), and so is `use_vllm`, whose one server cannot serve the concurrent
-    simulated clients (`FedGRPOConfig.check_vllm`).
+    simulated clients (`FedGRPOConfig.check_vllm`). A simulation that `flwr stop` ends shuts its Ray cluster down
+    before it exits, leaving no Ray process behind (`shut_ray_down_on_stop`).
     """
     app = ServerApp()
 
@@ -326,6 +340,7 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
         federation_size = simulated_federation_size(grid)
         if federation_size is not None:
             context.node_config[NUM_PARTITIONS] = federation_size
+            shut_ray_down_on_stop()
         strategy = build_strategy(context)
         check_federation_size(federation_size, strategy.args.num_clients)
         if federation_size is not None:  # simulated ClientApps run in worker processes of their own
