@@ -293,7 +293,7 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process_of_it(tmp_path_factory, tmp_
         run_id = flwr_run_module.STARTED.search(log_file.read_text()).group(1)
         assert f"Interrupted: run {run_id} stopped." in log_file.read_text()
         # The simulation process ends once Flower's heartbeat tells it the run stopped, and Ray's processes with it:
-        # its agents outlived it by a minute when its raylet died by SIGKILL (`apps.shut_ray_down_on_stop`).
+        # its agents outlived it by a minute when its raylet died by SIGKILL (`apps.shut_ray_down`).
         deadline = time.monotonic() + 120
         while "flwr-simulation" in " ".join(left := command_lines(processes_of(flwr_home))):
             assert time.monotonic() < deadline, "left running:\n" + "\n".join(left)

@@ -311,15 +311,16 @@ def _prepare_site_model(site: ClientSite, instruction: TrainInstruction) -> tupl
     return model, global_state, wire
 
 
-def shut_ray_down_on_stop() -> None:
-    """Have a stopped simulation shut its Ray cluster down before it exits. `flwr stop` ends the Simulation Engine's
-    process (this ServerApp's) through Flower's exit handlers, which force the exit 5 s later, before Ray's own
-    shutdown at exit: the raylet then dies by SIGKILL, and Ray's dashboard and runtime-env agents, taking that for a
-    crash, spend a minute reporting it to the dead GCS before they exit (Flower 1.42, Ray 2.55). `ray.shutdown`
-    stops the raylet with SIGTERM, and the agents follow it at once."""
-    ray = sys.modules.get("ray")  # the Simulation Engine's backend, which started Ray in this process
-    if ray is not None:
-        add_exit_handler(ray.shutdown, run_before_force_exit=True)
+def shut_ray_down() -> None:
+    """Shut down the Ray cluster a simulation started in this process, if any: registered to run when `flwr stop`
+    ends the Simulation Engine's process (this ServerApp's) through Flower's exit handlers, which force the exit 5 s
+    later, before Ray's own shutdown at exit. The raylet then died by SIGKILL, and Ray's dashboard and runtime-env
+    agents, taking that for a crash, spent a minute reporting it to the dead GCS before they exited (Flower 1.42,
+    Ray 2.55); `ray.shutdown` stops the raylet with SIGTERM, and the agents follow it at once. Ray is looked up
+    when the handler runs: the Simulation Engine may still be importing it when the ServerApp starts."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
@@ -331,7 +332,7 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
     it (`run_config.federation_arguments`); a strategy whose `num_clients` differs is refused before any round
     (`FederationSizeError`, naming both numbers), and so is `use_vllm`, whose one server cannot serve the concurrent
     simulated clients (`FedGRPOConfig.check_vllm`). A simulation that `flwr stop` ends shuts its Ray cluster down
-    before it exits, leaving no Ray process behind (`shut_ray_down_on_stop`).
+    before it exits, leaving no Ray process behind (`shut_ray_down`).
     """
     app = ServerApp()
 
@@ -340,7 +341,7 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
         federation_size = simulated_federation_size(grid)
         if federation_size is not None:
             context.node_config[NUM_PARTITIONS] = federation_size
-            shut_ray_down_on_stop()
+            add_exit_handler(shut_ray_down, run_before_force_exit=True)
         strategy = build_strategy(context)
         check_federation_size(federation_size, strategy.args.num_clients)
         if federation_size is not None:  # simulated ClientApps run in worker processes of their own
