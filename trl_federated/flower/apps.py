@@ -319,8 +319,14 @@ def shut_ray_down() -> None:
     Ray 2.55); `ray.shutdown` stops the raylet with SIGTERM, and the agents follow it at once. Ray is looked up
     when the handler runs: the Simulation Engine may still be importing it when the ServerApp starts."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    if ray is None or not ray.is_initialized():
+        return
+    # The Simulation Engine's thread goes on calling Ray until the process exits, and Ray starts a new cluster for a
+    # call without one (`RAY_ENABLE_AUTO_CONNECT`, read once at import), which would die by SIGKILL in turn.
+    auto_init = sys.modules.get("ray._private.auto_init_hook")
+    if auto_init is not None:
+        auto_init.enable_auto_connect = False
+    ray.shutdown()
 
 
 def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
