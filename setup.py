@@ -67,8 +67,10 @@ setup(
     # answered before TRL imports
     package_data={
         "trl_federated.arguments": ["known_parsers.json"],
-        # the example configs by name (`trl-federated run --config quickstart`), copies of examples/
-        "trl_federated": ["examples/configs/*.yaml", "examples/configs/paper/*.yaml", "examples/accelerate/*.yaml"],
+        # the example configs by name (`trl-federated run --config quickstart`) and the example Flower app's
+        # pyproject.toml (`trl-federated new-app DIR`), copies of examples/
+        "trl_federated": ["examples/configs/*.yaml", "examples/configs/paper/*.yaml", "examples/accelerate/*.yaml",
+                          "examples/flower/pyproject.toml"],
     },
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -50,7 +50,7 @@ LAYERS = {
     "transports and drivers": {
         "runner", "trainer", "federation", "flower", "flower.records", "flower.identity", "flower.run_config",
         "flower.strategy",
-        "flower.apps", "flower.flwr_run",
+        "flower.apps", "flower.flwr_run", "flower.fgrpo_app",
     },
     "command line": {"cli", ""},
 }  # fmt: skip

@@ -310,6 +310,8 @@ EXTERNAL = {
 }  # fmt: skip
 # Placeholders a reader replaces: a config of their own, a script of their own.
 PLACEHOLDERS = {"CONFIG.yaml": "examples/configs/quickstart.yaml", "my_grpo_script.py": None}
+# The folders the docs make with `trl-federated new-app`, which writes the example app's pyproject.toml into them.
+NEW_APPS = {"my-fgrpo-app": "examples/flower"}
 # Flower's Simulation Engine options (`--federation-config`), as Flower documents them.
 FLOWER_FEDERATION_KEYS = {"num-supernodes", "client-resources-num-cpus", "client-resources-num-gpus",
                           "init-args-num-cpus", "init-args-num-gpus"}  # fmt: skip
@@ -411,10 +413,12 @@ def check_script_flags(script: Path, argv: list[str]) -> list[str]:
 def check_flwr(argv: list[str]) -> list[str]:
     if argv[:1] in (["supernode"], ["stop"], ["ls"]):
         return []  # Flower's own commands: checked against `flwr --help` in test_flower_commands_in_the_docs_exist
+    if argv == ["new"]:
+        return []  # `flwr new` named in prose, as what `trl-federated new-app` does for this package
     assert argv[0] == "run", argv
     if len(argv) == 1:
         return []  # `flwr run` named in prose
-    app = ROOT / argv[1]
+    app = ROOT / NEW_APPS.get(argv[1], argv[1])
     if not (app / "pyproject.toml").is_file():
         return [f"no Flower app at {argv[1]}"]
     keys = tomllib.loads((app / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["flwr"]["app"]["config"]
@@ -441,6 +445,8 @@ def check_command(words: list[str]) -> list[str]:
             config = args[args.index("--config") + 1] if "--config" in args else "examples/configs/quickstart.yaml"
             return [f"compare has no --{flag}" for flag in flags(args) if f'"--{flag}"' not in source] + (
                 [] if (ROOT / config).is_file() else [f"no config {config}"])  # fmt: skip
+        if args[:1] == ["new-app"]:
+            return [] if args[1:] in (["--help"], *([name] for name in NEW_APPS)) else [f"no new-app {args[1:]}"]
         return [] if args in ([], ["--help"]) else [f"trl-federated has no command {args[0]}"]
     if program == "python":
         if args[:2] == ["-m", "pytest"]:
@@ -513,10 +519,10 @@ def test_the_command_check_catches_what_it_should():
                     reason="Flower is not installed: pip install -e '.[flower]'")  # fmt: skip
 def test_flower_commands_in_the_docs_exist():
     """The Flower CLI's flags the deployment recipe uses are flags of the installed Flower, and each `--node-config`
-    key is one the example's ClientApp (or `trl_federated.flower.apps`) reads."""
+    key is one the example's ClientApp (`trl_federated.flower.fgrpo_app`, `trl_federated.flower.apps`) reads."""
     bin_dir = Path(sys.executable).parent
     helps = {}
-    sources = [*(ROOT / "examples/flower").rglob("*.py"), ROOT / "trl_federated/flower/apps.py"]
+    sources = [*(ROOT / "examples/flower").rglob("*.py"), *(ROOT / "trl_federated/flower").glob("*app*.py")]
     app_source = "".join(path.read_text(encoding="utf-8") for path in sources)
     problems = []
     for name, words in all_commands():

@@ -434,6 +434,40 @@ def test_the_client_app_trains_for_a_stock_flower_fedavg(tiny_model_dir, client_
     assert all(update.metrics["step_rewards"] and math.isfinite(update.reward) for update in updates)
 
 
+def test_the_client_app_turns_grpos_speedups_off_for_an_rloo_trainer_with_one_notice(
+    tmp_path, tiny_model_dir, client_data_dirs, task_identity, caplog
+):
+    """A site config written for GRPO (the example app's `shared-prefix`, `fast-generation`) under `RLOOTrainer`:
+    the ClientApp turns both off with `trl-federated run`'s one notice and trains, where every round failed."""
+    from datasets import load_from_disk
+    from trl import RLOOConfig, RLOOTrainer
+
+    from trl_federated.adapters import with_federated_adapter
+    from trl_federated.config import federated_config
+    from trl_federated.flower import ClientSite, make_client_app
+
+    args = federated_config(RLOOConfig)(
+        **loopback_app.SETTINGS | {"num_clients": 1, "local_steps": 1, "reward_window": 1},
+        output_dir=str(tmp_path / "site"), shared_prefix=True, fast_generation=True,
+    )
+    model = with_federated_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), args.seed)
+    site = ClientSite(model, AutoTokenizer.from_pretrained(tiny_model_dir), loopback_app.length_reward,
+                      load_from_disk(client_data_dirs[0]), args)
+    app = make_client_app(lambda context: site, trainer_class=RLOOTrainer)
+    content = RecordDict({"arrays": state_to_array_record(get_peft_model_state_dict(model)),
+                          "config": ConfigRecord({"server-round": 1})})
+    message = Message(content, dst_node_id=31, message_type=MessageType.TRAIN)
+    message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+    context = Context(run_id=1, node_id=31, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    with caplog.at_level(logging.INFO, logger="trl_federated"):
+        reply = app(message, context)
+    assert not reply.has_error(), reply.error.reason
+    assert (args.shared_prefix, args.fast_generation) == (False, False)
+    notices = [record.getMessage() for record in caplog.records if "turned off" in record.getMessage()]
+    assert notices == ["`shared_prefix`, `fast_generation` turned off: they speed up `trl.GRPOTrainer`'s private "
+                       "methods, which trl.trainer.rloo_trainer.RLOOTrainer does not have; it trains without them."]
+
+
 def test_the_strategy_runs_inside_a_server_app_of_ones_own(tmp_path, tiny_model_dir, client_data_dirs, task_identity):
     """`FederatedStrategy.start(grid, initial_arrays, ...)` as a user's ServerApp calls it: the federation starts
     from `initial_arrays`, the run's outputs are written, the `Result` holds the final adapter and the rounds."""

@@ -16,15 +16,14 @@ pytest.importorskip("flwr")
 from flwr.app import Context, RecordDict  # noqa: E402
 
 from trl_federated.arguments import parse_run_args  # noqa: E402
+from trl_federated.cli import main as cli_main  # noqa: E402
 from trl_federated.flower import flwr_run  # noqa: E402
+from trl_federated.flower.fgrpo_app import APP_KEYS, build_strategy  # noqa: E402
 from trl_federated.flower.run_config import FederationSizeError, federation_arguments  # noqa: E402
 from trl_federated.runtime.models import DEFAULT_MODEL  # noqa: E402
 from trl_federated.scoring.rewards import training_rewards  # noqa: E402
 
 APP_DIR = Path(__file__).parents[1] / "examples" / "flower"
-APP_KEYS = ("resume", "clients-file")
-sys.path.insert(0, str(APP_DIR))
-from fgrpo_app.server_app import build_strategy  # noqa: E402
 
 
 def example_run_config(**overrides):
@@ -138,6 +137,35 @@ def test_a_taken_output_dir_is_refused_before_the_model_loads_with_run_config_ad
                        r'"overwrite-output-dir=true" .* --run-config "output-dir=\.\.\."'):
         build_strategy(context)
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_new_app_writes_a_ready_flower_app_and_refuses_a_folder_that_holds_anything(tmp_path, capsys):
+    """`trl-federated new-app DIR` writes the example app's pyproject.toml, named after DIR: Flower's own check
+    passes and imports its components, the packaged ServerApp and ClientApp. A folder that holds anything is refused
+    in one line, untouched."""
+    from flwr.clientapp import ClientApp
+    from flwr.common.config import validate_config
+    from flwr.serverapp import ServerApp
+    from flwr.supercore.object_ref import load_app
+
+    folder = tmp_path / "my app"
+    assert cli_main(["new-app", str(folder)]) == 0
+    assert f"flwr run {folder} --stream" in capsys.readouterr().out
+    config = tomllib.loads((folder / "pyproject.toml").read_text())
+    assert config["project"]["name"] == "my-app"
+    assert validate_config(config, check_module=True, project_dir=folder)[:2] == (True, [])
+    components = config["tool"]["flwr"]["app"]["components"]
+    assert isinstance(load_app(components["serverapp"], ImportError, folder), ServerApp)
+    assert isinstance(load_app(components["clientapp"], ImportError, folder), ClientApp)
+    assert config["tool"]["flwr"]["app"]["config"] == example_run_config()  # the example's federation
+
+    (folder / "pyproject.toml").write_text("mine")
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["new-app", str(folder)])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and error.count("\n") == 1 and "is not an empty folder" in error
+    assert [path.name for path in folder.iterdir()] == ["pyproject.toml"]
+    assert (folder / "pyproject.toml").read_text() == "mine"
 
 
 # A stand-in for Flower's CLI: `flwr run` accepts the run and streams its log, `flwr ls` reports RUN_STATUS; each

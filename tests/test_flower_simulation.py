@@ -1,11 +1,11 @@
-"""`flwr run examples/flower` on Flower's Simulation Engine, as `docs/flower.md`'s quick-try runs it (a managed local
-SuperLink, which installs the app's dependencies per run as Flower does by default), on the tiny model: the number of
-clients follows the simulated SuperNodes, run-config keys override the app's values on the server and on every
-client, and a `num-clients` that differs from the federation is refused before anything trains, in the `flwr run`
-output and its exit status (through `trl_federated.flower.flwr_run`). With one CPU per client, two workers train a
-round's clients at the same time, each loading the model once, and the federation ends where the sequential
-in-process runner ends (tests/flower_app, whose reward gives the tiny model a gradient). Ctrl-C stops the run and
-leaves no process of it behind."""
+"""`flwr run examples/flower` (and on the app `trl-federated new-app` writes) on Flower's Simulation Engine, as
+`docs/flower.md`'s quick-try runs it (a managed local SuperLink, which installs the app's dependencies per run as
+Flower does by default), on the tiny model: the number of clients follows the simulated SuperNodes, run-config keys
+override the app's values on the server and on every client, and a `num-clients` that differs from the federation is
+refused before anything trains, in the `flwr run` output and its exit status (through
+`trl_federated.flower.flwr_run`). With one CPU per client, two workers train a round's clients at the same time,
+each loading the model once, and the federation ends where the sequential in-process runner ends (tests/flower_app,
+whose reward gives the tiny model a gradient). Ctrl-C stops the run and leaves no process of it behind."""
 
 import contextlib
 import itertools
@@ -31,6 +31,7 @@ from test_flower import APP_DIR as LOOPBACK_APP_DIR  # noqa: E402
 from test_flower import assert_states_equal, prompt_datasets, runner_result  # noqa: E402
 from trl_federated import FedGRPOConfig  # noqa: E402
 from trl_federated.arguments import BenchmarkArguments  # noqa: E402
+from trl_federated.cli import main as cli_main  # noqa: E402
 from trl_federated.data import partition_clients  # noqa: E402
 from trl_federated.data.loading import load_benchmark  # noqa: E402
 from trl_federated.flower import flwr_run as flwr_run_module  # noqa: E402
@@ -139,10 +140,17 @@ def test_a_client_app_reaches_the_ray_actors():
 
 
 @pytest.mark.slow  # about a minute on 2 CPU cores: the SuperLink, Ray, and one round of every simulated client
-@pytest.mark.parametrize("num_supernodes", [2, 4])
-def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes):
+@pytest.mark.parametrize("num_supernodes, app", [(2, "new-app"), (4, "example")])
+def test_simulation_has_one_client_per_simulated_supernode(flwr_env, tmp_path, tiny_model_dir, num_supernodes, app):
+    """On 2 SuperNodes the app `trl-federated new-app` writes (the example's pyproject.toml in a folder of its own),
+    on 4 examples/flower."""
+    app_dir = APP_DIR
+    if app == "new-app":
+        app_dir = tmp_path / "my-app"
+        assert cli_main(["new-app", str(app_dir)]) == 0
     output_dir = tmp_path / "outputs"
-    result = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS)
+    result = flwr_run(flwr_env, tmp_path, num_supernodes, tiny_run_config(tiny_model_dir, output_dir), TWO_WORKERS,
+                      app_dir=app_dir)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     assert (output_dir / "adapter_model.safetensors").exists()
 
@@ -201,6 +209,13 @@ def test_simulation_refuses_num_clients_other_than_its_supernodes(flwr_env, tmp_
     assert not (output_dir / "metrics.jsonl").exists()
 
 
+def flwr_home_of(process: psutil.Process) -> str | None:
+    """The FLWR_HOME `process` inherited, read from /proc: psutil's `environ()` stops at the first empty entry, and
+    Ray's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) rename themselves by writing NULs over its start."""
+    entries = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+    return next((entry.decode()[len("FLWR_HOME="):] for entry in entries if entry.startswith(b"FLWR_HOME=")), None)
+
+
 def processes_of(flwr_home: Path) -> list[psutil.Process]:
     """Every live process started for `flwr_home`: the local SuperLink and all that its runs started (SuperExec, the
     simulation, Ray's daemons, agents and workers), found by the FLWR_HOME they inherit or the Ray session of such a
@@ -210,9 +225,9 @@ def processes_of(flwr_home: Path) -> list[psutil.Process]:
 
     processes = []
     for process in psutil.process_iter():
-        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess):
+        with contextlib.suppress(psutil.AccessDenied, psutil.NoSuchProcess, OSError):
             if alive(process):
-                processes.append((process, process.environ().get("FLWR_HOME"), " ".join(process.cmdline())))
+                processes.append((process, flwr_home_of(process), " ".join(process.cmdline())))
     sessions = {session for _, home, command in processes if home == str(flwr_home)
                 for session in re.findall(r"--session-dir=(\S+)", command)}
     return [process for process, home, command in processes
@@ -277,9 +292,15 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process_of_it(tmp_path_factory, tmp_
         assert wrapper.wait(timeout=120) == 130, log_file.read_text()[-5000:]
         run_id = flwr_run_module.STARTED.search(log_file.read_text()).group(1)
         assert f"Interrupted: run {run_id} stopped." in log_file.read_text()
+        # The simulation process ends once Flower's heartbeat tells it the run stopped, and Ray's processes with it:
+        # its agents outlived it by a minute when its raylet died by SIGKILL (`apps.shut_ray_down`).
         deadline = time.monotonic() + 120
-        while not all(map(is_local_superlink, left := command_lines(processes_of(flwr_home)))):
+        while "flwr-simulation" in " ".join(left := command_lines(processes_of(flwr_home))):
             assert time.monotonic() < deadline, "left running:\n" + "\n".join(left)
+            time.sleep(1)
+        deadline = time.monotonic() + 15
+        while not all(map(is_local_superlink, left := command_lines(processes_of(flwr_home)))):
+            assert time.monotonic() < deadline, "left running after the simulation:\n" + "\n".join(left)
             time.sleep(1)
         print("running before Ctrl-C:\n" + "\n".join(running) + "\nafter:\n" + "\n".join(left))
         assert len(left) == 2 and len(running) > len(left)

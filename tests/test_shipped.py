@@ -18,17 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_shipped_configs_are_the_examples_byte_for_byte_and_in_the_package_data():
-    for folder in ("configs", "accelerate"):
+    for folder, pattern in (("configs", "*.yaml"), ("accelerate", "*.yaml"), ("flower", "pyproject.toml")):
         examples = ROOT / "examples" / folder
-        source = {path.relative_to(examples): path for path in examples.rglob("*.yaml")}
-        copies = {path.relative_to(SHIPPED / folder): path for path in (SHIPPED / folder).rglob("*.yaml")}
+        source = {path.relative_to(examples): path for path in examples.rglob(pattern)}
+        copies = {path.relative_to(SHIPPED / folder): path for path in (SHIPPED / folder).rglob(pattern)}
         assert sorted(copies) == sorted(source), f"trl_federated/examples/{folder} is not examples/{folder}: copy it"
         for name, path in source.items():
             assert copies[name].read_bytes() == path.read_bytes(), f"trl_federated/examples/{folder}/{name}: copy it"
     # every copy travels in the wheel: setup.py's package_data names it
     setup = (ROOT / "setup.py").read_text(encoding="utf-8")
     patterns = yaml.safe_load("[" + setup.split('"trl_federated": [', 1)[1].split("]", 1)[0] + "]")
-    for path in SHIPPED.rglob("*.yaml"):
+    for path in [*SHIPPED.rglob("*.yaml"), *SHIPPED.rglob("*.toml")]:
         relative = str(path.relative_to(SHIPPED.parent))
         assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), relative
 

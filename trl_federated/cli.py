@@ -3,7 +3,7 @@
 It parses and dispatches, nothing else: the arguments parse in `arguments` (like TRL's own scripts, `TrlParser`), the
 data loads in `data.loading`, the rewards resolve in `scoring.rewards`, the model loads in `runtime.models` and the
 trainer class in `trainer`; `run` hands the parsed arguments to `federation.run_federation`, `compare` to
-`reports.compare`.
+`reports.compare`, `new-app` its folder to `arguments.shipped.new_flower_app`.
 """
 
 from __future__ import annotations
@@ -54,10 +54,38 @@ def compare(argv: list[str]) -> int:
     return compare_main(with_shipped_config(argv))
 
 
+def new_app(argv: list[str]) -> int:
+    """A new Flower app folder, as `flwr new` makes one (`arguments.shipped.new_flower_app`): its pyproject.toml
+    names the packaged ServerApp and ClientApp and carries the quickstart's federation as its run config, ready for
+    `flwr run`."""
+    from pathlib import Path
+
+    from .arguments.flags import usage_error
+    from .arguments.shipped import new_flower_app
+
+    parser = argparse.ArgumentParser(
+        prog="trl-federated new-app",
+        description="Write a ready-to-run Flower app into a new or empty folder, as `flwr new` does: a pyproject.toml "
+        "whose components are trl-federated's ServerApp and ClientApp (trl_federated.flower.fgrpo_app) and whose run "
+        "config is the quickstart's federation on the embedded SmolLM2-135M-Instruct (the example app's, "
+        "examples/flower/pyproject.toml). A folder that holds anything is refused and left as it is.",
+    )
+    parser.add_argument("folder", type=Path, help="the app folder to make: new, or empty")
+    folder = parser.parse_args(argv).folder
+    try:
+        pyproject = new_flower_app(folder)
+    except OSError as error:  # one line, as every refusal of the command line
+        usage_error(str(error), parser.prog)
+    print(f"Wrote {pyproject}. Try it on Flower's Simulation Engine: flwr run {folder} --stream")
+    return 0
+
+
 COMMANDS = {
     "run": (run, "one federated run (FGRPO, FedAvg, FedProx, SCAFFOLD; GRPO, DAPO, GSPO or your trainer locally) "
             "from a YAML --config and --key value flags"),
     "compare": (compare, "a resumable grid of methods x seeds, each cell a `run`, and the paper's tables"),
+    "new-app": (new_app, "a ready-to-run Flower app in a new folder, as `flwr new` makes one: trl-federated's "
+                "ServerApp and ClientApp, the quickstart's federation as its run config"),
 }  # fmt: skip
 
 

@@ -1,11 +1,13 @@
 """The example configs shipped with the package, by name: `trl-federated run --config quickstart` reads the packaged
 copy of `examples/configs/quickstart.yaml` where no such file is at hand (a pip install has no clone), and
 `--accelerate_config cpu_two_processes` the copy of `examples/accelerate/cpu_two_processes.yaml`, as `trl grpo
---accelerate_config zero2` names TRL's. The copies in `trl_federated/examples/` are the repository's `examples/`
-files, byte for byte (tests/test_package.py checks them); `examples/` is their source."""
+--accelerate_config zero2` names TRL's; `trl-federated new-app DIR` writes the copy of the example Flower app's
+`examples/flower/pyproject.toml` (`new_flower_app`). The copies in `trl_federated/examples/` are the repository's
+`examples/` files, byte for byte (tests/test_shipped.py checks them); `examples/` is their source."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,3 +50,19 @@ def with_shipped_config(args: list[str]) -> list[str]:
         return args
     at = args.index("--config") + 1
     return [*args[:at], shipped_file(args[at], "configs"), *args[at + 1 :]]
+
+
+def new_flower_app(folder: Path) -> Path:
+    """Make `folder` (new, or an empty folder) a Flower app, as `flwr new` makes one, and return its pyproject.toml:
+    the example app's (`examples/flower/pyproject.toml`), whose ServerApp and ClientApp are the packaged
+    `trl_federated.flower.fgrpo_app` and whose run config is the quickstart's federation on the embedded model, with
+    the project named after the folder. A folder that holds anything, or a file, is refused (`FileExistsError`) and
+    left as it is."""
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise FileExistsError(f"{folder} is not an empty folder: name a new one (nothing was written).")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.resolve().name).strip("._-") or "fgrpo-app"  # a PEP 508 name
+    text = (SHIPPED / "flower" / "pyproject.toml").read_text(encoding="utf-8")
+    folder.mkdir(parents=True, exist_ok=True)
+    pyproject = folder / "pyproject.toml"
+    pyproject.write_text(text.replace('name = "fgrpo-app"', f'name = "{name}"', 1), encoding="utf-8")
+    return pyproject

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import reprlib
+import sys
 import time
 import weakref
 from collections.abc import Callable, Hashable
@@ -17,6 +18,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import add_exit_handler
 from flwr.superlink.grid import InMemoryGrid
 from peft import PeftConfig, PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -27,7 +29,7 @@ from ..aggregation.privacy import RECORD_EPSILON
 from ..config import FedGRPOConfig
 from ..core.evaluation import check_eval_reward_funcs, evaluate_adapter
 from ..local.client import describe_failure, local_training_args, train_local_round
-from ..local.local_trainer import local_trainer
+from ..local.local_trainer import drop_unsupported_speedups, local_trainer
 from ..reports.summary import round_label
 from ..wire import WireFormat
 from .records import (
@@ -158,17 +160,23 @@ def make_client_app(
     documented in `flower.records`; a stock Flower strategy's train message (`FedAvg`: "arrays" and "server-round")
     is taken too. Each local round is logged on the SuperNode (steps, rows, R̄, loss, seconds).
 
-    `trainer_class`: the `GRPOTrainer` subclass that trains each round (TRL's experimental `GMPOTrainer`, or your
-    own), with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`); checked here, before any message.
+    `trainer_class`: the trainer that trains each round, a `GRPOTrainer` subclass (TRL's experimental `GMPOTrainer`,
+    or your own) or an `RLOOTrainer` one, with `local_trainer.LocalGRPOMixin` mixed in (default: `GRPOTrainer`);
+    checked here, before any message. For a trainer outside GRPO's family the site config's GRPO speed-ups
+    (`shared_prefix`, `fast_generation`) are turned off with one notice, as `trl-federated run` does.
     """
     trainer_class = local_trainer(trainer_class or GRPOTrainer)
     app = ClientApp()
 
     def read_instruction(message: Message, context: Context) -> tuple[TrainInstruction, ClientSite]:
-        """The server's instruction, checked against the node's federation size, and the node's site."""
+        """The server's instruction, checked against the node's federation size, and the node's site, whose config
+        has the speed-ups `trainer_class` cannot take turned off with one notice, as `trl-federated run` turns them
+        off: a config written for GRPO (the example app's) trains an RLOO site rather than failing its every round."""
         instruction = TrainInstruction.from_content(message.content)
         check_federation_size(context.node_config.get(NUM_PARTITIONS), instruction.num_clients)
-        return instruction, load_site(context)
+        site = load_site(context)
+        drop_unsupported_speedups(trainer_class, site.args)
+        return instruction, site
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
@@ -305,6 +313,24 @@ def _prepare_site_model(site: ClientSite, instruction: TrainInstruction) -> tupl
     return model, global_state, wire
 
 
+def shut_ray_down() -> None:
+    """Shut down the Ray cluster a simulation started in this process, if any: registered to run when `flwr stop`
+    ends the Simulation Engine's process (this ServerApp's) through Flower's exit handlers, which force the exit 5 s
+    later, before Ray's own shutdown at exit. The raylet then died by SIGKILL, and Ray's dashboard and runtime-env
+    agents, taking that for a crash, spent a minute reporting it to the dead GCS before they exited (Flower 1.42,
+    Ray 2.55); `ray.shutdown` stops the raylet with SIGTERM, and the agents follow it at once. Ray is looked up
+    when the handler runs: the Simulation Engine may still be importing it when the ServerApp starts."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    # The Simulation Engine's thread goes on calling Ray until the process exits, and Ray starts a new cluster for a
+    # call without one (`RAY_ENABLE_AUTO_CONNECT`, read once at import), which would die by SIGKILL in turn.
+    auto_init = sys.modules.get("ray._private.auto_init_hook")
+    if auto_init is not None:
+        auto_init.enable_auto_connect = False
+    ray.shutdown()
+
+
 def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> ServerApp:
     """A `ServerApp` that runs the federation `build_strategy(context)` describes (model, `FedGRPOConfig`, reward
     functions), resuming from its latest checkpoint when the config asks to (`resume_from_checkpoint`).
@@ -313,7 +339,8 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
     simulated SuperNodes, as every simulated ClientApp's does, so that `build_strategy` can size the federation by
     it (`run_config.federation_arguments`); a strategy whose `num_clients` differs is refused before any round
     (`FederationSizeError`, naming both numbers), and so is `use_vllm`, whose one server cannot serve the concurrent
-    simulated clients (`FedGRPOConfig.check_vllm`).
+    simulated clients (`FedGRPOConfig.check_vllm`). A simulation that `flwr stop` ends shuts its Ray cluster down
+    before it exits, leaving no Ray process behind (`shut_ray_down`).
     """
     app = ServerApp()
 
@@ -322,6 +349,7 @@ def make_server_app(build_strategy: Callable[[Context], FederatedStrategy]) -> S
         federation_size = simulated_federation_size(grid)
         if federation_size is not None:
             context.node_config[NUM_PARTITIONS] = federation_size
+            add_exit_handler(shut_ray_down, run_before_force_exit=True)
         strategy = build_strategy(context)
         check_federation_size(federation_size, strategy.args.num_clients)
         if federation_size is not None:  # simulated ClientApps run in worker processes of their own

@@ -1,1 +1,1 @@
-"""fgrpo_app: federated GRPO with trl-federated's ClientApp and ServerApp."""
+"""fgrpo_app: a ServerApp of one's own (`own_server_app`) beside the packaged apps the example runs."""

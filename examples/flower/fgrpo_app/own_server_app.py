@@ -1,6 +1,6 @@
 """A ServerApp of one's own around `FederatedStrategy`, the way a Flower strategy is used: build it, then
-`start(grid, initial_arrays, ...)`. To run it instead of `server_app.py`, set
-`serverapp = "fgrpo_app.own_server_app:app"` in pyproject.toml; the ClientApp (`client_app.py`) is unchanged.
+`start(grid, initial_arrays, ...)`. To run it instead of the packaged one (`trl_federated.flower.fgrpo_app`), set
+`serverapp = "fgrpo_app.own_server_app:app"` in pyproject.toml; the ClientApp is unchanged.
 
 The strategy needs the model (it holds, evaluates and saves the global adapter) and the federation's
 `FedGRPOConfig`, here read from the app's run config as the ClientApps read it, so that both sides agree on the
@@ -14,9 +14,8 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from trl_federated.flower import FederatedStrategy, state_to_array_record
+from trl_federated.flower.fgrpo_app import read_config, rewards
 from trl_federated.runtime.models import load_model, lora_config
-
-from .task import read_config, rewards
 
 logger = logging.getLogger(__name__)
 app = ServerApp()
