@@ -2,11 +2,18 @@
 log-probabilities and LoRA gradients bit for bit as autocast's per-call casts, through the projections and TRL's fused
 LM head; each weight cast once while it stays as it is; nothing changed outside autocast or after the context."""
 
+import contextlib
+
 import torch
+from accelerate.state import AcceleratorState
+from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from conftest import FAST_GRPO, length_reward
+from trl_federated import FedGRPOConfig, FedGRPOTrainer
+from trl_federated.local import speedups
 from trl_federated.local.frozen_casts import FrozenCasts, autocast_dtype, cast_once
 
 BF16 = torch.bfloat16
@@ -87,3 +94,45 @@ def test_nothing_changes_outside_autocast_or_after_the_context():
 def test_autocast_dtype_reads_what_an_autocast_context_casts_to():
     assert autocast_dtype(lambda: torch.autocast("cpu", dtype=BF16), "cpu") == BF16
     assert autocast_dtype(lambda: torch.autocast("cpu", enabled=False), "cpu") is None
+
+
+def test_a_trainer_with_the_speedups_casts_once_with_the_same_loss_and_gradients(tmp_path, tiny_model_dir, monkeypatch):
+    """`FastGRPOMixin`'s loss under bf16 autocast (`bf16=True` on the CPU): the casts kept, the loss and the adapter
+    gradients those of autocast's per-call casts bit for bit, through the shared prefix and TRL's fused head."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # the mixed precision is the process's
+    args = FedGRPOConfig(**{**FAST_GRPO, "bf16": True}, output_dir=str(tmp_path), shared_prefix=True, max_steps=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trainer = FedGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=length_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["What is 1 + 2?", "Name a colour."]}), processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+    )  # fmt: skip
+    try:
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+        prompt_ids = tokenizer(["What is 1 + 2?"] * 4, return_tensors="pt").input_ids
+        completion_ids = torch.randint(3, len(tokenizer), (4, 6), generator=torch.Generator().manual_seed(0))
+        batch = {
+            "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+            "completion_mask": torch.ones_like(completion_ids), "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            "num_items_in_batch": torch.tensor(24),
+        }  # fmt: skip
+
+        def loss_and_gradients():
+            trainer.model.zero_grad()
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(trainer.model, batch)
+            loss.backward()
+            return loss.detach(), [param.grad.clone() for param in trainer.model.parameters() if param.requires_grad]
+
+        with monkeypatch.context() as patch:
+            patch.setattr(speedups, "cast_once", lambda *args: contextlib.nullcontext())
+            loss, gradients = loss_and_gradients()
+        assert not trainer._frozen_casts._casts
+        cast_loss, cast_gradients = loss_and_gradients()
+        assert len(trainer._frozen_casts._casts) == 2 * 7 + 1  # every frozen projection and the LM head
+        assert torch.equal(cast_loss, loss) and len(gradients) == 2 * 2 * 7
+        assert all(torch.equal(cast, gradient) for cast, gradient in zip(cast_gradients, gradients, strict=True))
+        assert any(gradient.norm() > 0 for gradient in gradients)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -119,17 +119,20 @@ class FastGRPOMixin(TrainerMixin):
     ):  # fmt: skip
         """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
         (`shared_prefix.py`). With `recompute_gated_mlp`, SiLU-gated MLPs keep half their activations for the
-        backward, with autograd's gradients (`gated_mlp.py`). Always, under autocast, the frozen projections multiply
-        by their weights cast once per trainer, not per call: the same products (`frozen_casts.py`)."""
+        backward, with autograd's gradients (`gated_mlp.py`). Unless the weights are sharded, the frozen projections
+        multiply under autocast by their weights cast once per trainer, not per call: the same products
+        (`frozen_casts.py`)."""
         unwrapped = self.accelerator.unwrap_model(model)
         recompute = getattr(self.args, "recompute_gated_mlp", False)
         # TRL's fused head computes in the autocast dtype, except with `cast_lm_head_to_fp32`
         head_dtype = None
         if not self.args.cast_lm_head_to_fp32:
             head_dtype = autocast_dtype(self.accelerator.autocast, self.accelerator.device.type)
+        # Sharded weights are gathered per call: a cast kept of each would hold the whole model on every process
+        sharded = self._shards_parameters()
         with (
             recomputed_gated_mlp(unwrapped) if recompute else contextlib.nullcontext(),
-            cast_once(unwrapped, self._frozen_casts, head_dtype),
+            contextlib.nullcontext() if sharded else cast_once(unwrapped, self._frozen_casts, head_dtype),
         ):
             if getattr(self.args, "shared_prefix", False):
                 prompt_length = input_ids.size(1) - logits_to_keep
@@ -179,6 +182,11 @@ class FastGRPOMixin(TrainerMixin):
         completion_ids = prompt_completion_ids[:, input_ids.size(1) :]
         return fast_generation.completions_up_to_eos(completion_ids, self.eos_token_ids), None
 
+    def _shards_parameters(self) -> bool:
+        """Whether each process holds only a shard of the model's weights (FSDP, DeepSpeed ZeRO-3)."""
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        return self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3)
+
     def _fast_generation_unsupported_reason(self, unwrapped, prompt_ids, images, multimodal_fields) -> str | None:
         """Why `fast_generation` leaves this `_generate_single_turn` call to TRL's path, or None."""
         if self.use_vllm:
@@ -187,8 +195,7 @@ class FastGRPOMixin(TrainerMixin):
             return "transformers continuous batching"
         if images is not None or multimodal_fields:
             return "multimodal inputs"
-        deepspeed = self.accelerator.state.deepspeed_plugin
-        if self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3):
+        if self._shards_parameters():
             return "sharded parameters (FSDP, DeepSpeed ZeRO-3)"
         if self.generation_config.cache_implementation is not None:
             return f"cache_implementation={self.generation_config.cache_implementation!r}"
