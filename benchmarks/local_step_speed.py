@@ -3,7 +3,11 @@
 on, as it does unset on a CPU with native bf16), on the quickstart's rows, in one run.
 
     python benchmarks/local_step_speed.py --config examples/configs/quickstart.yaml [--steps 2] [--repeats 2] \
-        [--decode_tokens 32] [--eval_rows 32] [--generation_dtype auto] [--tiny] [any `trl-federated run` flag]
+        [--decode_tokens 32] [--eval_rows 32] [--quick] [--generation_dtype auto] [--tiny] \
+        [any `trl-federated run` flag]
+
+`--quick` (a few minutes on a CPU with native bf16) takes 1 step, 1 repeat, 16 decode tokens and 16 evaluation rows
+where those flags are not given: the same figures, noisier.
 
 Floors, measured on this machine at the start: the read bandwidth (sum of a 512 MiB tensor) and the matrix-product
 throughput (float32 and bfloat16, the best of a prefill's MLP shape and a larger product). A decode step must read
@@ -19,7 +23,8 @@ Both paths run alternately, on the same adapter (reset before every run) and see
 - whole local steps: `--steps` steps of `trainer.train()` (a fresh trainer per run, the client's configuration),
   split into generation (+ scoring), loss forward + backward, and the rest;
 - the greedy evaluation of `--eval_rows` test rows (`evaluate_accuracy`), with the accuracy each path scored.
-Figures are medians of wall seconds over `--repeats` runs; ratios are today / fast.
+Figures are medians of wall seconds over `--repeats` runs; ratios are today / fast. The report ends with one line
+of the four ratios the targets are stated in (`summary_line`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from harness.timing import alternated, best_seconds
 from harness.trainers import Bench
 
 MATMUL_SHAPES = ((512, 576, 1536), (1024, 2048, 2048))  # a prefill's MLP projection, and a larger product
+DEFAULTS = {"steps": 2, "repeats": 2, "decode_tokens": 32, "eval_rows": 32}
+QUICK = {"steps": 1, "repeats": 1, "decode_tokens": 16, "eval_rows": 16}
 
 
 def machine_floors(tiny: bool) -> dict[str, float]:
@@ -171,17 +178,35 @@ def report(results: dict) -> str:
     if "evaluation_s" in today:
         row(f"greedy evaluation ({setting['eval_rows']} rows)", today["evaluation_s"], fast["evaluation_s"])
         lines.append(f"\nevaluation accuracy: today {today['eval_accuracy']:.4f}, fast {fast['eval_accuracy']:.4f}")
+    lines.append("\n" + summary_line(results))
     return "\n".join(lines)
+
+
+def summary_line(results: dict) -> str:
+    """The four ratios of this run the targets are stated in: the whole step and the evaluation against TRL's path
+    (today / fast), decode and the loss against their floors (fast / its floor)."""
+    setting, floor, today, fast = results["setting"], results["floor"], results["today"], results["fast"]
+    evaluation = f"{today['evaluation_s'] / fast['evaluation_s']:.2f}x" if "evaluation_s" in today else "not run"
+    decode_floor = floor[f"decode_ms_{setting['generation_dtype']}"]
+    return (
+        f"summary: whole step {today['step_s'] / fast['step_s']:.2f}x faster than TRL's path, decode "
+        f"{fast['decode_ms'] / decode_floor:.1f}x its floor, loss "
+        f"{fast['loss_s'] / floor['loss_s_fast']:.1f}x its floor, evaluation {evaluation} faster than TRL's path"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--steps", type=int, default=2, help="local steps per timed run")
-    own.add_argument("--repeats", type=int, default=2)
-    own.add_argument("--decode_tokens", type=int, default=32)
-    own.add_argument("--eval_rows", type=int, default=32)
+    own.add_argument("--steps", type=int, help=f"local steps per timed run (default {DEFAULTS['steps']})")
+    own.add_argument("--repeats", type=int, help=f"default {DEFAULTS['repeats']}")
+    own.add_argument("--decode_tokens", type=int, help=f"default {DEFAULTS['decode_tokens']}")
+    own.add_argument("--eval_rows", type=int, help=f"default {DEFAULTS['eval_rows']}")
+    own.add_argument("--quick", action="store_true", help=f"where not given: {QUICK}")
     own.add_argument("--tiny", action="store_true", help="the tiny model, small shapes: a smoke test")
     options, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    for name, value in (QUICK if options.quick else DEFAULTS).items():
+        if getattr(options, name) is None:
+            setattr(options, name, value)
     with contextlib.redirect_stdout(sys.stderr):  # the trainers' logs
         results = measure(rest, options.steps, options.repeats, options.decode_tokens, options.eval_rows, options.tiny)
     print(report(results))

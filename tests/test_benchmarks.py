@@ -154,12 +154,17 @@ def test_gpu_check_runs_the_plain_path_on_cpu_and_builds_its_table(tmp_path):
     assert "| part | run | wall_s |" in table and table.count("| plain |") == 3
 
 
-def test_local_step_speed_benchmark_times_both_paths_against_the_floors(tmp_path):
-    """`benchmarks/local_step_speed.py --tiny`: the quickstart's rows on the tiny model, both paths, every figure."""
+def test_local_step_speed_benchmark_times_both_paths_against_the_floors(tmp_path, capsys):
+    """`benchmarks/local_step_speed.py --tiny --quick`: the quickstart's rows on the tiny model, both paths, every
+    figure, and the report's last line the summary of this run's ratios."""
     speed = load("local_step_speed")
     config = str(BENCHMARKS.parent / "examples" / "configs" / "quickstart.yaml")
-    argv = ["--config", config, "--tiny", "--steps", "1", "--repeats", "1", "--decode_tokens", "3", "--eval_rows", "4"]
+    argv = ["--config", config, "--tiny", "--quick", "--decode_tokens", "3", "--eval_rows", "4"]
     results = speed.main([*argv, "--output_dir", str(tmp_path)])
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary == speed.summary_line(results) and summary.startswith("summary: whole step ")
+    assert results["setting"]["steps"] == 1 and results["setting"]["repeats"] == 1  # --quick's
+    assert results["setting"]["decode_tokens"] == 3  # a flag given beats --quick's
     assert results["setting"]["rows"] == 8 and results["setting"]["distinct_prompts"] == 2  # 2 prompts x 4
     assert all(value > 0 for value in [*results["floors"].values(), *results["floor"].values()])
     names = {"decode_ms", "prefill_s", "generation_s", "loss_s", "rest_s", "step_s", "evaluation_s", "eval_accuracy"}

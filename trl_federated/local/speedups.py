@@ -25,6 +25,7 @@ from trl.trainer.utils import pad
 from ..runtime.memory import release_free_memory
 from . import fast_generation
 from .fast_generation import FastGenerationStats, MergedGenerationModel, shared_prefill_generate
+from .frozen_casts import FrozenCasts, autocast_dtype, cast_once
 from .gated_mlp import recomputed_gated_mlp
 from .shared_prefix import (
     REGROUPABLE_LOSS_TYPES,
@@ -87,6 +88,7 @@ class FastGRPOMixin(TrainerMixin):
         self.shared_prefix_stats = SharedPrefixStats()
         self.fast_generation_stats = FastGenerationStats()
         self._merged_generation_model: MergedGenerationModel | None = None
+        self._frozen_casts = FrozenCasts()
         # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
         # one optimizer step, once, and GRPOTrainer's own loss normalises each independently of which rows it holds;
         # a custom loss or batching may not, so it keeps TRL's micro-batches.
@@ -117,10 +119,21 @@ class FastGRPOMixin(TrainerMixin):
     ):  # fmt: skip
         """With `shared_prefix`, the loss, old and reference log-probabilities compute each prompt once
         (`shared_prefix.py`). With `recompute_gated_mlp`, SiLU-gated MLPs keep half their activations for the
-        backward, with autograd's gradients (`gated_mlp.py`)."""
+        backward, with autograd's gradients (`gated_mlp.py`). Unless the weights are sharded, the frozen projections
+        multiply under autocast by their weights cast once per trainer, not per call: the same products
+        (`frozen_casts.py`)."""
         unwrapped = self.accelerator.unwrap_model(model)
         recompute = getattr(self.args, "recompute_gated_mlp", False)
-        with recomputed_gated_mlp(unwrapped) if recompute else contextlib.nullcontext():
+        # TRL's fused head computes in the autocast dtype, except with `cast_lm_head_to_fp32`
+        head_dtype = None
+        if not self.args.cast_lm_head_to_fp32:
+            head_dtype = autocast_dtype(self.accelerator.autocast, self.accelerator.device.type)
+        # Sharded weights are gathered per call: a cast kept of each would hold the whole model on every process
+        sharded = self._shards_parameters()
+        with (
+            recomputed_gated_mlp(unwrapped) if recompute else contextlib.nullcontext(),
+            contextlib.nullcontext() if sharded else cast_once(unwrapped, self._frozen_casts, head_dtype),
+        ):
             if getattr(self.args, "shared_prefix", False):
                 prompt_length = input_ids.size(1) - logits_to_keep
                 reason = unsupported_reason(unwrapped, prompt_length, compute_aux_loss, extra_inputs)
@@ -169,6 +182,11 @@ class FastGRPOMixin(TrainerMixin):
         completion_ids = prompt_completion_ids[:, input_ids.size(1) :]
         return fast_generation.completions_up_to_eos(completion_ids, self.eos_token_ids), None
 
+    def _shards_parameters(self) -> bool:
+        """Whether each process holds only a shard of the model's weights (FSDP, DeepSpeed ZeRO-3)."""
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        return self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3)
+
     def _fast_generation_unsupported_reason(self, unwrapped, prompt_ids, images, multimodal_fields) -> str | None:
         """Why `fast_generation` leaves this `_generate_single_turn` call to TRL's path, or None."""
         if self.use_vllm:
@@ -177,8 +195,7 @@ class FastGRPOMixin(TrainerMixin):
             return "transformers continuous batching"
         if images is not None or multimodal_fields:
             return "multimodal inputs"
-        deepspeed = self.accelerator.state.deepspeed_plugin
-        if self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3):
+        if self._shards_parameters():
             return "sharded parameters (FSDP, DeepSpeed ZeRO-3)"
         if self.generation_config.cache_implementation is not None:
             return f"cache_implementation={self.generation_config.cache_implementation!r}"
