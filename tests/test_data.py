@@ -265,7 +265,7 @@ def test_unmet_min_partition_size_is_a_clear_error(labelled):
 
 def test_partition_clients_reads_the_federation_settings(labelled):
     args = SimpleNamespace(num_clients=3, partition_column="label", dirichlet_alpha=0.5, min_partition_size=2, seed=7,
-                           labels_per_client=None, equal_partition_sizes=False)
+                           labels_per_client=None, equal_partition_sizes=False, rpg_signal="reward-window")
     expected = dirichlet_partition(labelled, 3, "label", 0.5, seed=7, min_partition_size=2)
     training_data = labelled.add_column("prompt", ["q"] * len(labelled))  # GRPO generates from a `prompt` column
     assert _ids(partition_clients(training_data, args)) == _ids(expected)
