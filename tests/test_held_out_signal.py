@@ -4,6 +4,8 @@ standard error and the noise-aware gain that reads it, the gate, the DP release,
 Flower run config, and the refusals by name."""
 
 import math
+import random
+import statistics
 
 import pytest
 import torch
@@ -111,6 +113,29 @@ def test_its_standard_error_is_binomial_and_the_noise_aware_gain_reads_it(tmp_pa
         update("a", 0.5, [0.0, 1.0])) == pytest.approx(0.5)  # the window's: sd 0.707 / √2
 
 
+def test_its_standard_error_bounds_any_reward_in_the_declared_range(tmp_path):
+    # accuracy + format: rewards 0, 1 or 2; a mean of 1.5 would read se 0 if held to [0, 1]
+    assert held_out_stderr(1.5, 100, (0.0, 2.0)) == pytest.approx(math.sqrt(0.5 * 1.5 / 100))
+    assert held_out_stderr(-1.0, 40, (-2.0, 2.0)) == pytest.approx(math.sqrt(3.0 * 1.0 / 40))
+    assert held_out_stderr(0.5, 100, None) is None  # a reward model: nothing bounds it
+    rng = random.Random(0)  # Bhatia-Davis: the bound holds for any rewards in the range, with equality at its ends
+    for values in ([rng.choice([0.0, 1.0, 2.0]) for _ in range(50)], [rng.uniform(0, 2) for _ in range(50)]):
+        mean = statistics.fmean(values)
+        assert statistics.pstdev(values) / math.sqrt(50) <= held_out_stderr(mean, 50, (0.0, 2.0))
+    ends = [0.0] * 30 + [2.0] * 20
+    assert statistics.pstdev(ends) / math.sqrt(50) == pytest.approx(held_out_stderr(statistics.fmean(ends), 50,
+                                                                                     (0.0, 2.0)))
+    args = FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_signal="held-out", rpg_signal_items=100,
+                         rpg_gain="noise-aware")
+    rpg = aggregator_from_config(args, 2)
+    rpg.reward_range = (0.0, 2.0)  # as the server sets it from its reward functions
+    assert rpg.reward_stderr(update("a", 1.5, [2.0, 1.0])) == pytest.approx(math.sqrt(0.5 * 1.5 / 100))
+    rpg.reward_range = None
+    assert rpg.reward_stderr(update("a", 1.5, [2.0, 1.0])) is None
+    assert any("declare none" in message for message in args.federation_warnings(None))
+    assert not any("declare none" in message for message in args.federation_warnings((0.0, 2.0)))
+
+
 def test_the_gate_admits_a_held_out_reward_that_is_no_mean_of_the_step_rewards(tmp_path):
     state = {"w": torch.zeros(2)}
     for signal, admitted in (("held-out", True), ("reward-window", False)):
@@ -130,6 +155,7 @@ def test_under_dp_the_server_releases_the_held_out_reward_as_it_releases_the_win
                      dp_reward_noise_multiplier=0.5)
     runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), parity_reward, args,
                              [rows(10), rows(10, start=10)], processing_class=tiny_tokenizer)
+    assert runner.aggregator.reward_range == (0.0, 1.0)  # the server's, from parity_reward's declared range
     privacy, expected = runner.aggregator.privacy, []
     release = privacy.released_rewards
 

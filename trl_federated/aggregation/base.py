@@ -157,11 +157,12 @@ class Aggregator(ABC):
         self.combiner = combiner  # None: the weighted mean of Eq. model_diff
         self.privacy = None  # a `privacy.ClientLevelPrivacy` under differential privacy
         self.record_privacy = None  # a `privacy.RecordPrivacyReports` under record-level DP
-        # W, the local steps R̄ averages (`FedGRPOConfig.reward_window`, set by `aggregator_from_config`); None: all
-        # the step rewards a client sends. n, the held-out items R̄ is a greedy mean of instead (`rpg_signal_items`
-        # under `rpg_signal: held-out`, set there too); None: R̄ is the window's
+        # W, the local steps R̄ averages (`reward_window`; None: all the step rewards sent), or n, the held-out items
+        # R̄ is a greedy mean of (`rpg_signal_items` under `rpg_signal: held-out`; None: R̄ is the window's), both set
+        # by `aggregator_from_config`; [m, M], the rewards' range, which bounds a held-out R̄'s variance, by the server
         self.reward_window: int | None = None
         self.signal_items: int | None = None
+        self.reward_range: tuple[float, float] | None = (0.0, 1.0)  # None: not known
         self.last_weights: dict[str, float] = {}
         self.last_reward_stderr: dict[str, float | None] = {}
         self.last_zero_signal: dict[str, float | None] = {}
@@ -310,10 +311,9 @@ class Aggregator(ABC):
         return diagnostics
 
     def reward_stderr(self, update: ClientUpdate) -> float | None:
-        """The standard error of the client's R̄ (`update.report_stderr`): of its window's step rewards (the last
-        `reward_window`, as `admission.check_window_reward` reads them), or of R̄ measured on `signal_items` held-out
-        items; None with fewer than two finite step rewards (or none sent)."""
-        return report_stderr(update, self.reward_window, self.signal_items)
+        """The standard error of the client's R̄ (`update.report_stderr`, None where it cannot be known): of its last
+        `reward_window` step rewards, or of R̄ measured on `signal_items` held-out items in `reward_range`."""
+        return report_stderr(update, self.reward_window, self.signal_items, self.reward_range)
 
     # Per-client state ----------------------------------------------------------------------------------------
 

@@ -97,20 +97,28 @@ def window_stderr(step_rewards, window: int | None) -> float | None:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else None
 
 
-def report_stderr(update: ClientUpdate, window: int | None, items: int | None) -> float | None:
+def report_stderr(update: ClientUpdate, window: int | None, items: int | None,
+                  reward_range: tuple[float, float] | None = (0.0, 1.0)) -> float | None:
     """The standard error of a client's R̄: with `items` (R̄ a greedy mean over that many held-out items,
-    `rpg_signal="held-out"`) √(p(1 − p)/n) of R̄ itself (`held_out_stderr`), which under DP reads the released R̃
+    `rpg_signal="held-out"`) `held_out_stderr` of R̄ itself in `reward_range`, which under DP reads the released R̃
     only; else that of the last `window` step rewards it sent (`window_stderr`)."""
     if items is not None:
-        return held_out_stderr(update.reward, items)
+        return held_out_stderr(update.reward, items, reward_range)
     return window_stderr(update.metrics.get("step_rewards", ()), window)
 
 
-def held_out_stderr(reward: float, items: int) -> float:
-    """√(p(1 − p)/n): the standard error of p, the mean of a binary reward over n items (`rpg_signal="held-out"`),
-    with p held to [0, 1] (a noised R̃ may lie outside)."""
-    p = min(max(float(reward), 0.0), 1.0)
-    return math.sqrt(p * (1 - p) / items)
+def held_out_stderr(reward: float, items: int, reward_range: tuple[float, float] | None = (0.0, 1.0)) -> float | None:
+    """√((M − μ)(μ − m)/n): the standard error of μ, a mean over n items of a reward in [m, M] = `reward_range`
+    (`rpg_signal="held-out"`), with μ held to [m, M] (a noised R̃ may lie outside). By the Bhatia-Davis inequality
+    (M − μ)(μ − m) bounds the variance of any reward in [m, M] with mean μ, with equality for a reward that takes only
+    the values m and M, so it is exact for a binary reward (√(p(1 − p)/n) for accuracy) and an upper bound for one
+    that takes values between (accuracy + format). None when the range is not known (a reward model): nothing then
+    bounds the variance that R̄ alone could tell."""
+    if reward_range is None:
+        return None
+    low, high = reward_range
+    mean = min(max(float(reward), low), high)
+    return math.sqrt((high - mean) * (mean - low) / items)
 
 
 def zero_signal_share(update: ClientUpdate) -> float | None:

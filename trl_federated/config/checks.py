@@ -166,6 +166,13 @@ class ConfigChecks:
                 "client reports, so one client can take all of RPG's weight by reporting a large one. Set "
                 "`rpg_h_max` (10 by default), or give every reward function a `reward_range` attribute."
             )
+        if self.aggregation == "rpg" and self.rpg_signal == "held-out" and self.rpg_gain == "noise-aware" and (
+                reward_range is None):
+            warnings.append(
+                "`rpg_gain: noise-aware` reads the standard error of a held-out R̄ from the reward functions' declared "
+                "`reward_range`, and they declare none: every client's is unknown, so the gain is the paper's. Give "
+                "every reward function a `reward_range` attribute."
+            )
         if self.aggregation == "rpg" and reward_range is not None and reward_range[1] - reward_range[0] > 1:
             low, high = reward_range
             warnings.append(

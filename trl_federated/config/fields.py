@@ -203,20 +203,22 @@ class FederationFields:
             What a client reports as R̄, the signal RPG's gain reads: `"reward-window"` is the paper's, the mean reward
             of its last `reward_window` local steps; `"held-out"` is its local model's greedy mean reward on
             `rpg_signal_items` rows of its own partition, set aside once (the same rows every round, drawn with a
-            generator seeded by the client's id), never trained on and never sent, measured after its local steps
-            with the server's evaluation and reported and released (the gate, differential privacy's R̃) as R̄ is;
-            its standard error √(p(1 − p)/n) is what `rpg_gain="noise-aware"` reads. Why: the window cannot carry the
-            signal. On the premise pilot R̄ is 64 completions of 8 prompts a round, and prompt-to-prompt variance
-            dominates (σ_p ≈ 0.2): se(R̄) ≈ 0.095 against a client's real trend of 0.016-0.027 a round, which bounds
-            the correlation any gain can reach near 0.03 (0.10 at se 0.05, ~29 prompts a window; 0.41 at se 0.02,
-            ~180 prompts, ~90 local steps a round: ~15 CPU h a cell). A fixed slice makes R̄_t − R̄_{t−1} a paired
-            difference on the same items, so the prompts' difficulty cancels, and greedy decoding adds no sampling
-            noise: only the items whose answer changed move it. At ~0.17 CPU s an item, 160 items a client-round cost
-            ~0.4 CPU h a cell. Not under record-level DP, whose accountant does not count that measurement.
+            generator seeded by the client's id), never trained on and never sent, measured after its local steps with
+            the server's evaluation and reported and released (the gate, differential privacy's R̃) as R̄ is; its
+            standard error √((M − p)(p − m)/n) for rewards in [m, M] is what `rpg_gain="noise-aware"` reads. Why: the
+            window cannot carry the signal. On the premise pilot R̄ is 64 completions of 8 prompts a round, and
+            prompt-to-prompt variance dominates (σ_p ≈ 0.2): se(R̄) ≈ 0.095 against a client's real trend of 0.016-0.027
+            a round, which bounds the correlation any gain can reach near 0.03 (0.10 at se 0.05, ~29 prompts a window;
+            0.41 at se 0.02, ~180 prompts, ~90 local steps a round: ~15 CPU h a cell). A fixed slice makes
+            R̄_t − R̄_{t−1} a paired difference on the same items, so the prompts' difficulty cancels, and greedy
+            decoding adds no sampling noise: only the items whose answer changed move it. At ~0.17 CPU s an item, 160
+            items a client-round cost ~0.4 CPU h a cell. Not under record-level DP, whose accountant does not count that
+            measurement.
         rpg_signal_items (`int`, *optional*, defaults to `160`):
-            With `rpg_signal="held-out"`: the rows n of each client's partition set aside for it. The greedy mean of
-            a binary reward on n items has standard error √(p(1 − p)/n) ≤ 0.5/√n, 0.04 at 160. The partition must
-            keep at least `min_partition_size` rows, and a generation batch's prompts, to train on beside them.
+            With `rpg_signal="held-out"`: the rows n of each client's partition set aside for it. The greedy mean of a
+            binary reward on n items has standard error √(p(1 − p)/n) ≤ 0.5/√n, 0.04 at 160 (for rewards in [m, M],
+            √((M − p)(p − m)/n), an upper bound where rewards fall between m and M). The partition must keep at least
+            `min_partition_size` rows, and a generation batch's prompts, to train on beside them.
         rpg_h_max (`float` or `None`, *optional*, defaults to `10.0`):
             Bound on |h| (the paper's Assumption 5): h is clipped to [-h_max, h_max], which caps the weight a client
             can gain by inflating its self-reported reward at exp(2 h_max / τ) times another's. An honest |h| never

@@ -181,6 +181,7 @@ class FederatedServer:
         self.reward_range = None if reward_funcs is None else combined_reward_range(reward_funcs, args.reward_weights)
         for message in args.federation_warnings(self.reward_range):
             logger.warning(message)
+        aggregator.reward_range = self.reward_range
         self.eval_dataset = eval_dataset
         self.eval_reward_funcs = self.eval_reward_weights = None
         if eval_dataset is not None:
