@@ -151,8 +151,9 @@ def test_the_gate_admits_a_held_out_reward_that_is_no_mean_of_the_step_rewards(t
 
 def test_under_dp_the_server_releases_the_held_out_reward_as_it_releases_the_windows(tiny_model_dir, tiny_tokenizer,
                                                                                    fast_args):
+    # the noise-aware gain too: it reads a held-out R̄'s standard error from the released R̃ alone
     args = fast_args(rpg_signal="held-out", rpg_signal_items=4, num_rounds=1, num_clients=2, dp_noise_multiplier=1.0,
-                     dp_reward_noise_multiplier=0.5)
+                     dp_reward_noise_multiplier=0.5, rpg_gain="noise-aware")
     runner = FederatedRunner(AutoModelForCausalLM.from_pretrained(tiny_model_dir), parity_reward, args,
                              [rows(10), rows(10, start=10)], processing_class=tiny_tokenizer)
     assert runner.aggregator.reward_range == (0.0, 1.0)  # the server's, from parity_reward's declared range
@@ -171,6 +172,10 @@ def test_under_dp_the_server_releases_the_held_out_reward_as_it_releases_the_win
     released = next(metric.value for metric in record.round_metrics if metric.name == "dp_rewards")
     assert expected == [pytest.approx(released)] and set(released) == set(record.rewards) == {"client_0", "client_1"}
     assert released != record.rewards
+    factor = math.sqrt(2 / (2 - args.rpg_lambda_base))  # the gap's standard error from R̄'s (rpg.py)
+    assert runner.aggregator.report_history == {
+        client: [(pytest.approx(reward), pytest.approx(held_out_stderr(reward, 4) * factor))]
+        for client, reward in released.items()}
 
 
 def test_the_option_round_trips_through_yaml_flags_and_a_flower_run_config(tmp_path):

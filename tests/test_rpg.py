@@ -79,6 +79,9 @@ def test_the_noise_aware_gain_is_refused_under_differential_privacy(tmp_path):
     with pytest.raises(ValueError, match="rpg_gain='noise-aware'` cannot run under differential privacy"):
         FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=3, rpg_gain="noise-aware",
                       dp_noise_multiplier=1.0)
+    # a held-out R̄'s standard error is computed from the released R̃ alone, so DP may run it
+    FedGRPOConfig(output_dir=str(tmp_path), bf16=False, num_clients=3, rpg_gain="noise-aware", rpg_signal="held-out",
+                  dp_noise_multiplier=1.0)
     with pytest.raises(ValueError, match="`rpg_gain` must be 'paper' or 'noise-aware'"):
         FedGRPOConfig(output_dir=str(tmp_path), bf16=False, rpg_gain="snr")
     with pytest.raises(ValueError, match="rpg_noise_threshold"):

@@ -367,11 +367,13 @@ class ConfigChecks:
                 "`aggregation='scaffold'` cannot run under differential privacy (`dp_noise_multiplier`): SCAFFOLD's "
                 "controls c and c_i are per-client state the DP noise does not cover. Use 'fedavg', 'fedprox' or 'rpg'."
             )
-        if self.aggregation == "rpg" and self.rpg_gain == "noise-aware":
+        # With a held-out R̄ its standard error is computed from the released R̃ and n alone: post-processing
+        if self.aggregation == "rpg" and self.rpg_gain == "noise-aware" and self.rpg_signal != "held-out":
             yield (
-                "`rpg_gain='noise-aware'` cannot run under differential privacy (`dp_noise_multiplier`): it reads each "
-                "client's step rewards, which the DP mechanism does not release (it releases a noised R̄ alone). Use "
-                "`rpg_gain: paper`."
+                "`rpg_gain='noise-aware'` cannot run under differential privacy (`dp_noise_multiplier`) with the "
+                "window's R̄: it reads each client's step rewards, which the DP mechanism does not release (it releases "
+                "a noised R̄ alone). Use `rpg_gain: paper`, or `rpg_signal: held-out`, whose standard error it reads "
+                "from the released R̃."
             )
         if self.robust_aggregation != "none":
             yield (
