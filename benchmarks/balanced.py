@@ -40,7 +40,7 @@ from harness.cells import (
     with_shared_base,
 )
 from harness.grid import add_run_arguments, extra_seeds_argument, grid_cells, grid_main
-from harness.significance import holm, paired, t_interval
+from harness.significance import paired_endpoints, t_interval
 from trl_federated.methods import METHODS
 from trl_federated.reports.compare import Cell, markdown
 
@@ -90,10 +90,7 @@ def summarize(results: dict[Cell, dict], root: Path) -> dict:
             continue
         pairs = [(per_cell[Cell(method, seed, *_setting(results))], per_cell[Cell(BASELINE, seed, *_setting(results))])
                  for seed in seeds]  # fmt: skip
-        rows = {name: paired([ours[name] - theirs[name] for ours, theirs in pairs]) for name in endpoints}
-        for name, adjusted in holm({name: rows[name]["p"] for name in endpoints if name != TOTAL}).items():
-            rows[name]["p_holm"] = adjusted
-        comparisons[method] = {"seeds": seeds, "endpoints": rows}
+        comparisons[method] = {"seeds": seeds, "endpoints": paired_endpoints(pairs, endpoints, TOTAL)}
     return {"per_cell": per_cell, "endpoints": endpoints, "gains": gains, "comparisons": comparisons}
 
 

@@ -24,8 +24,17 @@ EPYC with AVX512-BF16, issue 57 measured ~0.17 s. A held-out cell measures 4 cli
 ~0.36 CPU h quiet, up to ~1.6 h at the loaded rate, on top of the ~0.7 CPU h a premise cell took (grid-premise): the
 pilot's 6 cells ~5 CPU h quiet, ~7.5 loaded; two at a time (`--parallel 2`) ~2.5-4 h of wall time.
 
+The follow-up, named before any cell ran and run only after the gate passed (`--followup`; a failed or pending gate is
+a usage error): the better RPG variant against FedAvg, paired by seed (the pilot's seeds 0 and 1 are its first two).
+The variant: of those whose mean z passed the gate, the one with the larger pilot accuracy difference from FedAvg.
+Seeds: 6, or 13 where that difference is under 2 points (the paired SD of FGRPO − FedAvg was ~1.8 points on the
+premise grid: 80% power for a 1.5-point effect needs 13). Endpoints: **primary** total accuracy of the final
+adapter, the paired difference variant − FedAvg with its 95% t-interval; **secondary** the worst task's and each
+task's accuracy, paired t p-values Holm-corrected (premise-balanced-followup.md and .json).
+
     OMP_NUM_THREADS=1 python benchmarks/premise_balanced.py [--parallel 2] --commit
     python benchmarks/premise_balanced.py --report_only
+    OMP_NUM_THREADS=1 python benchmarks/premise_balanced.py --followup [--parallel 2] --commit
 """
 
 from __future__ import annotations
@@ -37,8 +46,16 @@ import statistics
 import sys
 from pathlib import Path
 
-from harness.cells import cell_cost, finished_results, machines, round_records, shadow_predictiveness
+from harness.cells import (
+    cell_cost,
+    finished_results,
+    machines,
+    no_information_section,
+    round_records,
+    shadow_predictiveness,
+)
 from harness.grid import add_run_arguments, grid_cells, grid_main, report_files
+from harness.significance import paired_endpoints
 from trl_federated.methods import METHODS
 from trl_federated.reports.compare import Cell, markdown
 
@@ -51,6 +68,9 @@ NUM_CLIENTS = 4
 GATE_Z = 2.0
 TOTAL = "Total"
 REPORT = "premise-balanced"
+FOLLOWUP_SEEDS, FOLLOWUP_SEEDS_SMALL_EFFECT, SMALL_EFFECT = 6, 13, 2.0
+FOLLOWUP = "premise-balanced-followup"
+WORST = "worst task"
 GATE = (f"PASS when an RPG variant's `gain_predictiveness_z` (its run's correlation of h with the next change of R̄, in "
         f"standard deviations from its own permutation null), averaged over its {len(SEEDS)} seeds, exceeds {GATE_Z:g}")
 
@@ -74,6 +94,13 @@ def cell_row(cell: Cell, result: dict, root: Path) -> dict[str, float]:
         "z": _number(last.get("gain_predictiveness_z")), "paper_z": _number(shadow_z),
         "cpu_hours": cell_cost(cell.directory(root))["cpu_seconds"] / 3600,
     }
+
+
+def no_information_lines(root: Path, results: dict[Cell, dict]) -> list[str]:
+    """The report's "What no information scores" section (`no_information_section`), none before a base evaluation."""
+    section, _ = no_information_section(root, {f"{cell.method} seed {cell.seed}": result
+                                               for cell, result in results.items()})
+    return [section] if section else []
 
 
 def _mean(values: list[float]) -> float:
@@ -115,6 +142,7 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
              "(fgrpo-held-out).", "",
              f"Gate, named before the cells ran: {GATE}. Reported, not gated: final accuracy, and each RPG variant's "
              "total minus FedAvg's paired by seed.", ""]
+    lines += no_information_lines(root, results)
     table = [[cell.method, str(cell.seed), _text(row[TOTAL]),
               *(_text(row["tasks"].get(task, math.nan)) for task in tasks),
               _text(row["reward"], ".3f"), _text(row["reward_stderr"], ".3f"), _text(row["run"], "+.2f"),
@@ -144,8 +172,62 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
 
 
 def report_paths(root: Path) -> list[Path]:
-    """The report's files a finished cell commits with it, and the grid folder's budget."""
-    return [*(path for path in (root / f"{REPORT}.md", root / f"{REPORT}.json") if path.is_file()), *report_files(root)]
+    """The reports' files a finished cell commits with it, and the grid folder's budget."""
+    return [*(path for name in (REPORT, FOLLOWUP) for path in (root / f"{name}.md", root / f"{name}.json")
+              if path.is_file()), *report_files(root)]
+
+
+def followup_plan(pilot: dict) -> tuple[str, list[int]]:
+    """(the RPG variant the follow-up pairs with FedAvg, its seeds) from the pilot's report (premise-balanced.json):
+    of the variants whose mean z passed the gate, the one with the larger mean accuracy difference from FedAvg; 6
+    seeds, or 13 where that difference is under `SMALL_EFFECT` points. ValueError unless the pilot passed."""
+    if pilot.get("status") != "PASS":
+        raise ValueError(f"the pilot's gate has not passed (status {pilot.get('status')}): the follow-up runs only "
+                         "after it passes")
+    passed = [method for method, record in pilot["gate"].items() if record["mean_z"] > GATE_Z]
+    variant = max(passed, key=lambda method: (pilot["paired"][method]["mean"], pilot["gate"][method]["mean_z"]))
+    small = abs(pilot["paired"][variant]["mean"]) < SMALL_EFFECT
+    return variant, list(range(FOLLOWUP_SEEDS_SMALL_EFFECT if small else FOLLOWUP_SEEDS))
+
+
+def write_followup_report(root: Path, cells: list[Cell], command: str) -> str:
+    """premise-balanced-followup.md and .json from the follow-up's finished cells: the endpoints named in the module's
+    docstring, over the seeds both methods finished."""
+    results = finished_results(cells, root)
+    variant = next(cell.method for cell in cells if cell.method != BASELINE)
+    values = {}
+    for cell, result in results.items():
+        row = cell_row(cell, result, root)
+        values[cell] = {TOTAL: row[TOTAL], WORST: min(row["tasks"].values()), **row["tasks"]}
+    seeds = sorted({cell.seed for cell in values if cell.method == variant}
+                   & {cell.seed for cell in values if cell.method == BASELINE})
+    pairs = [(values[Cell(variant, seed, NUM_CLIENTS, None)], values[Cell(BASELINE, seed, NUM_CLIENTS, None)])
+             for seed in seeds]
+    endpoints = [TOTAL, WORST, *sorted({task for row in values.values() for task in row} - {TOTAL, WORST})]
+    rows = paired_endpoints(pairs, endpoints, TOTAL) if len(pairs) >= 2 else {}
+    status = f"{'complete' if len(results) == len(cells) else 'PARTIAL'}: {len(results)} of {len(cells)} cells finished"
+    lines = [f"# The premise follow-up on the balanced benchmark: {variant} against {BASELINE}", "",
+             f"Status: {status}. Command: `{command}`; the report regenerates from the committed cells with "
+             "`--report_only`.", "",
+             "Endpoints, named before any cell ran: **primary** total accuracy of the final adapter, paired by seed "
+             f"({variant} − {BASELINE}, 95% t-interval); **secondary** the worst task's and each task's accuracy, "
+             "paired t p-values Holm-corrected.", "", *no_information_lines(root, results),
+             f"## {variant} − {BASELINE}, seeds {seeds} (points)", ""]
+    lines += [markdown(["Endpoint", "Mean [95% CI]", "p", "p (Holm)"], [
+        [f"{name}{' (primary)' if name == TOTAL else ''}",
+         f"{row['mean']:+.2f}" + ("" if math.isnan(row["low"]) else f" [{row['low']:+.2f}, {row['high']:+.2f}]"),
+         _text(row["p"], ".3f"), _text(row.get("p_holm", math.nan), ".3f")] for name, row in rows.items()])
+        if rows else "Fewer than 2 paired seeds have finished."]
+    lines += ["", "## Cells", "", markdown(["method", "seed", *endpoints], [
+        [cell.method, str(cell.seed), *(_text(row[name]) for name in endpoints)]
+        for cell, row in sorted(values.items(), key=lambda item: (item[0].seed, item[0].method))])]
+    text = "\n".join(lines) + "\n"
+    (root / f"{FOLLOWUP}.md").write_text(text, encoding="utf-8")
+    (root / f"{FOLLOWUP}.json").write_text(json.dumps({
+        "status": status, "variant": variant, "seeds": seeds, "command": command, "endpoints": rows,
+        "cells": {f"{cell.method}/seed{cell.seed}": row for cell, row in values.items()},
+    }, indent=1, sort_keys=True, default=str) + "\n", encoding="utf-8")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,13 +235,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_run_arguments(parser, DEFAULT_OUTPUT_DIR)
     parser.set_defaults(config=DEFAULT_CONFIG)
+    parser.add_argument("--followup", action="store_true",
+                        help="Run (or report) the follow-up the passed gate calls for: the better RPG variant against "
+                        "FedAvg at 6 or 13 paired seeds (the module's docstring).")
     args, extra = parser.parse_known_args(argv)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    cells = grid_cells(CELL_METHODS, SEEDS, {}, [NUM_CLIENTS], [None])
     command = "python benchmarks/premise_balanced.py " + " ".join(
         arg for arg in argv if arg not in ("--report_only", "--commit"))
-    return grid_main(parser, cells, args, extra, lambda: write_report(root, cells, command.strip()), REPORT,
+    if not args.followup:
+        cells = grid_cells(CELL_METHODS, SEEDS, {}, [NUM_CLIENTS], [None])
+        return grid_main(parser, cells, args, extra, lambda: write_report(root, cells, command.strip()), REPORT,
+                         report_paths)
+    pilot = root / f"{REPORT}.json"
+    try:
+        variant, seeds = followup_plan(json.loads(pilot.read_text(encoding="utf-8")) if pilot.is_file() else {})
+    except ValueError as error:
+        parser.error(f"--followup: {error} ({pilot}).")
+    cells = grid_cells([BASELINE, variant], seeds, {}, [NUM_CLIENTS], [None])
+    return grid_main(parser, cells, args, extra, lambda: write_followup_report(root, cells, command.strip()), FOLLOWUP,
                      report_paths)
 
 

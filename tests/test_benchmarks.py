@@ -4,10 +4,12 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
+from scipy import stats
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -342,8 +344,9 @@ def test_the_balanced_premise_pilot_gates_on_the_runs_own_z_and_its_report_regen
         directory = Cell(method, seed, 4, None).directory(grid)
         directory.mkdir(parents=True)
         accuracy = {"chain_sum": 0.2, "gcd": totals[method][seed], "Total": totals[method][seed]}
-        (directory / "result.json").write_text(json.dumps({"evaluations": {
-            "-1": {"accuracy": {"chain_sum": 0.1, "gcd": 0.1, "Total": 0.1}}, "11": {"accuracy": accuracy}}}))
+        base = {"accuracy": {"chain_sum": 0.1, "gcd": 0.1, "Total": 0.1}, "row_rewards": [1, 0, 0, 0, 0, 0, 0, 0],
+                "row_labels": ["chain_sum"] * 4 + ["gcd"] * 4, "row_gold": ["3", "4", "5", "6", "2", "2", "2", "1"]}
+        (directory / "result.json").write_text(json.dumps({"evaluations": {"-1": base, "11": {"accuracy": accuracy}}}))
         rounds = [{"event": "round", "round_idx": t, "rewards": {"client_0": 0.1 * t, "client_1": 0.2},
                    "reward_stderr": {"client_0": 0.03, "client_1": 0.05},
                    **({} if method == "fedavg" else {"gain_predictiveness_run": 0.1, "gain_predictiveness_null": -0.4,
@@ -367,6 +370,45 @@ def test_the_balanced_premise_pilot_gates_on_the_runs_own_z_and_its_report_regen
     report = (grid / "premise-balanced.md").read_text()
     assert report.startswith("# The premise pilot on the balanced benchmark (PASS)") and script.GATE in report
     assert "- fgrpo-held-out: seed 0 +3.00, seed 1 +2.00; mean +2.50" in report
+    # what no information scores: gcd's constant "2" (3 of 4) beats the base model's 0 of 4; chain_sum's base 1 of 4
+    assert "| gcd | 4 | 2 | 75.00 | 0.00 | 75.00 |" in report and "reference policy's 50.00" in report
+    assert "- fedavg seed 0: 30.00 (**does not beat it**)" in report
     (grid / "premise-balanced.md").unlink()
     assert script.main(["--report_only", "--output_dir", str(grid)]) == 0
     assert (grid / "premise-balanced.md").read_text() == report
+
+    # the follow-up the passed gate calls for: held-out (the only variant past the gate, +2.5 points) at 6 seeds
+    assert script.followup_plan(summary) == ("fgrpo-held-out", [0, 1, 2, 3, 4, 5])
+    totals.update(fedavg=(0.30, 0.32, 0.30, 0.31, 0.29, 0.30), **{"fgrpo-held-out": (0.33, 0.34, 0.31, 0.33, 0.28,
+                                                                                    0.32)})
+    z["fgrpo-held-out"] += (0.0,) * 4
+    for seed in (2, 3, 4):
+        write("fedavg", seed)
+        write("fgrpo-held-out", seed)
+    assert script.main(["--followup", "--report_only", "--output_dir", str(grid)]) == 0
+    followup = json.loads((grid / "premise-balanced-followup.json").read_text())
+    differences = [3.0, 2.0, 1.0, 2.0, -1.0]  # seed 5 not finished: 5 paired seeds
+    assert followup["status"] == "PARTIAL: 10 of 12 cells finished" and followup["seeds"] == [0, 1, 2, 3, 4]
+    assert followup["endpoints"]["Total"]["mean"] == pytest.approx(statistics.fmean(differences))
+    assert followup["endpoints"]["Total"]["p"] == pytest.approx(stats.ttest_1samp(differences, 0).pvalue)
+    assert "p_holm" not in followup["endpoints"]["Total"]  # the primary is not corrected
+    # the secondaries: chain_sum and the worst task (chain_sum's 20 in every cell) do not spread and have no p, so
+    # Holm corrects gcd's alone
+    assert math.isnan(followup["endpoints"]["worst task"]["p"]) and math.isnan(followup["endpoints"]["chain_sum"]["p"])
+    assert followup["endpoints"]["gcd"]["p_holm"] == pytest.approx(followup["endpoints"]["gcd"]["p"])
+    assert "Endpoints, named before any cell ran" in (grid / "premise-balanced-followup.md").read_text()
+
+
+def test_the_premise_follow_up_waits_for_a_passed_gate_and_sizes_itself_by_the_pilots_effect(tmp_path):
+    script = load("premise_balanced")
+    pilot = {"status": "PASS", "gate": {"fgrpo": {"mean_z": 2.5}, "fgrpo-held-out": {"mean_z": 3.0}},
+             "paired": {"fgrpo": {"mean": 1.2}, "fgrpo-held-out": {"mean": 0.4}}}
+    # both passed: the larger accuracy difference, under 2 points: 13 seeds
+    assert script.followup_plan(pilot) == ("fgrpo", list(range(13)))
+    pilot["gate"]["fgrpo"]["mean_z"] = 1.9  # only held-out passed
+    assert script.followup_plan(pilot)[0] == "fgrpo-held-out"
+    for status in ("FAIL", "PENDING"):
+        with pytest.raises(ValueError, match=f"status {status}"):
+            script.followup_plan({**pilot, "status": status})
+    with pytest.raises(SystemExit):  # no pilot report: a usage error naming it
+        script.main(["--followup", "--report_only", "--output_dir", str(tmp_path)])

@@ -122,6 +122,15 @@ def paired(differences: list[float]) -> dict[str, float]:
     return {**t_interval(differences), "p": paired_p(differences)}
 
 
+def paired_endpoints(pairs: list[tuple[dict, dict]], endpoints: list[str], primary: str) -> dict[str, dict]:
+    """Each endpoint's `paired` differences ours − theirs over `pairs` (one (ours, theirs) of endpoint values per
+    seed), and for the secondary endpoints (all but `primary`) their Holm-adjusted p-value, "p_holm"."""
+    rows = {name: paired([ours[name] - theirs[name] for ours, theirs in pairs]) for name in endpoints}
+    for name, adjusted in holm({name: rows[name]["p"] for name in endpoints if name != primary}).items():
+        rows[name]["p_holm"] = adjusted
+    return rows
+
+
 def p_text(value: float | None) -> str:
     """A p-value as the reports print it: two significant digits, "< 1e-4" below that, "—" for none."""
     if value is None:
