@@ -214,6 +214,28 @@ def test_the_readme_and_the_verdict_state_the_balanced_pilots_result():
         assert ("pilot passed" in text) == (report["status"] == "PASS")
 
 
+def test_the_readme_and_the_verdict_state_the_balanced_grids_reading():
+    """Both pages read as benchmarks/results/grid-balanced/balanced.json does: its cells, each method's total gain,
+    FGRPO − FedAvg with its interval, whether every cell beats the reference policy, and the largest |z|."""
+    grid = ROOT / "benchmarks" / "results" / "grid-balanced"
+    report = json.loads((grid / "balanced.json").read_text(encoding="utf-8"))
+    cells = re.search(r"\d+ of \d+ cells", report["status"]).group(0)
+    paired = report["comparisons"]["fgrpo"]["endpoints"]["Total"]
+    figure = f"FGRPO − FedAvg {paired['mean']:+.2f} [{paired['low']:+.2f}, {paired['high']:+.2f}]".replace("-", "−")
+    gains = {method: report["gains"][method]["Total"]["mean"] for method in ("fgrpo", "fedavg")}
+    gains = f"FGRPO {gains['fgrpo']:+.2f} and FedAvg {gains['fedavg']:+.2f}"
+    above = all(cell["Total"] > report["references"]["Total"]["reference"] for cell in report["cells"].values())
+    largest = max(abs(cell["z"]) for cell in report["cells"].values())
+    for text in (" ".join(README.split()), " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())):
+        assert f"Reading at {cells}" in text and figure in text and gains in text
+        said = "Every cell is above the reference policy" in text or "every cell above the reference policy" in text
+        assert said == above
+    (row,) = [line for line in (DOCS / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+              if line.startswith("| balanced grid:")]
+    assert f"| {report['status']} (" in row, row
+        assert f"|z| ≤ {largest:.2f}" in text
+
+
 def test_the_verdict_says_no_cell_of_the_first_grid_beats_what_no_information_scores():
     """docs/verdict.md's reading of the first benchmark, as benchmarks/results/grid/verdict.json's references and
     per-cell totals give it."""
