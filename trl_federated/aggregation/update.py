@@ -98,7 +98,7 @@ def window_stderr(step_rewards, window: int | None) -> float | None:
 
 
 def report_stderr(update: ClientUpdate, window: int | None, items: int | None,
-                  reward_range: tuple[float, float] | None = (0.0, 1.0)) -> float | None:
+                  reward_range: tuple[float, float] | None) -> float | None:
     """The standard error of a client's R̄: with `items` (R̄ a greedy mean over that many held-out items,
     `rpg_signal="held-out"`) `held_out_stderr` of R̄ itself in `reward_range`, which under DP reads the released R̃
     only; else that of the last `window` step rewards it sent (`window_stderr`)."""
