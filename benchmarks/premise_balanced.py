@@ -51,6 +51,7 @@ from harness.cells import (
     finished_results,
     machines,
     no_information_section,
+    points,
     round_records,
     shadow_predictiveness,
 )
@@ -215,7 +216,7 @@ def write_followup_report(root: Path, cells: list[Cell], command: str) -> str:
              f"## {variant} − {BASELINE}, seeds {seeds} (points)", ""]
     lines += [markdown(["Endpoint", "Mean [95% CI]", "p", "p (Holm)"], [
         [f"{name}{' (primary)' if name == TOTAL else ''}",
-         f"{row['mean']:+.2f}" + ("" if math.isnan(row["low"]) else f" [{row['low']:+.2f}, {row['high']:+.2f}]"),
+         points(row),
          _text(row["p"], ".3f"), _text(row.get("p_holm", math.nan), ".3f")] for name, row in rows.items()])
         if rows else "Fewer than 2 paired seeds have finished."]
     lines += ["", "## Cells", "", markdown(["method", "seed", *endpoints], [
