@@ -34,6 +34,7 @@ from harness.cells import (
     finished_results,
     gold_answers,
     no_information_section,
+    points,
     round_records,
     shadow_predictiveness,
     task_items,
@@ -103,10 +104,6 @@ def _num(value: float | None, spec: str = "+.2f") -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def _interval(row: dict[str, float]) -> str:
-    return f"{row['mean']:+.2f}" + ("" if math.isnan(row["low"]) else f" [{row['low']:+.2f}, {row['high']:+.2f}]")
-
-
 def write_report(results: dict[Cell, dict], cells: list[Cell], root: Path, command: str) -> str:
     status = (f"complete: {len(results)} of {len(cells)} cells finished" if len(results) == len(cells)
               else f"PARTIAL: {len(results)} of {len(cells)} cells finished")  # fmt: skip
@@ -131,13 +128,13 @@ def write_report(results: dict[Cell, dict], cells: list[Cell], root: Path, comma
     endpoints = summary["endpoints"]
     lines += [section, "## Gains over the base model (points, 95% t-interval over seeds)", "",
               markdown(["Method", "Seeds", *endpoints], [
-                  [method, str(len(row["seeds"])), *(_interval(row[name]) for name in endpoints)]
+                  [method, str(len(row["seeds"])), *(points(row[name]) for name in endpoints)]
                   for method, row in summary["gains"].items()]), ""]  # fmt: skip
     lines += ["## Paired comparisons (method − FedAvg, points)", ""]
     for method, comparison in summary["comparisons"].items():
         lines += [f"### {method} − {BASELINE}, seeds {comparison['seeds']}", "",
                   markdown(["Endpoint", "Mean [95% CI]", "p", "p (Holm)"], [
-                      [f"{name}{' (primary)' if name == TOTAL else ''}", _interval(row), _num(row["p"], ".3f"),
+                      [f"{name}{' (primary)' if name == TOTAL else ''}", points(row), _num(row["p"], ".3f"),
                        _num(row.get("p_holm"), ".3f")]
                       for name, row in comparison["endpoints"].items()]), ""]  # fmt: skip
     lines += ["## Cells", "",
