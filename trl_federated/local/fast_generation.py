@@ -133,13 +133,18 @@ class PackedLinear(torch.nn.Module):
         return output.view(*hidden.shape[:-1], self.out_features)
 
 
-def can_pack_linears(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether `PackedLinear` runs on `device` in `dtype`: a CPU build of PyTorch with oneDNN, and for bfloat16 a CPU
-    whose oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; `_is_mkldnn_bf16_supported`, which also
-    honours `ONEDNN_MAX_CPU_ISA`). Elsewhere, as on an AVX2-only CPU, the copy keeps its dense `torch.nn.Linear`s."""
+def packs_linears(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the merged copy's projections are packed (`PackedLinear`) on `device` in `dtype`: on CPU with oneDNN,
+    in bfloat16 wherever oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; `_is_mkldnn_bf16_supported`,
+    which honours `ONEDNN_MAX_CPU_ISA`), in float32 where ATen's CPU kernels are AVX-512 ones. On an AVX2-only CPU
+    the copy keeps its dense `torch.nn.Linear`s: in float32 there oneDNN's packed product was slower than `linear` at
+    most row counts and the fast greedy evaluation 1.46x faster without it, where on AVX-512 packing made a float32
+    decode step 1.42x faster (`benchmarks/packed_projections.py`, benchmarks/RESULTS.md)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def pack_linears(model: torch.nn.Module) -> dict[str, PackedLinear]:
@@ -179,7 +184,7 @@ class MergedGenerationModel:
         lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
         source_buffers = dict(base.named_buffers())
         self._buffers = [(buffer, source_buffers[name]) for name, buffer in self.model.named_buffers()]
-        packed = pack_linears(self.model) if can_pack_linears(base.device, dtype) else {}
+        packed = pack_linears(self.model) if packs_linears(base.device, dtype) else {}
         # (target: a parameter, or a PackedLinear for its weight; source parameter; LoRA layer whose delta is added
         # or None), by the copy's names
         self._parameters = []
