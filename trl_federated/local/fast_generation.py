@@ -138,8 +138,9 @@ def packs_linears(device: torch.device, dtype: torch.dtype = torch.float32) -> b
     in bfloat16 wherever oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; `_is_mkldnn_bf16_supported`,
     which honours `ONEDNN_MAX_CPU_ISA`), in float32 where ATen's CPU kernels are AVX-512 ones. On an AVX2-only CPU
     the copy keeps its dense `torch.nn.Linear`s: in float32 there oneDNN's packed product was slower than `linear` at
-    most row counts and the fast greedy evaluation 1.46x faster without it, where on AVX-512 packing made a float32
-    decode step 1.42x faster (`benchmarks/packed_projections.py`, benchmarks/RESULTS.md)."""
+    most row counts, and without it the prefill ran 1.38x and the greedy evaluation 1.15x faster, where on AVX-512
+    packing made a float32 decode step 1.65x and the evaluation 1.20x faster (`benchmarks/packed_projections.py`,
+    benchmarks/RESULTS.md)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
