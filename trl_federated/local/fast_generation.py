@@ -16,10 +16,10 @@ time). And TRL's GRPO prefills each prompt K times, once per completion row. Thi
    decoding, the sampling and the stopping are `generate`'s own under the caller's `GenerationConfig`.
 3. bf16 weights where the device computes bf16 natively (`generation_dtype="auto"`: a CPU with AVX512-BF16 or
    AMX, a CUDA device with bf16), which halves the bytes streamed per decode step.
-4. on CPU, every linear projection of the copy runs on a weight oneDNN has reordered once per refresh
-   (`PackedLinear`): at a decode step's few rows, `torch.nn.functional.linear` streams its weights at half the
-   machine's read bandwidth or less, the packed product at about twice that rate; bit for bit the same products in
-   bf16, float rounding in float32.
+4. on CPU, where it pays (`packs_linears`: bf16, or float32 on AVX-512), every linear projection of the copy runs on
+   a weight oneDNN has reordered once per refresh (`PackedLinear`): at a decode step's few rows,
+   `torch.nn.functional.linear` streams its weights at half the machine's read bandwidth or less, the packed product
+   at about twice that rate; bit for bit the same products in bf16, float rounding in float32.
 
 Numerics (see tests/test_fast_generation.py for the stated tolerances): in float32, the merged weights and the
 batch shape of the prefill change the logits by float rounding only (~1e-6 relative), so greedy completions are
