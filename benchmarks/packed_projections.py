@@ -91,11 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternated runs of the fast path, each side")
     parser.add_argument("--product_repeats", type=int, default=20)
     parser.add_argument("--products_only", action="store_true", help="skip the fast path's end-to-end runs")
+    parser.add_argument("--generation_dtype", default="auto", help="as `trl-federated run`'s, which it is handed on to")
     own, rest = parser.parse_known_args(argv)
+    rest += ["--generation_dtype", own.generation_dtype]
     from trl_federated.local.fast_generation import packs_linears, resolve_generation_dtype
 
-    dtype = resolve_generation_dtype(next((rest[i + 1] for i, flag in enumerate(rest[:-1])
-                                           if flag == "--generation_dtype"), "auto"), torch.device("cpu"))  # fmt: skip
+    dtype = resolve_generation_dtype(own.generation_dtype, torch.device("cpu"))
     packs = packs_linears(torch.device("cpu"), dtype)
     print(f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 path "
           f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, {torch.get_num_threads()} thread(s), generation dtype "

@@ -123,7 +123,7 @@ ONEDNN_BF16 = pytest.mark.skipif(
 
 
 FLOAT32_PACKED = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() != "AVX512",
+    not packs_linears(torch.device("cpu"), torch.float32),
     reason="float32 projections stay dense without AVX-512 (packing was slower there): the AVX2 test runs there",
 )
 
