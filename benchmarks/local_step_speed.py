@@ -39,7 +39,7 @@ from collections import defaultdict
 
 import torch
 
-from harness.timing import alternated, best_seconds
+from harness.timing import alternated, best_seconds, read_gb_s
 from harness.trainers import Bench
 
 MATMUL_SHAPES = ((512, 576, 1536), (1024, 2048, 2048))  # a prefill's MLP projection, and a larger product
@@ -49,8 +49,7 @@ QUICK = {"steps": 1, "repeats": 1, "decode_tokens": 16, "eval_rows": 16}
 
 def machine_floors(tiny: bool) -> dict[str, float]:
     """Read bandwidth (GB/s) and matrix-product throughput (GFLOP/s) in float32 and bfloat16."""
-    data = torch.ones((8 if tiny else 128) * 2**20)  # 32 MiB / 512 MiB of float32
-    floors = {"read_gb_s": data.numel() * 4 / best_seconds(data.sum) / 1e9}
+    floors = {"read_gb_s": read_gb_s(32 if tiny else 512)}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         throughputs = []
         for m, k, n in ((64, 64, 128),) if tiny else MATMUL_SHAPES:

@@ -42,6 +42,15 @@ def best_seconds(function: Callable[[], object], repeats: int = 5) -> float:
     return min(wall_seconds(function) for _ in range(repeats))
 
 
+def read_gb_s(mib: int = 512) -> float:
+    """The machine's read bandwidth in GB/s: the best time to sum a float32 tensor of `mib` MiB (larger than the
+    caches at the default), the rate a weight-streaming decode step cannot beat."""
+    import torch
+
+    data = torch.ones(mib * 2**20 // 4)
+    return data.numel() * 4 / best_seconds(data.sum) / 1e9
+
+
 class Phases:
     """Wall seconds of wrapped methods, summed per phase until `take()`."""
 

@@ -1,0 +1,103 @@
+"""Where a decode step of fast generation goes, part by part, against its floor: the merged copy of the embedded
+SmolLM2-135M (`MergedGenerationModel`, in the dtype `generation_dtype: auto` takes here) sampling `--rows` rows at
+temperature 1 over the whole vocabulary, as a local step's generation does.
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_parts.py [--rows 8] [--prompt_tokens 166] [--decode_tokens 32] \
+        [--repeats 3]
+
+Parts (the whole steps the median of `--repeats`, the parts alone the best):
+- the whole step: `generate` on the copy (a `DynamicCache`, as fast generation runs it), (`--decode_tokens` + 1 new
+  tokens − 1 new token) / `--decode_tokens`;
+- the projections alone: every linear projection of the copy (packed where `packs_linears` packs), once, at a
+  decode step's rows;
+- the sampler: `generate`'s draw (softmax, then `torch.multinomial`, which draws one exponential per vocabulary
+  entry) against the same distribution drawn as Gumbel-max from uniforms (argmax of logits − log(−log U));
+- the rest: the whole step less the projections and `generate`'s draw (norms, rotary embeddings, attention over the
+  cache, its growth, the logits' processing, the loop's own work).
+The floor: the model's weight bytes in the copy's dtype / the read bandwidth (`read_gb_s`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from harness.timing import best_seconds, read_gb_s, wall_seconds
+
+
+def copy_of_embedded_model() -> tuple[torch.nn.Module, int]:
+    """The merged copy of the embedded model, and the model's parameter count (a tied head counted once)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_federated.local.fast_generation import MergedGenerationModel, resolve_generation_dtype
+    from trl_federated.runtime.models import ensure_default_model
+
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
+    copy = MergedGenerationModel(model, resolve_generation_dtype("auto", model.device)).refresh()
+    return copy, model.num_parameters()
+
+
+def decode_step_ms(generate, decode_tokens: int, repeats: int) -> float:
+    """ms per decode step of `generate(new_tokens)`: the long call less the 1-token call, over the steps between."""
+    generate(2)  # warm-up
+    steps = []
+    for _ in range(repeats):
+        one = wall_seconds(lambda: generate(1))
+        many = wall_seconds(lambda: generate(decode_tokens + 1))
+        steps.append(1000 * (many - one) / decode_tokens)
+    return statistics.median(steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8, help="rows decoded together (a local step's 2 prompts x 4)")
+    parser.add_argument("--prompt_tokens", type=int, default=166)
+    parser.add_argument("--decode_tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    from trl_federated.local.fast_generation import PackedLinear, packs_linears
+
+    copy, parameters = copy_of_embedded_model()
+    dtype = copy.dtype
+    weight_bytes = parameters * dtype.itemsize
+    bandwidth = read_gb_s()
+    floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
+    input_ids = torch.randint(1000, 20000, (args.rows, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    sample = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "pad_token_id": 0}
+
+    def generate(new_tokens: int):
+        return copy.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sample)  # fmt: skip
+
+    start = time.perf_counter()
+    step = decode_step_ms(generate, args.decode_tokens, args.repeats)
+    projections = [m for m in copy.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]
+    inputs = [torch.randn(args.rows, 1, m.in_features, dtype=dtype) for m in projections]
+    products = 1000 * best_seconds(lambda: [m(x) for m, x in zip(projections, inputs, strict=True)], args.repeats)
+    logits = torch.randn(args.rows, copy.config.vocab_size)
+    multinomial = 1000 * best_seconds(lambda: torch.multinomial(torch.softmax(logits, -1), 1), args.repeats)
+    gumbel_max = lambda: (logits - torch.rand_like(logits).log_().neg_().log_()).argmax(-1)  # noqa: E731
+    gumbel = 1000 * best_seconds(gumbel_max, args.repeats)
+    rest = step - products - multinomial
+    name = str(dtype).removeprefix("torch.")
+    print(f"{torch.get_num_threads()} thread(s), ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"copy in {name} ({weight_bytes / 1e6:.0f} MB, projections packed: {packs_linears(copy.device, dtype)}), "
+          f"read {bandwidth:.1f} GB/s, {args.rows} rows of {args.prompt_tokens} prompt tokens")  # fmt: skip
+    print("\n| part of a decode step | ms | x the floor |\n|---|---:|---:|")
+    print(f"| floor: the weights read once | {floor_ms:.1f} | 1.0 |")
+    parts = {"whole step (eager, DynamicCache)": step, f"projections alone ({len(projections)})": products,
+             "sampler: softmax + torch.multinomial": multinomial, "sampler as Gumbel-max from uniforms": gumbel,
+             "rest (norms, rotary, attention, cache, loop)": rest}  # fmt: skip
+    for part, ms in parts.items():
+        print(f"| {part} | {ms:.1f} | {ms / floor_ms:.2f} |")
+    print(f"\nsummary: decode step {step / floor_ms:.1f}x its floor, the projections alone {products / floor_ms:.1f}x, "
+          f"sampler {multinomial:.1f} ms (Gumbel-max {gumbel:.1f} ms), rest {rest:.1f} ms "
+          f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
