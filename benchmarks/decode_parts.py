@@ -14,7 +14,9 @@ Parts (the whole steps the median of `--repeats`, the parts alone the best):
   entry) against the same distribution drawn as Gumbel-max from uniforms (argmax of logits − log(−log U));
 - the rest: the whole step less the projections and `generate`'s draw (norms, rotary embeddings, attention over the
   cache, its growth, the logits' processing, the loop's own work).
-The floor: the model's weight bytes in the copy's dtype / the read bandwidth (`read_gb_s`).
+The floor: the model's weight bytes in the copy's dtype / the read bandwidth (`read_gb_s`), measured before and after
+the parts; the larger reading sets the floor, and where the two differ by more than a quarter the report says so: on a
+machine whose memory bandwidth is shared with others, the memory-bound parts moved with it (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -41,15 +43,16 @@ def copy_of_embedded_model() -> tuple[torch.nn.Module, int]:
     return copy, model.num_parameters()
 
 
-def decode_step_ms(generate, decode_tokens: int, repeats: int) -> float:
-    """ms per decode step of `generate(new_tokens)`: the long call less the 1-token call, over the steps between."""
+def decode_step_ms(generate, decode_tokens: int, repeats: int) -> list[float]:
+    """ms per decode step of `generate(new_tokens)`, each repeat's: the long call less the 1-token call, over the steps
+    between."""
     generate(2)  # warm-up
     steps = []
     for _ in range(repeats):
         one = wall_seconds(lambda: generate(1))
         many = wall_seconds(lambda: generate(decode_tokens + 1))
         steps.append(1000 * (many - one) / decode_tokens)
-    return statistics.median(steps)
+    return steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,8 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     copy, parameters = copy_of_embedded_model()
     dtype = copy.dtype
     weight_bytes = parameters * dtype.itemsize
-    bandwidth = read_gb_s()
-    floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
+    bandwidth_before = read_gb_s()
     input_ids = torch.randint(1000, 20000, (args.rows, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     sample = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "pad_token_id": 0}
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sample)  # fmt: skip
 
     start = time.perf_counter()
-    step = decode_step_ms(generate, args.decode_tokens, args.repeats)
+    steps = decode_step_ms(generate, args.decode_tokens, args.repeats)
+    step = statistics.median(steps)
     projections = [m for m in copy.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]
     inputs = [torch.randn(args.rows, 1, m.in_features, dtype=dtype) for m in projections]
     products = 1000 * best_seconds(lambda: [m(x) for m, x in zip(projections, inputs, strict=True)], args.repeats)
@@ -83,13 +86,20 @@ def main(argv: list[str] | None = None) -> None:
     gumbel_max = lambda: (logits - torch.rand_like(logits).log_().neg_().log_()).argmax(-1)  # noqa: E731
     gumbel = 1000 * best_seconds(gumbel_max, args.repeats)
     rest = step - products - multinomial
+    bandwidth_after = read_gb_s()
+    bandwidth = max(bandwidth_before, bandwidth_after)
+    floor_ms = weight_bytes / (bandwidth * 1e9) * 1000
     name = str(dtype).removeprefix("torch.")
     print(f"{torch.get_num_threads()} thread(s), ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"copy in {name} ({weight_bytes / 1e6:.0f} MB, projections packed: {packs_linears(copy.device, dtype)}), "
-          f"read {bandwidth:.1f} GB/s, {args.rows} rows of {args.prompt_tokens} prompt tokens")  # fmt: skip
+          f"read {bandwidth_before:.1f} GB/s before the parts, {bandwidth_after:.1f} after, {args.rows} rows of "
+          f"{args.prompt_tokens} prompt tokens")  # fmt: skip
+    if bandwidth > 1.25 * min(bandwidth_before, bandwidth_after):
+        print("The read bandwidth moved during the run, and the memory-bound parts with it: rerun before reading them.")
     print("\n| part of a decode step | ms | x the floor |\n|---|---:|---:|")
     print(f"| floor: the weights read once | {floor_ms:.1f} | 1.0 |")
-    parts = {"whole step (eager, DynamicCache)": step, f"projections alone ({len(projections)})": products,
+    parts = {f"whole step (eager, DynamicCache; {min(steps):.1f}-{max(steps):.1f})": step,
+             f"projections alone ({len(projections)})": products,
              "sampler: softmax + torch.multinomial": multinomial, "sampler as Gumbel-max from uniforms": gumbel,
              "rest (norms, rotary, attention, cache, loop)": rest}  # fmt: skip
     for part, ms in parts.items():
