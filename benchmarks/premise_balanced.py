@@ -79,7 +79,8 @@ GATE = (f"PASS when an RPG variant's `gain_predictiveness_z` (its run's correlat
 def cell_row(cell: Cell, result: dict, root: Path) -> dict[str, float]:
     """A finished cell's final accuracy in points (total and per task), its R̄ and se(R̄) averaged over its
     client-rounds, its own gain's predictiveness (run correlation, null, z; NaN for FedAvg) and the paper's gain read
-    on its reports (z: what RPG would have read of them), and its CPU hours."""
+    on its reports (z: what RPG would have read of them), its CPU hours (whether all its attempts recorded theirs)
+    and the wall hours its rounds took."""
     evaluations = result["evaluations"]
     final = evaluations[max(evaluations, key=int)]["accuracy"]
     rounds = round_records(cell.directory(root))
@@ -88,12 +89,14 @@ def cell_row(cell: Cell, result: dict, root: Path) -> dict[str, float]:
     stderrs = [value for record in rounds for value in (record.get("reward_stderr") or {}).values()
                if value is not None]
     _, shadow_z = shadow_predictiveness(rounds)
+    cost = cell_cost(cell.directory(root))
     return {
         TOTAL: 100 * final[TOTAL], "tasks": {label: 100 * value for label, value in final.items() if label != TOTAL},
         "reward": _mean(rewards), "reward_stderr": _mean(stderrs),
         "run": _number(last.get("gain_predictiveness_run")), "null": _number(last.get("gain_predictiveness_null")),
         "z": _number(last.get("gain_predictiveness_z")), "paper_z": _number(shadow_z),
-        "cpu_hours": cell_cost(cell.directory(root))["cpu_seconds"] / 3600,
+        "cpu_hours": cost["cpu_seconds"] / 3600, "cpu_complete": cost["complete"],
+        "rounds_wall_hours": cost["rounds_wall_seconds"] / 3600,
     }
 
 
@@ -148,13 +151,17 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
               *(_text(row["tasks"].get(task, math.nan)) for task in tasks),
               _text(row["reward"], ".3f"), _text(row["reward_stderr"], ".3f"), _text(row["run"], "+.2f"),
               _text(row["null"], "+.2f"), _text(row["z"], "+.2f"), _text(row["paper_z"], "+.2f"),
-              _text(row["cpu_hours"])]
+              ("" if row["cpu_complete"] else "≥") + _text(row["cpu_hours"]), _text(row["rounds_wall_hours"])]
              for cell, row in sorted(rows.items(), key=lambda item: (item[0].seed, CELL_METHODS.index(item[0].method)))]
     lines += ["## Cells", "", markdown(["method", "seed", "total", *tasks, "mean R̄", "se(R̄)", "corr(h, next ΔR̄)",
-                                        "its null", "z", "paper's h on its R̄: z", "CPU h"], table), "",
+                                        "its null", "z", "paper's h on its R̄: z", "CPU h", "rounds' wall h"],
+                                       table), "",
               "`corr(h, next ΔR̄)`, `its null`, `z`: the run's own RPG (`gain_predictiveness_run`, `_null`, `_z` of its "
               "last round; none for FedAvg); `paper's h on its R̄`: RPG's formula with its defaults applied to the R̄ "
-              "the cell's clients reported, whatever weighed them, z against the same permutation null.", "",
+              "the cell's clients reported, whatever weighed them, z against the same permutation null. `CPU h`: the "
+              "attempts its cost.json records; `≥` where an attempt it resumed from was killed with its machine and "
+              "recorded none. `rounds' wall h`: the wall time of its rounds, whichever attempt ran them (one thread "
+              "each, so about its CPU time where nothing paused it).", "",
               "## Gate", ""]
     lines += [f"- {method}: mean z {record['mean_z']:+.2f} over {record['seeds']} of {len(SEEDS)} seeds"
               for method, record in gate.items()] or ["- no RPG cell has finished"]

@@ -228,7 +228,22 @@ def test_a_finished_cell_is_skipped_and_keeps_its_cost(tmp_path, capsys):
     _write(tmp_path, cell, _result((0.2, 0.1), (0.3, 0.2), [0.1, 0.2, 0.3]), cpu_seconds=123.0)
     harness.grid.run_timed_cell(cell, "no-such-config.yaml", tmp_path, [])  # would fail if it ran anything
     assert "done, skipped" in capsys.readouterr().out
-    assert harness.cells.cell_cost(cell.directory(tmp_path)) == {"cpu_seconds": 123.0, "wall_seconds": 100.0}
+    assert harness.cells.cell_cost(cell.directory(tmp_path)) == {
+        "cpu_seconds": 123.0, "wall_seconds": 100.0, "complete": True, "rounds_wall_seconds": 0.0}
+
+
+def test_a_cells_cost_is_a_lower_bound_when_an_attempt_it_resumed_from_recorded_none(tmp_path):
+    """A resume is one attempt more; an attempt killed with its machine writes no cost, which the cost then says."""
+    cell = Cell("fgrpo", 0, 3, "0.05")
+    _write(tmp_path, cell, _result((0.2, 0.1), (0.3, 0.2), [0.1, 0.2]), cpu_seconds=50.0)
+    rounds = [{"event": "round", "round_idx": 0, "wall_time": 30.0}, {"event": "resumed", "checkpoint_round": 0},
+              {"event": "round", "round_idx": 1, "wall_time": 20.0}]
+    (cell.directory(tmp_path) / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rounds))
+    cost = harness.cells.cell_cost(cell.directory(tmp_path))
+    assert cost["cpu_seconds"] == 50.0 and cost["rounds_wall_seconds"] == 50.0 and not cost["complete"]
+    harness.grid.record_cost(cell.directory(tmp_path), 30.0, 30.0, stopped=True)  # the first attempt, stopped
+    cost = harness.cells.cell_cost(cell.directory(tmp_path))
+    assert cost["cpu_seconds"] == 80.0 and cost["complete"]
 
 
 def test_cells_share_the_base_evaluation_of_the_first(tmp_path):
@@ -391,6 +406,9 @@ def test_a_stopped_harness_stops_its_cells(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not list(grid.rglob("result.json")) and not (grid / "N3-mu0.05" / "fgrpo" / "seed2").exists()
+    for seed in (0, 1):  # each stopped attempt's cost recorded, so its resume can add up the cell's
+        (attempt,) = json.loads((Cell("fgrpo", seed, 3, "0.05").directory(grid) / harness.cells.COST_FILE).read_text())
+        assert attempt["stopped"] and attempt["cpu_seconds"] >= 0 and attempt["wall_seconds"] > 0
 
 
 def test_one_cell_at_a_time_inherits_the_environment(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from trl_federated.core.callbacks import read_metrics
 from trl_federated.reports.compare import Cell, load_result
 
 TEST_ITEMS_FILE = "test-items.json"  # per grid folder: the task of every test item, in evaluation order
-COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ran to its end
+COST_FILE = "cost.json"  # per cell: CPU and wall seconds of every attempt that ended or was stopped
 BUDGET_FILE = "budget.json"  # per grid folder: the config and flags its cells ran with
 # Reported name -> accuracy key of an evaluation. The endpoints, named before the cells ran: total accuracy (primary),
 # the hard tier, and the arithmetic tasks against the others (secondary: where the paper-literal server step
@@ -138,10 +138,17 @@ def with_shared_base(results: dict[Any, dict], base: dict | None = None) -> dict
     return results
 
 
-def cell_cost(directory: Path) -> dict[str, float]:
+def cell_cost(directory: Path) -> dict[str, Any]:
+    """A cell's CPU and wall seconds over the attempts its cost.json records, and whether those are all the attempts
+    its result came from (`complete`): each resume from a round checkpoint is one attempt more (a "resumed" line in
+    metrics.jsonl), and an attempt killed with its machine records nothing, so an incomplete figure is a lower bound.
+    `rounds_wall_seconds`: the wall time its round records sum to, whichever attempt ran them."""
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-    return {key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")}
+    resumes = sum(record.get("event") == "resumed" for record in read_metrics(directory / "metrics.jsonl"))
+    return {**{key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")},
+            "complete": len(attempts) > resumes,
+            "rounds_wall_seconds": sum(record.get("wall_time") or 0.0 for record in round_records(directory))}
 
 
 def cell_diagnostics(rounds: list[dict]) -> dict[str, float]:

@@ -158,12 +158,13 @@ def machine_record(environment: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def record_cost(
-    directory: Path, cpu_seconds: float, wall_seconds: float, machine: dict[str, Any] | None = None
+    directory: Path, cpu_seconds: float, wall_seconds: float, machine: dict[str, Any] | None = None,
+    stopped: bool = False,
 ) -> None:
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
     attempts.append({"cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds,
-                     **({"machine": machine} if machine else {})})
+                     **({"machine": machine} if machine else {}), **({"stopped": True} if stopped else {})})
     path.write_text(json.dumps(attempts, indent=1), encoding="utf-8")
 
 
@@ -176,8 +177,9 @@ def run_cells(
 ) -> list[tuple[Cell, int]]:
     """Run `command(cell)` for every cell, at most `parallel` processes at a time (`cell_environment`), in order; a
     None command is a finished cell, skipped. Each attempt that exits 0 appends its CPU seconds (the process's and
-    its children's, `os.wait4`) and wall seconds to the cell's cost.json; an attempt that is killed records nothing,
-    so an interrupted cell's cost is a lower bound. `on_finish(cell, ran)` follows every finished cell, skipped ones
+    its children's, `os.wait4`) and wall seconds to the cell's cost.json, and so does one this run stops (`"stopped":
+    true`); an attempt killed with the machine records nothing, so such a cell's cost is a lower bound
+    (`cells.cell_cost` says which). `on_finish(cell, ran)` follows every finished cell, skipped ones
     included (`ran` False). A failing cell stops the launch of further cells; those running are waited for. Returns
     the failures, (cell, exit status). Stopped (SIGTERM, or Ctrl-C), it stops the running cells with SIGTERM, waits
     for them (each resumes from its last round checkpoint on the next run) and exits (status 143 for SIGTERM)."""
@@ -191,8 +193,11 @@ def run_cells(
         for cell, process, _ in running.values():
             print(f"[verdict] stopping {cell.method} {cell.setting} seed {cell.seed}", flush=True)
             process.terminate()
-        for _, process, _ in running.values():
-            process.wait()
+        for cell, process, started in running.values():
+            _, status, usage = os.wait4(process.pid, 0)
+            process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen.wait
+            record_cost(cell.directory(root), usage.ru_utime + usage.ru_stime, time.perf_counter() - started,
+                        machine_record(environment), stopped=True)
         if isinstance(stop, _Stopped):
             raise SystemExit(128 + stop.signum) from None
         raise
