@@ -242,7 +242,8 @@ def test_the_readme_and_the_verdict_state_the_balanced_grids_reading():
 
 def test_the_pages_state_the_balanced_premise_pilots_gate_as_its_report_does():
     """benchmarks/results/grid-premise-balanced/premise-balanced.json's status heads the benchmarks page's row; once the
-    gate is decided, README and the verdict say whether the pilot passed, with each RPG variant's mean z."""
+    gate is decided, README and the verdict say whether the pilot passed, with each RPG variant's mean z and its mean
+    accuracy difference from FedAvg."""
     report = json.loads((ROOT / "benchmarks" / "results" / "grid-premise-balanced" / "premise-balanced.json")
                         .read_text(encoding="utf-8"))  # fmt: skip
     (row,) = [line for line in (DOCS / "benchmarks.md").read_text(encoding="utf-8").splitlines()
@@ -253,6 +254,8 @@ def test_the_pages_state_the_balanced_premise_pilots_gate_as_its_report_does():
     for text in (" ".join(README.split()), " ".join((DOCS / "verdict.md").read_text(encoding="utf-8").split())):
         assert f"balanced premise pilot {'passed' if report['status'] == 'PASS' else 'failed'}" in text
         assert all(f"{gate['mean_z']:+.2f}".replace("-", "−") in text for gate in report["gate"].values())
+        # the accuracy difference from FedAvg, paired by seed, as the report gives it
+        assert all(f"{paired['mean']:+.2f}".replace("-", "−") in text for paired in report["paired"].values())
 
 
 def test_the_verdict_says_no_cell_of_the_first_grid_beats_what_no_information_scores():
