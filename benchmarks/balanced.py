@@ -31,6 +31,7 @@ from pathlib import Path
 
 from harness.cells import (
     cell_cost,
+    cpu_text,
     finished_results,
     gold_answers,
     no_information_section,
@@ -72,10 +73,10 @@ def summarize(results: dict[Cell, dict], root: Path) -> dict:
     for cell, result in results.items():
         correlation, z = shadow_predictiveness(round_records(cell.directory(root)))
         per_cell[cell] = {**cell_accuracies(result, root), "gain_predictiveness_run": correlation, "z": z,
-                          **cell_cost(cell.directory(root))}  # fmt: skip
+                          "cost": cell_cost(cell.directory(root))}  # fmt: skip
     endpoints = [TOTAL, WORST, *sorted(key for key in next(iter(per_cell.values()))
                                        if not key.startswith("base ") and key not in (TOTAL, WORST)
-                                       and key not in ("gain_predictiveness_run", "z", "cpu_seconds", "wall_seconds"))]
+                                       and key not in ("gain_predictiveness_run", "z", "cost"))]
     methods = list(dict.fromkeys(cell.method for cell in results))
     gains = {}
     for method in methods:
@@ -139,10 +140,12 @@ def write_report(results: dict[Cell, dict], cells: list[Cell], root: Path, comma
                       for name, row in comparison["endpoints"].items()]), ""]  # fmt: skip
     lines += ["## Cells", "",
               "Final accuracy (%) per task, and RPG's gain formula read on the cell's clients: corr(h, next ΔR̄) "
-              "over the run and its z against the permutation null (each client's R̄ permuted over its rounds).", "",
+              "over the run and its z against the permutation null (each client's R̄ permuted over its rounds). "
+              "`CPU h`: the attempts its cost.json records; `≥` where an attempt it resumed from was killed with its "
+              "machine and recorded none.", "",
               markdown(["Method", "Seed", *endpoints, "corr(h, next ΔR̄)", "z", "CPU h"], [
                   [cell.method, str(cell.seed), *(_num(row[name], ".2f") for name in endpoints),
-                   _num(row["gain_predictiveness_run"], "+.3f"), _num(row["z"]), f"{row['cpu_seconds'] / 3600:.2f}"]
+                   _num(row["gain_predictiveness_run"], "+.3f"), _num(row["z"]), cpu_text([row["cost"]])]
                   for cell, row in sorted(summary["per_cell"].items(), key=lambda item: (item[0].seed, item[0].method))
               ]), ""]  # fmt: skip
     text = "\n".join(lines)

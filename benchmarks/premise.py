@@ -38,6 +38,7 @@ from harness.cells import (
     base_evaluation,
     cell_cost,
     cell_diagnostics,
+    cpu_text,
     finished_results,
     machines,
     no_information_section,
@@ -180,14 +181,13 @@ def write_report(summary: dict, results: dict[Cell, dict], total_cells: int, roo
             f"{_num(row['shadow_paper'], '+.2f')} | {_num(row['shadow_paper_z'], '+.2f')} | "
             f"{_num(row['shadow_noise_aware'], '+.2f')} | {_num(row['shadow_noise_aware_z'], '+.2f')} | "
             f"{row['idle_client_rounds']} | {_num(row['weight_spread'], '.2f')} | {_num(row['last_entropy'], '.2f')} | "
-            f"{row['cpu_seconds'] / 3600:.2f} |")
+            f"{cpu_text([row])} |")
     lines += ["", "`paper's h` and `noise-aware h`: RPG's gain formula applied to the R̄ this cell's clients reported, "
               "whatever weighed them, as corr(h, next ΔR̄) over the run; `its z`: that correlation in standard "
               "deviations from its no-information value (each client's R̄ permuted over its rounds, 200 times; the "
               "null's mean is about −0.5, not 0: h holds +R̄_{t−1} and the next change −R̄_{t−1}); `own`: the run's own "
-              "RPG (empty for FedAvg). `CPU h`: the attempts that recorded "
-              "their cost (cost.json); an attempt stopped with its machine records none, so a resumed cell's figure "
-              "is a lower bound.", ""]
+              "RPG (empty for FedAvg). `CPU h`: the attempts its cost.json records; `≥` where "
+              "an attempt it resumed from was killed with its machine and recorded none.", ""]
     section, _ = no_information_section(root, {f"{cell.method} seed {cell.seed}": result
                                                for cell, result in results.items()})  # fmt: skip
     if section:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from harness.cells import (
     cell_cost,
+    cpu_text,
     finished_results,
     machines,
     no_information_section,
@@ -95,8 +96,7 @@ def cell_row(cell: Cell, result: dict, root: Path) -> dict[str, float]:
         "reward": _mean(rewards), "reward_stderr": _mean(stderrs),
         "run": _number(last.get("gain_predictiveness_run")), "null": _number(last.get("gain_predictiveness_null")),
         "z": _number(last.get("gain_predictiveness_z")), "paper_z": _number(shadow_z),
-        "cpu_hours": cost["cpu_seconds"] / 3600, "cpu_complete": cost["complete"],
-        "rounds_wall_hours": cost["rounds_wall_seconds"] / 3600,
+        "cost": cost, "rounds_wall_hours": cost["rounds_wall_seconds"] / 3600,
     }
 
 
@@ -151,7 +151,7 @@ def write_report(root: Path, cells: list[Cell], command: str) -> str:
               *(_text(row["tasks"].get(task, math.nan)) for task in tasks),
               _text(row["reward"], ".3f"), _text(row["reward_stderr"], ".3f"), _text(row["run"], "+.2f"),
               _text(row["null"], "+.2f"), _text(row["z"], "+.2f"), _text(row["paper_z"], "+.2f"),
-              ("" if row["cpu_complete"] else "≥") + _text(row["cpu_hours"]), _text(row["rounds_wall_hours"])]
+              cpu_text([row["cost"]]), _text(row["rounds_wall_hours"])]
              for cell, row in sorted(rows.items(), key=lambda item: (item[0].seed, CELL_METHODS.index(item[0].method)))]
     lines += ["## Cells", "", markdown(["method", "seed", "total", *tasks, "mean R̄", "se(R̄)", "corr(h, next ΔR̄)",
                                         "its null", "z", "paper's h on its R̄: z", "CPU h", "rounds' wall h"],

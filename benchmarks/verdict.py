@@ -44,6 +44,7 @@ from harness.cells import (
     cell_cost,
     cell_diagnostics,
     cell_metrics,
+    cpu_text,
     finished_results,
     machines,
     no_information_section,
@@ -111,6 +112,7 @@ def summarize(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         for key in metrics[0]:
             row[key] = t_interval([m[key] for m in metrics])
         row["cpu_seconds_per_cell"] = statistics.fmean(costs[cell]["cpu_seconds"] for cell in cells)
+        row["cpu_per_cell_text"] = cpu_text((costs[cell] for cell in cells), 60.0, ".1f")
         row["wall_seconds_per_cell"] = statistics.fmean(costs[cell]["wall_seconds"] for cell in cells)
         row["run_wall_seconds_per_cell"] = statistics.fmean(results[cell]["wall_time"] for cell in cells)
         curves = [reward_curve(results[cell]) for cell in cells]
@@ -181,7 +183,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
     rows = [
         [row["setting"], row["method"], str(len(row["seeds"])), f"{row['total_base']['mean']:.2f}",
          f"{row['total_final']['mean']:.2f}", points(row["total_gain"]), f"{row['hard_base']['mean']:.2f}",
-         f"{row['hard_final']['mean']:.2f}", points(row["hard_gain"]), f"{row['cpu_seconds_per_cell'] / 60:.1f}",
+         f"{row['hard_final']['mean']:.2f}", points(row["hard_gain"]), row["cpu_per_cell_text"],
          f"{row['wall_seconds_per_cell'] / 60:.1f}"]
         for row in summary["methods"]
     ]
@@ -244,6 +246,7 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
     items = test_items(results)
     item_points = f"one test item is {100 / items:.2f} points of total accuracy ({items} items)" if items else ""
     cpu_total = sum(cost["cpu_seconds"] for cost in costs.values())
+    lower_bound = "" if all(cost["complete"] for cost in costs.values()) else "≥ "
     wall_total = sum(cost["wall_seconds"] for cost in costs.values())
     no_information, references = no_information_section(root, {
         f"{cell.method} {cell.setting} seed {cell.seed}": result for cell, result in results.items()})
@@ -283,8 +286,9 @@ def write_report(results: dict[Cell, dict], costs: dict[Cell, dict[str, float]],
         "tells whether two adapters differ beyond the test split's sampling, not whether the methods do: a method "
         "difference is the paired interval over seeds above, which also holds the training's seed-to-seed spread."
         f"\n\n{markdown(item_header, item_rows) if item_rows else 'No pair with per-item scores yet.'}\n\n"
-        f"Compute: {cpu_total / 3600:.2f} CPU hours, {wall_total / 3600:.2f} wall hours over {len(results)} cells "
-        "(attempts that were killed are not counted).\n"
+        f"Compute: {lower_bound}{cpu_total / 3600:.2f} CPU hours, {wall_total / 3600:.2f} wall hours over "
+        f"{len(results)} cells (attempts that were killed are not counted; `≥` where a cell resumed from one); CPU "
+        "min/cell `≥` where one of its cells did.\n"
     )
     (root / "verdict.md").write_text(report, encoding="utf-8")
     for name, table in (("verdict.csv", [header, *rows]), ("paired.csv", [paired_header, *paired_rows])):

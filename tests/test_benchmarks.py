@@ -329,6 +329,29 @@ def test_the_premise_report_regenerates_from_its_committed_cells(tmp_path):
     assert (copy / "premise.md").read_text(encoding="utf-8") == expected
 
 
+def test_the_balanced_report_regenerates_from_its_committed_cells_with_tasks_as_its_only_endpoints(tmp_path):
+    """benchmarks/results/grid-balanced/balanced.md is what `balanced.py --report_only` writes from the committed
+    cells, but its command line; its endpoints are the total, the worst task and each task (a cell's cost is no
+    endpoint), and a cell resumed from an attempt that recorded no cost shows its CPU as a lower bound."""
+    import shutil
+
+    balanced = load("balanced")
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "grid-balanced"
+    copy = tmp_path / "grid-balanced"
+    shutil.copytree(committed, copy)
+    (copy / "balanced.md").unlink()
+    assert balanced.main(["--parallel", "2", "--report_only", "--output_dir", str(copy)]) == 0
+    expected = (committed / "balanced.md").read_text(encoding="utf-8").replace(
+        "--parallel 2`", f"--parallel 2 --output_dir {copy}`")
+    assert (copy / "balanced.md").read_text(encoding="utf-8") == expected
+    record = json.loads((copy / "balanced.json").read_text(encoding="utf-8"))
+    endpoints = list(record["comparisons"]["fgrpo"]["endpoints"])
+    result = json.loads((balanced.Cell("fedavg", 0, 3, "0.05").directory(copy) / "result.json").read_text())
+    tasks = sorted(set(result["evaluations"]["-1"]["row_labels"]))
+    assert endpoints == ["Total", "worst task", *tasks]
+    assert "| fedavg | 2 |" in expected and "| ≥0.49 |" in expected
+
+
 def test_the_balanced_premise_pilot_gates_on_the_runs_own_z_and_its_report_regenerates_from_the_cells(tmp_path):
     """benchmarks/premise_balanced.py's report from a folder of finished cells: the gate (an RPG variant's mean z over
     its 2 seeds > 2) PENDING until all 6 cells finished, then read from each run's last round record; each RPG variant's

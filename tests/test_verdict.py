@@ -241,9 +241,12 @@ def test_a_cells_cost_is_a_lower_bound_when_an_attempt_it_resumed_from_recorded_
     (cell.directory(tmp_path) / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rounds))
     cost = harness.cells.cell_cost(cell.directory(tmp_path))
     assert cost["cpu_seconds"] == 50.0 and cost["rounds_wall_seconds"] == 50.0 and not cost["complete"]
+    finished = {"cpu_seconds": 130.0, "wall_seconds": 130.0, "complete": True}
+    assert harness.cells.cpu_text([cost, finished], 60.0, ".1f") == "≥1.5"  # reports mark the mean a lower bound
     harness.grid.record_cost(cell.directory(tmp_path), 30.0, 30.0, stopped=True)  # the first attempt, stopped
     cost = harness.cells.cell_cost(cell.directory(tmp_path))
     assert cost["cpu_seconds"] == 80.0 and cost["complete"]
+    assert harness.cells.cpu_text([cost, finished], 60.0, ".1f") == "1.8"
 
 
 def test_cells_share_the_base_evaluation_of_the_first(tmp_path):

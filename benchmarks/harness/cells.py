@@ -151,6 +151,14 @@ def cell_cost(directory: Path) -> dict[str, Any]:
             "rounds_wall_seconds": sum(record.get("wall_time") or 0.0 for record in round_records(directory))}
 
 
+def cpu_text(costs: Iterable[dict[str, Any]], unit_seconds: float = 3600.0, spec: str = ".2f") -> str:
+    """The mean CPU time of cells' `cell_cost`s in `unit_seconds` units, marked `≥` where any of them is a lower
+    bound (an attempt killed with its machine recorded none)."""
+    costs = list(costs)
+    mean = statistics.fmean(cost["cpu_seconds"] for cost in costs) / unit_seconds
+    return ("" if all(cost["complete"] for cost in costs) else "≥") + format(mean, spec)
+
+
 def cell_diagnostics(rounds: list[dict]) -> dict[str, float]:
     """Per-round diagnostics of a cell from its round records (`round_records`; NaN where a cell predates them): the
     server step against the clients' mean change (`server_step_ratio`, median and maximum over rounds), ‖Δ‖, the
