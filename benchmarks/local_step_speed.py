@@ -39,24 +39,11 @@ from collections import defaultdict
 
 import torch
 
-from harness.timing import alternated, best_seconds, read_gb_s
+from harness.timing import alternated, machine_floors
 from harness.trainers import Bench
 
-MATMUL_SHAPES = ((512, 576, 1536), (1024, 2048, 2048))  # a prefill's MLP projection, and a larger product
 DEFAULTS = {"steps": 2, "repeats": 2, "decode_tokens": 32, "eval_rows": 32}
 QUICK = {"steps": 1, "repeats": 1, "decode_tokens": 16, "eval_rows": 16}
-
-
-def machine_floors(tiny: bool) -> dict[str, float]:
-    """Read bandwidth (GB/s) and matrix-product throughput (GFLOP/s) in float32 and bfloat16."""
-    floors = {"read_gb_s": read_gb_s(32 if tiny else 512)}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        throughputs = []
-        for m, k, n in ((64, 64, 128),) if tiny else MATMUL_SHAPES:
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            throughputs.append(2 * m * k * n / best_seconds(lambda: a @ b, repeats=10) / 1e9)  # noqa: B023
-        floors[f"matmul_{name}_gflop_s"] = max(throughputs)  # the machine's best: a floor
-    return floors
 
 
 def measure(argv: list[str], steps: int, repeats: int, decode_tokens: int, eval_rows: int, tiny: bool) -> dict:

@@ -176,6 +176,24 @@ def test_local_step_speed_benchmark_times_both_paths_against_the_floors(tmp_path
         assert all(results[path][name] > 0 for name in names - {"eval_accuracy", "rest_s", "decode_ms"})
 
 
+def test_loss_parts_splits_the_profiled_loss_into_groups_and_its_products_against_their_floor(capsys):
+    """`benchmarks/loss_parts.py --tiny`: every profiled operator lands in one group (the groups' seconds sum to the
+    operators'), the products carry FLOPs and a floor in their dtype, and the report ends with the summary line."""
+    parts = load("loss_parts")
+    config = str(BENCHMARKS.parent / "examples" / "configs" / "quickstart.yaml")
+    results = parts.main(["--config", config, "--tiny", "--steps", "1"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == parts.summary_line(results)
+    assert set(results["groups"]) == set(parts.GROUPS) and results["loss_s"] > 0
+    grouped = sum(group["seconds"] for group in results["groups"].values())
+    assert grouped == pytest.approx(sum(operator["seconds"] for operator in results["operators"]))
+    assert results["groups"]["products"]["calls"] > 0 and results["groups"]["attention"]["calls"] > 0
+    products = results["products"]
+    assert {product["dtype"] for product in products} <= {"bfloat16", "float32"}
+    assert all(product["gflop"] > 0 and product["floor_s"] > 0 for product in products)
+    assert results["products_floor_s"] == pytest.approx(sum(product["floor_s"] for product in products))
+    assert parts.group_of("aten::add_") == "elementwise and reductions" and parts.group_of("aten::view") == "the rest"
+
+
 def test_tier_calibration_on_a_run_configs_test_split(tmp_path, tiny_model_dir, capsys):
     """`calibrate_tiers.py --config`: the base model's per-tier and per-(task, tier) rates on a run config's test
     split, evaluated as the run's round -1, or read from a finished run's base evaluation (the same per-item scores)."""

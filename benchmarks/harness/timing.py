@@ -1,6 +1,6 @@
 """Timing and memory for the speed benchmarks: the sides of a comparison run in turns (`alternated`), the wall
-seconds of one call, of the best of several, and of wrapped methods per phase (`Phases`), and the resident memory
-and its high-water mark, which the kernel lets a process reset (Linux)."""
+seconds of one call, of the best of several, and of wrapped methods per phase (`Phases`), the machine's floors
+(`machine_floors`), and the resident memory and its high-water mark, which the kernel lets a process reset (Linux)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,24 @@ def read_gb_s(mib: int = 512) -> float:
 
     data = torch.ones(mib * 2**20 // 4)
     return data.numel() * 4 / best_seconds(data.sum) / 1e9
+
+
+MATMUL_SHAPES = ((512, 576, 1536), (1024, 2048, 2048))  # a prefill's MLP projection, and a larger product
+
+
+def machine_floors(tiny: bool = False) -> dict[str, float]:
+    """Read bandwidth (GB/s) and matrix-product throughput (GFLOP/s, the best of `MATMUL_SHAPES`) in float32 and
+    bfloat16: what a weight-streaming step and a compute-bound one cannot beat. `tiny`: small sizes, for tests."""
+    import torch
+
+    floors = {"read_gb_s": read_gb_s(32 if tiny else 512)}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        throughputs = []
+        for m, k, n in ((64, 64, 128),) if tiny else MATMUL_SHAPES:
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            throughputs.append(2 * m * k * n / best_seconds(lambda: a @ b, repeats=10) / 1e9)  # noqa: B023
+        floors[f"matmul_{name}_gflop_s"] = max(throughputs)  # the machine's best: a floor
+    return floors
 
 
 class Phases:
