@@ -3,7 +3,7 @@ SmolLM2-135M (`MergedGenerationModel`, in the dtype `generation_dtype: auto` tak
 temperature 1 over the whole vocabulary, as a local step's generation does.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_parts.py [--rows 8] [--prompt_tokens 166] [--decode_tokens 32] \
-        [--repeats 3]
+        [--repeats 3] [--profile 12]
 
 Parts (the whole steps the median of `--repeats`, the parts alone the best):
 - the whole step: `generate` on the copy (a `DynamicCache`, as fast generation runs it), (`--decode_tokens` + 1 new
@@ -17,6 +17,7 @@ Parts (the whole steps the median of `--repeats`, the parts alone the best):
 The floor: the model's weight bytes in the copy's dtype / the read bandwidth (`read_gb_s`), measured before and after
 the parts; the larger reading sets the floor, and where the two differ by more than a quarter the report says so: on a
 machine whose memory bandwidth is shared with others, the memory-bound parts moved with it (benchmarks/RESULTS.md).
+`--profile N` then lists the N operators that took longest in a decode step (`operators_per_step`).
 """
 
 from __future__ import annotations
@@ -55,12 +56,32 @@ def decode_step_ms(generate, decode_tokens: int, repeats: int) -> list[float]:
     return steps
 
 
+def operators_per_step(generate, decode_tokens: int) -> list[tuple[str, float, float]]:
+    """(operator, self CPU ms, calls) per decode step, most time first: torch.profiler over `generate(decode_tokens
+    + 1)` less `generate(1)` (the prefill and the first token), over the steps between."""
+    from torch.profiler import ProfilerActivity, profile
+
+    totals = []
+    for new_tokens in (1, decode_tokens + 1):
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            generate(new_tokens)
+        totals.append({row.key: (row.self_cpu_time_total / 1000, row.count) for row in profiler.key_averages()})
+    one, many = totals
+    steps = []
+    for name, (ms, calls) in many.items():
+        ms_one, calls_one = one.get(name, (0.0, 0))
+        steps.append((name, (ms - ms_one) / decode_tokens, (calls - calls_one) / decode_tokens))
+    return sorted(steps, key=lambda row: -row[1])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8, help="rows decoded together (a local step's 2 prompts x 4)")
     parser.add_argument("--prompt_tokens", type=int, default=166)
     parser.add_argument("--decode_tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N operators that took longest in a decode step (torch.profiler)")
     args = parser.parse_args(argv)
     from trl_federated.local.fast_generation import PackedLinear, packs_linears
 
@@ -107,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nsummary: decode step {step / floor_ms:.1f}x its floor, the projections alone {products / floor_ms:.1f}x, "
           f"sampler {multinomial:.1f} ms (Gumbel-max {gumbel:.1f} ms), rest {rest:.1f} ms "
           f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
+    if args.profile:
+        rows = operators_per_step(generate, args.decode_tokens)
+        total = sum(ms for _, ms, _ in rows)
+        print(f"\nprofiled: {total:.1f} ms of self CPU a decode step (the profiler's own cost included)\n"
+              "\n| operator | ms a step | share | calls a step |\n|---|---:|---:|---:|")
+        for name, ms, calls in rows[: args.profile]:
+            print(f"| {name} | {ms:.2f} | {100 * ms / total:.1f}% | {calls:.0f} |")
 
 
 if __name__ == "__main__":

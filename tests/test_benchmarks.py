@@ -194,6 +194,22 @@ def test_loss_parts_splits_the_profiled_loss_into_groups_and_its_products_agains
     assert parts.group_of("aten::add_") == "elementwise and reductions" and parts.group_of("aten::view") == "the rest"
 
 
+def test_decode_parts_profiles_a_decode_step_as_the_long_generation_less_the_short_one(tiny_model):
+    """`decode_parts.operators_per_step`: per decode step, the operators of generating 1 + n tokens less those of 1
+    token, over n: each decode step of the tiny model runs its layers' products, one LM head among them."""
+    parts = load("decode_parts")
+    input_ids = torch.randint(1, 100, (2, 5))
+
+    def generate(new_tokens):
+        return tiny_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    rows = {name: (ms, calls) for name, ms, calls in parts.operators_per_step(generate, 3)}
+    projections = sum(isinstance(module, torch.nn.Linear) for module in tiny_model.modules())
+    assert rows["aten::linear"][1] == projections  # every projection once a step, the LM head included
+    assert all(ms > 0 for name, (ms, calls) in rows.items() if calls >= 1 and name.startswith("aten::mm"))
+
+
 def test_tier_calibration_on_a_run_configs_test_split(tmp_path, tiny_model_dir, capsys):
     """`calibrate_tiers.py --config`: the base model's per-tier and per-(task, tier) rates on a run config's test
     split, evaluated as the run's round -1, or read from a finished run's base evaluation (the same per-item scores)."""
