@@ -49,10 +49,11 @@ def finished_results(cells: Iterable[Cell], root: Path) -> dict[Cell, dict]:
 def round_records(directory: Path) -> list[dict]:
     """A cell's round records from its metrics.jsonl in round order (torn lines skipped), the last line of each
     round (a resumed run may repeat one)."""
-    rounds = {}
-    for record in read_metrics(directory / "metrics.jsonl"):
-        if record.get("event") == "round":
-            rounds[record["round_idx"]] = record
+    return _last_of_each_round(read_metrics(directory / "metrics.jsonl"))
+
+
+def _last_of_each_round(records: Iterable[dict]) -> list[dict]:
+    rounds = {record["round_idx"]: record for record in records if record.get("event") == "round"}
     return [rounds[key] for key in sorted(rounds)]
 
 
@@ -145,10 +146,11 @@ def cell_cost(directory: Path) -> dict[str, Any]:
     `rounds_wall_seconds`: the wall time its round records sum to, whichever attempt ran them."""
     path = directory / COST_FILE
     attempts = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-    resumes = sum(record.get("event") == "resumed" for record in read_metrics(directory / "metrics.jsonl"))
+    records = list(read_metrics(directory / "metrics.jsonl"))
+    resumes = sum(record.get("event") == "resumed" for record in records)
     return {**{key: sum(attempt[key] for attempt in attempts) for key in ("cpu_seconds", "wall_seconds")},
             "complete": len(attempts) > resumes,
-            "rounds_wall_seconds": sum(record.get("wall_time") or 0.0 for record in round_records(directory))}
+            "rounds_wall_seconds": sum(record.get("wall_time") or 0.0 for record in _last_of_each_round(records))}
 
 
 def cpu_text(costs: Iterable[dict[str, Any]], unit_seconds: float = 3600.0, spec: str = ".2f") -> str:
