@@ -38,8 +38,8 @@ LAYERS = {
         "aggregation.privacy.ledger", "aggregation.privacy.release_ledger",
     },
     "local training": {
-        "local", "local.shared_prefix", "local.gated_mlp", "local.frozen_casts", "local.fast_generation",
-        "local.speedups", "local.record_privacy", "local.local_trainer", "local.client",
+        "local", "local.shared_prefix", "local.informative_rows", "local.gated_mlp", "local.frozen_casts",
+        "local.fast_generation", "local.speedups", "local.record_privacy", "local.local_trainer", "local.client",
     },
     "server core": {
         "core", "core.round_record", "core.callbacks", "core.evaluation", "core.admission", "core.checkpoint",

@@ -41,12 +41,12 @@ rpg_gain rpg_h_max rpg_iota rpg_lambda_anneal rpg_lambda_base rpg_noise_threshol
 rpg_signal rpg_signal_items rpg_tau_max rpg_tau_min run_name sapo_temperature_neg sapo_temperature_pos
 save_every_round save_on_each_node save_only_model save_steps save_strategy save_total_limit scaffold_correction
 scale_rewards seed server_beta1 server_beta2 server_bias_correction server_epsilon server_learning_rate
-server_optimizer server_optimizer_args shared_prefix shuffle_dataset skip_memory_metrics steps_per_generation
-sync_ref_model temperature tf32 top_entropy_quantile top_k top_p torch_compile torch_compile_backend
-torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id trackio_static_space_id
-train_sampling_strategy trainer_class trainer_config_class transfer_dtype transformers_continuous_batching_config
-trust_remote_code update_norm_action update_norm_bound use_adaptive_entropy use_bias_correction_kl
-use_bnb_nested_quant use_cache use_cpu use_dora use_liger_kernel use_peft use_rslora
+server_optimizer server_optimizer_args shared_prefix shuffle_dataset skip_memory_metrics skip_zero_advantage_rows
+steps_per_generation sync_ref_model temperature tf32 top_entropy_quantile top_k top_p torch_compile
+torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
+trackio_static_space_id train_sampling_strategy trainer_class trainer_config_class transfer_dtype
+transformers_continuous_batching_config trust_remote_code update_norm_action update_norm_bound use_adaptive_entropy
+use_bias_correction_kl use_bnb_nested_quant use_cache use_cpu use_dora use_liger_kernel use_peft use_rslora
 use_transformers_continuous_batching use_transformers_paged use_vllm vespo_k_neg vespo_k_pos vespo_lambda_neg
 vespo_lambda_pos vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
 vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min vllm_importance_sampling_correction
@@ -148,28 +148,29 @@ OPTIONS = tuple("""
 --scale-rewards --scale_rewards --seed --server-beta1 --server-beta2 --server-bias-correction --server-epsilon
 --server-learning-rate --server-optimizer --server-optimizer-args --server_beta1 --server_beta2
 --server_bias_correction --server_epsilon --server_learning_rate --server_optimizer --server_optimizer_args
---shared-prefix --shared_prefix --shuffle-dataset --shuffle_dataset --skip-memory-metrics --skip_memory_metrics
---steps-per-generation --steps_per_generation --sync-ref-model --sync_ref_model --temperature --tf32
---top-entropy-quantile --top-k --top-p --top_entropy_quantile --top_k --top_p --torch-compile
---torch-compile-backend --torch-compile-mode --torch-empty-cache-steps --torch_compile --torch_compile_backend
---torch_compile_mode --torch_empty_cache_steps --trackio-bucket-id --trackio-space-id --trackio-static-space-id
---trackio_bucket_id --trackio_space_id --trackio_static_space_id --train-sampling-strategy --train_sampling_strategy
---trainer-class --trainer-config-class --trainer_class --trainer_config_class --transfer-dtype --transfer_dtype
---transformers-continuous-batching-config --transformers_continuous_batching_config --trust-remote-code
---trust_remote_code --update-norm-action --update-norm-bound --update_norm_action --update_norm_bound
---use-adaptive-entropy --use-bias-correction-kl --use-bnb-nested-quant --use-cache --use-cpu --use-dora
---use-liger-kernel --use-peft --use-rslora --use-transformers-continuous-batching --use-transformers-paged
---use-vllm --use_adaptive_entropy --use_bias_correction_kl --use_bnb_nested_quant --use_cache --use_cpu --use_dora
---use_liger_kernel --use_peft --use_rslora --use_transformers_continuous_batching --use_transformers_paged
---use_vllm --vespo-k-neg --vespo-k-pos --vespo-lambda-neg --vespo-lambda-pos --vespo_k_neg --vespo_k_pos
---vespo_lambda_neg --vespo_lambda_pos --vllm-enable-sleep-mode --vllm-gpu-memory-utilization --vllm-group-port
---vllm-importance-sampling-cap --vllm-importance-sampling-clip-max --vllm-importance-sampling-clip-min
---vllm-importance-sampling-correction --vllm-importance-sampling-mode --vllm-max-model-length --vllm-mode
---vllm-model-impl --vllm-server-base-url --vllm-server-host --vllm-server-port --vllm-server-timeout
---vllm-structured-outputs-regex --vllm-tensor-parallel-size --vllm_enable_sleep_mode --vllm_gpu_memory_utilization
---vllm_group_port --vllm_importance_sampling_cap --vllm_importance_sampling_clip_max
---vllm_importance_sampling_clip_min --vllm_importance_sampling_correction --vllm_importance_sampling_mode
---vllm_max_model_length --vllm_mode --vllm_model_impl --vllm_server_base_url --vllm_server_host --vllm_server_port
---vllm_server_timeout --vllm_structured_outputs_regex --vllm_tensor_parallel_size --warmup-steps --warmup_steps
---weight-decay --weight_decay -h
+--shared-prefix --shared_prefix --shuffle-dataset --shuffle_dataset --skip-memory-metrics --skip-zero-advantage-rows
+--skip_memory_metrics --skip_zero_advantage_rows --steps-per-generation --steps_per_generation --sync-ref-model
+--sync_ref_model --temperature --tf32 --top-entropy-quantile --top-k --top-p --top_entropy_quantile --top_k --top_p
+--torch-compile --torch-compile-backend --torch-compile-mode --torch-empty-cache-steps --torch_compile
+--torch_compile_backend --torch_compile_mode --torch_empty_cache_steps --trackio-bucket-id --trackio-space-id
+--trackio-static-space-id --trackio_bucket_id --trackio_space_id --trackio_static_space_id --train-sampling-strategy
+--train_sampling_strategy --trainer-class --trainer-config-class --trainer_class --trainer_config_class
+--transfer-dtype --transfer_dtype --transformers-continuous-batching-config
+--transformers_continuous_batching_config --trust-remote-code --trust_remote_code --update-norm-action
+--update-norm-bound --update_norm_action --update_norm_bound --use-adaptive-entropy --use-bias-correction-kl
+--use-bnb-nested-quant --use-cache --use-cpu --use-dora --use-liger-kernel --use-peft --use-rslora
+--use-transformers-continuous-batching --use-transformers-paged --use-vllm --use_adaptive_entropy
+--use_bias_correction_kl --use_bnb_nested_quant --use_cache --use_cpu --use_dora --use_liger_kernel --use_peft
+--use_rslora --use_transformers_continuous_batching --use_transformers_paged --use_vllm --vespo-k-neg --vespo-k-pos
+--vespo-lambda-neg --vespo-lambda-pos --vespo_k_neg --vespo_k_pos --vespo_lambda_neg --vespo_lambda_pos
+--vllm-enable-sleep-mode --vllm-gpu-memory-utilization --vllm-group-port --vllm-importance-sampling-cap
+--vllm-importance-sampling-clip-max --vllm-importance-sampling-clip-min --vllm-importance-sampling-correction
+--vllm-importance-sampling-mode --vllm-max-model-length --vllm-mode --vllm-model-impl --vllm-server-base-url
+--vllm-server-host --vllm-server-port --vllm-server-timeout --vllm-structured-outputs-regex
+--vllm-tensor-parallel-size --vllm_enable_sleep_mode --vllm_gpu_memory_utilization --vllm_group_port
+--vllm_importance_sampling_cap --vllm_importance_sampling_clip_max --vllm_importance_sampling_clip_min
+--vllm_importance_sampling_correction --vllm_importance_sampling_mode --vllm_max_model_length --vllm_mode
+--vllm_model_impl --vllm_server_base_url --vllm_server_host --vllm_server_port --vllm_server_timeout
+--vllm_structured_outputs_regex --vllm_tensor_parallel_size --warmup-steps --warmup_steps --weight-decay
+--weight_decay -h
 """.split())

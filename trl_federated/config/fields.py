@@ -315,6 +315,14 @@ class FederationFields:
             recompute silu(g) and silu(g)·u there: two intermediate-size tensors fewer per token and layer, the same
             gradients up to float rounding. Off by default: it costs CPU time on the loss step and lowers the peak
             memory only where MLP activations dominate it (long completions, large batches).
+        skip_zero_advantage_rows (`bool`, *optional*, defaults to `False`):
+            Leave out of the loss forward + backward the rows whose advantage is 0 (every row of a group whose
+            completions all scored alike): without a KL term their loss and gradient are 0, so each micro-batch's
+            loss, rescaled to its full rows, and the step's gradient are unchanged up to float rounding. In the
+            committed grids 59-75% of groups scored alike. Loss `"grpo"`, `"dr_grpo"` or `"dapo"` with `beta` 0 and
+            no entropy bonus, entropy mask, off-policy mask or MoE auxiliary loss; elsewhere the standard loss, counted
+            and logged once. Off by default: TRL's logged `entropy` and clip ratios then cover the rows computed (one
+            row of a micro-batch with none), not every row, unlike `GRPOTrainer`'s.
 
         > Fast generation: the local step's sampling and the greedy evaluation, at float rounding (bf16: its weights)
 
@@ -722,6 +730,16 @@ class FederationFields:
             "help": "Keep only gate_proj(x) and up_proj(x) of SiLU-gated MLPs (Llama, Qwen2, Mistral, ...) for the "
             "backward and recompute the rest there: less activation memory, the same gradients up to float "
             "rounding. Off by default: it costs CPU and pays only where MLP activations dominate memory."
+        },
+    )
+    skip_zero_advantage_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave the rows whose advantage is 0 (groups that all scored alike: 0.59-0.75 of them in the "
+            "committed grids) out of the loss forward + backward: with beta 0 their loss and gradient are 0, so the "
+            "step's gradient is unchanged up to float rounding. Off by default: TRL's logged entropy and clip ratios "
+            "then cover the rows computed only. Loss grpo, dr_grpo or dapo; other settings keep the standard loss, "
+            "logged once."
         },
     )
     fast_generation: bool = field(

@@ -53,19 +53,27 @@ def _cache_keyword(model_class: type) -> str:
 
 
 @dataclass
-class SharedPrefixStats:
-    """What the shared-prefix path did: the rows it scored, the prompt rows it ran for them (rows / prompt_rows is
-    the reuse factor) and, by reason, the calls it left to the standard computation. Each reason is logged once."""
+class Fallbacks:
+    """The calls a speed-up left to the standard computation, by reason; each reason is logged once, as
+    `fallback_message` says."""
 
-    rows: int = 0
-    prompt_rows: int = 0
     fallbacks: Counter = field(default_factory=Counter)
-    fallback_message = "Shared-prefix log-probabilities fall back to the standard forward: %s."
+    fallback_message = "A speed-up falls back to the standard computation: %s."
 
     def record_fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
             logger.warning(self.fallback_message, reason)
         self.fallbacks[reason] += 1
+
+
+@dataclass
+class SharedPrefixStats(Fallbacks):
+    """What the shared-prefix path did: the rows it scored, the prompt rows it ran for them (rows / prompt_rows is
+    the reuse factor) and, by reason, the calls it left to the standard computation (`Fallbacks`)."""
+
+    rows: int = 0
+    prompt_rows: int = 0
+    fallback_message = "Shared-prefix log-probabilities fall back to the standard forward: %s."
 
 
 def unsupported_reason(model, prompt_length: int, compute_aux_loss: bool, extra_inputs: dict) -> str | None:
@@ -182,7 +190,7 @@ def micro_batches_by_prompt(micro_batches: list[dict]) -> list[dict]:
     fewer tokens, and the same number in every micro-batch, so the memory peak is the typical one. Values that are
     not per-row (None, 0-dim tensors such as `num_items_in_batch`) are the same in every micro-batch and kept.
     """
-    per_row = [key for key, value in micro_batches[0].items() if _is_per_row(value)]
+    per_row = [key for key, value in micro_batches[0].items() if is_per_row(value)]
     merged = {
         key: (torch.cat([batch[key] for batch in micro_batches]) if isinstance(micro_batches[0][key], torch.Tensor)
               else [row for batch in micro_batches for row in batch[key]])
@@ -206,5 +214,7 @@ def micro_batches_by_prompt(micro_batches: list[dict]) -> list[dict]:
     return regrouped
 
 
-def _is_per_row(value) -> bool:
+def is_per_row(value) -> bool:
+    """Whether a micro-batch value holds one entry per row: a list, or a tensor with a batch dimension (not None or
+    a 0-dim tensor such as `num_items_in_batch`)."""
     return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.ndim > 0)

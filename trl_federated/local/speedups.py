@@ -1,5 +1,6 @@
-"""Speed-ups of any `trl.GRPOTrainer`, federated or not: the shared-prefix log-probabilities (`shared_prefix.py`)
-and the gated-MLP recomputation (`gated_mlp.py`), which leave its results unchanged, and fast generation
+"""Speed-ups of any `trl.GRPOTrainer`, federated or not: the shared-prefix log-probabilities (`shared_prefix.py`),
+the gated-MLP recomputation (`gated_mlp.py`) and the loss without its zero-advantage rows (`informative_rows.py`),
+which leave its results unchanged, and fast generation
 (`fast_generation.py`), which changes float rounding (and in bf16 the sampling policy's weights), as one mixin.
 
     class FastGRPOTrainer(FastGRPOMixin, GRPOTrainer): ...
@@ -16,6 +17,7 @@ GRPOTrainer's private methods.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from trl import GRPOTrainer
@@ -23,7 +25,7 @@ from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad
 
 from ..runtime.memory import release_free_memory
-from . import fast_generation
+from . import fast_generation, informative_rows
 from .fast_generation import FastGenerationStats, MergedGenerationModel, shared_prefill_generate
 from .frozen_casts import FrozenCasts, autocast_dtype, cast_once
 from .gated_mlp import recomputed_gated_mlp
@@ -36,7 +38,7 @@ from .shared_prefix import (
 )
 
 # The fields that turn a speed-up on (`FedGRPOConfig`'s "Exact speed-ups" and "Fast generation" blocks).
-SPEEDUP_FIELDS = ("shared_prefix", "recompute_gated_mlp", "fast_generation")
+SPEEDUP_FIELDS = ("shared_prefix", "recompute_gated_mlp", "skip_zero_advantage_rows", "fast_generation")
 
 
 def wants_speedups(args) -> bool:
@@ -60,17 +62,21 @@ class FastGRPOMixin(TrainerMixin):
       batch, `num_iterations` 1, a loss in `REGROUPABLE_LOSS_TYPES`, GRPOTrainer's own loss and batching), the
       micro-batches of a generation batch are cut by prompt (`shared_prefix.micro_batches_by_prompt`);
     - `recompute_gated_mlp`: SiLU-gated MLPs keep half their activations for the backward (`gated_mlp.py`);
+    - `skip_zero_advantage_rows`: the loss leaves out the rows whose advantage is 0, whose loss and gradient are 0
+      without a KL term (`informative_rows.py`; `zero_advantage_stats` counts what it did and the calls it left to
+      the standard loss);
     - `fast_generation`: TRL's transformers generation (`_generate_single_turn`, not vLLM or continuous batching)
       runs on a merged copy of the weights in `generation_dtype`, each distinct prompt prefilled once
       (`fast_generation.py`); `fast_generation_stats` counts what it did and the calls it left to TRL's path.
 
-    It relies on three of GRPOTrainer's private methods and one attribute, all used as TRL uses them:
+    It relies on four of GRPOTrainer's private methods and one attribute, all used as TRL uses them:
     `_get_per_token_logps_and_entropies`, through which TRL computes every log-probability (a class that overrides
     it below this mixin is refused with `shared_prefix`, which would bypass that override); `_prepare_inputs` and the
     list `_buffered_inputs`, where TRL keeps the micro-batches it cut from a generation batch and hands out one per
     call: the one place the micro-batches of a step exist together before the loss sees them;
     `_generate_single_turn`, which turns a list of prompt token ids into completion token ids (and log-probabilities,
-    None on the transformers path).
+    None on the transformers path); `_compute_loss`, the loss of one micro-batch (a class that overrides it below this
+    mixin is refused with `skip_zero_advantage_rows`).
     """
 
     def __init__(self, *args, **kwargs):
@@ -80,6 +86,11 @@ class FastGRPOMixin(TrainerMixin):
                 f"`shared_prefix` replaces `_get_per_token_logps_and_entropies`, which {base_name(type(self))} "
                 "overrides: set `shared_prefix=False` to keep that override."
             )
+        if getattr(self.args, "skip_zero_advantage_rows", False) and _overrides(type(self), "_compute_loss"):
+            raise ValueError(
+                f"`skip_zero_advantage_rows` wraps `_compute_loss`, which {base_name(type(self))} overrides: set "
+                "`skip_zero_advantage_rows=False` to keep that override."
+            )
         if getattr(self.args, "fast_generation", False) and _overrides(type(self), "_generate_single_turn"):
             raise ValueError(
                 f"`fast_generation` replaces `_generate_single_turn`, which {base_name(type(self))} overrides: set "
@@ -87,6 +98,7 @@ class FastGRPOMixin(TrainerMixin):
             )
         self.shared_prefix_stats = SharedPrefixStats()
         self.fast_generation_stats = FastGenerationStats()
+        self.zero_advantage_stats = informative_rows.ZeroAdvantageStats()
         self._merged_generation_model: MergedGenerationModel | None = None
         self._frozen_casts = FrozenCasts()
         # Re-cutting micro-batches by prompt changes no gradient when all micro-batches of a generation batch go into
@@ -112,6 +124,20 @@ class FastGRPOMixin(TrainerMixin):
             self._buffered_inputs = micro_batches_by_prompt(self._buffered_inputs)
             inputs = self._buffered_inputs[position]
         return inputs
+
+    def _compute_loss(self, model, inputs):
+        """With `skip_zero_advantage_rows`, in training, the rows whose advantage is 0 stay out of the forward and
+        backward, and the loss is rescaled to the micro-batch: the same loss and gradient up to float rounding
+        (`informative_rows.py`); where its settings give those rows a gradient, the standard loss, counted."""
+        if not (getattr(self.args, "skip_zero_advantage_rows", False) and self.model.training):
+            return super()._compute_loss(model, inputs)
+        reason = informative_rows.unsupported_reason(self, inputs)
+        if reason is not None:
+            self.zero_advantage_stats.record_fallback(reason)
+            return super()._compute_loss(model, inputs)
+        return informative_rows.zero_advantage_loss(
+            functools.partial(super()._compute_loss, model), inputs, self.loss_type, self.zero_advantage_stats
+        )
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
