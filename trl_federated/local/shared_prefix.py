@@ -37,8 +37,6 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-logger = logging.getLogger(__name__)
-
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword under which `model`'s forward and `generate` take a KV cache: `cache` from transformers 5.24 on,
@@ -55,14 +53,14 @@ def _cache_keyword(model_class: type) -> str:
 @dataclass
 class Fallbacks:
     """The calls a speed-up left to the standard computation, by reason; each reason is logged once, as
-    `fallback_message` says."""
+    `fallback_message` says, by the logger of the module that defines the speed-up's stats."""
 
     fallbacks: Counter = field(default_factory=Counter)
     fallback_message = "A speed-up falls back to the standard computation: %s."
 
     def record_fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
-            logger.warning(self.fallback_message, reason)
+            logging.getLogger(type(self).__module__).warning(self.fallback_message, reason)
         self.fallbacks[reason] += 1
 
 
