@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shared_prefix import Fallbacks, is_per_row
+from .shared_prefix import Fallbacks, is_per_row, rows_of
 
 ROW_MEAN_LOSS_TYPES = ("grpo", "dr_grpo")  # normalised by the micro-batch's rows
 SKIPPABLE_LOSS_TYPES = (*ROW_MEAN_LOSS_TYPES, "dapo")  # ... or by the generation batch's tokens
@@ -76,7 +76,4 @@ def zero_advantage_loss(compute_loss, inputs: dict, loss_type: str, stats: ZeroA
         scale = 0.0
     else:
         scale = kept / rows if loss_type in ROW_MEAN_LOSS_TYPES else 1.0
-    selected = {key: (value[informative] if isinstance(value, torch.Tensor) else
-                      [item for item, keep in zip(value, informative.tolist(), strict=True) if keep])
-                if is_per_row(value) else value for key, value in inputs.items()}  # fmt: skip
-    return compute_loss(selected) * scale
+    return compute_loss({key: rows_of(value, informative) for key, value in inputs.items()}) * scale

@@ -49,6 +49,7 @@ from torch.utils.data import Sampler
 from ..aggregation import ClientUpdate
 from ..aggregation.privacy import RECORD_EPSILON, append_ledger_line, load_dp_accounting
 from ..runtime.master_weights import linear_term
+from .shared_prefix import rows_of
 from .speedups import TrainerMixin
 
 # The file, in a client's output folder, that holds one JSON line per round of record-level releases.
@@ -308,15 +309,6 @@ class RecordPrivacyMixin(TrainerMixin):
         entries = [*read_ledger(self.ledger_path), entry]
         append_ledger_line(self.ledger_path, entry)
         return ledger_epsilon(entries, self.args.dp_target_delta)
-
-
-def rows_of(value, rows: torch.Tensor):
-    """The rows `rows` (a boolean mask) of a per-row value of a generation batch; anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.size(0) == rows.numel():
-        return value[rows]
-    if isinstance(value, list) and len(value) == rows.numel():
-        return [item for item, keep in zip(value, rows.tolist()) if keep]
-    return value
 
 
 # What a client sends in its metrics under record-level DP besides its ε: when it trained, which reads no record.

@@ -212,6 +212,15 @@ def micro_batches_by_prompt(micro_batches: list[dict]) -> list[dict]:
     return regrouped
 
 
+def rows_of(value, rows: torch.Tensor):
+    """The rows `rows` (a boolean mask) of a per-row value of a generation batch; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.size(0) == rows.numel():
+        return value[rows]
+    if isinstance(value, list) and len(value) == rows.numel():
+        return [item for item, keep in zip(value, rows.tolist()) if keep]
+    return value
+
+
 def is_per_row(value) -> bool:
     """Whether a micro-batch value holds one entry per row: a list, or a tensor with a batch dimension (not None or
     a 0-dim tensor such as `num_items_in_batch`)."""
