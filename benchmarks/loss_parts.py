@@ -78,11 +78,10 @@ def product_dtype(event) -> str:
 
 
 class LossProfile:
-    """Self CPU time per group and per product shape of the calls it profiles, summed; `active` turns it on."""
+    """Self CPU time per operator and per product shape of the calls it profiles, summed; `active` turns it on."""
 
     def __init__(self):
         self.active = False
-        self.groups = defaultdict(lambda: [0.0, 0])  # group: [self seconds, calls]
         self.operators = defaultdict(lambda: [0.0, 0])  # operator: [self seconds, calls]
         self.products = defaultdict(lambda: [0.0, 0, 0])  # (name, shapes, dtype): [self seconds, calls, FLOPs]
 
@@ -103,9 +102,9 @@ class LossProfile:
     def add(self, events) -> None:
         for event in events:
             seconds = event.self_cpu_time_total / 1e6
-            for totals in (self.groups[group_of(event.name)], self.operators[event.name]):
-                totals[0] += seconds
-                totals[1] += 1
+            operator = self.operators[event.name]
+            operator[0] += seconds
+            operator[1] += 1
             if event.name in PRODUCTS:
                 shapes = tuple(tuple(shape) for shape in event.input_shapes if shape)
                 product = self.products[(event.name, shapes, product_dtype(event))]
@@ -127,11 +126,11 @@ def measure(argv: list[str], steps: int, tiny: bool) -> dict:
         profile.active = True
         trainer.train()
         results["setting"] = {"steps": steps, "threads": torch.get_num_threads(), "bf16_loss": bench.args.bf16}
-    results["groups"] = {name: {"seconds": profile.groups[name][0] / steps, "calls": profile.groups[name][1] / steps}
-                         for name in GROUPS}  # fmt: skip
     operators = [{"op": name, "group": group_of(name), "seconds": seconds / steps, "calls": calls / steps}
                  for name, (seconds, calls) in profile.operators.items()]  # fmt: skip
     results["operators"] = sorted(operators, key=lambda operator: -operator["seconds"])
+    results["groups"] = {name: {key: sum(operator[key] for operator in operators if operator["group"] == name)
+                                for key in ("seconds", "calls")} for name in GROUPS}  # fmt: skip
     floors = results["floors"]
     products = [
         {"op": name, "shapes": [list(shape) for shape in shapes], "dtype": dtype, "seconds": seconds / steps,
