@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_federated import FedGRPOConfig
+from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.testing import save_tiny_model, save_tiny_vlm
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -46,6 +46,15 @@ def tiny_tokenizer(tiny_model_dir):
 def length_reward(completions, **kwargs):
     """Varies on random text, so GRPO gets a learning signal from an untrained model (its EOS never comes)."""
     return [len(completion) / 64 for completion in completions]
+
+
+class FastFedGRPOTrainer(FastGRPOMixin, FedGRPOTrainer):
+    """`FedGRPOTrainer` with the speed-ups' mixin whatever its config turns on."""
+
+
+def relative_difference(value, reference):
+    """‖value − reference‖ / ‖reference‖, a float."""
+    return ((value - reference).norm() / reference.norm()).item()
 
 
 # GRPO settings that train the tiny model in well under a second per step on CPU.

@@ -21,7 +21,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 from trl import GRPOTrainer
 
-from conftest import FAST_GRPO, length_reward
+from conftest import FAST_GRPO, FastFedGRPOTrainer, length_reward
 from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
 from trl_federated.core.evaluation import evaluate_accuracy
 from trl_federated.local.fast_generation import (
@@ -168,10 +168,6 @@ def test_generation_dtype_auto_follows_the_device():
     assert resolve_generation_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
     with pytest.raises(ValueError, match="generation_dtype"):
         resolve_generation_dtype("float16", torch.device("cpu"))
-
-
-class FastFedGRPOTrainer(FastGRPOMixin, FedGRPOTrainer):
-    """`FedGRPOTrainer` with the speed-ups' mixin whatever its config turns on."""
 
 
 def make_trainer(tmp_path, tiny_model_dir, tokenizer, trainer_class=FedGRPOTrainer, **overrides):

@@ -8,7 +8,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from conftest import FAST_GRPO
+from conftest import FAST_GRPO, FastFedGRPOTrainer, relative_difference
 from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
@@ -26,10 +26,6 @@ def even_prompts_score_zero(completions, prompts, **_):
     length otherwise (a group with a learning signal)."""
     return [0.0 if int(prompt.split()[2]) % 2 == 0 else len(completion) / 64
             for completion, prompt in zip(completions, prompts, strict=True)]  # fmt: skip
-
-
-class FastFedGRPOTrainer(FastGRPOMixin, FedGRPOTrainer):
-    """`FedGRPOTrainer` with the speed-ups' mixin whatever its config turns on."""
 
 
 def make_trainer(tmp_path, model_dir, tokenizer, **overrides):
@@ -69,10 +65,6 @@ def loss_and_gradients(trainer, batch, skip):
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
     return loss.detach(), [param.grad for param in trainer.model.parameters() if param.requires_grad]
-
-
-def relative_difference(value, reference):
-    return ((value - reference).norm() / reference.norm()).item()
 
 
 @pytest.mark.parametrize("shared_prefix", [False, True])

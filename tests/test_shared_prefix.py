@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import use_adapter
 
-from conftest import FAST_GRPO, length_reward
-from trl_federated import FastGRPOMixin, FedGRPOConfig, FedGRPOTrainer
+from conftest import FAST_GRPO, FastFedGRPOTrainer, length_reward, relative_difference
+from trl_federated import FastGRPOMixin, FedGRPOConfig
 from trl_federated.local.shared_prefix import micro_batches_by_prompt, unsupported_reason
 
 PROMPTS = Dataset.from_dict({"prompt": [f"What is {i} + {2 * i}?" for i in range(16)]})
@@ -35,10 +35,6 @@ def make_trainer(tmp_path, model, tokenizer, **overrides):
         # init_lora_weights=False: a random B, so that the adapter changes the logits and A gets a gradient too.
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
     )  # fmt: skip
-
-
-class FastFedGRPOTrainer(FastGRPOMixin, FedGRPOTrainer):
-    """`FedGRPOTrainer` with the speed-ups' mixin whatever its config turns on."""
 
 
 def tiny_llama(tokenizer):
@@ -77,10 +73,6 @@ def micro_batch(vocab_size, pad_token_id, prompt_lengths=(5, 11, 8), num_generat
 def sequence_inputs(batch):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     return input_ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-
-
-def relative_difference(value, reference):
-    return ((value - reference).norm() / reference.norm()).item()
 
 
 def loss_and_gradients(trainer, batch, shared_prefix):
